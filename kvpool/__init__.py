@@ -1,0 +1,27 @@
+"""kvpool: a distributed KV-cache pool for LLM serving with prefill/decode disaggregation."""
+
+from kvpool.errors import KeyNotFound, KVPoolError
+from kvpool.keys import Namespace, chunk_keys, chunk_keys_hex
+from kvpool.layout import KVLayout, decode_chunk, encode_chunk
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVLayout",
+    "KVPoolError",
+    "KeyNotFound",
+    "Namespace",
+    "__version__",
+    "chunk_keys",
+    "chunk_keys_hex",
+    "connect",
+    "decode_chunk",
+    "encode_chunk",
+]
+
+
+def connect(address: str = "127.0.0.1:7600", **kwargs):
+    """A client of the pool at `address` (see `kvpool.client.connect`)."""
+    from kvpool.client import connect as _connect
+
+    return _connect(address, **kwargs)

@@ -1,0 +1,62 @@
+"""The `kvpool` command line. Thin: parse, call the library, format.
+
+Each command lives in its own module here and is imported only when used, so `kvpool keys`
+starts in milliseconds and does not load torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from kvpool.errors import KVPoolError
+
+# command name -> "module:attribute"
+COMMANDS: dict[str, str] = {
+    "keys": "kvpool.cli.keys:keys",
+    "bench": "kvpool.bench:bench",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="kvpool")
+@click.option("--log-level", default="INFO", envvar="KVPOOL_LOG_LEVEL", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def cli(log_level: str) -> None:
+    """kvpool: a distributed KV-cache pool for LLM serving (prefill/decode disaggregation).
+
+    Start with `kvpool up` (a local cluster with the reference model) or `kvpool serve`
+    (a pool: master + one node in one process).
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KVPoolError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
