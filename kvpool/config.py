@@ -1,8 +1,14 @@
 """One configuration model for every kvpool service: file, `KVPOOL_*` environment, flags.
 
 Precedence (highest first): command-line flags, `KVPOOL_*` environment variables, the file
-named by `--config` or `KVPOOL_CONFIG` (JSON or TOML), then the defaults below. Nested fields use
-`__` in the environment: `KVPOOL_DRAM_CAPACITY=4GiB`.
+named by `--config` or `KVPOOL_CONFIG` (JSON or TOML), then the defaults below. Every field is
+one environment variable: `KVPOOL_DRAM_CAPACITY=4GiB`, `KVPOOL_TRANSPORTS=tcp,shm` (a list is
+comma-separated or JSON).
+
+Invariants: `load_settings` either returns fully validated `Settings` or raises
+`InvalidArgument` naming the bad field and where it came from (file, environment, flag); an
+unknown key in a config file is an error, not silently ignored (a typo must not quietly run a
+pool with default capacities).
 """
 
 from __future__ import annotations
@@ -12,20 +18,27 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 from kvpool.errors import InvalidArgument
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+TRANSPORTS = ("shm", "tcp", "rdma")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def parse_size(value: int | str) -> int:
-    """`"4GiB"`, `"512m"`, `1048576` -> bytes."""
+    """`"4GiB"`, `"512m"`, `1048576` -> bytes (never negative)."""
+    if isinstance(value, bool):  # bool is an int subclass; `true` is never a size
+        raise InvalidArgument(f"not a size: {value!r} (use e.g. 512MiB, 4GiB, 1048576)")
     if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgument(f"a size must not be negative, got {value}")
         return value
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not match or match.group(2).lower() not in _UNITS:
@@ -40,8 +53,8 @@ class Settings(BaseSettings):
 
     # Where services listen (loopback by default: exposing a pool is a deliberate choice).
     host: str = "127.0.0.1"
-    port: int = 7600  # pool RPC (embedded serve / master)
-    admin_port: int = 7680  # REST admin API + /metrics; 0 disables
+    port: int = Field(7600, ge=0, le=65535)  # pool RPC (embedded serve / master)
+    admin_port: int = Field(7680, ge=0, le=65535)  # REST admin API + /metrics; 0 disables
     master: str = "127.0.0.1:7600"  # where nodes and clients find the master
     meta: str | None = None  # "etcd://127.0.0.1:2379" for cluster mode; None = embedded
     node_id: str | None = None
@@ -54,14 +67,15 @@ class Settings(BaseSettings):
     eviction: str = "s3fifo"  # "lru" | "s3fifo"
 
     # Pool behaviour.
-    replicas: int = 1
-    put_timeout_s: float = 30.0  # a put that never ends is reclaimed after this
-    lease_s: float = 10.0
-    heartbeat_s: float = 1.0
-    transports: list[str] = ["shm", "tcp"]
+    replicas: int = Field(1, ge=1)
+    put_timeout_s: float = Field(30.0, gt=0)  # a put that never ends is reclaimed after this
+    lease_s: float = Field(10.0, gt=0)
+    heartbeat_s: float = Field(1.0, gt=0)
+    # NoDecode: the environment form is "tcp,shm"; pydantic-settings would insist on JSON.
+    transports: Annotated[list[str], NoDecode] = ["shm", "tcp"]
 
     # KV.
-    chunk_tokens: int = 256
+    chunk_tokens: int = Field(256, ge=1)
 
     admin_token: str | None = None  # bearer token for mutating admin endpoints
     log_level: str = "INFO"
@@ -71,26 +85,74 @@ class Settings(BaseSettings):
     def _size(cls, value: Any) -> int:
         return parse_size(value)
 
+    @field_validator("transports", mode="before")
+    @classmethod
+    def _transports(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else [p.strip() for p in text.split(",") if p.strip()]
+        if isinstance(value, list):
+            unknown = [t for t in value if t not in TRANSPORTS]
+            if unknown or not value:
+                raise ValueError(f"transports must be a non-empty subset of {list(TRANSPORTS)}, got {value}")
+        return value
+
+    @field_validator("admin_token", mode="before")
+    @classmethod
+    def _token(cls, value: Any) -> Any:
+        # An empty KVPOOL_ADMIN_TOKEN= means "no token", not "the empty string is the token".
+        return None if value == "" else value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.upper() in LOG_LEVELS:
+            return value.upper()
+        raise ValueError(f"log_level must be one of {list(LOG_LEVELS)}, got {value!r}")
+
+
+def _explain(exc: Exception) -> str:
+    """One readable line per bad field (pydantic's own text, without its URLs)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+    return str(exc)
+
+
+def _read_file(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidArgument(f"config file {p} does not exist")
+    if p.suffix not in (".toml", ".json"):
+        raise InvalidArgument(f"config file {p}: use a .toml or .json file")
+    try:
+        values = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidArgument(f"config file {p} is not valid {p.suffix[1:].upper()}: {exc}") from None
+    if not isinstance(values, dict):
+        raise InvalidArgument(f"config file {p} must hold one object of settings, got {type(values).__name__}")
+    unknown = sorted(set(values) - set(Settings.model_fields))
+    if unknown:
+        raise InvalidArgument(f"config file {p}: unknown setting(s) {unknown}; known: {sorted(Settings.model_fields)}")
+    return values
+
 
 def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any) -> Settings:
     """Build settings from a file (JSON or TOML), the environment, then `overrides` (flags).
 
     Overrides whose value is None are ignored, so CLI options can pass their raw values.
+    Raises `InvalidArgument` for a missing or malformed file, an unknown key in it, or a value
+    that does not validate, naming where the bad value came from.
     """
     path = config_file or os.environ.get("KVPOOL_CONFIG")
-    file_values: dict[str, Any] = {}
-    if path:
-        p = Path(path)
-        if not p.exists():
-            raise InvalidArgument(f"config file {p} does not exist")
-        text = p.read_text()
-        try:
-            file_values = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
-        except (ValueError, tomllib.TOMLDecodeError) as exc:
-            raise InvalidArgument(f"config file {p} is not valid {p.suffix or 'JSON'}: {exc}") from None
-    env_values = Settings().model_dump(exclude_unset=True)
-    merged = {**file_values, **env_values, **{k: v for k, v in overrides.items() if v is not None}}
+    file_values = _read_file(path) if path else {}
+    try:
+        env_values = Settings().model_dump(exclude_unset=True)
+    except (ValidationError, SettingsError, InvalidArgument) as exc:
+        raise InvalidArgument(f"invalid KVPOOL_* environment variable: {_explain(exc)}") from None
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    merged = {**file_values, **env_values, **flags}
     try:
         return Settings(**merged)
-    except ValueError as exc:
-        raise InvalidArgument(f"invalid configuration: {exc}") from None
+    except (ValidationError, SettingsError, InvalidArgument) as exc:
+        where = f"config file {path} or flags" if path else "flags"
+        raise InvalidArgument(f"invalid configuration ({where}): {_explain(exc)}") from None

@@ -10,7 +10,10 @@ import importlib
 import click
 
 # bench name -> "module:attribute" (a click command)
-BENCHES: dict[str, str] = {}
+BENCHES: dict[str, str] = {
+    "store": "kvpool.bench.store:store",
+    "transfer": "kvpool.bench.transfer:transfer",
+}
 
 
 class _LazyBench(click.Group):

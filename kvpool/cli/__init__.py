@@ -16,8 +16,12 @@ from kvpool.errors import KVPoolError
 
 # command name -> "module:attribute"
 COMMANDS: dict[str, str] = {
+    "admin": "kvpool.cli.admin:admin",
     "keys": "kvpool.cli.keys:keys",
     "bench": "kvpool.bench:bench",
+    "serve": "kvpool.cli.serve:serve",
+    "master": "kvpool.cli.master:master",
+    "node": "kvpool.cli.node:node",
 }
 
 

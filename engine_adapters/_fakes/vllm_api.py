@@ -1,0 +1,173 @@
+"""FAKE minimal stand-ins for the parts of vLLM's v1 KV-connector API our connector touches.
+
+Used only where vLLM is not installed (it needs CUDA). They mirror the documented interface of
+`vllm.distributed.kv_transfer.kv_connector.v1.base` (KVConnectorBase_V1, KVConnectorRole,
+KVConnectorMetadata) and the few config / scheduler objects the connector reads, no more. When
+vLLM is installed, `engine_adapters.vllm` subclasses the real base class instead.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class FakeKVConnectorRole(enum.Enum):
+    """FAKE stand-in for vLLM's KVConnectorRole (used only where vLLM is not installed)."""
+
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class FakeKVConnectorMetadata(ABC):  # noqa: B024 - mirrors vLLM's abstract marker class
+    """FAKE stand-in for vLLM's KVConnectorMetadata (scheduler -> worker, once per step)."""
+
+
+class _FakeKVConnectorBase_V1(ABC):
+    """FAKE stand-in for vLLM's KVConnectorBase_V1; it stands in only where vLLM is not installed.
+
+    Same constructor and default methods as the real base: metadata binding for the worker side,
+    no-op defaults for the optional hooks, and the abstract methods a connector must implement.
+    """
+
+    def __init__(self, vllm_config: Any, role: FakeKVConnectorRole, kv_cache_config: Any = None):
+        if getattr(vllm_config, "kv_transfer_config", None) is None:
+            raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
+        self._connector_metadata: FakeKVConnectorMetadata | None = None
+        self._vllm_config = vllm_config
+        self._kv_transfer_config = vllm_config.kv_transfer_config
+        self._kv_cache_config = kv_cache_config
+        self._role = role
+
+    @property
+    def role(self) -> FakeKVConnectorRole:
+        return self._role
+
+    # worker side
+    def bind_connector_metadata(self, connector_metadata: FakeKVConnectorMetadata) -> None:
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._connector_metadata = None
+
+    def _get_connector_metadata(self) -> FakeKVConnectorMetadata:
+        assert self._connector_metadata is not None
+        return self._connector_metadata
+
+    def has_connector_metadata(self) -> bool:
+        return self._connector_metadata is not None
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        return None
+
+    @abstractmethod
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None: ...
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    @abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None: ...
+
+    @abstractmethod
+    def wait_for_save(self) -> None: ...
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:
+        return None
+
+    # scheduler side
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]: ...
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None: ...
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: Any) -> FakeKVConnectorMetadata: ...
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        return None
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def take_events(self):
+        return ()
+
+
+# ---- FAKE config objects (the fields of vLLM's VllmConfig that the connector reads) ----
+
+
+@dataclass
+class FakeKVTransferConfig:
+    """FAKE stand-in for vLLM's KVTransferConfig (the `--kv-transfer-config` JSON)."""
+
+    kv_connector: str = "KVPoolConnector"
+    kv_connector_module_path: str = "engine_adapters.vllm"
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
+
+
+@dataclass
+class FakeCacheConfig:
+    """FAKE stand-in for vLLM's CacheConfig."""
+
+    block_size: int = 16
+    cache_dtype: str = "auto"
+
+
+@dataclass
+class FakeParallelConfig:
+    """FAKE stand-in for vLLM's ParallelConfig."""
+
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class FakeModelConfig:
+    """FAKE stand-in for vLLM's ModelConfig: the layout getters the connector calls."""
+
+    model: str = "fake/model"
+    revision: str | None = None
+    dtype: Any = "float16"  # vLLM holds a torch.dtype here
+    num_layers: int = 4
+    num_kv_heads: int = 2
+    head_size: int = 8
+
+    def get_num_layers(self, parallel_config: Any) -> int:
+        return self.num_layers
+
+    def get_num_kv_heads(self, parallel_config: Any) -> int:
+        return self.num_kv_heads // max(1, parallel_config.tensor_parallel_size)
+
+    def get_head_size(self) -> int:
+        return self.head_size
+
+
+@dataclass
+class FakeVllmConfig:
+    """FAKE stand-in for vLLM's VllmConfig (only the sub-configs the connector reads)."""
+
+    model_config: FakeModelConfig = field(default_factory=FakeModelConfig)
+    cache_config: FakeCacheConfig = field(default_factory=FakeCacheConfig)
+    parallel_config: FakeParallelConfig = field(default_factory=FakeParallelConfig)
+    kv_transfer_config: FakeKVTransferConfig | None = field(default_factory=FakeKVTransferConfig)

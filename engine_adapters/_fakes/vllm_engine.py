@@ -1,0 +1,302 @@
+"""FAKE vLLM v1 engine: plays vLLM's scheduler and worker call sequence against a KV connector.
+
+vLLM needs CUDA, so the connector is tested against this driver instead. Per `step()` it makes
+the calls a real engine step makes, in the same order and with the same kinds of arguments:
+
+    scheduler: get_num_new_matched_tokens -> allocate blocks -> update_state_after_alloc
+               -> build_connector_meta(scheduler_output)
+    worker:    bind_connector_metadata -> start_load_kv -> for each layer:
+               [wait_for_layer_load -> attention writes the new KV -> save_kv_layer]
+               -> wait_for_save -> get_finished(finished_req_ids)
+               -> get_block_ids_with_load_errors -> clear_connector_metadata
+    scheduler: load errors roll a request back to its first failed block (it is recomputed);
+               finished requests -> request_finished; blocks of delayed requests are freed only
+               when the worker's get_finished reports them.
+
+The paged KV cache is a real CPU torch tensor per layer in one of vLLM's layouts, with blocks
+handed out in random order. The "model" is FAKE: the KV of token p in each layer is a
+pseudo-random function of tokens[0..p] (as in a causal model), so equal prefixes have equal KV.
+The engine indexes its paged tensors itself (not through the connector's views), so a layout
+mistake in the connector shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from engine_adapters._fakes.vllm_api import FakeKVConnectorRole
+
+
+def fake_model_kv(tokens: list[int], num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """FAKE model KV: `[tokens, layers, 2, kv_heads, head_dim]`, token p seeded by tokens[0..p]."""
+    out = torch.empty((len(tokens), num_layers, 2, kv_heads, head_dim), dtype=dtype)
+    h = xxhash.xxh64()
+    for p, t in enumerate(tokens):
+        h.update(int(t).to_bytes(4, "little"))
+        gen = torch.Generator().manual_seed(h.intdigest() & 0x7FFF_FFFF_FFFF_FFFF)
+        out[p] = torch.randn((num_layers, 2, kv_heads, head_dim), generator=gen).to(dtype)
+    return out
+
+
+@dataclass
+class FakeRequest:
+    """FAKE vllm.v1.request.Request (the fields connectors read)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class FakeKVCacheBlocks:
+    """FAKE vllm KVCacheBlocks: one KV cache group."""
+
+    blocks: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (list(self.blocks),)
+
+
+@dataclass
+class FakeNewRequestData:
+    """FAKE vllm NewRequestData."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    mm_features: list = field(default_factory=list)
+
+
+@dataclass
+class FakeCachedRequestData:
+    """FAKE vllm CachedRequestData."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class FakeSchedulerOutput:
+    """FAKE vllm SchedulerOutput (the fields connectors read)."""
+
+    scheduled_new_reqs: list[FakeNewRequestData]
+    scheduled_cached_reqs: FakeCachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    kv_connector_metadata: Any = None
+
+
+@dataclass
+class FakeForwardContext:
+    """FAKE vllm ForwardContext."""
+
+    no_compile_layers: dict[str, Any]
+    attn_metadata: Any = None
+
+
+@dataclass
+class FakeStepResult:
+    output: FakeSchedulerOutput
+    matched: dict[str, int]  # req id -> tokens the connector reported for new requests
+    finished: dict[str, tuple[bool, dict | None]]  # req id -> request_finished's answer
+    finished_sending: set[str]
+    load_errors: set[int]
+
+
+def alloc_paged(paged_layout: str, num_blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    shape = {"nhd": (2, num_blocks, block_size, heads, dim), "flashinfer": (num_blocks, 2, block_size, heads, dim),
+             "hnd": (2, num_blocks, heads, block_size, dim)}[paged_layout]
+    return torch.zeros(shape, dtype=dtype)
+
+
+def write_slots(t: torch.Tensor, paged_layout: str, kv: int, blocks: torch.Tensor, offs: torch.Tensor, vals: torch.Tensor) -> None:
+    """vals [n, heads, dim] -> slots (blocks[i], offs[i]) of K (kv=0) or V (kv=1)."""
+    if paged_layout == "nhd":
+        t[kv][blocks, offs] = vals
+    elif paged_layout == "flashinfer":
+        t[blocks, kv, offs] = vals
+    else:
+        t[kv][blocks, :, offs] = vals
+
+
+def read_slots(t: torch.Tensor, paged_layout: str, kv: int, blocks: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if paged_layout == "nhd":
+        return t[kv][blocks, offs]
+    if paged_layout == "flashinfer":
+        return t[blocks, kv, offs]
+    return t[kv][blocks, :, offs]
+
+
+class FakeVllmEngine:
+    """FAKE vLLM v1 engine (scheduler + one worker + CPU paged KV cache) driving a KV connector."""
+
+    def __init__(self, vllm_config: Any, connector_cls: type, *, client: Any, num_blocks: int = 64,
+                 paged_layout: str = "nhd", token_budget: int | None = None, seed: int = 0):
+        self.config = vllm_config
+        model = vllm_config.model_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_layers = model.get_num_layers(vllm_config.parallel_config)
+        self.kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+        self.head_dim = model.get_head_size()
+        self.dtype = getattr(torch, str(model.dtype).removeprefix("torch."))
+        self.paged_layout = paged_layout
+        self.token_budget = token_budget
+        self.scheduler = connector_cls(vllm_config, FakeKVConnectorRole.SCHEDULER, None, client=client)
+        self.worker = connector_cls(vllm_config, FakeKVConnectorRole.WORKER, None, client=client)
+        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.num_layers)]
+        self.kv_caches = {name: alloc_paged(paged_layout, num_blocks, self.block_size, self.kv_heads, self.head_dim, self.dtype)
+                          for name in self.layer_names}
+        self.worker.register_kv_caches(self.kv_caches)
+        self.rng = random.Random(seed)
+        self.free_blocks = list(range(num_blocks))
+        self.rng.shuffle(self.free_blocks)
+        self.waiting: list[FakeRequest] = []
+        self.running: dict[str, FakeRequest] = {}
+        self.requests: dict[str, FakeRequest] = {}
+        self.held: dict[str, list[int]] = {}  # blocks whose freeing the connector delayed
+        self._finished_for_workers: set[str] = set()
+        self._model_kv: dict[str, torch.Tensor] = {}
+        self.layer_hook = None  # optional callable(layer_name, phase) for tests
+
+    def add_request(self, req_id: str, prompt: list[int]) -> FakeRequest:
+        req = FakeRequest(req_id, list(prompt))
+        self.waiting.append(req)
+        self.requests[req_id] = req
+        self._model_kv[req_id] = fake_model_kv(req.prompt_token_ids, self.num_layers, self.kv_heads, self.head_dim, self.dtype)
+        return req
+
+    def model_kv(self, req_id: str) -> torch.Tensor:
+        return self._model_kv[req_id]
+
+    def read_kv(self, req_id: str, start: int, end: int) -> torch.Tensor:
+        """What the paged cache holds for tokens [start, end) of a request: [T, layers, 2, heads, dim]."""
+        req = self.requests[req_id]
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(req.block_ids, dtype=torch.long)[pos // self.block_size]
+        offs = pos % self.block_size
+        out = torch.empty((end - start, self.num_layers, 2, self.kv_heads, self.head_dim), dtype=self.dtype)
+        for li, name in enumerate(self.layer_names):
+            for kv in (0, 1):
+                out[:, li, kv] = read_slots(self.kv_caches[name], self.paged_layout, kv, blocks, offs)
+        return out
+
+    def _schedule(self) -> tuple[FakeSchedulerOutput, dict[str, int]]:
+        budget = self.token_budget if self.token_budget is not None else 1 << 30
+        cached, num_sched, new_reqs, matched = FakeCachedRequestData(), {}, [], {}
+        for req in self.running.values():
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            cached.req_ids.append(req.request_id)
+            cached.new_token_ids.append([])
+            cached.new_block_ids.append(None)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            num_sched[req.request_id] = n
+            budget -= n
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            hit, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
+            assert not is_async, "this fake engine drives synchronous loads only"
+            need = -(-req.num_tokens // self.block_size)
+            if len(self.free_blocks) < need:
+                break
+            self.waiting.pop(0)
+            req.block_ids = [self.free_blocks.pop(0) for _ in range(need)]  # shuffled at start: random tables
+            self.scheduler.update_state_after_alloc(req, FakeKVCacheBlocks(req.block_ids), hit or 0)
+            req.num_computed_tokens = hit or 0
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_reqs.append(FakeNewRequestData(req.request_id, req.prompt_token_ids, (list(req.block_ids),), req.num_computed_tokens))
+            num_sched[req.request_id] = n
+            matched[req.request_id] = hit or 0
+            budget -= n
+            self.running[req.request_id] = req
+        out = FakeSchedulerOutput(new_reqs, cached, num_sched, sum(num_sched.values()), self._finished_for_workers)
+        self._finished_for_workers = set()
+        return out, matched
+
+    def _attention(self, layer_index: int, name: str, out: FakeSchedulerOutput) -> None:
+        """FAKE attention layer: writes the model's KV of the scheduled tokens into their slots."""
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            pos = torch.arange(req.num_computed_tokens, req.num_computed_tokens + n)
+            blocks = torch.tensor(req.block_ids, dtype=torch.long)[pos // self.block_size]
+            kv = self._model_kv[req_id][pos, layer_index]  # [n, 2, heads, dim]
+            for which in (0, 1):
+                write_slots(self.kv_caches[name], self.paged_layout, which, blocks, pos % self.block_size, kv[:, which])
+
+    def step(self) -> FakeStepResult:
+        out, matched = self._schedule()
+        out.kv_connector_metadata = self.scheduler.build_connector_meta(out)
+        worker = self.worker
+        worker.bind_connector_metadata(out.kv_connector_metadata)
+        worker.start_load_kv(FakeForwardContext(dict(self.kv_caches)))
+        for i, name in enumerate(self.layer_names):
+            worker.wait_for_layer_load(name)
+            if self.layer_hook:
+                self.layer_hook(name, "loaded")
+            self._attention(i, name, out)
+            worker.save_kv_layer(name, self.kv_caches[name], None)
+        worker.wait_for_save()
+        sending, _recving = worker.get_finished(out.finished_req_ids)
+        errors = worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        return self._update(out, matched, set(sending or ()), errors)
+
+    def _update(self, out: FakeSchedulerOutput, matched: dict[str, int], sending: set[str], errors: set[int]) -> FakeStepResult:
+        for req_id, n in out.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        for req in self.running.values():  # a failed load: recompute from the first bad block
+            bad = [i for i, b in enumerate(req.block_ids) if b in errors]
+            if bad:
+                req.num_computed_tokens = min(req.num_computed_tokens, bad[0] * self.block_size)
+        finished = {}
+        for req_id in [r for r, q in self.running.items() if q.num_computed_tokens >= q.num_tokens]:
+            req = self.running.pop(req_id)
+            delay, params = self.scheduler.request_finished(req, list(req.block_ids))
+            finished[req_id] = (delay, params)
+            if delay:
+                self.held[req_id] = req.block_ids
+            else:
+                self.free_blocks.extend(req.block_ids)
+            self._finished_for_workers.add(req_id)
+        for req_id in sending:
+            if req_id not in self.held:
+                raise AssertionError(f"worker reported {req_id} as finished sending but its blocks were not held")
+            self.free_blocks.extend(self.held.pop(req_id))
+        return FakeStepResult(out, matched, finished, sending, errors)
+
+    def run(self, max_steps: int = 50) -> list[FakeStepResult]:
+        """Step until nothing is waiting, running or held."""
+        results = []
+        for _ in range(max_steps):
+            if not (self.waiting or self.running or self.held or self._finished_for_workers):
+                break
+            if not (self.waiting or self.running):
+                time.sleep(0.005)  # only background saves are pending: give them a moment
+            results.append(self.step())
+        return results
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()

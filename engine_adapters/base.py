@@ -1,0 +1,381 @@
+"""The adapter contract between an inference engine and the pool, and its engine-free half.
+
+An adapter moves one engine's KV cache to and from the pool as chunk objects
+(`kvpool.layout`): full chunks of `chunk_tokens` tokens under content-addressed keys
+(`kvpool.keys` chain from the namespace), the partial last chunk of a prompt as a
+request-scoped object `tail/<request id>`. It never hands the engine KV it could not verify.
+
+Usage (the HuggingFace adapter; every adapter has the same methods, `kv` in its engine's format):
+
+    from engine_adapters.model import load_reference_model
+    from engine_adapters.hf import HFAdapter
+    rm = load_reference_model()                       # float32 CPU; dtype="bfloat16" also works
+    ad = HFAdapter(pool, rm.model, rm.namespace(chunk_tokens=256, tenant_salt=""))
+    n = ad.lookup(ids)                                # cached prefix in tokens, one match_prefix
+    res = ad.load(ids, max_tokens=len(ids) - 1)       # LoadResult(num_tokens, cache)
+    ... compute ids[res.num_tokens:] on top of res.cache ...
+    saved = ad.save(ids, cache, request_id="r1", start_token=res.num_tokens)
+    handle = ad.make_handle(ids, saved)               # KVHandle (JSON via handle.to_json())
+    cache = ad.load_handle(handle)                    # on the decode side: bit-exact KV of ids
+    ad.release_handle(handle)                         # drops the tail object
+    ad.add_listener(lambda ev: ...)                   # KVEvent(kind="stored"|"removed", keys, namespace)
+
+Layer-wise forms, so transfer overlaps compute:
+
+    ld = ad.start_load(ids, max_tokens=None)          # fetches in a background thread
+    k, v = ld.wait_layer(i)                           # KV of layer i for the loaded prefix
+    res = ld.wait()                                   # LoadResult, as `load` returns
+    sv = ad.start_save(ids, request_id="r1", start_token=0)
+    sv.save_layer(i, k, v)                            # copy layer i as soon as it is computed
+    saved = sv.finish()                               # seal and put: SaveResult, as `save` returns
+
+Invariants every adapter keeps (tests/engine_adapters/conformance.py checks them):
+- `load` returns the longest prefix whose chunks all arrive and verify (layout hash and checksum);
+  a chunk that fails is removed from the pool (so the next save re-stores it), reported as a
+  "removed" event, and the prefix stops before it: a shorter prefix, never wrong KV.
+- `load_handle` is all or nothing: any missing or damaged object raises `KeyNotFound` or
+  `CorruptObject` (the decode side then recomputes); a handle of another namespace raises
+  `LayoutMismatch`.
+- `save` writes only full chunks not already present, from `start_token` on (chunks before it are
+  the caller's loaded prefix), and the tail only when a request id is given (replacing any older
+  tail of that request id). It emits one "stored"
+  event listing exactly the chunk keys it wrote (tails are request-scoped and never reported).
+- KV of another model, weight file, dtype, chunk size or tenant salt is never loaded: it lives
+  under other keys, and handles carry their namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
+
+import msgspec
+import xxhash
+
+from engine_adapters.handle import KVHandle
+from kvpool.api import PoolClient
+from kvpool.errors import (CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, LayoutMismatch)
+from kvpool.keys import Namespace, chunk_keys_hex, tail_key
+from kvpool.layout import (FORMAT_VERSION, HEADER, HEADER_SIZE, MAGIC, ChunkView, KVLayout, decode_chunk)
+
+log = logging.getLogger(__name__)
+
+EVENT_VERSION = 1
+
+
+class KVEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A change to what the pool holds for one namespace, for the router's prefix index."""
+
+    version: int = EVENT_VERSION
+    kind: Literal["stored", "removed"]
+    keys: list[str]
+    namespace: str  # Namespace.hex()
+
+
+@dataclass
+class LoadResult:
+    """`num_tokens` tokens of KV (a multiple of chunk_tokens) in the engine's format; cache is None
+    when nothing was loaded."""
+
+    num_tokens: int
+    cache: Any = None
+
+
+@dataclass
+class SaveResult:
+    keys: list[str]  # chunk keys of every full chunk of the token ids (stored now or before)
+    tail_key: str | None  # tail/<request id>, or None (no request id, or no partial chunk)
+    stored_chunks: int = 0  # how many chunk objects this call wrote
+    stored_keys: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@runtime_checkable
+class LayerwiseLoad(Protocol):
+    def num_tokens(self) -> int:
+        """Tokens being loaded; blocks until the chunks are fetched and verified."""
+        ...
+
+    def wait_layer(self, i: int) -> tuple[Any, Any]:
+        """K and V of layer `i` for the whole loaded prefix (blocks until they are in place)."""
+        ...
+
+    def wait(self) -> LoadResult: ...
+
+
+@runtime_checkable
+class LayerwiseSave(Protocol):
+    def save_layer(self, i: int, k: Any, v: Any) -> None:
+        """Hand over layer `i`'s K and V covering tokens 0..len(token_ids) (engine format)."""
+        ...
+
+    def finish(self) -> SaveResult:
+        """Seal and put every planned object; every layer must have been saved."""
+        ...
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """What the reference workers (and a real engine's connector) call. See the module docstring."""
+
+    namespace: Namespace
+    layout: KVLayout
+
+    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]: ...
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int: ...
+
+    def load(self, token_ids: Sequence[int], max_tokens: int | None = None) -> LoadResult: ...
+
+    def save(self, token_ids: Sequence[int], kv: Any, *, request_id: str | None = None,
+             start_token: int = 0) -> SaveResult: ...
+
+    def start_load(self, token_ids: Sequence[int], max_tokens: int | None = None) -> LayerwiseLoad: ...
+
+    def start_save(self, token_ids: Sequence[int], *, request_id: str | None = None,
+                   start_token: int = 0) -> LayerwiseSave: ...
+
+    def make_handle(self, token_ids: Sequence[int], saved: SaveResult) -> KVHandle: ...
+
+    def load_handle(self, handle: KVHandle) -> Any: ...
+
+    def release_handle(self, handle: KVHandle) -> None: ...
+
+    def add_listener(self, callback: Callable[[KVEvent], None]) -> None: ...
+
+    def remove_listener(self, callback: Callable[[KVEvent], None]) -> None: ...
+
+
+def seal_chunk(buf: Any, layout: KVLayout, tokens: int) -> None:
+    """Write the header of a chunk object whose payload was filled in place (layer by layer).
+
+    Same bytes `kvpool.layout.encode_into` produces, without copying the payload a second time.
+    """
+    view = memoryview(buf).cast("B")
+    nbytes = layout.payload_nbytes(tokens)
+    checksum = xxhash.xxh3_64_intdigest(view[HEADER_SIZE:HEADER_SIZE + nbytes])
+    HEADER.pack_into(view, 0, MAGIC, FORMAT_VERSION, HEADER_SIZE, layout.layout_hash, tokens, 0, nbytes, checksum)
+
+
+@dataclass
+class PlannedObject:
+    """One chunk object a save will write: tokens [start, start + tokens) under `key`."""
+
+    key: str
+    start: int
+    tokens: int
+    is_tail: bool
+    buffer: bytearray
+
+
+def _check_token_ids(token_ids: Sequence[int]) -> list[int]:
+    try:
+        ids = [int(t) for t in token_ids]
+    except (TypeError, ValueError):
+        raise InvalidArgument("token ids must be a sequence of integers") from None
+    return ids
+
+
+class ChunkStore:
+    """The engine-free half of an adapter: keys, pool calls, verification, events.
+
+    An adapter owns one and only converts between its engine's KV and `ChunkView`s / payload
+    buffers. Thread-safe for concurrent requests (the pool client is; listeners are called from the
+    thread that made the change, outside any lock).
+    """
+
+    def __init__(self, pool: PoolClient, namespace: Namespace):
+        self.pool = pool
+        self.namespace = namespace
+        self.layout = namespace.layout
+        self._ns_digest = namespace.digest()
+        self.namespace_hex = self._ns_digest.hex()
+        self._listeners: list[Callable[[KVEvent], None]] = []
+        self._lock = threading.Lock()
+
+    # -- keys and lookups -------------------------------------------------------------------
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.layout.chunk_tokens
+
+    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
+        return chunk_keys_hex(self._ns_digest, _check_token_ids(token_ids), self.chunk_tokens)
+
+    def _capped_keys(self, token_ids: Sequence[int], max_tokens: int | None) -> list[str]:
+        ids = _check_token_ids(token_ids)
+        if max_tokens is not None:
+            if max_tokens < 0:
+                raise InvalidArgument(f"max_tokens must be >= 0, got {max_tokens}")
+            ids = ids[:max_tokens]
+        return self.chunk_keys(ids)
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
+        """Tokens (a multiple of chunk_tokens) of the longest cached prefix: one match_prefix call."""
+        keys = self._capped_keys(token_ids, max_tokens)
+        return self.pool.match_prefix(keys) * self.chunk_tokens if keys else 0
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _discard(self, key: str, why: Exception) -> None:
+        """A stored object failed verification: drop it so a later save can store a good copy."""
+        log.warning("chunk %s failed verification (%s); removing it and treating it as a miss", key, why)
+        try:
+            removed = self.pool.remove(key)
+        except KVPoolError as exc:
+            log.warning("could not remove damaged chunk %s: %s", key, exc)
+            return
+        if removed and not key.startswith("tail/"):
+            self.emit("removed", [key])
+
+    def fetch_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[ChunkView]:
+        """Verified views of the longest cached prefix's chunks, in order (maybe empty)."""
+        keys = self._capped_keys(token_ids, max_tokens)
+        if not keys:
+            return []
+        n = self.pool.match_prefix(keys)
+        if n == 0:
+            return []
+        views: list[ChunkView] = []
+        for key, data in zip(keys[:n], self.pool.get_batch(keys[:n])):
+            if data is None:  # evicted since match_prefix: the prefix ends here
+                break
+            try:
+                view = decode_chunk(data, self.layout)
+                if view.tokens != self.chunk_tokens:
+                    raise CorruptObject(f"full chunk holds {view.tokens} tokens, expected {self.chunk_tokens}")
+            except (CorruptObject, LayoutMismatch) as exc:
+                self._discard(key, exc)
+                break
+            views.append(view)
+        return views
+
+    def check_handle(self, handle: KVHandle) -> KVHandle:
+        handle.validate()
+        if handle.namespace != self.namespace_hex:
+            raise LayoutMismatch(f"KV handle was written under namespace {handle.namespace}, "
+                                 f"this adapter reads {self.namespace_hex} (other model, dtype, chunk size or tenant)")
+        if handle.chunk_tokens != self.chunk_tokens:
+            raise LayoutMismatch(f"KV handle uses {handle.chunk_tokens}-token chunks, adapter {self.chunk_tokens}")
+        if handle.token_ids is not None and self.chunk_keys(handle.token_ids) != list(handle.chunk_keys):
+            raise InvalidArgument("KV handle chunk keys do not match its token ids")
+        return handle
+
+    def fetch_handle(self, handle: KVHandle) -> list[ChunkView]:
+        """Verified views of every object a handle names (chunks, then the tail); all or nothing."""
+        self.check_handle(handle)
+        keys = list(handle.chunk_keys) + ([handle.tail_key] if handle.tail_key else [])
+        views: list[ChunkView] = []
+        for i, (key, data) in enumerate(zip(keys, self.pool.get_batch(keys) if keys else [])):
+            if data is None:
+                raise KeyNotFound(f"KV handle object {key} is not in the pool")
+            expected = self.chunk_tokens if i < len(handle.chunk_keys) else handle.tail_tokens
+            try:
+                view = decode_chunk(data, self.layout)
+            except LayoutMismatch as exc:
+                self._discard(key, exc)
+                raise CorruptObject(f"KV handle object {key}: {exc}") from None
+            except CorruptObject:
+                self._discard(key, CorruptObject("checksum/format"))
+                raise
+            if view.tokens != expected:
+                raise CorruptObject(f"KV handle object {key} holds {view.tokens} tokens, expected {expected}")
+            views.append(view)
+        return views
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def plan_save(self, token_ids: Sequence[int], *, request_id: str | None = None,
+                  start_token: int = 0) -> tuple[list[str], list[PlannedObject], str | None]:
+        """(all chunk keys, objects to write with fresh buffers, tail key) for a save.
+
+        Full chunks from `start_token` on that the pool lacks (one exists_batch call), then the tail
+        when `request_id` is given and the token count is not a multiple of chunk_tokens.
+        """
+        ids = _check_token_ids(token_ids)
+        c = self.chunk_tokens
+        if not isinstance(start_token, int) or start_token < 0 or start_token % c or start_token > len(ids):
+            raise InvalidArgument(f"start_token must be a multiple of {c} in 0..{len(ids)}, got {start_token!r}")
+        keys = self.chunk_keys(ids)
+        first = start_token // c
+        candidates = keys[first:]
+        present = self.pool.exists_batch(candidates) if candidates else []
+        planned = [PlannedObject(key, (first + j) * c, c, False, bytearray(self.layout.object_nbytes(c)))
+                   for j, (key, there) in enumerate(zip(candidates, present)) if not there]
+        tail = None
+        rest = len(ids) - len(keys) * c
+        if request_id is not None:
+            tail = tail_key(request_id) if rest else None
+            if rest:
+                planned.append(PlannedObject(tail, len(keys) * c, rest, True, bytearray(self.layout.object_nbytes(rest))))
+        return keys, planned, tail
+
+    def store(self, keys: list[str], planned: list[PlannedObject], tail: str | None, num_tokens: int) -> SaveResult:
+        """Seal the planned buffers (payloads already filled) and put them in one batch.
+
+        Raises the first put error after reporting the chunks that did get stored.
+        """
+        for obj in planned:
+            seal_chunk(obj.buffer, self.layout, obj.tokens)
+            if obj.is_tail:  # a put never overwrites (first writer wins): a re-run request replaces its tail
+                self.pool.remove(obj.key)
+        errors = self.pool.put_batch([(obj.key, obj.buffer) for obj in planned]) if planned else []
+        stored = [obj.key for obj, err in zip(planned, errors) if err is None and not obj.is_tail]
+        if stored:
+            self.emit("stored", stored)
+        failed = [(obj.key, err) for obj, err in zip(planned, errors) if err is not None]
+        if failed:
+            key, err = failed[0]
+            log.warning("save: %d of %d puts failed, first %s: %s", len(failed), len(planned), key, err)
+            raise err if isinstance(err, KVPoolError) else KVPoolError(f"put {key} failed: {err}")
+        return SaveResult(keys=keys, tail_key=tail, stored_chunks=len(stored), stored_keys=stored, num_tokens=num_tokens)
+
+    def make_handle(self, token_ids: Sequence[int], saved: SaveResult, request_id: str | None = None) -> KVHandle:
+        ids = _check_token_ids(token_ids)
+        if saved.keys != self.chunk_keys(ids):
+            raise InvalidArgument("save result does not belong to these token ids")
+        if len(ids) % self.chunk_tokens and saved.tail_key is None:
+            raise InvalidArgument("the token ids end in a partial chunk: save with a request_id to store its tail")
+        rid = request_id or (saved.tail_key[len("tail/"):] if saved.tail_key else None)
+        return KVHandle(namespace=self.namespace_hex, request_id=rid, num_tokens=len(ids),
+                        chunk_tokens=self.chunk_tokens, chunk_keys=list(saved.keys),
+                        tail_key=saved.tail_key if len(ids) % self.chunk_tokens else None,
+                        token_ids=ids).validate()
+
+    def release_handle(self, handle: KVHandle) -> None:
+        """Remove the handle's tail (chunks stay: they are shared, content-addressed cache)."""
+        self.check_handle(handle)
+        if handle.tail_key:
+            self.pool.remove(handle.tail_key)
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Remove chunk objects (e.g. an operator evicting a prefix) and report them."""
+        keys = list(keys)
+        done = self.pool.remove_batch(keys) if keys else []
+        gone = [k for k, ok in zip(keys, done) if ok]
+        if gone:
+            self.emit("removed", gone)
+        return done
+
+    # -- events -----------------------------------------------------------------------------
+
+    def add_listener(self, callback: Callable[[KVEvent], None]) -> None:
+        with self._lock:
+            self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[KVEvent], None]) -> None:
+        with self._lock:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+
+    def emit(self, kind: Literal["stored", "removed"], keys: list[str]) -> None:
+        event = KVEvent(kind=kind, keys=list(keys), namespace=self.namespace_hex)
+        with self._lock:
+            listeners = list(self._listeners)
+        for callback in listeners:
+            try:
+                callback(event)
+            except Exception:  # a listener's bug must not fail a save or a load
+                log.exception("KV event listener %r failed", callback)

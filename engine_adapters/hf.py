@@ -1,0 +1,315 @@
+"""The HuggingFace transformers adapter: `DynamicCache` <-> chunk objects in the pool.
+
+For decoder-only models whose cache layers hold `keys`/`values` of shape
+`[batch, kv_heads, seq, head_dim]` (Llama architecture and its relatives in transformers 5.x),
+GQA included: the cache holds `num_key_value_heads` heads, which is what the layout stores.
+float32, bfloat16 and float16 models; the layout dtype is the model's dtype, and a roundtrip is
+bit-exact (bytes are copied, never converted).
+
+Invariants beyond the contract (`engine_adapters.base`):
+- Batch size 1: one adapter call is one sequence (`InvalidArgument` otherwise).
+- A loaded cache holds positions 0..num_tokens of the prompt; continuing the forward pass on it
+  with the next tokens gives the same KV a single pass computes for them (up to float rounding
+  of the split, ~1e-5 in float32: the attention reductions run in another order).
+- `save` never modifies the cache it reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from engine_adapters.base import ChunkStore, KVEvent, LoadResult, PlannedObject, SaveResult
+from engine_adapters.handle import KVHandle
+from kvpool.api import PoolClient
+from kvpool.errors import InvalidArgument, KVPoolError
+from kvpool.keys import Namespace
+from kvpool.layout import HEADER_SIZE, ChunkView, KVLayout
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def layout_for_model(model: Any, chunk_tokens: int) -> KVLayout:
+    """The KV layout a transformers causal LM's cache has (dtype from its parameters)."""
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = _TORCH_DTYPES.get(model.dtype)
+    if dtype is None:
+        raise InvalidArgument(f"model dtype {model.dtype} has no KV layout (use float32, bfloat16 or float16)")
+    return KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, chunk_tokens)
+
+
+def _payload_tensor(obj: PlannedObject, layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
+    """A writable `[layers, 2, kv_heads, tokens, head_dim]` view of a planned object's payload."""
+    raw = torch.frombuffer(obj.buffer, dtype=torch.uint8)[HEADER_SIZE:HEADER_SIZE + layout.payload_nbytes(obj.tokens)]
+    return raw.view(dtype).view(layout.shape(obj.tokens))
+
+
+def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(K, V) per layer of a DynamicCache (or a sequence of (K, V) pairs)."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    if isinstance(cache, (list, tuple)):
+        return [(kv[0], kv[1]) for kv in cache]
+    raise InvalidArgument(f"expected a DynamicCache or a sequence of (K, V), got {type(cache).__name__}")
+
+
+def cache_from_kv(kv: torch.Tensor, config: Any = None) -> DynamicCache:
+    """A DynamicCache whose layer i holds views of `kv[i, 0]` / `kv[i, 1]` (`[L, 2, H, T, D]`), no copy."""
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    for i in range(kv.shape[0]):
+        k, v = kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)
+        if i < len(cache.layers):
+            layer = cache.layers[i]
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v  # DynamicLayer.update would concatenate: a copy
+        else:
+            cache.update(k, v, i)
+    return cache
+
+
+class HFLayerwiseSave:
+    """Copies each layer's K/V into the planned objects' payloads as the layer is handed over; `finish`
+    seals and puts them. Planned at construction (one exists_batch), so only missing chunks are copied."""
+
+    def __init__(self, adapter: "HFAdapter", token_ids: Sequence[int], request_id: str | None, start_token: int):
+        self._adapter = adapter
+        self._store = adapter.store
+        self.num_tokens = len(token_ids)
+        self.keys, self.planned, self.tail = self._store.plan_save(token_ids, request_id=request_id,
+                                                                   start_token=start_token)
+        layout = adapter.layout
+        self._payloads = [_payload_tensor(obj, layout, adapter.torch_dtype) for obj in self.planned]
+        self._done = [False] * layout.num_layers
+        self._finished = False
+
+    def save_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        layout = self._adapter.layout
+        if not 0 <= i < layout.num_layers:
+            raise InvalidArgument(f"layer {i} out of range 0..{layout.num_layers - 1}")
+        k, v = self._adapter.check_layer_kv(k, self.num_tokens), self._adapter.check_layer_kv(v, self.num_tokens)
+        for obj, payload in zip(self.planned, self._payloads):
+            payload[i, 0].copy_(k[:, obj.start:obj.start + obj.tokens, :])
+            payload[i, 1].copy_(v[:, obj.start:obj.start + obj.tokens, :])
+        self._done[i] = True
+
+    def finish(self) -> SaveResult:
+        if self._finished:
+            raise InvalidArgument("this save has already finished")
+        missing = [i for i, done in enumerate(self._done) if not done]
+        if missing and self.planned:
+            raise InvalidArgument(f"layers {missing[:5]}... were never saved")
+        self._finished = True
+        return self._store.store(self.keys, self.planned, self.tail, self.num_tokens)
+
+
+class HFLayerwiseLoad:
+    """Fetches and verifies the cached prefix in a background thread, then scatters it into one
+    `[L, 2, H, T, D]` tensor layer by layer; `wait_layer(i)` returns as soon as layer i is in place."""
+
+    def __init__(self, adapter: "HFAdapter", token_ids: Sequence[int], max_tokens: int | None):
+        self._adapter = adapter
+        layers = adapter.layout.num_layers
+        self._fetched = threading.Event()
+        self._layer_ready = [threading.Event() for _ in range(layers)]
+        self._error: BaseException | None = None
+        self._num_tokens = 0
+        self._kv: torch.Tensor | None = None
+        ids = list(token_ids)
+        self._thread = threading.Thread(target=self._run, args=(ids, max_tokens), daemon=True,
+                                        name="kvpool-hf-load")
+        self._thread.start()
+
+    def _run(self, ids: list[int], max_tokens: int | None) -> None:
+        try:
+            views = self._adapter.store.fetch_prefix(ids, max_tokens)
+            self._num_tokens = sum(v.tokens for v in views)
+            if views:
+                self._kv = self._adapter.empty_kv(self._num_tokens)
+            self._fetched.set()
+            sources = [v.as_torch() for v in views]
+            for i, ready in enumerate(self._layer_ready):
+                start = 0
+                for src in sources:
+                    self._kv[i, :, :, start:start + src.shape[3]].copy_(src[i])
+                    start += src.shape[3]
+                ready.set()
+        except BaseException as exc:  # handed to the waiting thread, which re-raises it
+            self._error = exc
+            self._fetched.set()
+            for ready in self._layer_ready:
+                ready.set()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def num_tokens(self) -> int:
+        self._fetched.wait()
+        self._check()
+        return self._num_tokens
+
+    def wait_layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self._layer_ready):
+            raise InvalidArgument(f"layer {i} out of range 0..{len(self._layer_ready) - 1}")
+        self._layer_ready[i].wait()
+        self._check()
+        if self._kv is None:
+            raise InvalidArgument("nothing was loaded (num_tokens() == 0): there is no layer KV to wait for")
+        return self._kv[i, 0].unsqueeze(0), self._kv[i, 1].unsqueeze(0)
+
+    def wait(self) -> LoadResult:
+        self._thread.join()
+        self._check()
+        if self._kv is None:
+            return LoadResult(0, None)
+        return LoadResult(self._num_tokens, cache_from_kv(self._kv, self._adapter.model.config))
+
+
+class HFAdapter:
+    """The adapter contract (`engine_adapters.base.EngineAdapter`) for a transformers causal LM.
+
+    `namespace.layout` must equal the model's own layout with the namespace's chunk size
+    (`layout_for_model`); a mismatch raises `InvalidArgument` at construction, because KV saved
+    under a wrong layout could be loaded by the wrong model.
+    """
+
+    def __init__(self, pool: PoolClient, model: Any, namespace: Namespace):
+        self.model = model
+        layout = layout_for_model(model, namespace.chunk_tokens)
+        if layout != namespace.layout:
+            raise InvalidArgument(f"namespace layout {namespace.layout} does not match the model's KV layout {layout}")
+        self.namespace = namespace
+        self.layout = layout
+        self.torch_dtype = model.dtype
+        self.store = ChunkStore(pool, namespace)
+
+    # -- engine format ---------------------------------------------------------------------
+
+    def empty_kv(self, tokens: int) -> torch.Tensor:
+        return torch.empty(self.layout.shape(tokens), dtype=self.torch_dtype)
+
+    def check_layer_kv(self, t: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """One layer's K or V as `[kv_heads, >= num_tokens, head_dim]` (batch dim of 1 dropped)."""
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"layer KV must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() == 4:
+            if t.shape[0] != 1:
+                raise InvalidArgument(f"the HF adapter saves one sequence at a time; got batch {t.shape[0]}")
+            t = t[0]
+        lay = self.layout
+        if t.dim() != 3 or t.shape[0] != lay.kv_heads or t.shape[2] != lay.head_dim:
+            raise InvalidArgument(f"layer KV has shape {tuple(t.shape)}, expected [1, {lay.kv_heads}, T, {lay.head_dim}]")
+        if t.shape[1] < num_tokens:
+            raise InvalidArgument(f"the cache holds {t.shape[1]} tokens, fewer than the {num_tokens} token ids")
+        if t.dtype != self.torch_dtype:
+            raise InvalidArgument(f"layer KV is {t.dtype}, the layout stores {self.torch_dtype}")
+        return t.detach().to("cpu") if t.device.type != "cpu" else t.detach()
+
+    def _cache_from_views(self, views: list[ChunkView]) -> DynamicCache:
+        total = sum(v.tokens for v in views)
+        kv = self.empty_kv(total)
+        start = 0
+        for view in views:
+            kv[:, :, :, start:start + view.tokens].copy_(view.as_torch())
+            start += view.tokens
+        return cache_from_kv(kv, self.model.config)
+
+    # -- the contract ------------------------------------------------------------------------
+
+    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
+        return self.store.chunk_keys(token_ids)
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
+        return self.store.lookup(token_ids, max_tokens)
+
+    def load(self, token_ids: Sequence[int], max_tokens: int | None = None) -> LoadResult:
+        views = self.store.fetch_prefix(token_ids, max_tokens)
+        if not views:
+            return LoadResult(0, None)
+        return LoadResult(sum(v.tokens for v in views), self._cache_from_views(views))
+
+    def start_load(self, token_ids: Sequence[int], max_tokens: int | None = None) -> HFLayerwiseLoad:
+        return HFLayerwiseLoad(self, token_ids, max_tokens)
+
+    def start_save(self, token_ids: Sequence[int], *, request_id: str | None = None,
+                   start_token: int = 0) -> HFLayerwiseSave:
+        return HFLayerwiseSave(self, token_ids, request_id, start_token)
+
+    def save(self, token_ids: Sequence[int], cache: Any, *, request_id: str | None = None,
+             start_token: int = 0) -> SaveResult:
+        layers = _cache_layers(cache)
+        if len(layers) != self.layout.num_layers:
+            raise InvalidArgument(f"cache has {len(layers)} layers, the layout {self.layout.num_layers}")
+        saver = self.start_save(token_ids, request_id=request_id, start_token=start_token)
+        for i, (k, v) in enumerate(layers):
+            if k is None or v is None:
+                raise InvalidArgument(f"cache layer {i} is empty")
+            saver.save_layer(i, k, v)
+        return saver.finish()
+
+    def make_handle(self, token_ids: Sequence[int], saved: SaveResult) -> KVHandle:
+        return self.store.make_handle(token_ids, saved)
+
+    def load_handle(self, handle: KVHandle) -> DynamicCache:
+        views = self.store.fetch_handle(handle)
+        if not views:
+            raise InvalidArgument("KV handle names no objects (0 tokens)")
+        return self._cache_from_views(views)
+
+    def release_handle(self, handle: KVHandle) -> None:
+        self.store.release_handle(handle)
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        return self.store.remove(keys)
+
+    def add_listener(self, callback) -> None:
+        self.store.add_listener(callback)
+
+    def remove_listener(self, callback) -> None:
+        self.store.remove_listener(callback)
+
+
+# -- running the model on a cache (used by the reference workers and the tests) ------------------
+
+@torch.inference_mode()
+def forward(model: Any, token_ids: Sequence[int], cache: DynamicCache | None = None) -> tuple[torch.Tensor, DynamicCache]:
+    """Run the tokens that `cache` does not yet hold; return (last-position logits [vocab], cache).
+
+    `token_ids` is the whole sequence so far; the cache holds its first `cache.get_seq_length()`
+    tokens (or nothing). The cache is extended in place (a new one when None).
+    """
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    have = cache.get_seq_length()
+    if have >= len(token_ids):
+        raise InvalidArgument(f"the cache already holds {have} of {len(token_ids)} tokens: nothing to compute")
+    new = torch.tensor([list(token_ids[have:])], dtype=torch.long)
+    out = model(input_ids=new, cache=cache, use_cache=True)
+    return out.logits[0, -1], out.cache if getattr(out, "cache", None) is not None else cache
+
+
+@torch.inference_mode()
+def greedy_continue(model: Any, token_ids: Sequence[int], cache: DynamicCache | None, max_new_tokens: int,
+                    eos_token_ids: Iterable[int] = ()) -> list[int]:
+    """Greedy tokens after `token_ids`, computing only what `cache` lacks; stops after an EOS token."""
+    eos = set(eos_token_ids)
+    ids = list(token_ids)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits, cache = forward(model, ids, cache)
+        token = int(torch.argmax(logits))
+        out.append(token)
+        ids.append(token)
+        if token in eos:
+            break
+    return out
+
+
+__all__ = ["HFAdapter", "HFLayerwiseLoad", "HFLayerwiseSave", "KVEvent", "KVHandle", "LoadResult", "SaveResult",
+           "cache_from_kv", "forward", "greedy_continue", "layout_for_model", "KVPoolError"]

@@ -1,0 +1,113 @@
+"""The worker's HTTP control API (FastAPI). Thin: parse a declared message, call the worker,
+encode the answer. KV bytes never travel here (see `messages.py`).
+
+    GET  /health            200 {"status": "ok", "role": ...} once the model is loaded
+    GET  /metrics           Prometheus text
+    GET  /load              LoadReport: queue length, active sequences, KV tokens (for a router)
+    GET  /v1/info           WorkerInfo: model, namespace, chunk size, EOS ids
+    GET  /v1/events?since=N KV events (local prefix cache, pool writes) after N
+    POST /v1/tokenize       TokenizeRequest -> TokenizeResponse
+    POST /v1/prefill        PrefillRequest -> PrefillResponse          (prefill, both)
+    POST /v1/decode         DecodeRequest -> NDJSON TokenEvent stream   (decode, both)
+    POST /v1/generate       GenerateRequest -> NDJSON TokenEvent stream (both)
+    POST /v1/cache/clear    empty the local prefix cache (benchmarks, tests, operators)
+
+Errors are `{"code", "message"}` with the status of the `kvpool.errors` class; an unexpected
+exception is logged here and answered 500 `internal`, never a traceback to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine_adapters.serving import messages as m
+from kvpool.errors import KVPoolError
+
+log = logging.getLogger(__name__)
+
+
+def _json(msg: Any, status: int = 200) -> Response:
+    return Response(content=m.encode(msg), media_type="application/json", status_code=status)
+
+
+async def _ndjson(events: AsyncIterator[m.TokenEvent], worker: Any) -> AsyncIterator[bytes]:
+    rid = ""
+    try:
+        async for event in events:
+            rid = event.request_id
+            if event.error is not None:
+                worker.metrics.error(event.error.code)
+            yield m.encode(event) + b"\n"
+    except Exception as exc:  # mid-stream: the status is sent already, so end with an error line
+        log.exception("stream %s failed", rid)
+        worker.metrics.error(getattr(exc, "code", "internal"))
+        yield m.encode(m.error_event(rid, exc)) + b"\n"
+
+
+def create_app(worker: Any) -> FastAPI:
+    app = FastAPI(title=f"kvpool {worker.config.role} worker", version=str(m.WIRE_VERSION))
+
+    @app.exception_handler(KVPoolError)
+    async def _kvpool_error(request: Request, exc: KVPoolError) -> JSONResponse:
+        worker.metrics.error(exc.code)
+        if exc.http_status >= 500:
+            log.warning("%s %s failed: %s", request.method, request.url.path, exc)
+        return JSONResponse({"code": exc.code, "message": str(exc)}, status_code=exc.http_status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        worker.metrics.error("internal")
+        return JSONResponse({"code": "internal", "message": f"{type(exc).__name__}: {exc}"}, status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "role": worker.config.role}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/load")
+    async def load() -> Response:
+        return _json(worker.load())
+
+    @app.get("/v1/info")
+    async def info() -> Response:
+        return _json(worker.info())
+
+    @app.get("/v1/events")
+    async def events(since: int = 0, limit: int = 1000) -> Response:
+        return _json(worker.events.since(since, max(1, min(limit, 10000))))
+
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = m.decode(await request.body(), m.TokenizeRequest)
+        return _json(m.TokenizeResponse(token_ids=worker.tokenize(req)))
+
+    @app.post("/v1/prefill")
+    async def prefill(request: Request) -> Response:
+        req = m.decode(await request.body(), m.PrefillRequest)
+        return _json(await worker.prefill(req))
+
+    @app.post("/v1/decode")
+    async def decode(request: Request) -> StreamingResponse:
+        req = m.decode(await request.body(), m.DecodeRequest)
+        stream = await worker.open_decode(req)
+        return StreamingResponse(_ndjson(stream, worker), media_type=m.NDJSON)
+
+    @app.post("/v1/generate")
+    async def generate(request: Request) -> StreamingResponse:
+        req = m.decode(await request.body(), m.GenerateRequest)
+        stream = await worker.open_generate(req)
+        return StreamingResponse(_ndjson(stream, worker), media_type=m.NDJSON)
+
+    @app.post("/v1/cache/clear")
+    async def clear_cache() -> dict:
+        return {"removed_chunks": worker.cache.clear()}
+
+    return app

@@ -1,0 +1,152 @@
+"""A worker's own prefix cache in front of the pool: its "HBM" tier (process memory here).
+
+Full chunks of KV, keyed by chunk key (32 hex characters), each a tensor
+`[layers, 2, kv_heads, chunk_tokens, head_dim]`. Like vLLM's GPU prefix cache it publishes KV
+events (`stored` when a key enters, `removed` when it leaves) so a router can tell which worker
+already holds which prefix.
+
+Invariants:
+- Only full chunks are held; a tensor is never written after insertion, so readers share it
+  without copying (they build their own cache from it with `torch.cat`).
+- `nbytes <= capacity_bytes` after every call; eviction is least-recently-used. A hit on a run
+  refreshes it back to front, so the end of a prefix chain is evicted before its beginning (a
+  chain with a hole in the middle is useless past the hole).
+- Every key that enters is reported in one `stored` event and every key that leaves in one
+  `removed` event, in the order it happened (`events.EventLog` numbers and keeps them).
+- Thread-safe: one lock guards the table; listeners run outside it, in the changing thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    kind: str  # "stored" | "removed"
+    keys: tuple[str, ...]
+
+
+class LocalPrefixCache:
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        self.capacity_bytes = int(capacity_bytes)
+        self._entries: collections.OrderedDict[str, Any] = collections.OrderedDict()  # oldest first
+        self._nbytes = 0
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[CacheEvent], None]] = []
+        self.hits = 0  # chunks served
+        self.evictions = 0
+
+    # -- queries -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def match(self, keys: Sequence[str]) -> int:
+        """Length of the longest run keys[0..n) held here (does not refresh)."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                if key not in self._entries:
+                    break
+                n += 1
+            return n
+
+    def get_run(self, keys: Sequence[str]) -> list[Any]:
+        """Tensors of the longest held run keys[0..n), refreshed as most recently used."""
+        with self._lock:
+            run = []
+            for key in keys:
+                tensor = self._entries.get(key)
+                if tensor is None:
+                    break
+                run.append(tensor)
+            for key in reversed(keys[: len(run)]):
+                self._entries.move_to_end(key)
+            self.hits += len(run)
+            return run
+
+    # -- updates -------------------------------------------------------------------------------
+    def put_many(self, items: Iterable[tuple[str, Any]]) -> int:
+        """Insert chunks (key, tensor) in chain order; returns how many were new.
+
+        A chunk larger than the whole capacity is not admitted (capacity 0 disables the cache).
+        """
+        stored: list[str] = []
+        removed: list[str] = []
+        with self._lock:
+            for key, tensor in items:
+                if key in self._entries:
+                    continue
+                size = _nbytes(tensor)
+                if size > self.capacity_bytes:
+                    continue
+                while self._nbytes + size > self.capacity_bytes:
+                    old_key, old = self._entries.popitem(last=False)
+                    self._account(old, -1)
+                    removed.append(old_key)
+                    self.evictions += 1
+                self._entries[key] = tensor
+                self._account(tensor, +1)
+                stored.append(key)
+        self._notify(removed, stored)
+        return len(stored)
+
+    def remove(self, keys: Iterable[str]) -> int:
+        removed = []
+        with self._lock:
+            for key in keys:
+                tensor = self._entries.pop(key, None)
+                if tensor is not None:
+                    self._account(tensor, -1)
+                    removed.append(key)
+        self._notify(removed, [])
+        return len(removed)
+
+    def clear(self) -> int:
+        with self._lock:
+            keys = list(self._entries)
+        return self.remove(keys)
+
+    # -- events --------------------------------------------------------------------------------
+    def add_listener(self, callback: Callable[[CacheEvent], None]) -> None:
+        self._listeners.append(callback)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _account(self, tensor: Any, sign: int) -> None:
+        self._nbytes += sign * _nbytes(tensor)
+        self._tokens += sign * int(tensor.shape[3])
+
+    def _notify(self, removed: list[str], stored: list[str]) -> None:
+        for kind, keys in (("removed", removed), ("stored", stored)):
+            if not keys:
+                continue
+            event = CacheEvent(kind, tuple(keys))
+            for callback in self._listeners:
+                try:
+                    callback(event)
+                except Exception:  # a faulty listener must not break the serving path
+                    log.exception("KV event listener failed")
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.numel() * tensor.element_size())

@@ -1,0 +1,197 @@
+"""Continuous batching with decode priority, on one engine thread.
+
+Each iteration of the loop:
+  1. admits waiting decode sequences into the running batch (up to `max_batch`): requests join
+     only between steps;
+  2. runs one decode step for every running sequence (decode first: a token already promised
+     to a streaming client is never delayed by a new prompt), dropping those that finished or
+     whose client went away: requests leave only between steps;
+  3. runs one prefill chunk of at most `prefill_chunk_tokens` tokens of the oldest prefill job
+     (the gaps between decode steps). None means a whole prompt in one pass: the right choice
+     when there is no decode to protect (a prefill-only worker), and the only one that keeps a
+     prompt's logits bitwise equal to a single full pass.
+
+Within a decode step the sequences run one after another, each as a batch-1 forward (see
+`runner.py` for why: exact greedy equality with `model.generate`). The batch is still a real
+continuous batch at the request level: its membership changes every iteration.
+
+Invariants:
+- Only the engine thread touches a submitted job's or sequence's cache.
+- Every submitted prefill job's future is resolved exactly once (result or exception), and every
+  submitted sequence gets exactly one final emit (finish reason or error), including on stop().
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable
+
+from kvpool.errors import Unavailable
+
+from engine_adapters.serving.runner import ModelRunner
+from engine_adapters.serving.sequence import DecodeSequence, PrefillJob
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, *, max_batch: int = 32, prefill_chunk_tokens: int | None = None,
+                 on_decode_step: Callable[[int, float], None] | None = None,
+                 on_prefill_chunk: Callable[[int, float], None] | None = None):
+        if max_batch <= 0:
+            raise ValueError("max_batch must be positive")
+        if prefill_chunk_tokens is not None and prefill_chunk_tokens <= 0:
+            raise ValueError("prefill_chunk_tokens must be positive or None")
+        self.runner = runner
+        self.max_batch = max_batch
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._on_decode_step = on_decode_step
+        self._on_prefill_chunk = on_prefill_chunk
+        self._cond = threading.Condition()
+        self._prefills: collections.deque[PrefillJob] = collections.deque()
+        self._joining: collections.deque[DecodeSequence] = collections.deque()
+        self._running: list[DecodeSequence] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- submission (any thread) ---------------------------------------------------------------
+    def submit_prefill(self, job: PrefillJob) -> PrefillJob:
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("worker is stopping")
+            self._prefills.append(job)
+            self._cond.notify()
+        return job
+
+    def submit_decode(self, seq: DecodeSequence) -> DecodeSequence:
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("worker is stopping")
+            self._joining.append(seq)
+            self._cond.notify()
+        return seq
+
+    def wake(self) -> None:
+        """Nudge the loop (e.g. after a cancellation) so it notices promptly."""
+        with self._cond:
+            self._cond.notify()
+
+    # -- load report ---------------------------------------------------------------------------
+    @property
+    def queue_length(self) -> int:
+        return len(self._prefills) + len(self._joining)
+
+    @property
+    def active_sequences(self) -> int:
+        return len(self._running)
+
+    def kv_tokens(self) -> int:
+        running = list(self._running)
+        prefills = list(self._prefills)
+        return sum(s.kv_tokens for s in running) + sum(len(j.token_ids) for j in prefills)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and not (self._prefills or self._joining or self._running):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    while self._joining and len(self._running) < self.max_batch:
+                        self._running.append(self._joining.popleft())
+                    job = self._prefills[0] if self._prefills else None
+                if self._running:
+                    self._decode_step()
+                if job is not None and self._prefill_chunk(job):
+                    with self._cond:
+                        self._prefills.popleft()
+        except BaseException:  # the engine thread must never die silently
+            log.exception("engine loop crashed")
+            raise
+        finally:
+            self._fail_all(Unavailable("worker is stopping"))
+
+    def _decode_step(self) -> None:
+        started = time.perf_counter()
+        still: list[DecodeSequence] = []
+        for seq in self._running:
+            if seq.cancelled:
+                seq.finished = True
+                continue
+            try:
+                token = self.runner.greedy(self.runner.extend(seq.cache, [seq.next_token]))
+            except Exception as exc:
+                log.exception("decode step failed for request %s", seq.request_id)
+                seq.finished = True
+                seq.emit(None, None, exc)
+                continue
+            seq.generated += 1
+            seq.remaining -= 1
+            seq.next_token = token
+            reason = "stop" if token in seq.stop_ids else ("length" if seq.remaining <= 0 else None)
+            if reason is None and seq.kv_tokens + 1 >= self.runner.max_positions:
+                reason = "length"
+            seq.emit(token, reason, None)
+            if reason is None:
+                still.append(seq)
+            else:
+                seq.finished = True
+        n = len(self._running)
+        self._running = still
+        self.steps += 1
+        if self._on_decode_step is not None:
+            self._on_decode_step(n, time.perf_counter() - started)
+
+    def _prefill_chunk(self, job: PrefillJob) -> bool:
+        """One chunk of `job`; True when the job is resolved (done or failed)."""
+        started = time.perf_counter()
+        budget = self.prefill_chunk_tokens or job.remaining
+        end = min(len(job.token_ids), job.cursor + budget)
+        try:
+            job.logits = self.runner.extend(job.cache, job.token_ids[job.cursor:end])
+        except Exception as exc:
+            log.exception("prefill failed for request %s", job.request_id)
+            job.future.set_exception(exc)
+            return True
+        tokens = end - job.cursor
+        job.cursor = end
+        if self._on_prefill_chunk is not None:
+            self._on_prefill_chunk(tokens, time.perf_counter() - started)
+        if job.cursor < len(job.token_ids):
+            return False
+        job.future.set_result(self.runner.greedy(job.logits))
+        return True
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            self._stopping = True
+            prefills, self._prefills = list(self._prefills), collections.deque()
+            seqs = list(self._joining) + list(self._running)
+            self._joining.clear()
+            self._running = []
+        for job in prefills:
+            if not job.future.done():
+                job.future.set_exception(exc)
+        for seq in seqs:
+            if not seq.finished:
+                seq.finished = True
+                seq.emit(None, None, exc)

@@ -1,0 +1,350 @@
+"""A reference worker: the model, its local prefix cache, the pool, and the scheduler, behind the
+three operations the HTTP API exposes (prefill, decode, generate).
+
+Prefill of a prompt of n tokens:
+  1. chunk keys of its full chunks; the longest run held in the local cache (k_local chunks);
+  2. the longest run in the pool (one match_prefix); chunks the pool has beyond k_local are
+     fetched, verified and added to the local cache (a damaged one ends the run: recomputed);
+  3. the scheduler computes only tokens [cached, n) on a cache built from those chunks (at
+     least the last token, so a fully cached prompt still yields its logits);
+  4. the new full chunks enter the local cache; every full chunk the pool lacks (new, or local
+     only) and the tail are pushed through the adapter; a KV handle names them.
+Decode of a handle: the chunks come from the local cache where it has them, the rest and the tail
+from the pool (all or nothing); the sequence joins the running batch; the tail is released when
+the sequence ends.
+
+Invariants:
+- KV bytes never pass through the HTTP layer: a handle names pool objects only.
+- Only the scheduler's engine thread runs the model; fetches and pushes run in other threads and
+  never touch a cache after it has been submitted.
+- A chunk whose check fails is a miss (recomputed), never KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from engine_adapters.handle import KVHandle
+from engine_adapters.serving.events import EventLog
+from engine_adapters.serving.kvio import PoolKV, cache_from_chunks, chunks_from_cache
+from engine_adapters.serving.messages import (DecodeRequest, GenerateRequest, LoadReport, PrefillRequest,
+                                              PrefillResponse, TokenEvent, TokenizeRequest, WorkerInfo,
+                                              error_event)
+from engine_adapters.serving.metrics import WorkerMetrics
+from engine_adapters.serving.prefix_cache import LocalPrefixCache
+from engine_adapters.serving.runner import ModelRunner
+from engine_adapters.serving.scheduler import Scheduler
+from engine_adapters.serving.sequence import DecodeSequence, PrefillJob
+from kvpool.errors import InvalidArgument, KVPoolError, LayoutMismatch
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass
+class WorkerConfig:
+    role: str = "both"
+    pool: str = "127.0.0.1:7600"
+    chunk_tokens: int = 256
+    local_cache_bytes: int = 512 << 20
+    max_batch: int = 32
+    # None: whole prompt in one pass. Defaults to 512 on `both` (decode priority needs gaps).
+    prefill_chunk_tokens: int | None = None
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise InvalidArgument(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.prefill_chunk_tokens is None and self.role == "both":
+            self.prefill_chunk_tokens = 512
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
+            self.prefill_chunk_tokens = None
+
+
+@dataclass
+class _Prefix:
+    """What prefill found before computing: the chunks and where they came from."""
+
+    keys: list[str]
+    chunks: list[Any]
+    local_chunks: int
+    pool_chunks: int
+
+
+class _Detokenizer:
+    """Incremental text of a growing token list (holds back a partial UTF-8 character)."""
+
+    def __init__(self, tokenizer: Any, first: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(first)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self.text):
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, model: Any, pool: Any):
+        from engine_adapters.hf import HFAdapter
+
+        self.config = config
+        self.rm = model  # engine_adapters.model.ReferenceModel
+        self.pool = pool
+        self.namespace = model.namespace(config.chunk_tokens, config.tenant_salt)
+        self.layout = self.namespace.layout
+        self.adapter = HFAdapter(pool, model.model, self.namespace)
+        self.kv = PoolKV(pool, self.layout)
+        self.cache = LocalPrefixCache(config.local_cache_bytes)
+        self.events = EventLog()
+        self.cache.add_listener(lambda ev: self.events.append(ev.kind, ev.keys, "local"))
+        self.adapter.add_listener(lambda ev: self.events.append(ev.kind, ev.keys, "pool"))
+        self.kv.on_removed = lambda key: self.events.append("removed", [key], "pool")
+        self.eos = frozenset(model.eos_token_ids)
+        self.metrics = WorkerMetrics(config.role, self)
+        self.runner = ModelRunner(model.model)
+        self.scheduler = Scheduler(self.runner, max_batch=config.max_batch,
+                                   prefill_chunk_tokens=config.prefill_chunk_tokens,
+                                   on_decode_step=self.metrics.decode_step,
+                                   on_prefill_chunk=self.metrics.prefill_chunk)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> "Worker":
+        self.scheduler.start()
+        return self
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    # -- small queries -------------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(role=self.config.role, model_id=self.rm.model_id, namespace=self.namespace.hex(),
+                          chunk_tokens=self.layout.chunk_tokens, dtype=self.layout.dtype, pool=self.config.pool,
+                          eos_token_ids=sorted(self.eos))
+
+    def load(self) -> LoadReport:
+        per_token = self.layout.bytes_per_token
+        return LoadReport(role=self.config.role, queue_length=self.scheduler.queue_length,
+                          active_sequences=self.scheduler.active_sequences, kv_tokens=self.scheduler.kv_tokens(),
+                          cache_tokens=self.cache.tokens, cache_capacity_tokens=self.cache.capacity_bytes // per_token,
+                          max_batch=self.config.max_batch)
+
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidArgument("give exactly one of 'prompt' or 'messages'")
+        if req.prompt is not None:
+            ids = self.rm.encode(req.prompt)
+        else:
+            ids = self.rm.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
+        return self._check_tokens(ids)
+
+    def _check_tokens(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise InvalidArgument("the prompt has no tokens")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"token id {bad} is outside the vocabulary 0..{vocab - 1}")
+        if len(ids) >= self.runner.max_positions:
+            raise InvalidArgument(f"the prompt has {len(ids)} tokens; this model takes at most "
+                                  f"{self.runner.max_positions - 1}")
+        return ids
+
+    def _require(self, *roles: str) -> None:
+        if self.config.role not in roles:
+            raise InvalidArgument(f"this is a {self.config.role} worker; that call needs role {' or '.join(roles)}")
+
+    # -- prefill -------------------------------------------------------------------------------
+    def _find_prefix(self, ids: list[int]) -> _Prefix:
+        keys = self.adapter.chunk_keys(ids)
+        local = self.cache.get_run(keys)
+        fetched: list[Any] = []
+        if len(local) < len(keys):
+            in_pool = self.kv.match(keys)
+            if in_pool > len(local):
+                fetched = self.kv.fetch_run(keys[len(local):in_pool])
+                self.cache.put_many(zip(keys[len(local):], fetched))
+        return _Prefix(keys, local + fetched, len(local), len(fetched))
+
+    async def _prefill(self, ids: list[int], request_id: str) -> tuple[PrefillJob, _Prefix]:
+        prefix = await asyncio.to_thread(self._find_prefix, ids)
+        cached = len(prefix.chunks) * self.layout.chunk_tokens
+        usable = min(cached, len(ids) - 1)  # compute at least one token: its logits give the first token
+        cache = await asyncio.to_thread(cache_from_chunks, prefix.chunks, usable)
+        job = PrefillJob(request_id, ids, cache, usable)
+        self.scheduler.submit_prefill(job)
+        await asyncio.wrap_future(job.future)
+        return job, prefix
+
+    def _publish(self, ids: list[int], job: PrefillJob, prefix: _Prefix, request_id: str | None) -> Any:
+        """New full chunks into the local cache; missing chunks (and the tail) into the pool."""
+        c = self.layout.chunk_tokens
+        full = len(ids) // c
+        have = len(prefix.chunks)
+        if full > have:
+            self.cache.put_many(zip(prefix.keys[have:full], chunks_from_cache(job.cache, have, full, c)))
+        return self.adapter.save(ids, job.cache, request_id=request_id, start_token=0)
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        self._require("prefill", "both")
+        started = time.perf_counter()
+        ids = self._check_tokens(list(req.token_ids))
+        rid = req.request_id or uuid.uuid4().hex
+        job, prefix = await self._prefill(ids, rid)
+        saved = await asyncio.to_thread(self._publish, ids, job, prefix, rid)
+        handle = self.adapter.make_handle(ids, saved)
+        return self._prefill_response(rid, ids, job, prefix, handle, started)
+
+    def _prefill_response(self, rid: str, ids: list[int], job: PrefillJob, prefix: _Prefix,
+                          handle: KVHandle | None, started: float) -> PrefillResponse:
+        c = self.layout.chunk_tokens
+        first = int(job.future.result())
+        local_tokens = prefix.local_chunks * c
+        pool_tokens = prefix.pool_chunks * c
+        computed = job.computed_tokens
+        # A fully cached prompt recomputes its last token: count it once, as computed.
+        overlap = local_tokens + pool_tokens + computed - len(ids)
+        if overlap > 0:
+            if pool_tokens >= overlap:
+                pool_tokens -= overlap
+            else:
+                local_tokens -= overlap
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        self.metrics.prefill_done(len(ids), local_tokens, pool_tokens, computed, elapsed_ms / 1e3)
+        log.info("prefill %s: %d tokens, %d local + %d pool cached, %d computed, %.0f ms",
+                 rid, len(ids), local_tokens, pool_tokens, computed, elapsed_ms)
+        dummy = handle or KVHandle(namespace=self.namespace.hex(), request_id=rid, num_tokens=0,
+                                   chunk_tokens=c, chunk_keys=[])
+        return PrefillResponse(request_id=rid, first_token=first, handle=dummy, prompt_tokens=len(ids),
+                               cached_tokens=local_tokens + pool_tokens, local_cached_tokens=local_tokens,
+                               pool_cached_tokens=pool_tokens, computed_tokens=computed,
+                               prefill_ms=round(elapsed_ms, 3), text=self.rm.decode([first]))
+
+    # -- decode --------------------------------------------------------------------------------
+    def _load_handle(self, handle: KVHandle) -> Any:
+        self.adapter.store.check_handle(handle)
+        keys = list(handle.chunk_keys)
+        local = self.cache.get_run(keys)
+        rest = keys[len(local):]
+        wanted = rest + ([handle.tail_key] if handle.tail_key else [])
+        tokens = [self.layout.chunk_tokens] * len(rest) + ([handle.tail_tokens] if handle.tail_key else [])
+        fetched = self.kv.fetch_exact(wanted, tokens)
+        self.cache.put_many(zip(rest, fetched[:len(rest)]))
+        self.metrics.decode_loaded(len(local) * self.layout.chunk_tokens,
+                                   handle.num_tokens - len(local) * self.layout.chunk_tokens)
+        return cache_from_chunks(local + fetched, handle.num_tokens)
+
+    def _release(self, handle: KVHandle) -> None:
+        try:
+            self.adapter.release_handle(handle)
+        except KVPoolError as exc:  # the tail's lease reclaims it anyway
+            log.warning("could not release the tail of %s: %s", handle.request_id, exc)
+
+    async def open_decode(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
+        """Validate, load the KV and join the batch; the returned iterator streams the tokens.
+
+        Errors before the stream starts (bad handle, KV gone) raise here, so the HTTP layer can
+        answer with a status code; later errors end the stream with an error line.
+        """
+        self._require("decode", "both")
+        handle = req.handle.validate()
+        if handle.namespace != self.namespace.hex():
+            raise LayoutMismatch("the KV handle was written by another model, dtype, chunk size or tenant")
+        if handle.num_tokens <= 0:
+            raise InvalidArgument("the KV handle covers no tokens")
+        self._check_tokens([req.first_token])
+        if req.max_tokens < 1:
+            raise InvalidArgument("max_tokens must be >= 1")
+        rid = handle.request_id or uuid.uuid4().hex
+        stop = frozenset(req.stop_token_ids) if req.stop_token_ids is not None else self.eos
+        if req.first_token in stop or req.max_tokens == 1:
+            if req.release:
+                await asyncio.to_thread(self._release, handle)
+            reason = "stop" if req.first_token in stop else "length"
+            return _single(TokenEvent(request_id=rid, done=True, finish_reason=reason))
+        try:
+            cache = await asyncio.to_thread(self._load_handle, handle)
+        except BaseException:
+            if req.release:
+                await asyncio.to_thread(self._release, handle)
+            raise
+        on_done = (lambda: self._release(handle)) if req.release else None
+        return self._stream(rid, cache, req.first_token, req.max_tokens - 1, stop, on_done)
+
+    async def _stream(self, rid: str, cache: Any, first: int, budget: int, stop: frozenset[int],
+                      on_done: Any = None) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(token, reason, error):  # engine thread -> event loop
+            loop.call_soon_threadsafe(queue.put_nowait, (token, reason, error))
+
+        seq = DecodeSequence(rid, cache, first, budget, stop, emit)
+        detok = _Detokenizer(self.rm.tokenizer, [first])
+        started = last = time.perf_counter()
+        index = 0
+        finished = False
+        try:
+            self.scheduler.submit_decode(seq)
+            while True:
+                token, reason, error = await queue.get()
+                if error is not None:
+                    finished = True
+                    yield error_event(rid, error)
+                    return
+                if token is not None:
+                    index += 1
+                    now = time.perf_counter()
+                    self.metrics.token_out(now - last)
+                    last = now
+                    yield TokenEvent(request_id=rid, index=index, token_id=token, text=detok.push(token))
+                if reason is not None:
+                    finished = True
+                    self.metrics.decode_done(index, time.perf_counter() - started)
+                    yield TokenEvent(request_id=rid, done=True, finish_reason=reason)
+                    return
+        finally:
+            if not finished:  # the client went away: leave the batch at the next step
+                seq.cancelled = True
+                self.scheduler.wake()
+            if on_done is not None:
+                await asyncio.to_thread(on_done)
+
+    # -- both: prefill and decode here, no pool round trip --------------------------------------
+    async def open_generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        self._require("both")
+        started = time.perf_counter()
+        ids = self._check_tokens(list(req.token_ids))
+        if req.max_tokens < 1:
+            raise InvalidArgument("max_tokens must be >= 1")
+        rid = req.request_id or uuid.uuid4().hex
+        job, prefix = await self._prefill(ids, rid)
+        # Full chunks still go to the local cache and the pool (prefix reuse); no tail, no handle.
+        await asyncio.to_thread(self._publish, ids, job, prefix, None)
+        head = self._prefill_response(rid, ids, job, prefix, None, started)
+        stop = frozenset(req.stop_token_ids) if req.stop_token_ids is not None else self.eos
+        return self._generate_stream(head, job, req.max_tokens, stop)
+
+    async def _generate_stream(self, head: PrefillResponse, job: PrefillJob, max_tokens: int,
+                               stop: frozenset[int]) -> AsyncIterator[TokenEvent]:
+        rid, first = head.request_id, head.first_token
+        yield TokenEvent(request_id=rid, index=0, token_id=first, text=head.text, prefill=head)
+        if first in stop or max_tokens == 1:
+            yield TokenEvent(request_id=rid, done=True, finish_reason="stop" if first in stop else "length")
+            return
+        async for event in self._stream(rid, job.cache, first, max_tokens - 1, stop):
+            yield event
+
+
+async def _single(event: TokenEvent) -> AsyncIterator[TokenEvent]:
+    yield event

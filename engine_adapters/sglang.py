@@ -1,0 +1,307 @@
+"""SGLang HiCache storage backend (the "L3" tier of HiCache) backed by the kvpool.
+
+Enable it in SGLang (see docs/sglang.md) as a dynamic backend:
+
+    python -m sglang.launch_server --model-path MODEL --page-size 64 --enable-hierarchical-cache \\
+        --hicache-mem-layout page_first --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvpool",
+            "module_path": "engine_adapters.sglang", "class_name": "KVPoolHiCacheStorage",
+            "interface_v1": 1, "kvpool_address": "127.0.0.1:7600"}'
+
+Semantics:
+- One SGLang page (`page_size` tokens, all layers, K and V) is one kvpool chunk object
+  (`kvpool.layout`, layer-major payload, checksummed) of a `KVLayout` whose `chunk_tokens` is the
+  page size. The page's bytes are converted from the host pool's layout (layer_first,
+  page_first, page_first_direct) to the chunk layout on write and back on read.
+- SGLang computes its own page keys (a hash chain over page tokens). The pool key is
+  `sglang/<namespace hex>/<sglang key>`, where the namespace (kvpool.keys.Namespace) covers the
+  model, weights fingerprint, KV layout, page size and TP rank: two models, layouts or TP ranks
+  never share a page.
+- Both of SGLang's IO paths exist: the generic one (`get`/`set`/`batch_get`/`batch_set` on flat
+  page tensors) and the zero-copy page path (`batch_get_v1`/`batch_set_v1` on host-pool indices,
+  chosen by SGLang when the extra config has `"interface_v1": 1`), which reads and writes the
+  host pool's buffer in place without an intermediate flat page.
+- These methods run on SGLang's prefetch/backup threads, which are never restarted: they never
+  raise. A missing, damaged (checksum) or foreign-layout page is a miss (None / False), and a
+  pool error is logged and reported the same way. Configuration errors raise at construction
+  or `register_mem_pool_host`, with a typed `kvpool.errors` error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, List, Optional
+
+import torch
+
+from kvpool.api import PoolClient
+from kvpool.errors import CorruptObject, InvalidArgument, KVPoolError, LayoutMismatch
+from kvpool.keys import Namespace
+from kvpool.layout import KVLayout, decode_chunk, encode_into
+
+try:  # the real base class where SGLang is installed
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    SGLANG_AVAILABLE = True
+except ImportError:  # CPU-only machines: a stand-in that is named and documented as fake
+    from engine_adapters._fakes.sglang_api import _FakeHiCacheStorage as HiCacheStorage
+
+    SGLANG_AVAILABLE = False
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# host layout -> how one page looks as a 5-d view, as a permutation to the chunk's
+# [layers, 2, heads, tokens, head_dim] order ("2LPHD": dims are kv, layer, page token, head, dim)
+_PAGE_TO_CHUNK = {
+    "layer_first": (1, 0, 3, 2, 4),  # page view [2, L, P, H, D]
+    "page_first": (2, 0, 3, 1, 4),  # page view [2, P, L, H, D]
+    "page_first_direct": (1, 0, 3, 2, 4),  # page view [2, 1, L, P, H, D] squeezed to [2, L, P, H, D]
+}
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+class KVPoolHiCacheStorage(HiCacheStorage):
+    """HiCacheStorage whose pages live in the kvpool as chunk objects (see module docstring).
+
+    SGLang constructs dynamic backends as `cls(storage_config, kwargs)` and then calls
+    `register_mem_pool_host(host_pool)`; no page IO happens before that registration.
+    """
+
+    def __init__(self, storage_config: Any, kwargs: Optional[dict] = None, *, client: PoolClient | None = None):
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        if getattr(storage_config, "is_mla_model", False):
+            raise InvalidArgument("KVPoolHiCacheStorage stores K and V pages; MLA (latent) KV caches are not supported")
+        self.tp_rank = int(getattr(storage_config, "tp_rank", 0))
+        self.tp_size = int(getattr(storage_config, "tp_size", 1))
+        self.pp_rank = int(getattr(storage_config, "pp_rank", 0))
+        self.model_id = str(extra.get("model_id") or getattr(storage_config, "model_name", None) or "unknown-model")
+        self.weights_fingerprint = str(extra.get("weights_fingerprint", "unversioned"))
+        # pipeline stages hold different layers: the salt keeps their pages apart
+        salt = str(extra.get("tenant_salt", ""))
+        self.tenant_salt = salt if self.pp_rank == 0 else f"{salt}/pp{self.pp_rank}"
+        self.address = str(extra.get("kvpool_address", os.environ.get("KVPOOL_MASTER", "127.0.0.1:7600")))
+        self._client = client
+        self._owns_client = client is None
+        self.mem_pool_host: Any = None
+        self.layout: KVLayout | None = None
+        self._prefix = ""
+        self.stats = {"get_hits": 0, "get_misses": 0, "corrupt": 0, "set_ok": 0, "set_failed": 0}
+        host = (kwargs or {}).get("mem_pool_host") if isinstance(kwargs, dict) else None
+        if host is not None:
+            self.register_mem_pool_host(host)
+
+    @property
+    def client(self) -> PoolClient:
+        if self._client is None:
+            import kvpool
+
+            self._client = kvpool.connect(self.address)
+        return self._client
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Learn the page geometry from SGLang's host KV pool and derive the key namespace."""
+        host_layout = getattr(mem_pool_host, "layout", "layer_first")
+        if host_layout not in _PAGE_TO_CHUNK:
+            raise InvalidArgument(f"host pool layout {host_layout!r} is not supported (use {sorted(_PAGE_TO_CHUNK)})")
+        dtype = _DTYPES.get(mem_pool_host.dtype)
+        if dtype is None:
+            raise InvalidArgument(f"host pool dtype {mem_pool_host.dtype} is not supported (float16, bfloat16, float32)")
+        for name in ("layer_num", "head_num", "head_dim", "page_size"):
+            if not hasattr(mem_pool_host, name):
+                raise InvalidArgument(f"host pool has no {name!r}: only MHA host pools are supported")
+        self.layout = KVLayout(int(mem_pool_host.layer_num), int(mem_pool_host.head_num), int(mem_pool_host.head_dim),
+                               dtype, int(mem_pool_host.page_size))
+        self.mem_pool_host = mem_pool_host
+        self.host_layout = host_layout
+        self._perm = _PAGE_TO_CHUNK[host_layout]
+        ns = Namespace(self.model_id, self.weights_fingerprint, self.layout, self.tp_rank, self.tp_size, self.tenant_salt)
+        self._prefix = f"sglang/{ns.hex()}/"
+        logger.info("kvpool HiCache backend: %s layout, page %d tokens, %d B per page, namespace %s",
+                    host_layout, self.layout.chunk_tokens, self.layout.bytes_per_chunk, ns.hex())
+
+    # ---- helpers ----
+
+    def pool_key(self, key: str) -> str:
+        if self.layout is None:
+            raise InvalidArgument("register_mem_pool_host must be called before page IO")
+        return self._prefix + key
+
+    def _page_shape(self) -> tuple[int, ...]:
+        lay = self.layout
+        if self.host_layout == "page_first":
+            return (2, lay.chunk_tokens, lay.num_layers, lay.kv_heads, lay.head_dim)
+        return (2, lay.num_layers, lay.chunk_tokens, lay.kv_heads, lay.head_dim)
+
+    def _host_page(self, index: int) -> torch.Tensor:
+        """A 5-d view of the host buffer's page starting at token slot `index` (no copy)."""
+        buf, page = self.mem_pool_host.kv_buffer, self.layout.chunk_tokens
+        if index % page:
+            raise InvalidArgument(f"host index {index} is not page-aligned (page size {page})")
+        if self.host_layout == "layer_first":
+            return buf[:, :, index:index + page]
+        if self.host_layout == "page_first":
+            return buf[:, index:index + page]
+        return buf[:, index // page]
+
+    def _encode(self, page: torch.Tensor) -> bytearray:
+        """Page (5-d view in the host layout) -> chunk object."""
+        lay = self.layout
+        chunk = page.permute(self._perm).contiguous()  # the one copy into layer-major order
+        out = bytearray(lay.object_nbytes())
+        encode_into(out, lay, chunk, lay.chunk_tokens)
+        return out
+
+    def _decode_into(self, key: str, blob: bytes | None, page: torch.Tensor) -> bool:
+        """Verify a chunk object and copy it into `page` (a 5-d view in the host layout)."""
+        if blob is None:
+            self.stats["get_misses"] += 1
+            return False
+        try:
+            view = decode_chunk(blob, self.layout)
+        except (CorruptObject, LayoutMismatch) as exc:
+            logger.warning("kvpool page %s unusable, treated as a miss: %s", key, exc)
+            self.stats["corrupt"] += 1
+            return False
+        if view.tokens != self.layout.chunk_tokens:
+            self.stats["get_misses"] += 1
+            return False
+        page.copy_(view.as_torch().permute(_inverse(self._perm)))
+        self.stats["get_hits"] += 1
+        return True
+
+    def _flat_as_page(self, flat: Any) -> torch.Tensor | None:
+        shape = self._page_shape()
+        if not isinstance(flat, torch.Tensor) or flat.numel() != self.layout.chunk_tokens * self.layout.bytes_per_token // self.layout.itemsize:
+            logger.error("page tensor has %s elements, expected shape %s", getattr(flat, "numel", lambda: "?")(), shape)
+            return None
+        if flat.dtype != self.mem_pool_host.dtype:
+            logger.error("page tensor dtype %s differs from the host pool's %s", flat.dtype, self.mem_pool_host.dtype)
+            return None
+        return flat.reshape(shape)
+
+    def _pages_at(self, keys: List[str], host_indices: Any) -> list[int]:
+        page = self.layout.chunk_tokens
+        if host_indices is None or host_indices.numel() < len(keys) * page:
+            raise InvalidArgument(f"{len(keys)} pages need {len(keys) * page} host indices")
+        return [int(host_indices[i * page]) for i in range(len(keys))]
+
+    # ---- generic interface (flat page tensors) ----
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """The page under `key` as a flat tensor (written into `target_location` if given), or None."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> List[torch.Tensor | None]:
+        try:
+            pool_keys = [self.pool_key(k) for k in keys]
+            blobs = self.client.get_batch(pool_keys)
+        except KVPoolError as exc:
+            logger.warning("kvpool batch_get of %d pages failed: %s", len(keys), exc)
+            return [None] * len(keys)
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        out: List[torch.Tensor | None] = []
+        for key, blob, target in zip(keys, blobs, targets):
+            if target is None:
+                target = self.mem_pool_host.get_dummy_flat_data_page() if hasattr(self.mem_pool_host, "get_dummy_flat_data_page") \
+                    else torch.empty(self.layout.chunk_tokens * self.layout.bytes_per_token // self.layout.itemsize,
+                                     dtype=self.mem_pool_host.dtype)
+            page = self._flat_as_page(target)
+            out.append(target if page is not None and self._decode_into(key, blob, page) else None)
+        return out
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        """Store flat pages; True only if every page is stored (or already was)."""
+        if self.layout is None:
+            logger.error("batch_set before register_mem_pool_host: nothing stored")
+            return False
+        if values is None or len(values) != len(keys):
+            logger.error("batch_set needs one value per key (%d keys)", len(keys))
+            return False
+        pages = [self._flat_as_page(v) for v in values]
+        if any(p is None for p in pages):
+            self.stats["set_failed"] += len(keys)
+            return False
+        return all(self._put(keys, [self._encode(p) for p in pages]))
+
+    def _put(self, keys: List[str], blobs: list[bytearray]) -> list[bool]:
+        try:
+            results = self.client.put_batch([(self.pool_key(k), b) for k, b in zip(keys, blobs)])
+        except KVPoolError as exc:
+            results = [exc] * len(keys)
+        ok = [r is None for r in results]
+        for key, r in zip(keys, results):
+            if r is not None:
+                logger.warning("kvpool put of page %s failed: %s", key, r)
+        self.stats["set_ok"] += sum(ok)
+        self.stats["set_failed"] += len(ok) - sum(ok)
+        return ok
+
+    def exists(self, key: str) -> bool:
+        try:
+            return self.client.exists(self.pool_key(key))
+        except KVPoolError as exc:
+            logger.warning("kvpool exists(%s) failed: %s", key, exc)
+            return False
+
+    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+        """How many of `keys`, from the first, are stored: one `match_prefix` round trip."""
+        if not keys:
+            return 0
+        try:
+            return self.client.match_prefix([self.pool_key(k) for k in keys])
+        except KVPoolError as exc:
+            logger.warning("kvpool match_prefix of %d pages failed: %s", len(keys), exc)
+            return 0
+
+    # ---- zero-copy page interface (host pool indices) ----
+
+    def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
+        """Read pages straight into the host pool at `host_indices` (page i at host_indices[i * page_size])."""
+        try:
+            starts = self._pages_at(keys, host_indices)
+            blobs = self.client.get_batch([self.pool_key(k) for k in keys])
+        except (KVPoolError, TypeError, AttributeError) as exc:
+            logger.warning("kvpool batch_get_v1 of %d pages failed: %s", len(keys), exc)
+            return [False] * len(keys)
+        return [self._decode_into(k, b, self._host_page(s)) for k, b, s in zip(keys, blobs, starts)]
+
+    def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
+        """Write pages straight from the host pool; pages already stored are not re-sent."""
+        try:
+            starts = self._pages_at(keys, host_indices)
+            present = self.client.exists_batch([self.pool_key(k) for k in keys])
+        except (KVPoolError, TypeError, AttributeError) as exc:
+            logger.warning("kvpool batch_set_v1 of %d pages failed: %s", len(keys), exc)
+            return [False] * len(keys)
+        todo = [i for i, p in enumerate(present) if not p]
+        result = [True] * len(keys)
+        if todo:
+            ok = self._put([keys[i] for i in todo], [self._encode(self._host_page(starts[i])) for i in todo])
+            for i, good in zip(todo, ok):
+                result[i] = good
+        return result
+
+    # ---- lifecycle ----
+
+    def clear(self) -> None:
+        """Deliberately a no-op: the pool is shared by every engine; evict through the pool's admin API."""
+        logger.info("KVPoolHiCacheStorage.clear() leaves the shared pool untouched")
+
+    def get_stats(self):
+        return None  # SGLang expects its own metrics type here; our counters are in `self.stats`
+
+    def close(self) -> None:
+        if self._owns_client and self._client is not None:
+            self._client.close()
+            self._client = None

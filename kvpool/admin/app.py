@@ -1,0 +1,246 @@
+"""The REST admin API of a pool master (FastAPI; OpenAPI at `/docs`, schema at `/openapi.json`).
+
+Thin: parse, call the master service, wrap the answer. The master service is anything with the
+methods below (see `kvpool.master.service.MasterService`); each may be sync or async.
+
+    nodes() -> list[node]            node(node_id) -> node
+    drain_node(node_id) -> result    remove_node(node_id) -> result
+    stats() -> mapping               key_info(key) -> mapping
+    evict(target_bytes=None, keys=None) -> result
+    config() -> mapping              patch_config(changes: dict) -> mapping
+
+Invariants:
+- Every error reaches the client as `ErrorBody` with the status of its `kvpool.errors` class
+  (400 malformed input, 401 token, 404 unknown key or node, 413, 503, ...); an unexpected
+  exception is logged here and answered 500 without a traceback. The app keeps serving.
+- Mutating endpoints (drain, remove, evict, PATCH config) require the bearer token when one is
+  configured (`settings.admin_token`); a refused request never reaches the master.
+- `admin_token` is never returned by `GET /v1/config`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Callable
+
+from fastapi import Body, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvpool.admin import schemas as s
+from kvpool.admin.auth import token_guard
+from kvpool.admin.metrics import ServiceMetrics, render, to_builtins
+from kvpool.api import check_key
+from kvpool.config import Settings
+from kvpool.errors import InvalidArgument, KVPoolError
+
+log = logging.getLogger(__name__)
+
+REDACTED = "***"
+_SECRET_FIELDS = ("admin_token",)
+
+
+async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a master method, sync or async; sync ones run in a worker thread because they take
+    the master's lock and must not stall this event loop."""
+    if inspect.iscoroutinefunction(fn):
+        return to_builtins(await fn(*args, **kwargs))
+    result = await run_in_threadpool(fn, *args, **kwargs)
+    if inspect.isawaitable(result):
+        result = await result
+    return to_builtins(result)
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    body = s.ErrorBody(error=s.ErrorDetail(code=code, message=message))
+    return JSONResponse(status_code=status, content=body.model_dump(),
+                        headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+
+def _validation_message(exc: RequestValidationError | ValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        if e.get("type") == "json_invalid":
+            parts.append(f"malformed JSON body: {e.get('ctx', {}).get('error', e['msg'])}")
+            continue
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", 0))
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts) or "malformed request"
+
+
+def _redact(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: (REDACTED if k in _SECRET_FIELDS and v else v) for k, v in config.items()}
+
+
+def _check_version(version: int) -> None:
+    if version != s.API_VERSION:
+        raise InvalidArgument(f"unsupported request version {version}; this server speaks {s.API_VERSION}")
+
+
+def _check_patch(changes: dict[str, Any]) -> dict[str, Any]:
+    """Shape checks only; which fields may change live (and to what) is the master's call."""
+    changes = {k: v for k, v in changes.items() if k != "version"}
+    if not changes:
+        raise InvalidArgument("empty config patch: send a JSON object of fields to change")
+    secret = [k for k in changes if k in _SECRET_FIELDS]
+    if secret:
+        raise InvalidArgument(f"{secret} cannot be changed through the API; restart with a new setting")
+    return changes
+
+
+class _CatchAll:
+    """Answer an unexpected exception with a 500 `ErrorBody` and keep the connection usable.
+    (Starlette's own last-resort handler re-raises after answering, which makes the server drop
+    the keep-alive connection.)"""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.exception("admin %s %s failed", scope.get("method"), scope.get("path"))
+            if started:  # too late for a clean answer; the server closes the connection
+                raise
+            response = _error(500, "internal", f"internal error ({type(exc).__name__}); see the master's log")
+            await response(scope, receive, send)
+
+
+def _readiness(stats: dict[str, Any]) -> tuple[bool, str]:
+    if stats.get("leader") is False:
+        return False, f"standby master; the leader is {stats.get('leader_address') or 'unknown'}"
+    if stats.get("recovering"):
+        return False, "new leader waiting for nodes to re-report what they hold"
+    up = stats.get("nodes_up", stats.get("nodes"))
+    if isinstance(up, int) and up < 1:
+        return False, "no store node is up"
+    return True, ""
+
+
+def create_app(master_service: Any, settings: Settings | None = None, *,
+               metrics: ServiceMetrics | None = None) -> FastAPI:
+    """The admin app for `master_service`. `metrics` is the master's registry holder (one is
+    made, watching `master_service.stats()`, if not given); it is served at `/metrics`."""
+    settings = settings or Settings()
+    svc = master_service
+    if metrics is None:
+        metrics = ServiceMetrics("master")
+        # one collector, so one kvpool_stats_up; per-node rows come from nodes()
+        metrics.watch_stats(lambda: {**svc.stats(), "nodes": svc.nodes()})
+
+    def current_token() -> str | None:
+        return settings.admin_token
+
+    read = [Depends(token_guard(current_token, mutating=False))]
+    write = [Depends(token_guard(current_token, mutating=True))]
+    errors = {c: {"model": s.ErrorBody} for c in (400, 401, 404, 413, 500, 503)}
+
+    app = FastAPI(title="kvpool admin", version=str(s.API_VERSION), responses=errors,
+                  description="Admin API of a kvpool master: nodes, stats, keys, eviction, config.")
+    app.state.master = svc
+    app.state.metrics = metrics
+
+    @app.exception_handler(KVPoolError)
+    async def _typed(request: Request, exc: KVPoolError) -> JSONResponse:
+        log.info("%s %s -> %s: %s", request.method, request.url.path, exc.code, exc)
+        return _error(exc.http_status, exc.code, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, InvalidArgument.code, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _error(exc.status_code, code, str(exc.detail))
+
+    app.add_middleware(_CatchAll)
+
+    @app.get("/health", response_model=s.Health, tags=["health"])
+    async def health() -> s.Health:
+        """The process is up and serving HTTP."""
+        return s.Health(status="ok")
+
+    @app.get("/ready", response_model=s.Health, tags=["health"], responses={503: {"model": s.Health}})
+    async def ready() -> Any:
+        """Ready to serve the pool: this master leads and at least one node is up."""
+        try:
+            ok, detail = _readiness(await _call(svc.stats))
+        except KVPoolError as exc:
+            ok, detail = False, str(exc)
+        if ok:
+            return s.Health(status="ok", detail=detail)
+        return JSONResponse(status_code=503, content=s.Health(status="not ready", detail=detail).model_dump())
+
+    @app.get("/v1/nodes", response_model=s.Nodes, dependencies=read, tags=["nodes"])
+    async def nodes() -> s.Nodes:
+        """Every registered store node: address, state, capacity and use per tier, heartbeat."""
+        return s.Nodes(nodes=await _call(svc.nodes))
+
+    @app.get("/v1/nodes/{node_id}", response_model=s.Node, dependencies=read, tags=["nodes"])
+    async def node(node_id: str) -> s.Node:
+        return s.Node(node=await _call(svc.node, node_id))
+
+    @app.post("/v1/nodes/{node_id}/drain", response_model=s.Done, dependencies=write, tags=["nodes"])
+    async def drain(node_id: str) -> s.Done:
+        """Stop placing new objects on the node; existing ones stay readable."""
+        return s.Done(result=await _call(svc.drain_node, node_id))
+
+    @app.delete("/v1/nodes/{node_id}", response_model=s.Done, dependencies=write, tags=["nodes"])
+    async def remove(node_id: str) -> s.Done:
+        """Forget the node and drop its replicas from the index."""
+        return s.Done(result=await _call(svc.remove_node, node_id))
+
+    @app.get("/v1/stats", response_model=s.Stats, dependencies=read, tags=["stats"])
+    async def stats() -> s.Stats:
+        """Per tier: capacity, used, hits, misses, evictions, bytes in/out; and pool totals."""
+        return s.Stats(stats=await _call(svc.stats))
+
+    @app.get("/v1/keys/{key:path}", response_model=s.KeyInfo, dependencies=read, tags=["keys"])
+    async def key_info(key: str) -> s.KeyInfo:
+        """Replicas, size, state and lease of one object (`tail/...` keys may contain '/')."""
+        check_key(key)
+        return s.KeyInfo(key=key, info=await _call(svc.key_info, key))
+
+    @app.post("/v1/evict", response_model=s.Done, dependencies=write, tags=["keys"])
+    async def evict(request: s.EvictRequest) -> s.Done:
+        """Evict `keys`, or evict by the tiers' policy until `target_bytes` are freed."""
+        _check_version(request.version)
+        for key in request.keys or ():
+            check_key(key)
+        return s.Done(result=await _call(svc.evict, target_bytes=request.target_bytes, keys=request.keys))
+
+    @app.get("/v1/config", response_model=s.Config, dependencies=read, tags=["config"])
+    async def get_config() -> s.Config:
+        return s.Config(config=_redact(await _call(svc.config)))
+
+    @app.patch("/v1/config", response_model=s.Config, dependencies=write, tags=["config"])
+    async def patch_config(changes: dict[str, Any] = Body(..., examples=[{"lease_s": 5.0}])) -> s.Config:
+        """Change settings at run time (e.g. replicas, lease_s, put_timeout_s, high_watermark);
+        answers the whole config after the change. Fields the master cannot change live: 400."""
+        updated = await _call(svc.patch_config, _check_patch(changes))
+        return s.Config(config=_redact(updated if isinstance(updated, dict) else await _call(svc.config)))
+
+    @app.get("/metrics", tags=["metrics"], response_class=Response)
+    async def prometheus() -> Response:
+        """Prometheus text exposition (`kvpool_` prefix)."""
+        body, content_type = await run_in_threadpool(render, metrics.registry)
+        return Response(content=body, media_type=content_type)
+
+    return app

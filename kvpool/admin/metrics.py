@@ -1,0 +1,204 @@
+"""Prometheus metrics for every kvpool service (`kvpool_` prefix), one registry per service.
+
+Two halves, so the hot path pays only for what it does:
+- `ServiceMetrics`: counters and a latency histogram that the node / master update as they
+  work (`m.observe("get", seconds, nbytes=n)`, about a microsecond each).
+- `StatsCollector`: reads the service's own `stats()` at scrape time and exposes it as
+  `kvpool_tier_*{tier=...}` and `kvpool_pool_*`; nothing is copied between scrapes, so the
+  numbers can never drift from what `/v1/stats` reports.
+
+Invariants: every metric name starts with `kvpool_`; a stats field whose name says it only
+grows (hits, misses, evictions, bytes in/out, `*_total`) is a counter, anything else a gauge;
+a scrape never raises (a failing `stats()` is logged and yields `kvpool_stats_up 0`).
+
+The node side serves its registry with `serve_metrics(registry, host, port)`; the master's
+admin app serves its registry at `/metrics` (see `kvpool.admin.create_app`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+PREFIX = "kvpool"
+# Fields of a stats mapping that only ever grow; exposed as counters (`..._total`).
+COUNTER_FIELDS = {"hits", "misses", "evictions", "bytes_in", "bytes_out", "puts", "gets", "removes",
+                  "demotions", "promotions", "errors", "reads", "writes", "expired"}
+# Latency buckets from 10 us (a shm hit) to 10 s (a stalled node).
+LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5, 10.0)
+
+
+def _name(*parts: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", "_".join(p for p in parts if p)).lower()
+
+
+class ServiceMetrics:
+    """The counters one service updates: operations by kind and result, bytes, latency.
+
+    `service` is "master" or "node"; `node_id` labels everything a node exports so series from
+    several nodes can be summed in Prometheus.
+    """
+
+    def __init__(self, service: str, node_id: str | None = None, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.service = service
+        labels = {"service": service, "node": node_id or ""}
+        self._up = Gauge(f"{PREFIX}_up", "1 while the service runs", ["service", "node"], registry=self.registry)
+        self._up.labels(**labels).set(1)
+        self._ops = Counter(f"{PREFIX}_ops", "Operations handled, by kind and result",
+                            ["service", "node", "op", "result"], registry=self.registry)
+        self._bytes = Counter(f"{PREFIX}_bytes", "Payload bytes moved, by direction (in = written to the pool)",
+                              ["service", "node", "direction"], registry=self.registry)
+        self._latency = Histogram(f"{PREFIX}_op_seconds", "Time to handle one operation",
+                                  ["service", "node", "op"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._labels = labels
+
+    def observe(self, op: str, seconds: float, *, result: str = "ok", nbytes: int = 0, direction: str | None = None) -> None:
+        """Count one operation. `direction` ("in" | "out") with `nbytes` adds to the byte counter."""
+        self._ops.labels(op=op, result=result, **self._labels).inc()
+        self._latency.labels(op=op, **self._labels).observe(seconds)
+        if nbytes and direction:
+            self._bytes.labels(direction=direction, **self._labels).inc(nbytes)
+
+    def count(self, op: str, result: str = "ok", n: int = 1) -> None:
+        self._ops.labels(op=op, result=result, **self._labels).inc(n)
+
+    def watch_stats(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        """Expose `stats()` (a mapping, see `StatsCollector`) at every scrape of this registry.
+        Call it once per registry (merge sources into one callable): each collector exports
+        `kvpool_stats_up`."""
+        self.registry.register(StatsCollector(stats))
+
+    def render(self) -> tuple[bytes, str]:
+        return render(self.registry)
+
+
+class StatsCollector(Collector):
+    """Turns a stats mapping into metric families at scrape time.
+
+    Understood shape (anything else is skipped): top-level numbers -> `kvpool_pool_<field>`;
+    `tiers: {tier: {field: number}}` -> `kvpool_tier_<field>{tier}`; `nodes: {id: {..., tiers}}`
+    or `nodes: [{"node_id"| "id": ..., ...}]` -> `kvpool_node_<field>{node}` and
+    `kvpool_node_tier_<field>{node, tier}`. Objects with `to_dict()` / msgspec Structs are accepted.
+    """
+
+    def __init__(self, stats: Callable[[], Any]):
+        self._stats = stats
+
+    def describe(self) -> list:  # no describe-time call to stats(): it may not be ready yet
+        return []
+
+    def collect(self) -> Iterator:
+        up = GaugeMetricFamily(f"{PREFIX}_stats_up", "1 if the last stats() call for this scrape succeeded")
+        try:
+            doc = to_builtins(self._stats())
+        except Exception:  # a scrape must never take the service down
+            log.exception("stats() failed during a metrics scrape")
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        families: dict[str, Any] = {}
+        self._walk(families, doc, "pool", [], [])
+        yield from families.values()
+
+    def _walk(self, families: dict, doc: Any, scope: str, label_names: list[str], label_values: list[str],
+              counters: bool = False, depth: int = 0) -> None:
+        if not isinstance(doc, Mapping) or depth > 4:
+            return
+        for field, value in doc.items():
+            field = str(field)
+            if isinstance(value, bool):
+                value = int(value)
+            if isinstance(value, (int, float)):
+                self._add(families, scope, field, label_names, label_values, value, counters)
+            elif field == "tiers" and isinstance(value, Mapping):
+                inner = "tier" if scope == "pool" else f"{scope}_tier"
+                for tier, tdoc in value.items():
+                    self._walk(families, tdoc, inner, label_names + ["tier"], label_values + [str(tier)],
+                               counters, depth + 1)
+            elif field == "nodes" and scope == "pool" and isinstance(value, (Mapping, list)):
+                pairs = value.items() if isinstance(value, Mapping) else [
+                    (n.get("node_id", n.get("id")), n) for n in value if isinstance(n, Mapping)]
+                for node_id, ndoc in pairs:
+                    self._walk(families, ndoc, "node", ["node"], [str(node_id)], counters, depth + 1)
+            elif isinstance(value, Mapping):
+                # "counters: {...}" holds totals that only grow; other sections become a name prefix
+                nested = scope if field == "counters" else f"{scope}_{field}"
+                self._walk(families, value, nested, label_names, label_values,
+                           counters or field == "counters", depth + 1)
+
+    @staticmethod
+    def _add(families: dict, scope: str, field: str, names: list[str], values: list[str], value: float,
+             counter: bool = False) -> None:
+        is_counter = counter or field in COUNTER_FIELDS or field.endswith("_total")
+        base = _name(PREFIX, scope, field.removesuffix("_total"))
+        family = families.get(base)
+        if family is None:
+            cls = CounterMetricFamily if is_counter else GaugeMetricFamily
+            family = families[base] = cls(base, f"{scope} {field} from stats()", labels=list(names))
+        elif list(names) != list(family._labelnames):  # the same name with other labels would be invalid
+            return
+        family.add_metric(list(values), float(value))
+
+
+def to_builtins(obj: Any) -> Any:
+    """Plain JSON-able data from dicts, msgspec Structs, dataclasses, pydantic models, enums."""
+    import msgspec
+
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(mode="json")
+    if hasattr(obj, "to_dict") and callable(obj.to_dict):
+        obj = obj.to_dict()
+    return msgspec.to_builtins(obj, str_keys=True, enc_hook=_enc_hook)
+
+
+def _enc_hook(obj: Any) -> Any:
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(mode="json")
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return bytes(obj).hex()
+    return str(obj)
+
+
+def render(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The Prometheus text exposition of `registry` and its content type."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class MetricsServer:
+    """A `/metrics` endpoint in a daemon thread (for store nodes, which have no admin app)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0):
+        from prometheus_client import start_http_server
+
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.host = host
+        self.port = self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
+    """Serve `registry` at http://host:port/metrics in a thread; port 0 picks a free one."""
+    return MetricsServer(registry, host, port)
+
+

@@ -1,0 +1,187 @@
+"""`kvpool admin ...`: inspect and operate a running pool through its REST admin API.
+
+Thin: settings (file, `KVPOOL_*`, flags) -> `AdminClient` -> a table, or JSON with `--json`.
+Errors are the typed ones the API returns, printed as one line by `kvpool.cli.main`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from kvpool.errors import InvalidArgument
+
+
+class _Ctx:
+    def __init__(self, url: str, token: str | None, as_json: bool):
+        self.url, self.token, self.as_json = url, token, as_json
+
+    def client(self):
+        from kvpool.admin.client import AdminClient
+
+        return AdminClient(self.url, self.token)
+
+
+def _emit(ctx: _Ctx, doc: Any, table: Any = None) -> None:
+    if ctx.as_json or table is None:
+        click.echo(json.dumps(doc, indent=None if ctx.as_json else 2, sort_keys=True, default=str))
+        return
+    from rich.console import Console
+
+    Console().print(table)
+
+
+def _size(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return str(n)
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= factor:
+            return f"{n / factor:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@click.group()
+@click.option("--url", envvar="KVPOOL_ADMIN_URL", help="Admin API base URL [default: http://<host>:<admin_port> from settings].")
+@click.option("--token", help="Bearer token for mutating calls [default: settings' admin_token, KVPOOL_ADMIN_TOKEN].")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Settings file (TOML or JSON).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.pass_context
+def admin(ctx: click.Context, url: str | None, token: str | None, config_file: str | None, as_json: bool) -> None:
+    """Inspect and operate a running pool (nodes, stats, keys, eviction, drain, config)."""
+    import logging
+
+    from kvpool.config import load_settings
+
+    # httpx logs every request at INFO; for a CLI that is noise around the one line that matters
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    settings = load_settings(config_file, admin_token=token)
+    if url is None:
+        if not settings.admin_port:
+            raise InvalidArgument("the admin API is disabled (admin_port = 0); pass --url")
+        url = f"http://{settings.host}:{settings.admin_port}"
+    ctx.obj = _Ctx(url, settings.admin_token, as_json)
+
+
+@admin.command()
+@click.pass_obj
+def nodes(ctx: _Ctx) -> None:
+    """List store nodes: state, address, capacity and use, heartbeat age."""
+    from rich.table import Table
+
+    with ctx.client() as c:
+        items = c.nodes()
+    table = Table(title=f"nodes ({len(items)})")
+    for col in ("node", "state", "address", "capacity", "used", "objects", "heartbeat age"):
+        table.add_column(col)
+    for n in items:
+        table.add_row(str(n.get("node_id", n.get("id", "?"))), str(n.get("state", "")), str(n.get("address", "")),
+                      _size(n.get("capacity_bytes", "")), _size(n.get("used_bytes", "")), str(n.get("objects", "")),
+                      f"{n['heartbeat_age_s']:.1f} s" if isinstance(n.get("heartbeat_age_s"), (int, float)) else "")
+    _emit(ctx, items, table)
+
+
+@admin.command()
+@click.argument("node_id")
+@click.pass_obj
+def node(ctx: _Ctx, node_id: str) -> None:
+    """Show one node in full."""
+    with ctx.client() as c:
+        _emit(ctx, c.node(node_id))
+
+
+@admin.command()
+@click.pass_obj
+def stats(ctx: _Ctx) -> None:
+    """Pool totals and, per tier: capacity, used, hits, misses, evictions, bytes in/out."""
+    from rich.table import Table
+
+    with ctx.client() as c:
+        doc = c.stats()
+    tiers = doc.get("tiers") if isinstance(doc, dict) else None
+    if not isinstance(tiers, dict) or not tiers:
+        _emit(ctx, doc)
+        return
+    fields = sorted({f for t in tiers.values() if isinstance(t, dict) for f in t})
+    table = Table(title="tiers")
+    table.add_column("tier")
+    for f in fields:
+        table.add_column(f)
+    for name, t in tiers.items():
+        table.add_row(name, *[(_size(t.get(f)) if ("byte" in f or f in ("capacity", "used")) else str(t.get(f, "")))
+                              for f in fields])
+    _emit(ctx, doc, table)
+    if not ctx.as_json:
+        totals = {k: v for k, v in doc.items() if k != "tiers" and not isinstance(v, (dict, list))}
+        click.echo("  ".join(f"{k}={v}" for k, v in sorted(totals.items())))
+
+
+@admin.command()
+@click.argument("key")
+@click.pass_obj
+def key(ctx: _Ctx, key: str) -> None:
+    """Show one object: size, state, replicas (node, tier), lease."""
+    with ctx.client() as c:
+        _emit(ctx, c.key(key))
+
+
+@admin.command()
+@click.option("--bytes", "target", help="Free at least this much by the eviction policy (e.g. 512MiB).")
+@click.option("--key", "keys", multiple=True, help="Evict this key (repeatable).")
+@click.pass_obj
+def evict(ctx: _Ctx, target: str | None, keys: tuple[str, ...]) -> None:
+    """Evict objects: by policy until --bytes are freed, or exactly the given --key(s)."""
+    from kvpool.config import parse_size
+
+    if (target is None) == (not keys):
+        raise InvalidArgument("give either --bytes SIZE or one or more --key KEY")
+    with ctx.client() as c:
+        result = c.evict(target_bytes=parse_size(target) if target else None, keys=list(keys) or None)
+    _emit(ctx, result)
+
+
+@admin.command()
+@click.argument("node_id")
+@click.pass_obj
+def drain(ctx: _Ctx, node_id: str) -> None:
+    """Stop placing new objects on NODE_ID (its objects stay readable)."""
+    with ctx.client() as c:
+        _emit(ctx, c.drain(node_id))
+
+
+@admin.command("remove-node")
+@click.argument("node_id")
+@click.confirmation_option(prompt="Remove the node and drop its replicas from the index?")
+@click.pass_obj
+def remove_node(ctx: _Ctx, node_id: str) -> None:
+    """Forget NODE_ID and drop its replicas from the index."""
+    with ctx.client() as c:
+        _emit(ctx, c.remove_node(node_id))
+
+
+@admin.command()
+@click.option("--set", "changes", multiple=True, metavar="FIELD=VALUE",
+              help="Change a setting at run time (repeatable); VALUE is JSON or a plain string.")
+@click.pass_obj
+def config(ctx: _Ctx, changes: tuple[str, ...]) -> None:
+    """Show the master's configuration, or change fields with --set."""
+    patch: dict[str, Any] = {}
+    for item in changes:
+        field, sep, raw = item.partition("=")
+        if not sep or not field:
+            raise InvalidArgument(f"--set expects FIELD=VALUE, got {item!r}")
+        try:
+            patch[field.strip()] = json.loads(raw)
+        except ValueError:
+            patch[field.strip()] = raw
+    with ctx.client() as c:
+        _emit(ctx, c.patch_config(patch) if patch else c.config())
+
+
+@admin.command()
+@click.pass_obj
+def health(ctx: _Ctx) -> None:
+    """Check that the admin API answers."""
+    with ctx.client() as c:
+        _emit(ctx, c.health())

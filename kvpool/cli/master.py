@@ -1,0 +1,34 @@
+"""`kvpool master`: a standalone master (metadata only); with --meta, a cluster master."""
+
+from __future__ import annotations
+
+import click
+
+from kvpool.cli._service import common_options, run_until_signal, settings_from
+
+
+@click.command()
+@common_options
+@click.option("--admin-port", type=int, help="REST admin API port (0 disables).")
+def master(config_file, **flags) -> None:
+    """Run a master. With --meta etcd://HOST:PORT several masters elect a leader; the others stand by.
+
+    Prints "kvpool master at HOST:PORT" once it accepts connections.
+    """
+    from kvpool.master.server import MasterServer
+
+    settings = settings_from(config_file, **flags)
+    server = MasterServer(settings).start()
+    if settings.admin_port:
+        from kvpool.admin.app import create_app
+        from kvpool.admin.server import serve_in_thread
+
+        handle = serve_in_thread(create_app(server.service, settings), settings.host, settings.admin_port)
+        stop = server.stop
+
+        def stop_both() -> None:
+            handle.stop()
+            stop()
+
+        server.stop = stop_both  # type: ignore[method-assign]
+    run_until_signal(server, f"kvpool master at {server.address}")

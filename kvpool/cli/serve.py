@@ -1,0 +1,23 @@
+"""`kvpool serve`: master + one store node in one process (embedded mode, the default)."""
+
+from __future__ import annotations
+
+import click
+
+from kvpool.cli._service import common_options, node_options, run_until_signal, settings_from
+
+
+@click.command()
+@common_options
+@node_options
+@click.option("--admin-port", type=int, help="REST admin API port (0 disables).")
+def serve(config_file, **flags) -> None:
+    """Run a whole pool in this process: clients connect with kvpool.connect("HOST:PORT").
+
+    Prints "kvpool serving at HOST:PORT" once it accepts connections.
+    """
+    from kvpool.server import EmbeddedPool
+
+    settings = settings_from(config_file, **flags)
+    pool = EmbeddedPool(settings, admin=bool(settings.admin_port)).start()
+    run_until_signal(pool, f"kvpool serving at {pool.address}")

@@ -1,0 +1,25 @@
+"""The pool SDK: `connect(address)` -> `Client` (sync), `connect_async(address)` -> `AsyncClient`.
+
+`address` is "host:port" of an embedded pool (`kvpool serve`) or a master, or "etcd://host:port"
+in cluster mode (the client finds the leader master there and follows failovers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.client.aio import AsyncClient
+from kvpool.client.sync import Client
+
+
+def connect(address: str = "127.0.0.1:7600", **kwargs: Any) -> Client:
+    """A connected synchronous client. kwargs: timeout, replicas, use_shm, writer_node."""
+    return Client(address, **kwargs)
+
+
+async def connect_async(address: str = "127.0.0.1:7600", **kwargs: Any) -> AsyncClient:
+    """A connected asyncio client. kwargs: concurrency, and the `Client` ones."""
+    return await AsyncClient(address, **kwargs).connect()
+
+
+__all__ = ["AsyncClient", "Client", "connect", "connect_async"]

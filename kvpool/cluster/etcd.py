@@ -1,0 +1,105 @@
+"""A small synchronous etcd v3 client over etcd's JSON gateway (httpx), enough for membership
+and leader election: leases, put, get, prefix range, delete, and create-if-absent.
+
+Why not a gRPC client: the pool's control loops are plain threads, and the gateway ships with
+every etcd (3.4 included) with no extra dependency. Every failure becomes `Unavailable`.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Any
+
+import httpx
+
+from kvpool.errors import InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    end = bytearray(prefix)
+    for i in range(len(end) - 1, -1, -1):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\x00"
+
+
+def parse_etcd_url(meta: str) -> str:
+    """"etcd://host:port" (or http://) -> "http://host:port"; a comma list uses the first."""
+    if not isinstance(meta, str) or "://" not in meta:
+        raise InvalidArgument(f"meta must look like etcd://host:port, got {meta!r}")
+    scheme, _, rest = meta.partition("://")
+    if scheme not in ("etcd", "http") or not rest:
+        raise InvalidArgument(f"meta must look like etcd://host:port, got {meta!r}")
+    return "http://" + rest.split(",")[0].rstrip("/")
+
+
+class EtcdClient:
+    def __init__(self, meta: str, timeout: float = 2.0):
+        self.url = parse_etcd_url(meta)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            resp = self._http.post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"etcd at {self.url} is unreachable: {exc}") from None
+        if resp.status_code != 200:
+            raise Unavailable(f"etcd {path} failed: HTTP {resp.status_code} {resp.text[:200]}")
+        return resp.json()
+
+    # -- leases
+    def grant(self, ttl: int) -> int:
+        return int(self._post("/v3/lease/grant", {"TTL": int(ttl), "ID": 0})["ID"])
+
+    def keepalive(self, lease_id: int) -> int:
+        """Refresh a lease; returns its TTL, 0 when it has already expired."""
+        doc = self._post("/v3/lease/keepalive", {"ID": lease_id})
+        return int(doc.get("result", {}).get("TTL", 0))
+
+    def revoke(self, lease_id: int) -> None:
+        self._post("/v3/lease/revoke", {"ID": lease_id})
+
+    # -- keys
+    def put(self, key: str, value: str | bytes, lease: int = 0) -> None:
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = lease
+        self._post("/v3/kv/put", body)
+
+    def get(self, key: str) -> bytes | None:
+        kvs = self._post("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
+        return _unb64(kvs[0].get("value", "")) if kvs else None
+
+    def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        raw = prefix.encode()
+        kvs = self._post("/v3/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))}).get("kvs", [])
+        return {_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in kvs}
+
+    def delete(self, key: str) -> None:
+        self._post("/v3/kv/deleterange", {"key": _b64(key)})
+
+    def create(self, key: str, value: str | bytes, lease: int = 0) -> bool:
+        """Put `key` only if it does not exist (one transaction); True if this call created it."""
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = lease
+        doc = self._post("/v3/kv/txn", {
+            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
+            "success": [{"request_put": put}],
+        })
+        return bool(doc.get("succeeded", False))

@@ -1,0 +1,259 @@
+"""Wire messages of the pool RPC (client <-> master, client <-> node, node <-> master).
+
+Every message is a `msgspec.Struct` tagged with its class name and encoded as a msgpack array.
+The protocol version travels in every frame header (`kvpool.rpc.PROTOCOL_VERSION`) and is
+checked first; `Hello` repeats it so a client learns the server's version before anything else.
+Bulk bytes never go inside a message: they follow it in the same frame as a raw payload, and
+messages say how the payload is cut (`sizes`).
+
+Conventions: batch messages carry parallel lists (`keys[i]`, `sizes[i]`, ...) and replies keep
+input order; a size of -1 means "absent" (a miss), never an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Msg(msgspec.Struct, tag=True, array_like=True):
+    """Base of all wire messages."""
+
+
+# ---- generic replies -------------------------------------------------------------------------
+
+class Ok(Msg):
+    pass
+
+
+class Err(Msg):
+    """A typed error: `code` is a `kvpool.errors` code, rebuilt by `error_from_code`."""
+
+    code: str
+    message: str
+
+
+class Bools(Msg):
+    values: list[bool]
+
+
+class Count(Msg):
+    n: int
+
+
+class Info(Msg):
+    """A free-form JSON-able document (stats, admin answers)."""
+
+    doc: dict[str, Any]
+
+
+# ---- shared records --------------------------------------------------------------------------
+
+class NodeInfo(Msg):
+    node_id: str
+    address: str  # host:port of the node's RPC server
+    hostname: str
+    segments: list[str]
+    shm_path: Union[str, None]
+    capacity: dict[str, int]  # tier -> bytes
+    transfer_segment: Union[bytes, None] = None  # transfer engine SegmentDescriptor.to_bytes()
+
+
+class Held(Msg):
+    """One object a node holds: reported on (re-)registration so a new master loses nothing."""
+
+    key: str
+    size: int
+    tier: str
+    put_id: int
+
+
+class Placed(Msg):
+    """Where a write landed (one replica)."""
+
+    node_id: str
+    tier: str
+    segment: str
+    offset: int
+
+
+class Target(Msg):
+    node_id: str
+    address: str
+
+
+class PutPlan(Msg):
+    put_id: int  # 0 with exists=True: the key is already complete, nothing to write
+    targets: list[Target]
+    exists: bool = False
+
+
+class Location(Msg):
+    node_id: str
+    address: str
+    tier: str
+    offset: int
+
+
+class Entry(Msg):
+    size: int
+    locations: list[Location]
+
+
+# ---- master requests -------------------------------------------------------------------------
+
+class Hello(Msg):
+    version: int
+    client: str = ""
+
+
+class HelloReply(Msg):
+    version: int
+    roles: list[str]  # "master", "node" (embedded: both)
+    leader: bool  # this master is the leader (always true in embedded mode)
+    node: Union[NodeInfo, None]  # set when the server is (also) a node
+    max_object_bytes: int
+    replicas: int  # default replica count
+
+
+class PutStart(Msg):
+    keys: list[str]
+    sizes: list[int]
+    replicas: int = 0  # 0: the master's default
+    writer_node: str = ""  # the writer's node id when it is itself a node (local-first)
+
+
+class PutPlans(Msg):
+    plans: list[Union[PutPlan, Err]]
+
+
+class PutEnd(Msg):
+    keys: list[str]
+    put_ids: list[int]
+    written: list[list[Placed]]  # per key: the replicas that landed; empty = abort
+
+
+class BatchResult(Msg):
+    errors: list[Union[Err, None]]
+
+
+class Lookup(Msg):
+    keys: list[str]
+    release: list[int] = []  # lease ids the client is done with (piggy-backed)
+    lease: bool = True
+
+
+class LookupReply(Msg):
+    lease_id: int  # 0: no lease taken
+    entries: list[Union[Entry, None]]
+
+
+class Release(Msg):
+    """One-way: lease ids the client is done with."""
+
+    lease_ids: list[int]
+
+
+class Exists(Msg):
+    keys: list[str]
+
+
+class MatchPrefix(Msg):
+    keys: list[str]
+
+
+class Remove(Msg):
+    keys: list[str]
+
+
+class RegisterNode(Msg):
+    info: NodeInfo
+    objects: list[Held]
+
+
+class Heartbeat(Msg):
+    node_id: str
+    stats: dict[str, Any]
+    dropped: list[Held] = []  # objects the node no longer holds (evicted by its own policy)
+    moved: list[Held] = []  # objects whose tier changed (demoted / promoted)
+
+
+class HeartbeatReply(Msg):
+    known: bool  # False: the master does not know this node; it must register again
+
+
+class Admin(Msg):
+    """An admin call by method name (see `MasterService` admin methods)."""
+
+    method: str
+    args: dict[str, Any] = {}
+
+
+# ---- node requests ---------------------------------------------------------------------------
+
+class NodeGet(Msg):
+    """Reply: `NodeData`, payload = the found values back to back."""
+
+    keys: list[str]
+    unpin: list[int] = []
+
+
+class NodeData(Msg):
+    sizes: list[int]  # -1: absent
+
+
+class NodePin(Msg):
+    """Pin objects in the DRAM arena for a same-host reader (shm). Reply: `Pins`."""
+
+    keys: list[str]
+    unpin: list[int] = []
+
+
+class Pins(Msg):
+    pin_id: int
+    offsets: list[int]
+    sizes: list[int]  # -1: absent
+
+
+class NodeUnpin(Msg):
+    """One-way."""
+
+    pin_ids: list[int]
+
+
+class NodeWrite(Msg):
+    """Payload = the values back to back. put_ids[i] == 0: the server's own master plans the
+    put (embedded mode: one round trip). Reply: `WriteReply`."""
+
+    keys: list[str]
+    sizes: list[int]
+    put_ids: list[int]
+    replicas: int = 0
+
+
+class WriteReply(Msg):
+    results: list[Union[Placed, Err]]
+
+
+class NodeRemove(Msg):
+    """Remove objects, each only if it is still the copy written by `put_ids[i]` (0: any)."""
+
+    keys: list[str]
+    put_ids: list[int]
+
+
+class NodeStats(Msg):
+    pass
+
+
+Request = Union[
+    Hello, PutStart, PutEnd, Lookup, Release, Exists, MatchPrefix, Remove, RegisterNode, Heartbeat,
+    Admin, NodeGet, NodePin, NodeUnpin, NodeWrite, NodeRemove, NodeStats,
+]
+Reply = Union[
+    Ok, Err, Bools, Count, Info, HelloReply, PutPlans, BatchResult, LookupReply, HeartbeatReply,
+    NodeData, Pins, WriteReply,
+]

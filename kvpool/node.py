@@ -1,0 +1,334 @@
+"""`StoreNode`: one node of the pool. Owns a `TieredStore`, serves reads and writes, heartbeats.
+
+Data path (all on the node's RPC port, one round trip each):
+- `NodeGet`: pin each object (promoting it from SSD if needed), send its bytes straight from the
+  arena with `sendmsg`, unpin. A pinned object is never evicted mid-send.
+- `NodePin` / `NodeUnpin`: a same-host reader pins, copies from its own mapping of the arena
+  (the shm file), and unpins with its next request (piggy-backed) or a one-way `NodeUnpin`.
+  Pins held by a connection are dropped when it closes, and any pin older than the lease expires.
+- `NodeWrite`: reserve in the arena, `recv_into` the reservation, commit. A write that dies
+  half-way is aborted, so a half-written object is never visible. With `put_id == 0` and a master
+  in this process (embedded mode) the node plans and publishes the put itself: one round trip.
+
+The node remembers which put wrote each object (`put_id`), and `NodeRemove` removes a copy only
+if it is still that put's, so a late removal from the master never deletes a newer object.
+Objects the store evicts by its own policy are reported to the master with the next heartbeat.
+The arena is also registered with the transfer engine (when available), and its descriptor is
+published in `NodeInfo.transfer_segment` for peers that move bytes with `transfer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+from kvpool.api import check_key
+from kvpool.config import Settings
+from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError
+from kvpool.messages import (Err, Held, Info, NodeData, NodeGet, NodeInfo, NodePin, NodeRemove, NodeStats,
+                             NodeUnpin, NodeWrite, Pins, Placed, WriteReply, Bools)
+from kvpool.node_link import MasterChannel
+from kvpool.rpc import Payload, RpcServer, ServerConn
+
+log = logging.getLogger(__name__)
+
+
+class StoreNode:
+    """A store node. `master`: a `MasterService` in this process (embedded mode), else None."""
+
+    def __init__(self, settings: Settings, *, master: Any = None, store: Any = None, rpc: RpcServer | None = None):
+        self.settings = settings
+        self.master = master
+        self._store = store
+        self._rpc_external = rpc is not None
+        self.rpc = rpc
+        self.node_id = settings.node_id or ""
+        self.segment = ""
+        self._put_ids: dict[str, int] = {}
+        self._pins: dict[int, tuple[list[str], float]] = {}
+        self._pin_seq = 0
+        self._lock = threading.Lock()
+        self._dropped: list[Held] = []
+        self._moved: list[Held] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.channel: MasterChannel | None = None
+        self.engine = None
+        self.transfer_segment: bytes | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def store(self):
+        return self._store
+
+    def handlers(self) -> dict[type, Any]:
+        return {NodeGet: self._on_get, NodePin: self._on_pin, NodeUnpin: self._on_unpin, NodeWrite: self._on_write,
+                NodeRemove: self._on_remove, NodeStats: self._on_stats}
+
+    def start(self) -> "StoreNode":
+        s = self.settings
+        if self._store is None:
+            from kvpool.tiers import TieredStore
+
+            self._store = TieredStore(s.dram_capacity, ssd_path=s.ssd_path,
+                                      ssd_capacity=s.ssd_capacity if s.ssd_path else 0,
+                                      policy=s.eviction, hbm_capacity=s.hbm_capacity)
+        self._store.on_evict = self._on_store_event
+        if self.rpc is None:
+            self.rpc = RpcServer(self.handlers(), s.host, s.port, name="node", on_close=self._on_conn_close).start()
+        self.node_id = self.node_id or f"{socket.gethostname()}:{self.rpc.port}"
+        self.segment = f"{self.node_id}/dram"
+        self._start_transfer_engine()
+        if self.master is not None:
+            self.channel = MasterChannel.local(self.master)
+        else:
+            self.channel = MasterChannel.remote(s)
+        self._register()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="node-heartbeat", daemon=True)
+        self._thread.start()
+        log.info("node %s serving at %s (DRAM %d bytes, shm %s)", self.node_id, self.rpc.address,
+                 self._store.arena.size, self._store.arena.path)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.rpc is not None and not self._rpc_external:
+            self.rpc.stop()
+        if self.channel is not None:
+            self.channel.close()
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            except Exception:
+                log.debug("closing the transfer engine failed", exc_info=True)
+        if self._store is not None:
+            self._store.close()
+
+    def _start_transfer_engine(self) -> None:
+        """Expose the arena to `transfer` peers; the pool works without it (our RPC carries bytes)."""
+        try:
+            from transfer import TransferEngine
+
+            transports = [t for t in self.settings.transports if t in ("shm", "tcp")]
+            self.engine = TransferEngine(name=f"kvpool-{self.node_id}", host=self.settings.host,
+                                         transports=transports or ("tcp",)).start()
+            desc = self.engine.register(self._store.arena.buffer, name=self.segment, shm_path=self._store.arena.path)
+            self.transfer_segment = desc.to_bytes()
+        except Exception as exc:  # an optional path: log and carry on
+            log.warning("node %s: transfer engine unavailable (%s); serving over the pool RPC only",
+                        self.node_id, exc)
+            self.engine = None
+
+    def info(self) -> NodeInfo:
+        s = self.settings
+        capacity = {"dram": self._store.arena.size}
+        if s.ssd_path:
+            capacity["ssd"] = s.ssd_capacity
+        return NodeInfo(node_id=self.node_id, address=self.rpc.address, hostname=socket.gethostname(),
+                        segments=[self.segment], shm_path=self._store.arena.path, capacity=capacity,
+                        transfer_segment=self.transfer_segment)
+
+    def held(self) -> list[Held]:
+        return [Held(k, size, tier, self._put_ids.get(k, 0)) for k, size, tier in self._store.keys()]
+
+    def _register(self) -> None:
+        try:
+            self.channel.register(self.info(), self.held())
+        except KVPoolError as exc:
+            log.warning("node %s: registration failed (%s); retrying with the next heartbeat", self.node_id, exc)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_s):
+            self._expire_pins()
+            with self._lock:
+                dropped, self._dropped = self._dropped, []
+                moved, self._moved = self._moved, []
+            try:
+                stats = self._store.stats()
+                if not self.channel.heartbeat(self.node_id, stats, dropped, moved) or self.channel.changed:
+                    self.channel.changed = False
+                    self.channel.register(self.info(), self.held())
+            except KVPoolError as exc:
+                log.info("node %s: heartbeat failed (%s)", self.node_id, exc)
+                with self._lock:  # keep the news for the next master
+                    self._dropped[:0] = dropped
+                    self._moved[:0] = moved
+            except Exception:
+                log.exception("node %s: heartbeat loop error", self.node_id)
+
+    # ------------------------------------------------------------------ store events
+
+    def _on_store_event(self, key: str, event: str) -> None:
+        if event == "removed":
+            with self._lock:
+                held = Held(key, 0, "", self._put_ids.pop(key, 0))
+                if self.master is None:
+                    self._dropped.append(held)
+            if self.master is not None:  # embedded: tell the master now, not a heartbeat later
+                self.master.heartbeat(self.node_id, None, [held])
+        elif event in ("demoted", "promoted"):
+            with self._lock:
+                self._moved.append(Held(key, 0, "ssd" if event == "demoted" else "dram", self._put_ids.get(key, 0)))
+
+    # ------------------------------------------------------------------ pins
+
+    def _pin_batch(self, keys: list[str]) -> tuple[list[str], list[int], list[int]]:
+        pinned, offsets, sizes = [], [], []
+        for key in keys:
+            if self.master is not None and not self.master.touch(key):
+                offsets.append(0)
+                sizes.append(-1)
+                continue
+            try:
+                loc = self._store.pin(key)
+            except (KVPoolError, ValueError):  # absent, being removed, no room to promote: a miss
+                offsets.append(0)
+                sizes.append(-1)
+                continue
+            pinned.append(key)
+            offsets.append(loc.offset)
+            sizes.append(loc.length)
+        return pinned, offsets, sizes
+
+    def _unpin_keys(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self._store.unpin(key)
+            except KVPoolError:
+                log.debug("unpin of %r: not pinned", key)
+
+    def _unpin_ids(self, pin_ids: list[int], conn: ServerConn | None = None) -> None:
+        for pid in pin_ids:
+            with self._lock:
+                entry = self._pins.pop(pid, None)
+            if entry is not None:
+                self._unpin_keys(entry[0])
+            if conn is not None:
+                conn.state.get("pins", set()).discard(pid)
+
+    def _expire_pins(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [pid for pid, (_, until) in self._pins.items() if until <= now]
+        if stale:
+            log.info("node %s: %d shm pin(s) expired without an unpin", self.node_id, len(stale))
+            self._unpin_ids(stale)
+
+    def _on_conn_close(self, conn: ServerConn) -> None:
+        self._unpin_ids(list(conn.state.get("pins", ())))
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_get(self, msg: NodeGet, payload: Payload, conn: ServerConn) -> None:
+        if msg.unpin:
+            self._unpin_ids(msg.unpin, conn)
+        pinned, offsets, sizes = self._pin_batch(msg.keys)
+        try:
+            arena = self._store.arena.buffer
+            views = [arena[o:o + n] for o, n in zip(offsets, sizes) if n >= 0]
+            conn.reply(NodeData(sizes), views)
+        finally:
+            self._unpin_keys(pinned)
+
+    def _on_pin(self, msg: NodePin, payload: Payload, conn: ServerConn) -> Pins:
+        if msg.unpin:
+            self._unpin_ids(msg.unpin, conn)
+        pinned, offsets, sizes = self._pin_batch(msg.keys)
+        pin_id = 0
+        if pinned:
+            with self._lock:
+                self._pin_seq += 1
+                pin_id = self._pin_seq
+                self._pins[pin_id] = (pinned, time.monotonic() + self.settings.lease_s)
+            conn.state.setdefault("pins", set()).add(pin_id)
+        return Pins(pin_id, offsets, sizes)
+
+    def _on_unpin(self, msg: NodeUnpin, payload: Payload, conn: ServerConn) -> None:
+        self._unpin_ids(msg.pin_ids, conn)
+
+    def _on_write(self, msg: NodeWrite, payload: Payload, conn: ServerConn) -> WriteReply:
+        n = len(msg.keys)
+        if len(msg.sizes) != n or len(msg.put_ids) != n:
+            raise InvalidArgument("NodeWrite: keys, sizes and put_ids must have the same length")
+        if any(not isinstance(s, int) or s <= 0 for s in msg.sizes) or sum(msg.sizes) != payload.length:
+            raise InvalidArgument(f"NodeWrite: sizes must be positive and add up to the payload ({payload.length})")
+        results: list[Placed | Err] = []
+        for key, size, put_id in zip(msg.keys, msg.sizes, msg.put_ids):
+            try:
+                results.append(self._write_one(key, size, put_id, msg.replicas, payload))
+            except KVPoolError as exc:
+                results.append(Err(exc.code, str(exc)))
+        return WriteReply(results)
+
+    def _write_one(self, key: str, size: int, put_id: int, replicas: int, payload: Payload) -> Placed:
+        local = False
+        try:
+            check_key(key)
+            if put_id == 0:
+                if self.master is None:
+                    raise InvalidArgument("this node has no master in process; start the put at the master")
+                plan = self.master.put_start(key, size, replicas or None, writer_node=self.node_id)
+                if plan.exists:
+                    payload.skip(size)
+                    return Placed(self.node_id, "", "", -1)
+                if [t.node_id for t in plan.targets] != [self.node_id]:
+                    self.master.put_abort(key, plan.put_id)
+                    raise InvalidArgument("a one-round-trip put needs a single-node plan; use put_start")
+                put_id, local = plan.put_id, True
+            res = self._reserve(key, size, put_id)
+        except BaseException:
+            payload.skip(size)
+            if local:
+                self.master.put_abort(key, put_id)
+            raise
+        try:
+            payload.read_into(self._store.arena.buffer[res.offset:res.offset + size])
+        except BaseException:
+            self._store.abort(key)  # a half-written object is never visible
+            if local:
+                self.master.put_abort(key, put_id)
+            raise
+        with self._lock:
+            self._put_ids[key] = put_id
+        self._store.commit(key)
+        placed = Placed(self.node_id, "dram", self.segment, res.offset)
+        if local:
+            self.master.put_end(key, put_id, [placed])
+        return placed
+
+    def _reserve(self, key: str, size: int, put_id: int):
+        if self._store.contains(key) and self._put_ids.get(key) != put_id:
+            # The master planned a new put, so this copy is stale (its removal is still queued).
+            self._store.remove(key)
+        return self._store.reserve(key, size)
+
+    def _on_remove(self, msg: NodeRemove, payload: Payload, conn: ServerConn) -> Bools:
+        if len(msg.put_ids) != len(msg.keys):
+            raise InvalidArgument("NodeRemove: keys and put_ids must have the same length")
+        out = []
+        for key, put_id in zip(msg.keys, msg.put_ids):
+            with self._lock:
+                ours = put_id == 0 or self._put_ids.get(key, 0) in (put_id, 0)
+            try:
+                out.append(ours and self._store.remove(key))
+            except KVPoolError:
+                out.append(False)
+        return Bools(out)
+
+    def _on_stats(self, msg: NodeStats, payload: Payload, conn: ServerConn) -> Info:
+        arena = self._store.arena
+        return Info({"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
+                     "shm_path": arena.path, "arena_size": arena.size, **self._store.stats()})
+
+    # In-process link for the embedded master (same semantics as NodeRemove, no socket).
+    def remove(self, keys: list[str], put_ids: list[int]) -> None:
+        self._on_remove(NodeRemove(list(keys), list(put_ids)), None, None)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        pass

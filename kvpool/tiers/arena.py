@@ -1,0 +1,99 @@
+"""A pre-allocated shared-memory arena: one file under /dev/shm, mapped once.
+
+Other processes on the host map the same file (`SharedArena.attach(path)`) and read objects at
+the offsets the store hands out (`TieredStore.pin`), so a same-host get is one memcpy.
+
+Invariants: `size` never changes after creation; the creator unlinks the file on `close()`, an
+attacher never does. The pages are reserved up front (`posix_fallocate`) so a full tmpfs fails
+at start-up with a clear error instead of SIGBUS on a later write.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import tempfile
+
+from kvpool.errors import CapacityError, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+
+
+def _shm_dir() -> str:
+    return SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
+
+
+class SharedArena:
+    """A writable mapping of `size` bytes backed by a shared-memory file at `path`."""
+
+    def __init__(self, path: str, size: int, fd: int, owner: bool):
+        self.path = path
+        self.size = size
+        self.owner = owner
+        self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)  # the mapping keeps the file alive
+        self.buffer = memoryview(self._mmap)
+        self.closed = False
+
+    @classmethod
+    def create(cls, size: int, name: str | None = None, prefault: bool = True) -> "SharedArena":
+        if not isinstance(size, int) or size <= 0:
+            raise InvalidArgument(f"arena size must be a positive int, got {size!r}")
+        if name is not None and (not name or "/" in name or name in (".", "..")):
+            raise InvalidArgument(f"shm name must be a plain file name, got {name!r}")
+        name = name or f"kvpool-{os.getpid()}-{secrets.token_hex(4)}"
+        path = os.path.join(_shm_dir(), name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise InvalidArgument(f"shared-memory file {path} already exists (another node?)") from None
+        try:
+            os.ftruncate(fd, size)
+            if prefault:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno in (28,):  # ENOSPC: the host cannot back this arena
+                        raise CapacityError(f"cannot reserve {size} bytes in {path}: {exc.strerror}") from None
+                    log.debug("posix_fallocate unsupported on %s (%s); pages are allocated lazily", path, exc)
+            return cls(path, size, fd, owner=True)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+
+    @classmethod
+    def attach(cls, path: str) -> "SharedArena":
+        """Map an arena another process created (read-write); closing it does not unlink."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise InvalidArgument(f"no shared-memory arena at {path}") from None
+        size = os.fstat(fd).st_size
+        return cls(path, size, fd, owner=False)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.buffer.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            # Someone still holds a view of the arena; the mapping goes when they drop it.
+            log.warning("arena %s still has exported views; unmapping deferred to garbage collection", self.path)
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "SharedArena":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,105 @@
+"""The tier contract every tier of one node satisfies, and the small types they share.
+
+A tier stores whole objects under string keys. It never evicts on its own: when it is full,
+`put` raises `CapacityError` and the owner (`TieredStore`) decides what to evict or demote.
+The same conformance suite (tests/kvpool/tiers/test_conformance.py) runs against every tier.
+
+Invariants of a `Tier`:
+- `get`/`get_into` return exactly the bytes of the one `put` that stored the key, or report a
+  miss (`None` / `KeyNotFound`); never partial or foreign bytes.
+- `used <= capacity` at all times; `used` counts the space the tier really reserves (pages).
+- `put` of a key already present replaces nothing and returns (first writer wins).
+- Bad input raises `InvalidArgument` (wrong type, empty value, small or read-only buffer) or
+  `ObjectTooLarge` (larger than the whole tier), before anything is changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol, runtime_checkable
+
+from kvpool.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a pinned object's bytes are in the DRAM arena."""
+
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Space reserved in the DRAM arena for a two-phase write; invisible until committed."""
+
+    key: str
+    offset: int
+    length: int
+
+
+@runtime_checkable
+class Tier(Protocol):
+    name: str
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def used(self) -> int: ...
+
+    def put(self, key: str, data: Any) -> None: ...
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def get_into(self, key: str, buffer: Any) -> int: ...
+
+    def contains(self, key: str) -> bool: ...
+
+    def size_of(self, key: str) -> int | None: ...
+
+    def remove(self, key: str) -> bool: ...
+
+    def keys(self) -> Iterator[tuple[str, int]]: ...
+
+    def close(self) -> None: ...
+
+
+def readable_view(data: Any) -> memoryview:
+    """A flat, contiguous byte view of `data` without copying; `InvalidArgument` otherwise."""
+    if hasattr(data, "untyped_storage") and hasattr(data, "detach"):  # a torch tensor
+        if data.device.type != "cpu":
+            raise InvalidArgument("values must be host memory; copy device tensors to the CPU first")
+        data = data.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy()
+    if isinstance(data, str):
+        raise InvalidArgument("value must be bytes-like, got str (encode it first)")
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise InvalidArgument(f"value must be bytes-like, got {type(data).__name__}") from None
+    if not view.c_contiguous:
+        raise InvalidArgument("value must be a contiguous buffer")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes == 0:
+        raise InvalidArgument("value must not be empty")
+    return view
+
+
+def writable_view(buffer: Any, need: int) -> memoryview:
+    """A flat writable byte view of `buffer` holding at least `need` bytes."""
+    if hasattr(buffer, "untyped_storage") and hasattr(buffer, "detach"):
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise InvalidArgument("buffer tensors must be contiguous host memory")
+        buffer = buffer.detach().view(-1).view(__import__("torch").uint8).numpy()
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise InvalidArgument(f"buffer must be a writable bytes-like object, got {type(buffer).__name__}") from None
+    if view.readonly:
+        raise InvalidArgument("buffer is read-only")
+    if not view.c_contiguous:
+        raise InvalidArgument("buffer must be contiguous")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes < need:
+        raise InvalidArgument(f"buffer holds {view.nbytes} bytes, the object needs {need}")
+    return view

@@ -1,0 +1,170 @@
+"""Eviction policies behind one Protocol: LRU and S3-FIFO (scan-resistant).
+
+A policy only orders keys; the tier owner decides when to evict (when an allocation fails) and
+what may go (`evictable`, false for pinned or half-written objects).
+
+Invariants of every policy:
+- it tracks exactly the keys inserted and not yet removed or evicted;
+- `evict(evictable)` returns a tracked key with `evictable(key)` true and stops tracking it, or
+  None when no tracked key is evictable: a pinned key is never returned.
+
+S3-FIFO (Yang et al., SOSP 2023): new keys enter a small FIFO (10% of the bytes); a key evicted
+from it that was hit meanwhile moves to the main FIFO, otherwise it leaves a ghost entry; a key
+inserted again while it is a ghost goes straight to main. Main is a FIFO with up to 3 second
+chances. One-hit keys of a scan therefore pass through the small queue without flushing main.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Protocol
+
+from kvpool.errors import InvalidArgument
+
+Evictable = Callable[[str], bool]
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def insert(self, key: str, size: int) -> None: ...
+
+    def access(self, key: str) -> None: ...
+
+    def remove(self, key: str) -> None: ...
+
+    def evict(self, evictable: Evictable) -> str | None: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+
+class LRUPolicy:
+    """Least recently used first."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int = 0):
+        self._order: OrderedDict[str, int] = OrderedDict()
+
+    def insert(self, key: str, size: int) -> None:
+        self._order[key] = size
+        self._order.move_to_end(key)
+
+    def access(self, key: str) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: str) -> None:
+        self._order.pop(key, None)
+
+    def evict(self, evictable: Evictable) -> str | None:
+        for key in self._order:
+            if evictable(key):
+                del self._order[key]
+                return key
+        return None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class S3FIFOPolicy:
+    """Small FIFO + main FIFO + ghost FIFO, sized in bytes from `capacity`."""
+
+    name = "s3fifo"
+    SMALL_FRACTION = 0.1
+    MAX_FREQ = 3
+
+    def __init__(self, capacity: int):
+        if capacity <= 0:
+            raise InvalidArgument(f"S3-FIFO needs the tier capacity in bytes, got {capacity!r}")
+        self.capacity = capacity
+        self._small: OrderedDict[str, int] = OrderedDict()  # key -> size
+        self._main: OrderedDict[str, int] = OrderedDict()
+        self._ghost: OrderedDict[str, int] = OrderedDict()
+        self._freq: dict[str, int] = {}
+        self._small_bytes = 0
+        self._ghost_bytes = 0
+
+    def insert(self, key: str, size: int) -> None:
+        if key in self._freq:
+            return
+        self._freq[key] = 0
+        ghost_size = self._ghost.pop(key, None)
+        if ghost_size is not None:
+            self._ghost_bytes -= ghost_size
+            self._main[key] = size
+        else:
+            self._small[key] = size
+            self._small_bytes += size
+
+    def access(self, key: str) -> None:
+        freq = self._freq.get(key)
+        if freq is not None and freq < self.MAX_FREQ:
+            self._freq[key] = freq + 1
+
+    def remove(self, key: str) -> None:
+        if self._freq.pop(key, None) is None:
+            return
+        size = self._small.pop(key, None)
+        if size is not None:
+            self._small_bytes -= size
+        else:
+            self._main.pop(key, None)
+
+    def evict(self, evictable: Evictable) -> str | None:
+        # Every step either evicts, moves a key small -> main, or spends one second chance of a
+        # main key; pinned keys cycle without spending. Bound the work so an all-pinned tier ends.
+        budget = (self.MAX_FREQ + 2) * (len(self._freq) + 1)
+        while budget > 0 and self._freq:
+            budget -= 1
+            if self._small and (self._small_bytes >= self.SMALL_FRACTION * self.capacity or not self._main):
+                key, size = self._small.popitem(last=False)
+                self._small_bytes -= size
+                if not evictable(key) or self._freq[key] > 0:
+                    self._freq[key] = 0 if evictable(key) else self._freq[key]
+                    self._main[key] = size
+                    continue
+                del self._freq[key]
+                self._add_ghost(key, size)
+                return key
+            key, size = self._main.popitem(last=False)
+            if not evictable(key):
+                self._main[key] = size
+                continue
+            if self._freq[key] > 0:
+                self._freq[key] -= 1
+                self._main[key] = size
+                continue
+            del self._freq[key]
+            return key
+        return None
+
+    def _add_ghost(self, key: str, size: int) -> None:
+        self._ghost[key] = size
+        self._ghost_bytes += size
+        while self._ghost_bytes > (1 - self.SMALL_FRACTION) * self.capacity and self._ghost:
+            _, old = self._ghost.popitem(last=False)
+            self._ghost_bytes -= old
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+
+POLICIES: dict[str, type] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """A fresh policy by name ("lru" | "s3fifo") for a tier of `capacity` bytes."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise InvalidArgument(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
+    return cls(capacity)

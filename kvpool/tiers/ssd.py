@@ -1,0 +1,223 @@
+"""SSD tier: one lmdb environment per node, sized from the tier's capacity.
+
+Each object is two records written in one lmdb transaction, keyed by the xxh3-128 digest of its
+key (lmdb keys are limited to 511 bytes; ours may be 512):
+
+    meta: magic b"KVSS" | version u16 | key length u16 | payload length u64 | xxh3-64 u64 | key
+    data: the payload, passed to lmdb straight from the caller's buffer (no concatenation).
+
+Durability: by default lmdb does not fsync on commit (`durable=False`): the tier is a cache, and a
+kill -9 of the process cannot lose committed pages (they are in the OS page cache). An OS crash
+may lose recent objects; `durable=True` trades write speed for surviving that too.
+
+Invariants:
+- After reopening (even after kill -9 mid-write), every object is either intact or absent:
+  `open` drops records whose meta and data disagree, and every read verifies the xxh3-64 of the
+  payload; a mismatch deletes the object and reads as a miss.
+- `used` is the page-rounded sum of payloads and never exceeds `capacity`; the lmdb map is
+  sized with headroom (`MAP_FACTOR`) so b-tree pages and free-list fragmentation fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from typing import Any, Iterator
+
+import lmdb
+import xxhash
+
+from kvpool.api import check_key
+from kvpool.errors import CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
+from kvpool.tiers.allocator import pages_for
+from kvpool.tiers.base import readable_view, writable_view
+
+log = logging.getLogger(__name__)
+
+META = struct.Struct("<4sHHQQ")
+MAGIC = b"KVSS"
+VERSION = 1
+MAP_FACTOR = 2  # lmdb map = capacity * MAP_FACTOR + MAP_SLACK (sparse file; costs nothing unused)
+MAP_SLACK = 64 << 20
+COPY_BLOCK = 256 << 10  # fits in L2 next to the hash state
+
+
+def _lmdb_key(key: str) -> bytes:
+    return xxhash.xxh3_128_digest(key.encode("utf-8", "surrogatepass"))
+
+
+def _copy_and_hash(dst: memoryview, src: memoryview) -> int:
+    """Copy `src` into `dst` and return the xxh3-64 of the bytes copied. Large objects go in
+    blocks so each block is hashed while it is still in cache (one pass over DRAM, not two)."""
+    n = len(src)
+    if n <= COPY_BLOCK:
+        dst[:n] = src
+        return xxhash.xxh3_64_intdigest(dst[:n])
+    h = xxhash.xxh3_64()
+    for start in range(0, n, COPY_BLOCK):
+        end = min(n, start + COPY_BLOCK)
+        dst[start:end] = src[start:end]
+        h.update(dst[start:end])
+    return h.intdigest()
+
+
+def _accounted(nbytes: int) -> int:
+    return pages_for(nbytes) * 4096
+
+
+class SsdTier:
+    """Objects in an lmdb environment at `path` holding up to `capacity` bytes of payload."""
+
+    name = "ssd"
+
+    def __init__(self, path: str, capacity: int, durable: bool = False):
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise InvalidArgument(f"SSD capacity must be a positive int, got {capacity!r}")
+        os.makedirs(path, exist_ok=True)
+        self.path = path
+        self._capacity = capacity
+        self.env = lmdb.open(path, map_size=capacity * MAP_FACTOR + MAP_SLACK, max_dbs=2, writemap=True,
+                             sync=durable, metasync=durable, lock=True, max_readers=512)
+        self._meta = self.env.open_db(b"meta")
+        self._data = self.env.open_db(b"data")
+        self._index: dict[str, tuple[int, int]] = {}  # key -> (payload length, xxh3-64)
+        self._used = 0
+        self._recover()
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _recover(self) -> None:
+        """Rebuild the index; drop any object whose two records disagree (cannot normally
+        happen, since both are written in one transaction, but a damaged file must not crash us)."""
+        bad: list[bytes] = []
+        with self.env.begin(buffers=True) as txn:
+            for lkey, meta in txn.cursor(db=self._meta):
+                parsed = self._parse_meta(meta)
+                data = txn.get(lkey, db=self._data)
+                if parsed is None or data is None or len(data) != parsed[1] or _lmdb_key(parsed[0]) != bytes(lkey):
+                    bad.append(bytes(lkey))
+                    continue
+                self._index[parsed[0]] = (parsed[1], parsed[2])
+                self._used += _accounted(parsed[1])
+            for lkey, _ in txn.cursor(db=self._data):
+                if txn.get(lkey, db=self._meta) is None:
+                    bad.append(bytes(lkey))
+        if bad:
+            log.warning("ssd tier %s: dropping %d damaged objects on open", self.path, len(bad))
+            with self.env.begin(write=True) as txn:
+                for lkey in bad:
+                    txn.delete(lkey, db=self._meta)
+                    txn.delete(lkey, db=self._data)
+
+    @staticmethod
+    def _parse_meta(meta: Any) -> tuple[str, int, int] | None:
+        if len(meta) < META.size:
+            return None
+        magic, version, key_len, length, checksum = META.unpack_from(meta, 0)
+        if magic != MAGIC or version != VERSION or len(meta) != META.size + key_len:
+            return None
+        try:
+            key = bytes(meta[META.size :]).decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            return None
+        return key, length, checksum
+
+    def room_for(self, nbytes: int) -> bool:
+        return self._used + _accounted(nbytes) <= self._capacity
+
+    def put(self, key: str, data: Any) -> None:
+        src = readable_view(data)
+        check_key(key)
+        if key in self._index:
+            return
+        if _accounted(src.nbytes) > self._capacity:
+            raise ObjectTooLarge(f"object of {src.nbytes} bytes exceeds the SSD tier ({self._capacity} bytes)")
+        if not self.room_for(src.nbytes):
+            raise CapacityError(f"SSD tier full ({self._used}/{self._capacity} bytes)")
+        kb = key.encode("utf-8", "surrogatepass")
+        checksum = xxhash.xxh3_64_intdigest(src)
+        meta = META.pack(MAGIC, VERSION, len(kb), src.nbytes, checksum) + kb
+        lkey = _lmdb_key(key)
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.put(lkey, src, db=self._data)
+                txn.put(lkey, meta, db=self._meta)
+        except lmdb.MapFullError:
+            raise CapacityError(f"SSD tier {self.path}: lmdb map full (fragmented); evict and retry") from None
+        self._index[key] = (src.nbytes, checksum)
+        self._used += _accounted(src.nbytes)
+
+    def _read(self, key: str, out: Any | None) -> bytes | int | None:
+        """Copy the payload out (into `out` if given), verifying its checksum; None on a miss.
+
+        The checksum and length come from the in-memory index (parsed from the meta record when
+        the object was written or the tier reopened), so a read touches one lmdb record."""
+        meta = self._index.get(key)
+        if meta is None:
+            return None
+        length, checksum = meta
+        with self.env.begin(buffers=True) as txn:
+            data = txn.get(_lmdb_key(key), db=self._data)
+            if data is None or len(data) != length:
+                damaged = True  # the index promised it: the record is gone or cut short
+                result: bytes | int | None = None
+            elif out is None:
+                result = bytes(data)
+                damaged = xxhash.xxh3_64_intdigest(result) != checksum
+            else:
+                dst = writable_view(out, length)[:length]
+                damaged = _copy_and_hash(dst, data) != checksum
+                result = length
+        if damaged:
+            log.warning("ssd tier %s: object %r failed its checksum; dropping it", self.path, key)
+            self.remove(key)
+            return None
+        return result
+
+    def get(self, key: str) -> bytes | None:
+        result = self._read(check_key(key), None)
+        return result  # type: ignore[return-value]
+
+    def get_into(self, key: str, buffer: Any) -> int:
+        check_key(key)
+        meta = self._index.get(key)
+        if meta is not None:
+            writable_view(buffer, meta[0])  # a small buffer is the caller's error, not a miss
+        result = self._read(key, buffer)
+        if result is None:
+            raise KeyNotFound(key)
+        return result  # type: ignore[return-value]
+
+    def contains(self, key: str) -> bool:
+        return check_key(key) in self._index
+
+    def size_of(self, key: str) -> int | None:
+        meta = self._index.get(check_key(key))
+        return None if meta is None else meta[0]
+
+    def remove(self, key: str) -> bool:
+        check_key(key)
+        lkey = _lmdb_key(key)
+        with self.env.begin(write=True) as txn:
+            found = txn.delete(lkey, db=self._meta)
+            txn.delete(lkey, db=self._data)
+        meta = self._index.pop(key, None)
+        if meta is not None:
+            self._used -= _accounted(meta[0])
+        return found or meta is not None
+
+    def keys(self) -> Iterator[tuple[str, int]]:
+        return iter([(k, n) for k, (n, _) in self._index.items()])
+
+    def close(self) -> None:
+        self.env.close()

@@ -1,0 +1,483 @@
+"""`TieredStore`: the tiers of one node behind one thread-safe object.
+
+Objects are written into DRAM (the shared-memory arena), demoted to SSD when DRAM evicts them,
+and promoted back to DRAM when read from SSD. SSD copies are kept after promotion (a clean
+object's later eviction from DRAM then costs no write).
+
+Concurrency: one lock guards the index, the tiers' metadata and the policies. Bulk copies
+(a put's bytes into the arena, a get's bytes out of it, an SSD read during promotion) run
+outside the lock; what they touch is protected by state instead:
+- a get pins the object first (`pins > 0`): a pinned object is never evicted and never freed;
+  a `remove` of a pinned object hides it at once and frees its space at the last unpin;
+- a put or promotion owns a DRAM reservation that nobody else may place data in, commit or
+  abort; `promoting` keeps the SSD copy from being evicted and makes `remove` defer to the
+  promoter, which aborts the reservation.
+The hook `on_event(key, event)` ("stored" | "removed" | "demoted" | "promoted") is called after
+the lock is released, in the thread that caused the event.
+
+Invariants: a visible object (`contains`) reads back exactly the bytes of the put that stored
+it; every tier's `used <= capacity`; a key is visible iff it is committed, not being removed,
+and held by DRAM or SSD.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from kvpool.api import check_key
+from kvpool.errors import AllPinned, AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge, Unavailable
+from kvpool.tiers.base import Location, Reservation, readable_view, writable_view
+from kvpool.tiers.dram import DramTier
+from kvpool.tiers.policy import make_policy
+from kvpool.tiers.ssd import SsdTier
+from kvpool.tiers.stats import TierStats
+
+log = logging.getLogger(__name__)
+
+EventHook = Callable[[str, str], None]
+
+
+@dataclass
+class _Entry:
+    size: int
+    dram: bool = False  # committed in DRAM (space held until removed or last unpin)
+    ssd: bool = False  # a verified-at-write copy in SSD
+    pins: int = 0
+    writing: bool = False  # reserved by a two-phase writer, not yet committed
+    promoting: bool = False  # an SSD -> DRAM copy is in flight
+    removing: bool = False  # removed while pinned or promoting: invisible, freed later
+
+    @property
+    def visible(self) -> bool:
+        return not self.writing and not self.removing and (self.dram or self.ssd)
+
+
+class TieredStore:
+    """DRAM arena (+ optional SSD, + optional HBM) with eviction, demotion, promotion and pins."""
+
+    def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
+                 policy: str = "s3fifo", shm_name: str | None = None, hbm_capacity: int = 0, *,
+                 on_event: EventHook | None = None, prefault: bool = True):
+        if ssd_path is not None and ssd_capacity <= 0:
+            raise InvalidArgument("an SSD tier needs ssd_capacity > 0")
+        self._lock = threading.Lock()
+        self._promoted = threading.Condition(self._lock)  # notified when a promotion ends
+        self._dram_policy = make_policy(policy, max(1, dram_capacity))  # validates the name first
+        self.policy = policy
+        self.dram = DramTier(dram_capacity, shm_name, prefault=prefault)
+        self.ssd: SsdTier | None = None
+        self.hbm = None
+        try:
+            if ssd_path is not None:
+                self.ssd = SsdTier(ssd_path, ssd_capacity)
+                self._ssd_policy = make_policy(policy, self.ssd.capacity)
+            if hbm_capacity > 0:
+                self.hbm = self._open_hbm(hbm_capacity)
+        except BaseException:
+            self.close()
+            raise
+        self.on_event = on_event
+        self._entries: dict[str, _Entry] = {}
+        self._stats = {name: TierStats() for name in ("hbm", "dram", "ssd")}
+        if self.ssd is not None:  # objects that survived a restart are visible again
+            for key, size in self.ssd.keys():
+                self._entries[key] = _Entry(size, ssd=True)
+                self._ssd_policy.insert(key, size)
+
+    @staticmethod
+    def _open_hbm(capacity: int):
+        from kvpool.tiers.hbm import HbmTier
+
+        try:
+            return HbmTier(capacity)
+        except Unavailable as exc:
+            log.warning("running without an HBM tier: %s", exc)
+            return None
+
+    # The pool node's name for the hook.
+    @property
+    def on_evict(self) -> EventHook | None:
+        return self.on_event
+
+    @on_evict.setter
+    def on_evict(self, hook: EventHook | None) -> None:
+        self.on_event = hook
+
+    @property
+    def arena(self):
+        return self.dram.arena
+
+    # -- writes ----------------------------------------------------------------------------
+    def put(self, key: str, data: Any) -> None:
+        """Store `data` under `key`; a key already stored is left as it is (first writer wins)."""
+        src = readable_view(data)
+        check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.visible:
+                return
+            events: list = []
+            res = self._reserve_locked(key, src.nbytes, events)
+        self._fire(events)
+        try:
+            self.dram.arena.buffer[res.offset : res.offset + res.length] = src
+        except BaseException:
+            self.abort(key)
+            raise
+        self.commit(key)
+
+    def reserve(self, key: str, size: int) -> Reservation:
+        """Reserve `size` bytes in the arena for a writer; invisible until `commit`."""
+        check_key(key)
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise InvalidArgument(f"size must be a positive int, got {size!r}")
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.visible:
+                raise AlreadyExists(f"key {key!r} is already stored")
+            events: list = []
+            res = self._reserve_locked(key, size, events)
+        self._fire(events)
+        return res
+
+    def commit(self, key: str) -> None:
+        check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.writing:
+                raise KeyNotFound(f"no reservation for {key!r}")
+            self.dram.commit(key)
+            entry.writing, entry.dram = False, True
+            self._dram_policy.insert(key, entry.size)
+            self._stats["dram"].bytes_in += entry.size
+        self._fire([(key, "stored")])
+
+    def abort(self, key: str) -> None:
+        check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.writing:
+                return
+            self.dram.abort(key)
+            del self._entries[key]
+
+    def _reserve_locked(self, key: str, size: int, events: list) -> Reservation:
+        if size > self.dram.capacity:
+            raise ObjectTooLarge(f"object of {size} bytes exceeds the DRAM tier ({self.dram.capacity} bytes)")
+        if key in self._entries:
+            raise AlreadyExists(f"key {key!r} is being written or removed; retry later")
+        res = self._make_room(key, size, events)
+        self._entries[key] = _Entry(size, writing=True)
+        return res
+
+    def _make_room(self, key: str, size: int, events: list) -> Reservation:
+        """A DRAM reservation of `size` bytes, evicting (demoting) unpinned objects as needed."""
+        while True:
+            res = self.dram.try_reserve(key, size)
+            if res is not None:
+                return res
+            victim = self._dram_policy.evict(lambda k: self._entries[k].pins == 0)
+            if victim is None:
+                if any(e.pins for e in self._entries.values()):
+                    raise AllPinned(f"no room for {size} bytes in DRAM: every evictable object is pinned")
+                raise CapacityError(f"no room for {size} bytes in DRAM (space held by writes in flight)")
+            self._demote(victim, events)
+
+    def _demote(self, key: str, events: list) -> None:
+        entry = self._entries[key]
+        self._stats["dram"].evictions += 1
+        if self.ssd is not None and not entry.ssd:
+            entry.ssd = self._ssd_put(key, self.dram.view(key), entry.size, events)
+        self.dram.remove(key)
+        entry.dram = False
+        if entry.ssd:
+            events.append((key, "demoted"))
+        else:
+            del self._entries[key]
+            events.append((key, "removed"))
+
+    def _ssd_put(self, key: str, view: memoryview, size: int, events: list) -> bool:
+        assert self.ssd is not None
+        if size > self.ssd.capacity:
+            return False
+        while True:
+            if self.ssd.room_for(size):
+                try:
+                    self.ssd.put(key, view)
+                except CapacityError:  # lmdb map fragmented: free more and retry
+                    pass
+                else:
+                    self._ssd_policy.insert(key, size)
+                    self._stats["ssd"].bytes_in += size
+                    return True
+            if not self._evict_ssd(events):
+                return False
+
+    def _evict_ssd(self, events: list) -> bool:
+        victim = self._ssd_policy.evict(lambda k: not self._entries[k].promoting)
+        if victim is None:
+            return False
+        assert self.ssd is not None
+        self.ssd.remove(victim)
+        self._stats["ssd"].evictions += 1
+        entry = self._entries[victim]
+        entry.ssd = False
+        if not entry.dram:
+            del self._entries[victim]
+            events.append((victim, "removed"))
+        return True
+
+    def remove(self, key: str) -> bool:
+        """Remove `key` from every tier; True if it was visible. A pinned object's space is
+        freed when its last pin goes."""
+        check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.visible:
+                return False
+            if entry.ssd:
+                assert self.ssd is not None
+                self.ssd.remove(key)
+                self._ssd_policy.remove(key)
+                entry.ssd = False
+            if entry.dram:
+                self._dram_policy.remove(key)
+                if entry.pins == 0:
+                    self.dram.remove(key)
+                    entry.dram = False
+            entry.removing = entry.dram or entry.promoting
+            if not entry.removing:
+                del self._entries[key]
+        self._fire([(key, "removed")])
+        return True
+
+    # -- reads -----------------------------------------------------------------------------
+    def get_into(self, key: str, buffer: Any) -> int:
+        """Copy the object into `buffer`; return its size. `KeyNotFound` on a miss."""
+        check_key(key)
+        loc: Location | None = None
+        res: Reservation | None = None
+        events: list = []
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.visible:
+                self._stats["dram"].misses += 1
+                raise KeyNotFound(key)
+            size = entry.size
+            dst = writable_view(buffer, size)[:size]
+            if entry.dram:
+                entry.pins += 1  # pinned: the copy below runs outside the lock
+                self._dram_policy.access(key)
+                self._stats["dram"].hit(size)
+                loc = self.dram.location(key)
+            else:
+                self._stats["dram"].misses += 1
+                res = self._start_promotion(key, entry, events)
+        if loc is not None:
+            try:
+                dst[:] = self.dram.arena.buffer[loc.offset : loc.offset + size]
+            finally:
+                self.unpin(key)
+            return size
+        self._fire(events)
+        self._read_ssd(key, dst, res)
+        return size
+
+    def _start_promotion(self, key: str, entry: _Entry, events: list) -> Reservation | None:
+        """Reserve DRAM for an SSD object (lock held); None when another promotion is in flight
+        or DRAM is all pinned (the read is then served from SSD alone)."""
+        self._ssd_policy.access(key)
+        if entry.promoting:
+            return None
+        try:
+            res = self._make_room(key, entry.size, events)
+        except CapacityError:
+            return None
+        entry.promoting = True
+        return res
+
+    def _read_ssd(self, key: str, dst: memoryview, res: Reservation | None, pin: bool = False) -> None:
+        """Read an SSD object into `dst` outside the lock, then finish its promotion into `res`
+        (when `pin`, `dst` is the reservation itself and the object stays pinned).
+        Raises KeyNotFound when the copy is gone or damaged, or a pin's promotion was cancelled."""
+        assert self.ssd is not None
+        try:
+            ok = self.ssd.get_into(key, dst) == len(dst)
+        except KeyNotFound:
+            ok = False
+        if ok and res is not None and not pin:
+            self.dram.arena.buffer[res.offset : res.offset + res.length] = dst
+        promoted = False
+        events: list = []
+        with self._lock:
+            entry = self._entries.get(key)
+            stats = self._stats["ssd"]
+            if ok:
+                stats.hit(len(dst))
+            else:
+                stats.misses += 1
+            if res is not None and entry is not None:
+                promoted = self._finish_promotion(key, entry, ok, pin, events)
+                self._promoted.notify_all()
+            elif not ok and entry is not None and entry.ssd and not self.ssd.contains(key):
+                # the SSD tier dropped a damaged copy: forget it
+                entry.ssd = False
+                self._ssd_policy.remove(key)
+                if not (entry.dram or entry.promoting):
+                    del self._entries[key]
+                    events.append((key, "removed"))
+        self._fire(events)
+        if not ok or (pin and not promoted):
+            raise KeyNotFound(key)
+
+    def _finish_promotion(self, key: str, entry: _Entry, ok: bool, pin: bool, events: list) -> bool:
+        """Commit (True) or cancel (False) a promotion; lock held."""
+        entry.promoting = False
+        if ok and not entry.removing:
+            self.dram.commit(key)
+            entry.dram = True
+            entry.pins += 1 if pin else 0
+            self._dram_policy.insert(key, entry.size)
+            self._stats["dram"].bytes_in += entry.size
+            events.append((key, "promoted"))
+            return True
+        self.dram.abort(key)
+        if not ok and entry.ssd:
+            entry.ssd = False
+            self._ssd_policy.remove(key)
+            events.append((key, "removed"))
+        if entry.removing or not (entry.dram or entry.ssd):
+            del self._entries[key]
+        return False
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None on a miss."""
+        for _ in range(3):  # the key may be removed and re-put with another size meanwhile
+            size = self.size_of(key)
+            if size is None:
+                return None
+            out = bytearray(size)
+            try:
+                n = self.get_into(key, out)
+            except KeyNotFound:
+                return None
+            except InvalidArgument:
+                continue
+            return bytes(memoryview(out)[:n])
+        return None
+
+    # -- pins ------------------------------------------------------------------------------
+    def pin(self, key: str) -> Location:
+        """Keep `key` in DRAM (promoting it from SSD if needed) until `unpin`; its bytes are at
+        `Location` in `arena`. Raises KeyNotFound, or AllPinned when DRAM has no room.
+        A pin racing another reader's promotion of the same key waits for it."""
+        check_key(key)
+        with self._lock:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None or not entry.visible:
+                    raise KeyNotFound(key)
+                if entry.dram:
+                    entry.pins += 1
+                    self._dram_policy.access(key)
+                    return self.dram.location(key)  # type: ignore[return-value]
+                if not entry.promoting:
+                    break
+                self._promoted.wait(timeout=1.0)  # another reader is promoting it: share its result
+            events: list = []
+            res = self._make_room(key, entry.size, events)
+            entry.promoting = True
+        self._fire(events)
+        view = self.dram.arena.buffer[res.offset : res.offset + res.length]
+        self._read_ssd(key, view, res, pin=True)
+        return Location(res.offset, res.length)
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.pins == 0:
+                raise InvalidArgument(f"{key!r} is not pinned")
+            entry.pins -= 1
+            if entry.pins == 0 and entry.removing and not entry.promoting:
+                self.dram.remove(key)
+                del self._entries[key]
+
+    @contextlib.contextmanager
+    def pinned(self, key: str) -> Iterator[Location]:
+        loc = self.pin(key)
+        try:
+            yield loc
+        finally:
+            self.unpin(key)
+
+    # -- queries ---------------------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        check_key(key)
+        entry = self._entries.get(key)
+        return entry is not None and entry.visible
+
+    def size_of(self, key: str) -> int | None:
+        check_key(key)
+        entry = self._entries.get(key)
+        return entry.size if entry is not None and entry.visible else None
+
+    def match_prefix(self, keys: Sequence[str]) -> int:
+        """n such that keys[0..n) are all present and keys[n] is not (or n == len(keys))."""
+        if isinstance(keys, (str, bytes)):
+            raise InvalidArgument("match_prefix takes a sequence of keys, not one key")
+        n = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(check_key(key))
+                if entry is None or not entry.visible:
+                    break
+                n += 1
+        return n
+
+    def keys(self) -> Iterator[tuple[str, int, str]]:
+        """(key, size, fastest tier holding it) of every visible object (a snapshot)."""
+        with self._lock:
+            snap = [(k, e.size, "dram" if e.dram else "ssd") for k, e in self._entries.items() if e.visible]
+        return iter(snap)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            tiers: dict[str, Any] = {}
+            for name, tier in (("hbm", self.hbm), ("dram", self.dram), ("ssd", self.ssd)):
+                if tier is not None:
+                    tiers[name] = {"capacity": tier.capacity, "used": tier.used, "objects": len(tier),
+                                   **self._stats[name].as_dict()}
+            visible = [e for e in self._entries.values() if e.visible]
+            total = {"objects": len(visible), "bytes": sum(e.size for e in visible),
+                     "pinned": sum(1 for e in self._entries.values() if e.pins),
+                     **TierStats.total([self._stats[n] for n in tiers])}
+        return {"policy": self.policy, "tiers": tiers, "total": total}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _fire(self, events: list) -> None:
+        hook = self.on_event
+        if hook is None:
+            return
+        for key, event in events:
+            try:
+                hook(key, event)
+            except Exception:  # a broken listener must not break the data path
+                log.exception("on_event hook failed for %s %s", event, key)
+
+    def close(self) -> None:
+        """Unmap and unlink the arena, close lmdb. Later calls raise or misbehave: close last."""
+        with self._lock:
+            for tier in (getattr(self, "hbm", None), getattr(self, "ssd", None), getattr(self, "dram", None)):
+                if tier is not None:
+                    tier.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,126 @@
+"""`kvpool admin ...` against a live admin API: output, --json, token from flag / env / file,
+and one readable line (no traceback) for each kind of error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvpool.cli import cli
+
+TOKEN = "test-token-7f3a"
+KVPOOL = str(Path(sys.executable).with_name("kvpool"))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("KVPOOL_"):
+            monkeypatch.delenv(name)
+
+
+def run(url, *args, token=None):
+    base = ["admin", "--url", url, "--json"] + (["--token", token] if token else [])
+    result = CliRunner().invoke(cli, base + list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def shell(*args, env=None):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    full_env.update(env or {})
+    return subprocess.run([KVPOOL, "admin", *args], capture_output=True, text=True, timeout=60, env=full_env)
+
+
+def test_help_lists_the_commands():
+    result = CliRunner().invoke(cli, ["admin", "--help"])
+    assert result.exit_code == 0
+    for name in ("nodes", "stats", "key", "evict", "drain", "config", "remove-node"):
+        assert name in result.output
+
+
+def test_nodes_stats_key_json(admin):
+    handle, _ = admin
+    nodes = run(handle.url, "nodes")
+    assert [n["node_id"] for n in nodes] == ["node-a"]
+    assert run(handle.url, "stats")["objects"] == 3
+    assert run(handle.url, "key", "key-2")["size"] == 3000
+    assert run(handle.url, "node", "node-a")["objects"] == 3
+
+
+def test_tables_render(admin):
+    handle, _ = admin
+    for args in (["nodes"], ["stats"]):
+        result = CliRunner().invoke(cli, ["admin", "--url", handle.url, *args], catch_exceptions=False)
+        assert result.exit_code == 0 and "node-a" in result.output or "dram" in result.output
+
+
+def test_mutations_with_token(master, admin):
+    handle, _ = admin
+    assert run(handle.url, "evict", "--key", "key-0", token=TOKEN)["evicted"] == 1
+    assert run(handle.url, "evict", "--bytes", "1KiB", token=TOKEN)["evicted"] >= 1
+    assert run(handle.url, "config", "--set", "lease_s=2.5", token=TOKEN)["lease_s"] == 2.5
+    assert run(handle.url, "drain", "node-a", token=TOKEN)["state"] == "draining"
+    assert master.node("node-a")["state"] == "draining"
+
+
+def test_token_from_env_and_config_file(master, admin, tmp_path):
+    handle, _ = admin
+    r = shell("--url", handle.url, "drain", "node-a", env={"KVPOOL_ADMIN_TOKEN": TOKEN})
+    assert r.returncode == 0, r.stderr
+    cfg = tmp_path / "kvpool.toml"
+    cfg.write_text(f'admin_token = "{TOKEN}"\n')
+    r = shell("--url", handle.url, "--config", str(cfg), "--json", "config", "--set", "replicas=2")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["replicas"] == 2
+
+
+def test_url_from_settings(admin, tmp_path):
+    handle, _ = admin
+    cfg = tmp_path / "kvpool.json"
+    cfg.write_text(json.dumps({"host": "127.0.0.1", "admin_port": handle.port}))
+    r = shell("--config", str(cfg), "--json", "nodes")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[0]["node_id"] == "node-a"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["drain", "node-a"], "requires a bearer token"),
+    (["--token", "wrong", "drain", "node-a"], "wrong bearer token"),
+    (["node", "ghost"], "not found"),
+    (["key", "tail/ghost"], "not found"),
+    (["evict"], "--bytes"),
+    (["evict", "--bytes", "many"], "not a size"),
+    (["config", "--set", "lease_s"], "FIELD=VALUE"),
+    (["--token", TOKEN, "config", "--set", "port=1"], "cannot be changed"),
+])
+def test_errors_are_one_readable_line(master, admin, args, needle):
+    handle, _ = admin
+    r = shell("--url", handle.url, *args)
+    assert r.returncode == 2
+    assert needle in r.stderr and r.stderr.startswith("error: ")
+    assert "Traceback" not in r.stderr
+    assert master.node("node-a")["state"] == "up"
+
+
+def test_unreachable_server_is_a_readable_error():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = shell("--url", f"http://127.0.0.1:{port}", "nodes")
+    assert r.returncode == 2 and "cannot reach the admin API" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_config_file_is_a_readable_error(tmp_path):
+    cfg = tmp_path / "kvpool.toml"
+    cfg.write_text("admin_port = 'x'\n")
+    r = shell("--config", str(cfg), "nodes")
+    assert r.returncode == 2 and "admin_port" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,85 @@
+"""Property tests of the eviction policies: pinned keys are never evicted, tracking is exact,
+and S3-FIFO resists a scan that flushes LRU."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.errors import InvalidArgument
+from kvpool.tiers.policy import LRUPolicy, S3FIFOPolicy, make_policy
+
+KEYS = [f"k{i}" for i in range(12)]
+op = st.tuples(st.sampled_from(["insert", "access", "remove", "evict", "pin", "unpin"]), st.sampled_from(KEYS))
+
+
+@pytest.mark.parametrize("name", ["lru", "s3fifo"])
+@settings(max_examples=150, deadline=None)
+@given(program=st.lists(op, max_size=150))
+def test_pinned_never_evicted_and_tracking_exact(name, program):
+    policy = make_policy(name, 10 * 100)
+    tracked: set[str] = set()
+    pinned: set[str] = set()
+    for action, key in program:
+        if action == "insert" and key not in tracked:
+            policy.insert(key, 100)
+            tracked.add(key)
+        elif action == "access":
+            policy.access(key)
+        elif action == "remove":
+            policy.remove(key)
+            tracked.discard(key)
+        elif action == "pin":
+            pinned.add(key)
+        elif action == "unpin":
+            pinned.discard(key)
+        elif action == "evict":
+            victim = policy.evict(lambda k: k not in pinned)
+            if victim is None:
+                assert tracked <= pinned, "a policy may give up only when everything is pinned"
+            else:
+                assert victim in tracked and victim not in pinned
+                tracked.discard(victim)
+        assert len(policy) == len(tracked)
+        assert all(k in policy for k in tracked)
+
+
+def test_lru_order():
+    p = LRUPolicy()
+    for k in "abc":
+        p.insert(k, 1)
+    p.access("a")
+    assert [p.evict(lambda k: True) for _ in range(3)] == ["b", "c", "a"]
+    assert p.evict(lambda k: True) is None
+
+
+def _hits(policy, trace, cache_objects):
+    cached: set[str] = set()
+    hits = 0
+    for key in trace:
+        if key in cached:
+            hits += 1
+            policy.access(key)
+            continue
+        while len(cached) >= cache_objects:
+            cached.discard(policy.evict(lambda k: True))
+        policy.insert(key, 1)
+        cached.add(key)
+    return hits
+
+
+def test_s3fifo_resists_a_scan():
+    hot = [f"hot{i}" for i in range(20)]
+    trace: list[str] = []
+    for round_ in range(30):
+        trace += hot
+        trace += [f"scan{round_}-{i}" for i in range(40)]  # one-hit wonders
+    lru = _hits(LRUPolicy(), trace, 40)
+    s3 = _hits(S3FIFOPolicy(40), trace, 40)
+    assert s3 > 2 * lru, (s3, lru)
+
+
+def test_unknown_policy():
+    with pytest.raises(InvalidArgument):
+        make_policy("mru", 100)

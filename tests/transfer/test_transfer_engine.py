@@ -1,0 +1,144 @@
+"""Engine behaviour that does not depend on a transport: buffers, selection, batches, asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from transfer import (READ, WRITE, Batch, InvalidOp, Op, SegmentNotFound, TransferEngine, TransferError,
+                      TransportUnavailable, create_shm_buffer)
+
+
+@pytest.fixture
+def pair():
+    a = TransferEngine(timeout=2.0).start()
+    b = TransferEngine(timeout=2.0).start()
+    mapping, path = create_shm_buffer(1 << 20)
+    yield a, b, mapping, path
+    a.close()
+    b.close()
+    os.unlink(path)
+
+
+def test_transport_choice_prefers_shm_on_same_host_and_honours_override(pair):
+    a, b, mapping, path = pair
+    shm_seg = b.register(mapping, shm_path=path)
+    plain_seg = b.register(bytearray(4096))
+    assert a.choose(shm_seg) == "shm"
+    assert a.choose(plain_seg) == "tcp"  # not a mapping: only tcp is offered
+    assert a.choose(shm_seg, "tcp") == "tcp"
+    with pytest.raises(TransportUnavailable):
+        a.choose(plain_seg, "shm")
+    tcp_only = TransferEngine(transports=["tcp"])
+    try:
+        assert tcp_only.choose(shm_seg) == "tcp"
+        with pytest.raises(TransportUnavailable):
+            tcp_only.choose(shm_seg, "shm")
+    finally:
+        tcp_only.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_buffer_kinds(pair, transport):
+    a, b, mapping, path = pair
+    seg = b.register(mapping, shm_path=path)
+    np.frombuffer(mapping, dtype=np.uint8)[:] = np.arange(1 << 20, dtype=np.uint64).view(np.uint8)[: 1 << 20]
+    expected = bytes(mapping[4096:8192])
+    local_map = mmap.mmap(-1, 4096)
+    for local in (bytearray(4096), np.zeros(1024, dtype=np.float32), torch.zeros(2048, dtype=torch.bfloat16),
+                  memoryview(bytearray(4096)), local_map):
+        a.read(seg, 4096, local, transport=transport)
+        got = local.view(torch.uint8).numpy().tobytes() if isinstance(local, torch.Tensor) else bytes(memoryview(local).cast("B"))
+        assert got == expected, type(local)
+    a.write(seg, 0, torch.full((16,), 3, dtype=torch.int32), transport=transport)
+    assert bytes(mapping[:64]) == np.full(16, 3, dtype=np.int32).tobytes()
+    a.write(seg, 100, b"read-only source is fine for WRITE", transport=transport)
+    assert bytes(mapping[100:104]) == b"read"
+
+
+def test_invalid_ops_and_registrations(pair):
+    a, b, mapping, path = pair
+    seg = b.register(bytearray(100), name="small")
+    with pytest.raises(InvalidOp):
+        b.register(bytearray(10), name="small")
+    with pytest.raises(InvalidOp):
+        b.register(bytearray(0))
+    with pytest.raises(InvalidOp):
+        b.register(b"immutable")
+    with pytest.raises(InvalidOp):
+        b.register(np.zeros((4, 4))[:, 1])  # not contiguous
+    with pytest.raises(InvalidOp):
+        b.register(bytearray(1 << 21), shm_path=path)  # larger than the file
+    with pytest.raises(InvalidOp):
+        a.submit([Op(7, bytearray(1), 0, seg, 0, 1)])
+    with pytest.raises(InvalidOp):
+        a.submit([Op(READ, bytearray(1), 0, seg, -1, 1)])
+    with pytest.raises(InvalidOp):
+        a.submit([Op(READ, bytearray(1), 0, "not a descriptor", 0, 1)])
+    with pytest.raises(InvalidOp):
+        TransferEngine(transports=["carrier-pigeon"])
+    with pytest.raises(SegmentNotFound):
+        b.unregister("nope")
+    b.unregister("small")
+    with pytest.raises(TransferError):
+        a.read(seg, 0, bytearray(4))
+
+
+def test_batch_wait_poll_and_await(pair):
+    a, b, mapping, path = pair
+    seg = b.register(bytearray(b"x" * (8 << 20)))
+    out = bytearray(8 << 20)
+    batch = a.submit([Op(READ, out, 0, seg, 0, 8 << 20)])
+    batch.wait(timeout=10)
+    assert batch.poll() and out == b"x" * (8 << 20)
+
+    async def main():
+        outs = [bytearray(1 << 20) for _ in range(8)]
+        batches = [a.submit([Op(READ, o, 0, seg, 0, 1 << 20)]) for o in outs]
+        await asyncio.gather(*(asyncio.ensure_future(_awaitable(b)) for b in batches))
+        assert all(o == b"x" * (1 << 20) for o in outs)
+        bad = a.submit([Op(READ, bytearray(4), 0, seg.__class__(**{**_fields(seg), "name": "gone"}), 0, 4)])
+        with pytest.raises(SegmentNotFound.__mro__[1]):  # TransferError carrying the per-op cause
+            await bad
+        assert isinstance(bad.failures[0], SegmentNotFound)
+
+    asyncio.run(main())
+    empty = a.submit([])
+    assert empty.poll()
+    empty.wait()
+
+
+async def _awaitable(batch: Batch) -> None:
+    await batch
+
+
+def _fields(seg):
+    return {f: getattr(seg, f) for f in seg.__struct_fields__}
+
+
+def test_per_op_failures_do_not_fail_the_others(pair):
+    a, b, mapping, path = pair
+    good = b.register(bytearray(b"g" * 1000))
+    gone = good.__class__(**{**_fields(good), "name": "gone"})
+    out1, out2 = bytearray(1000), bytearray(1000)
+    batch = a.submit([Op(READ, out1, 0, good, 0, 1000), Op(READ, out2, 0, gone, 0, 1000),
+                      Op(WRITE, b"w" * 10, 0, good, 0, 10)])
+    with pytest.raises(TransferError) as info:
+        batch.wait(5)
+    assert set(info.value.failures) == {1}
+    assert out1 == b"g" * 1000
+
+
+def test_unreachable_peer_fails_fast(pair):
+    a, b, mapping, path = pair
+    seg = b.register(bytearray(100))
+    b.close()  # nobody listens on that port any more
+    with pytest.raises(TransferError):
+        a.submit([Op(READ, bytearray(10), 0, seg, 0, 10)] * 3).wait(timeout=5)
+    with pytest.raises(TransferError):
+        a.read(seg, 0, bytearray(10))

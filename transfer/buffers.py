@@ -1,0 +1,63 @@
+"""Turning the buffers callers hand us into flat writable byte views (and raw addresses).
+
+Accepted: bytearray, memoryview (writable), mmap, numpy arrays (C-contiguous), torch CPU
+tensors (contiguous, any dtype). A view returned here keeps its owner alive through `obj`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from typing import Any
+
+from transfer.errors import InvalidOp
+
+
+def byte_view(buffer: Any, *, writable: bool = True) -> memoryview:
+    """A 1-D unsigned-byte memoryview over `buffer` (no copy)."""
+    if _is_torch_tensor(buffer):
+        return _torch_view(buffer)
+    try:
+        view = memoryview(buffer)
+    except TypeError as exc:
+        raise InvalidOp(f"unsupported buffer type {type(buffer).__name__}") from exc
+    if writable and view.readonly:
+        raise InvalidOp(f"buffer of type {type(buffer).__name__} is read-only")
+    if not view.c_contiguous:
+        raise InvalidOp("buffer must be C-contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def address_of(view: memoryview) -> int:
+    """The virtual address of a writable byte view's first byte (for memory registration)."""
+    if len(view) == 0:
+        raise InvalidOp("cannot take the address of an empty buffer")
+    if view.readonly:
+        raise InvalidOp("buffer is read-only")
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _is_torch_tensor(obj: Any) -> bool:
+    mod = type(obj).__module__
+    return mod.startswith("torch") and hasattr(obj, "data_ptr") and hasattr(obj, "is_cuda")
+
+
+def _torch_view(tensor: Any) -> memoryview:
+    if tensor.is_cuda:
+        raise InvalidOp("CUDA tensors are not supported by the shm/tcp transports; "
+                        "stage through a pinned CPU tensor (GPUDirect RDMA is future work)")
+    if not tensor.is_contiguous():
+        raise InvalidOp("torch tensor must be contiguous")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    # A ctypes array over the tensor's storage; `_keep` pins the tensor while the view lives.
+    raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    raw._keep = tensor  # type: ignore[attr-defined]
+    return memoryview(raw).cast("B")
+
+
+def is_mmap(buffer: Any) -> bool:
+    return isinstance(buffer, mmap.mmap)

@@ -1,0 +1,246 @@
+"""`TransferEngine`: register buffers as segments, describe them, move bytes to/from peers.
+
+The engine owns one TCP data server (the passive side: peers READ/WRITE our segments through
+it, and it carries the RDMA connection set-up) and one instance of each transport it offers.
+For each op it picks the best transport both sides share, in the order of `PREFERENCE`
+(shm when the segment's file is on this host, then rdma, then tcp), unless the caller names one.
+
+Invariants:
+- `submit` validates every op (opcode, local and remote ranges, transport) before any byte
+  of the batch moves; a bad op raises `InvalidOp` and nothing is sent.
+- a registered segment's memory stays valid until `unregister` (the engine keeps a view).
+- every op of a submitted batch finishes (ok or with an error) within about `timeout`
+  seconds of its bytes being due, whatever the peer does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Sequence
+
+from transfer.batch import READ, WRITE, Batch, Op
+from transfer.buffers import byte_view
+from transfer.descriptor import DESCRIPTOR_VERSION, SegmentDescriptor, local_host_id
+from transfer.errors import InvalidOp, SegmentNotFound, TransferError, TransportUnavailable
+from transfer.shm import ShmTransport
+from transfer.tcp import TcpTransport
+from transfer.tcp_server import DataServer
+
+log = logging.getLogger("transfer.engine")
+
+PREFERENCE = ("shm", "rdma", "tcp")
+KNOWN_TRANSPORTS = frozenset(PREFERENCE)
+
+
+class TransferEngine:
+    def __init__(self, name: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                 transports: Sequence[str] = ("shm", "tcp", "rdma"), timeout: float = 10.0,
+                 connections_per_peer: int = 4, slice_bytes: int = 4 << 20, rdma_device: Any = None):
+        """`rdma_device`: a verbs-layer device to use instead of opening one (tests pass a fake)."""
+        unknown = set(transports) - KNOWN_TRANSPORTS
+        if unknown:
+            raise InvalidOp(f"unknown transports {sorted(unknown)}; known: {list(PREFERENCE)}")
+        if timeout <= 0 or slice_bytes <= 0 or connections_per_peer <= 0:
+            raise InvalidOp("timeout, slice_bytes and connections_per_peer must be positive")
+        self.name = name or f"engine-{os.getpid()}-{os.urandom(3).hex()}"
+        self.host = host
+        self.timeout = timeout
+        self.requested = tuple(transports)
+        self._segments: dict[bytes, memoryview] = {}
+        self._descriptors: dict[str, SegmentDescriptor] = {}
+        self._owners: dict[str, Any] = {}  # keeps registered buffers alive
+        self._lock = threading.Lock()
+        self._counter = 0
+        self._server = DataServer(self._segments, host, port, control=self._control, name=self.name)
+        self.port = self._server.port
+        self._started = False
+        self._transports: dict[str, Any] = {}
+        if "tcp" in transports:
+            self._transports["tcp"] = TcpTransport(self.name, timeout, connections_per_peer, slice_bytes)
+        if "shm" in transports:
+            self._transports["shm"] = ShmTransport()
+        if "rdma" in transports:
+            self._transports["rdma"] = self._open_rdma(timeout, connections_per_peer, slice_bytes, rdma_device)
+            if self._transports["rdma"] is None:
+                del self._transports["rdma"]
+
+    def _open_rdma(self, timeout: float, qps_per_peer: int, slice_bytes: int, device: Any):
+        from transfer import rdma
+
+        return rdma.open_transport(self, timeout, qps_per_peer, slice_bytes, device)
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """The transports this engine can actually use (requested and available here)."""
+        return tuple(t for t in PREFERENCE if t in self._transports)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "TransferEngine":
+        if not self._started:
+            self._server.start()
+            self._started = True
+            log.info("transfer engine %s serving on %s:%d (transports: %s)", self.name, self.host, self.port,
+                     ", ".join(self.transports))
+        return self
+
+    def close(self) -> None:
+        for transport in self._transports.values():
+            transport.close()
+        self._server.close()
+        with self._lock:
+            self._segments.clear()
+            self._descriptors.clear()
+            self._owners.clear()
+
+    def __enter__(self) -> "TransferEngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- segments ----------------------------------------------------------------------------
+    def register(self, buffer: Any, name: str | None = None, shm_path: str | None = None) -> SegmentDescriptor:
+        """Expose `buffer` to peers as a segment; returns the descriptor they need.
+
+        With `shm_path`, `buffer` must be a mapping of that file (same size or smaller);
+        then same-host peers reach it by mapping the file themselves.
+        """
+        view = byte_view(buffer, writable=True)
+        if len(view) == 0:
+            raise InvalidOp("cannot register an empty buffer")
+        if shm_path is not None:
+            try:
+                file_size = os.stat(shm_path).st_size
+            except OSError as exc:
+                raise InvalidOp(f"shm_path {shm_path!r}: {exc}") from exc
+            if file_size < len(view):
+                raise InvalidOp(f"shm_path {shm_path!r} has {file_size} bytes, buffer has {len(view)}")
+        with self._lock:
+            if name is None:
+                self._counter += 1
+                name = f"seg{self._counter}"
+            if name in self._descriptors:
+                raise InvalidOp(f"segment {name!r} is already registered on {self.name}")
+            if len(name.encode()) > 1024:
+                raise InvalidOp("segment name longer than 1024 bytes")
+            offered = [t for t in self.transports if t != "shm" or shm_path is not None]
+            rdma_ep = None
+            if "rdma" in self._transports:
+                rdma_ep = self._transports["rdma"].register(name, view)
+            desc = SegmentDescriptor(name=name, engine=self.name, host=self.host, port=self.port, size=len(view),
+                                     transports=tuple(offered), host_id=local_host_id(), pid=os.getpid(),
+                                     shm_path=shm_path, rdma=rdma_ep, version=DESCRIPTOR_VERSION)
+            self._descriptors[name] = desc
+            self._owners[name] = buffer
+            self._segments[name.encode()] = view
+        return desc
+
+    def unregister(self, seg_name: str) -> None:
+        with self._lock:
+            if seg_name not in self._descriptors:
+                raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}")
+            del self._descriptors[seg_name]
+            self._segments.pop(seg_name.encode(), None)
+            self._owners.pop(seg_name, None)
+            if "rdma" in self._transports:
+                self._transports["rdma"].unregister(seg_name)
+
+    def descriptor(self, seg_name: str) -> SegmentDescriptor:
+        try:
+            return self._descriptors[seg_name]
+        except KeyError:
+            raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}") from None
+
+    def segments(self) -> list[SegmentDescriptor]:
+        return list(self._descriptors.values())
+
+    # -- transfers ---------------------------------------------------------------------------
+    def choose(self, desc: SegmentDescriptor, transport: str | None = None) -> str:
+        """The transport an op on `desc` would use (the best one both sides offer)."""
+        if transport is not None:
+            impl = self._transports.get(transport)
+            if impl is None or not impl.usable(desc):
+                raise TransportUnavailable(
+                    f"transport {transport!r} not usable for segment {desc.name!r} of {desc.engine} "
+                    f"(we offer {list(self.transports)}, it offers {list(desc.transports)})")
+            return transport
+        for name in PREFERENCE:
+            impl = self._transports.get(name)
+            if impl is not None and impl.usable(desc):
+                return name
+        raise TransportUnavailable(f"no shared transport with segment {desc.name!r} of {desc.engine} "
+                                   f"(we offer {list(self.transports)}, it offers {list(desc.transports)})")
+
+    def _validate(self, index: int, op: Op, transport: str | None) -> tuple[str, memoryview]:
+        if op.opcode not in (READ, WRITE):
+            raise InvalidOp(f"op {index}: opcode must be READ or WRITE, got {op.opcode!r}")
+        desc = op.remote
+        if not isinstance(desc, SegmentDescriptor):
+            raise InvalidOp(f"op {index}: remote must be a SegmentDescriptor, got {type(desc).__name__}")
+        length, lo, ro = op.length, op.local_offset, op.remote_offset
+        if length < 0 or lo < 0 or ro < 0:
+            raise InvalidOp(f"op {index}: negative length or offset")
+        if ro + length > desc.size:
+            raise InvalidOp(f"op {index}: remote range [{ro}, {ro + length}) outside segment "
+                            f"{desc.name!r} of {desc.size} bytes")
+        local = byte_view(op.local, writable=op.opcode == READ)
+        if lo + length > len(local):
+            raise InvalidOp(f"op {index}: local range [{lo}, {lo + length}) outside buffer of {len(local)} bytes")
+        return self.choose(desc, transport), local[lo:lo + length]
+
+    def submit(self, ops: Sequence[Op], transport: str | None = None) -> Batch:
+        """Start moving `ops`; returns at once with a `Batch` to wait on (shm ops are done already)."""
+        ops = list(ops)
+        groups: dict[str, list[tuple[int, Op, memoryview]]] = {}
+        for index, op in enumerate(ops):
+            if not isinstance(op, Op):
+                op = ops[index] = Op(*op)
+            chosen, local = self._validate(index, op, transport)
+            groups.setdefault(chosen, []).append((index, op, local))
+        batch = Batch(ops, next(iter(groups)) if len(groups) == 1 else "mixed")
+        for name, work in groups.items():
+            self._transports[name].submit(batch, work)
+        batch._seal()
+        return batch
+
+    def read(self, seg: SegmentDescriptor, remote_offset: int, local_buffer: Any, local_offset: int = 0,
+             length: int | None = None, transport: str | None = None) -> None:
+        """Copy `length` bytes of the remote segment into `local_buffer` (synchronously)."""
+        if length is None:
+            length = len(byte_view(local_buffer)) - local_offset
+        self._one(Op(READ, local_buffer, local_offset, seg, remote_offset, length), transport)
+
+    def write(self, seg: SegmentDescriptor, remote_offset: int, local_buffer: Any, local_offset: int = 0,
+              length: int | None = None, transport: str | None = None) -> None:
+        """Copy `length` bytes of `local_buffer` into the remote segment (synchronously)."""
+        if length is None:
+            length = len(byte_view(local_buffer, writable=False)) - local_offset
+        self._one(Op(WRITE, local_buffer, local_offset, seg, remote_offset, length), transport)
+
+    def _one(self, op: Op, transport: str | None) -> None:
+        chosen, local = self._validate(0, op, transport)
+        if chosen == "tcp":
+            # No hand-off to a connection thread: a sync single op runs on the caller's thread.
+            try:
+                self._transports["tcp"].run_inline(op, local)
+            except TransferError as exc:
+                raise type(exc)(f"1 of 1 ops failed; op 0: {exc}", {0: exc}) from exc
+            return
+        batch = Batch([op], chosen)
+        self._transports[chosen].submit(batch, [(0, op, local)])
+        batch._seal()
+        batch.wait()
+
+    # -- control channel -----------------------------------------------------------------------
+    def _control(self, msg: object) -> object:
+        rdma = self._transports.get("rdma")
+        if rdma is not None:
+            return rdma.handle_control(msg)
+        from transfer import wire
+
+        return wire.ControlError(f"{type(msg).__name__}: rdma not offered by {self.name}")
+
+    def __repr__(self) -> str:
+        return f"<TransferEngine {self.name} {self.host}:{self.port} {list(self.transports)}>"

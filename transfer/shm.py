@@ -1,0 +1,128 @@
+"""The same-host transport: the remote segment is a /dev/shm file we map; an op is a memcpy.
+
+Invariants:
+- a segment is used through shm only when its descriptor offers "shm", names a `shm_path`,
+  and comes from this kernel (`host_id`); the mapping is cached per (engine, path), so a
+  restarted owner (new engine name) never reuses a stale mapping;
+- the owner's liveness is checked (pid) once per segment per submit: a dead owner's ops fail
+  with `PeerUnavailable` rather than reading memory nobody maintains;
+- shm ops complete during `submit` (a memcpy cannot wait on a peer), so they never time out.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+
+from transfer.batch import READ, Batch, Op
+from transfer.descriptor import SegmentDescriptor, pid_alive, same_host
+from transfer.errors import InvalidOp, PeerUnavailable, TransferError
+
+log = logging.getLogger("transfer.shm")
+
+SHM_DIR = "/dev/shm"
+
+
+def create_shm_buffer(size: int, name: str | None = None, directory: str = SHM_DIR) -> tuple[mmap.mmap, str]:
+    """Create a shared-memory file of `size` bytes and map it; returns (mapping, path).
+
+    Register the mapping with `engine.register(mapping, shm_path=path)`; the caller owns the
+    file and removes it (`os.unlink(path)`) when done.
+    """
+    if size <= 0:
+        raise InvalidOp(f"shm buffer size must be positive, got {size}")
+    name = name or f"kvpool-transfer-{os.getpid()}-{os.urandom(4).hex()}"
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return mapping, path
+
+
+class ShmTransport:
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[str, str], tuple[mmap.mmap, memoryview]] = {}
+        self._lock = threading.Lock()
+
+    def usable(self, desc: SegmentDescriptor) -> bool:
+        return "shm" in desc.transports and bool(desc.shm_path) and same_host(desc)
+
+    def view(self, desc: SegmentDescriptor) -> memoryview:
+        """Our (cached) mapping of the segment's file, as a byte view."""
+        key = (desc.engine, desc.shm_path)
+        entry = self._maps.get(key)
+        if entry is None:
+            with self._lock:
+                entry = self._maps.get(key)
+                if entry is None:
+                    entry = self._maps[key] = self._map(desc)
+        return entry[1]
+
+    @staticmethod
+    def _map(desc: SegmentDescriptor) -> tuple[mmap.mmap, memoryview]:
+        try:
+            fd = os.open(desc.shm_path, os.O_RDWR)
+        except OSError as exc:
+            raise PeerUnavailable(f"cannot open {desc.shm_path} of segment {desc.name!r}: {exc}") from exc
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < desc.size:
+                raise PeerUnavailable(f"{desc.shm_path} has {actual} bytes, segment {desc.name!r} says {desc.size}")
+            mapping = mmap.mmap(fd, desc.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        log.debug("mapped %s (%d bytes) for segment %s/%s", desc.shm_path, desc.size, desc.engine, desc.name)
+        return mapping, memoryview(mapping)
+
+    def submit(self, batch: Batch, work: list[tuple[int, Op, memoryview]]) -> None:
+        batch._expect(len(work))
+        alive: dict[int, bool] = {}
+        for index, op, local in work:
+            error = None
+            try:
+                desc = op.remote
+                if desc.pid not in alive:
+                    alive[desc.pid] = pid_alive(desc.pid)
+                if not alive[desc.pid]:
+                    raise PeerUnavailable(f"owner of segment {desc.name!r} (pid {desc.pid}) is gone")
+                remote = self.view(desc)[op.remote_offset:op.remote_offset + op.length]
+                if op.opcode == READ:
+                    local[:] = remote
+                else:
+                    remote[:] = local
+            except TransferError as exc:
+                error = exc
+            except (OSError, ValueError) as exc:
+                error = TransferError(f"shm op {index} failed: {exc}")
+            batch._slice_done(index, error)
+
+    def forget(self, engine: str) -> None:
+        """Drop cached mappings of a peer engine (e.g. after it went away)."""
+        with self._lock:
+            for key in [k for k in self._maps if k[0] == engine]:
+                mapping, view = self._maps.pop(key)
+                try:
+                    view.release()
+                    mapping.close()
+                except BufferError:
+                    pass  # a caller still holds a slice; the GC closes it later
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._maps = list(self._maps.values()), {}
+        for mapping, view in entries:
+            try:
+                view.release()
+                mapping.close()
+            except BufferError:
+                pass

@@ -1,0 +1,322 @@
+"""The active side of the TCP transport: slices, connection threads, pipelined requests.
+
+Per peer (host, port) there is one queue of slices and `connections_per_peer` threads, each
+owning one socket (connected lazily). A thread takes a slice, sends its request, and while
+that response is outstanding takes one more slice and sends it too (pipelining depth 2), so a
+connection never sits idle for a round trip. Payloads go out with `sendmsg([header, view])`
+and come in with `recv_into(view, MSG_WAITALL)` straight into the caller's buffer.
+
+Invariants:
+- every slice put on a peer queue is completed exactly once (`batch._slice_done`), with an
+  error if the peer failed, timed out, or answered with an error status;
+- a connection-level failure (reset, EOF, timeout, garbage reply) fails that connection's
+  in-flight slices and every slice still queued for the peer, so a dead or stopped peer costs
+  each affected op at most about one `timeout`, never a hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import socket
+import threading
+
+from transfer import wire
+from transfer.batch import Batch, Op
+from transfer.descriptor import SegmentDescriptor
+from transfer.errors import PeerUnavailable, ProtocolError, TransferError
+
+log = logging.getLogger("transfer.tcp")
+
+_STOP = None
+PIPELINE_DEPTH = 2
+
+# A slice: (batch, op index, opcode, local byte view, segment name bytes, remote offset)
+Slice = tuple
+
+
+class TcpTransport:
+    name = "tcp"
+
+    def __init__(self, engine_name: str, timeout: float, connections_per_peer: int, slice_bytes: int):
+        self.engine_name = engine_name
+        self.timeout = timeout
+        self.connections_per_peer = max(1, connections_per_peer)
+        self.slice_bytes = max(1, slice_bytes)
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._lock = threading.Lock()
+
+    def usable(self, desc: SegmentDescriptor) -> bool:
+        return "tcp" in desc.transports and desc.port > 0
+
+    def submit(self, batch: Batch, work: list[tuple[int, Op, memoryview]]) -> None:
+        step = self.slice_bytes
+        per_peer: dict[tuple[str, int], list[Slice]] = {}
+        for index, op, view in work:
+            name = op.remote.name.encode()
+            slices = per_peer.setdefault((op.remote.host, op.remote.port), [])
+            length = op.length
+            if length == 0:
+                continue
+            for start in range(0, length, step):
+                stop = min(start + step, length)
+                slices.append((batch, index, op.opcode, view[start:stop], name, op.remote_offset + start))
+        total = sum(len(s) for s in per_peer.values())
+        batch._expect(total)
+        for addr, slices in per_peer.items():
+            self._peer(addr).put(slices)
+
+    def run_inline(self, op: Op, view: memoryview) -> None:
+        """Move one op on the calling thread (no hand-off): the sync `read`/`write` fast path."""
+        self._peer((op.remote.host, op.remote.port)).run_inline(op, view)
+
+    def _peer(self, addr: tuple[str, int]) -> "_Peer":
+        peer = self._peers.get(addr)
+        if peer is None:
+            with self._lock:
+                peer = self._peers.get(addr)
+                if peer is None:
+                    peer = self._peers[addr] = _Peer(addr, self)
+        return peer
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
+
+
+class _Peer:
+    """Slices bound for one remote data server, and the threads that move them."""
+
+    def __init__(self, addr: tuple[str, int], transport: TcpTransport):
+        self.addr = addr
+        self.transport = transport
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.conns: list[_Conn] = []
+        self._idle_inline: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def put(self, slices: list[Slice]) -> None:
+        if not self.conns:
+            with self._lock:
+                if not self.conns and not self._closed:
+                    self.conns = [_Conn(self, i, threaded=True) for i in range(self.transport.connections_per_peer)]
+        for s in slices:
+            self.queue.put(s)
+        if self._closed:
+            self.fail_queued(PeerUnavailable("transfer engine closed"))
+
+    def fail_queued(self, error: BaseException) -> None:
+        """Fail every slice still waiting for this peer (the peer is gone or not answering)."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is _STOP:
+                self.queue.put(_STOP)  # not ours to consume; let a thread see it
+                return
+            item[0]._slice_done(item[1], error)
+
+    def run_inline(self, op: Op, view: memoryview) -> None:
+        with self._lock:
+            conn = self._idle_inline.pop() if self._idle_inline else None
+        if conn is None:
+            conn = _Conn(self, -1, threaded=False)
+        step = self.transport.slice_bytes
+        name = op.remote.name.encode()
+        try:
+            for start in range(0, op.length, step):
+                stop = min(start + step, op.length)
+                conn.roundtrip(op.opcode, view[start:stop], name, op.remote_offset + start)
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            if not self._closed:
+                self._idle_inline.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self.conns = self.conns, []
+            inline, self._idle_inline = self._idle_inline, []
+        for _ in conns:
+            self.queue.put(_STOP)
+        for conn in conns:
+            conn.join()
+        for conn in inline:
+            conn.close()
+        self.fail_queued(PeerUnavailable("transfer engine closed"))
+
+
+class _Conn:
+    """One socket to the peer. Threaded conns serve the peer queue; inline ones serve callers."""
+
+    def __init__(self, peer: _Peer, index: int, threaded: bool):
+        self.peer = peer
+        self.sock: socket.socket | None = None
+        self.hdr = bytearray(wire.REQ.size)
+        self.resp = bytearray(wire.RESP.size)
+        self.resp_view = memoryview(self.resp)
+        self.ids = itertools.count(1)
+        self.thread = None
+        if threaded:
+            self.thread = threading.Thread(target=self._loop, daemon=True,
+                                           name=f"transfer-tcp-{peer.addr[1]}-{index}")
+            self.thread.start()
+
+    # -- socket --------------------------------------------------------------------------
+    def connect(self) -> socket.socket:
+        if self.sock is None:
+            timeout = self.peer.transport.timeout
+            try:
+                sock = socket.create_connection(self.peer.addr, timeout=timeout)
+            except OSError as exc:
+                raise wire.map_os_error(exc, f"connect to {self.peer.addr[0]}:{self.peer.addr[1]}") from exc
+            sock.settimeout(None)
+            wire.tune(sock, timeout)
+            self.sock = sock
+        return self.sock
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=self.peer.transport.timeout + 1)
+        self.close()
+
+    # -- one request / response ------------------------------------------------------------
+    def send(self, opcode: int, view: memoryview, name: bytes, offset: int) -> int:
+        req_id = next(self.ids)
+        wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, len(name), req_id, offset, len(view))
+        if opcode == wire.OP_WRITE:
+            wire.send_views(self.sock, [self.hdr, name, view])
+        else:
+            wire.send_views(self.sock, [self.hdr, name])
+        return req_id
+
+    def recv(self, opcode: int, view: memoryview, req_id: int) -> BaseException | None:
+        """Read one response; return the op-level error it carries (None if OK).
+
+        Connection-level problems (EOF, timeout, garbage) raise instead.
+        """
+        sock = self.sock
+        wire.recv_exact(sock, self.resp_view)
+        magic, version, status, _, got_id, length = wire.RESP.unpack_from(self.resp)
+        if magic != wire.MAGIC or got_id != req_id:
+            raise ProtocolError(f"bad response from {self.peer.addr} (magic {magic:#x}, id {got_id} != {req_id})")
+        if status != wire.OK:
+            if length > wire.MAX_CONTROL:
+                raise ProtocolError(f"error reply of {length} bytes from {self.peer.addr}")
+            body = bytearray(length)
+            wire.recv_exact(sock, memoryview(body))
+            err = wire.status_error(status, body.decode(errors="replace"))
+            if status in (wire.E_VERSION, wire.E_BAD_REQUEST):
+                raise err  # the server closes the connection after these
+            return err
+        if opcode == wire.OP_READ:
+            if length != len(view):
+                raise ProtocolError(f"READ reply of {length} bytes, asked {len(view)}")
+            wire.recv_exact(sock, view)
+        return None
+
+    def roundtrip(self, opcode: int, view: memoryview, name: bytes, offset: int) -> None:
+        try:
+            self.connect()
+            err = self.recv(opcode, view, self.send(opcode, view, name, offset))
+        except OSError as exc:
+            raise wire.map_os_error(exc, f"{self.peer.addr[0]}:{self.peer.addr[1]}") from exc
+        if err is not None:
+            raise err
+
+    # -- the thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        q = self.peer.queue
+        inflight: collections.deque = collections.deque()
+        while True:
+            item = q.get()
+            if item is _STOP:
+                self.close()
+                return
+            stop = False
+            pending = item  # a slice taken off the queue but not yet in `inflight` or finished
+            try:
+                self.connect()
+                inflight.append((item, self.send(item[2], item[3], item[4], item[5])))
+                pending = None
+                while inflight:
+                    if len(inflight) < PIPELINE_DEPTH and not stop:
+                        try:
+                            nxt = q.get_nowait()
+                        except queue.Empty:
+                            nxt = False
+                        if nxt is _STOP:
+                            stop = True
+                        elif nxt is not False:
+                            pending = nxt
+                            inflight.append((nxt, self.send(nxt[2], nxt[3], nxt[4], nxt[5])))
+                            pending = None
+                    done, req_id = inflight.popleft()
+                    pending = done
+                    err = self.recv(done[2], done[3], req_id)
+                    pending = None
+                    done[0]._slice_done(done[1], err)
+            except BaseException as exc:
+                if isinstance(exc, OSError):
+                    error = wire.map_os_error(exc, f"{self.peer.addr[0]}:{self.peer.addr[1]}")
+                elif isinstance(exc, TransferError):
+                    error = exc
+                else:  # a bug: still never leave a slice unfinished
+                    log.exception("transfer thread error")
+                    error = TransferError(f"internal error: {exc!r}")
+                log.info("connection to %s:%d failed: %s", *self.peer.addr, error)
+                self.close()
+                if pending is not None:
+                    pending[0]._slice_done(pending[1], error)
+                while inflight:
+                    done, _ = inflight.popleft()
+                    done[0]._slice_done(done[1], error)
+                self.peer.fail_queued(error)
+            if stop:
+                self.close()
+                return
+
+
+def control_call(addr: tuple[str, int], msg: object, timeout: float) -> object:
+    """One control request on a fresh connection (connection set-up, not the data path)."""
+    body = wire.CONTROL_ENCODER.encode(msg)
+    hdr = bytearray(wire.REQ.size)
+    wire.REQ.pack_into(hdr, 0, wire.MAGIC, wire.VERSION, wire.OP_CONTROL, 0, 1, 0, len(body))
+    try:
+        with socket.create_connection(addr, timeout=timeout) as sock:
+            sock.settimeout(None)
+            wire.tune(sock, timeout)
+            wire.send_views(sock, [hdr, body])
+            resp = bytearray(wire.RESP.size)
+            wire.recv_exact(sock, memoryview(resp))
+            magic, _version, _status, _, _req, length = wire.RESP.unpack_from(resp)
+            if magic != wire.MAGIC or length > wire.MAX_CONTROL:
+                raise ProtocolError(f"bad control reply from {addr}")
+            payload = bytearray(length)
+            wire.recv_exact(sock, memoryview(payload))
+    except OSError as exc:
+        raise wire.map_os_error(exc, f"control call to {addr[0]}:{addr[1]}") from exc
+    try:
+        reply = wire.CONTROL_DECODER.decode(payload)
+    except Exception as exc:
+        raise ProtocolError(f"undecodable control reply from {addr}: {exc}") from exc
+    if isinstance(reply, wire.ControlError):
+        raise TransferError(f"{addr[0]}:{addr[1]} refused: {reply.message}")
+    return reply

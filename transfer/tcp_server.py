@@ -1,0 +1,198 @@
+"""The passive side of the TCP transport: serves READ/WRITE into registered segments.
+
+One thread per connection (blocking sockets; the data path never touches asyncio). Each
+request is validated before any byte of the target moves: a frame with bad magic or an
+unreadable header closes that connection (logged), a bad version gets an error reply and a
+close, an unknown segment or an out-of-range offset gets an error reply (a WRITE's payload is
+drained so the stream stays in sync) and the connection keeps serving. Nothing a client sends
+can take down the listener or other connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Callable
+
+from transfer import wire
+from transfer.errors import PeerUnavailable, TransferError
+
+log = logging.getLogger("transfer.tcp_server")
+
+_DRAIN_CHUNK = 1 << 20
+
+
+class DataServer:
+    """Accepts connections on `host:port` and serves `segments` (name bytes -> byte view).
+
+    `segments` is owned by the engine; the server only reads it (dict reads are atomic).
+    `control` handles OP_CONTROL payloads (decoded msgspec message -> reply message).
+    """
+
+    def __init__(self, segments: dict[bytes, memoryview], host: str, port: int,
+                 control: Callable[[object], object] | None = None, name: str = ""):
+        self.segments = segments
+        self.control = control
+        self.name = name
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name=f"transfer-accept-{self.port}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                log.exception("accept failed on port %d", self.port)
+                continue
+            wire.tune(conn, None)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
+                             name=f"transfer-conn-{addr[1]}").start()
+
+    def _serve(self, conn: socket.socket, addr) -> None:
+        try:
+            self._serve_frames(conn, addr)
+        except (PeerUnavailable, ConnectionError, TimeoutError) as exc:
+            log.debug("%s: connection from %s ended: %s", self.name, addr, exc)
+        except OSError as exc:
+            if not self._closed:
+                log.info("%s: connection from %s failed: %s", self.name, addr, exc)
+        except Exception:
+            log.exception("%s: unexpected error serving %s", self.name, addr)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_frames(self, conn: socket.socket, addr) -> None:
+        hdr = bytearray(wire.REQ.size)
+        hview = memoryview(hdr)
+        resp = bytearray(wire.RESP.size)
+        name_buf = bytearray(wire.MAX_NAME)
+        name_view = memoryview(name_buf)
+        segments = self.segments
+        while True:
+            first = conn.recv_into(hview, len(hview), socket.MSG_WAITALL)
+            if first == 0:
+                return  # clean close between frames
+            if first < len(hview):
+                wire.recv_exact(conn, hview[first:])
+            magic, version, opcode, name_len, req_id, offset, length = wire.REQ.unpack_from(hdr)
+            if magic != wire.MAGIC:
+                log.warning("%s: garbage from %s (bad magic %#x); closing that connection", self.name, addr, magic)
+                return
+            if version != wire.VERSION:
+                log.warning("%s: %s speaks protocol version %d, we speak %d", self.name, addr, version, wire.VERSION)
+                self._reply_error(conn, resp, req_id, wire.E_VERSION,
+                                  f"protocol version {version} not supported (server speaks {wire.VERSION})")
+                return
+            if name_len > wire.MAX_NAME or length > wire.MAX_FRAME:
+                log.warning("%s: oversized frame from %s (name %d, length %d); closing", self.name, addr,
+                            name_len, length)
+                self._reply_error(conn, resp, req_id, wire.E_BAD_REQUEST, "frame too large")
+                return
+            if name_len:
+                wire.recv_exact(conn, name_view[:name_len])
+            name = bytes(name_view[:name_len])
+
+            if opcode == wire.OP_READ or opcode == wire.OP_WRITE:
+                seg = segments.get(name)
+                err = None
+                if seg is None:
+                    err = (wire.E_NO_SEGMENT, f"no segment {name.decode(errors='replace')!r} on {self.name}")
+                elif offset + length > len(seg):
+                    err = (wire.E_RANGE, f"[{offset}, {offset + length}) outside segment "
+                                         f"{name.decode(errors='replace')!r} of {len(seg)} bytes")
+                if opcode == wire.OP_WRITE:
+                    if err is None:
+                        wire.recv_exact(conn, seg[offset:offset + length])
+                    else:
+                        self._drain(conn, length)
+                if err is not None:
+                    self._reply_error(conn, resp, req_id, *err)
+                    continue
+                if opcode == wire.OP_READ:
+                    wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, length)
+                    wire.send_views(conn, [resp, seg[offset:offset + length]])
+                else:
+                    wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, 0)
+                    conn.sendall(resp)
+            elif opcode == wire.OP_PING:
+                self._drain(conn, length)
+                wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, 0)
+                conn.sendall(resp)
+            elif opcode == wire.OP_CONTROL:
+                if length > wire.MAX_CONTROL:
+                    self._reply_error(conn, resp, req_id, wire.E_BAD_REQUEST, "control message too large")
+                    return
+                payload = bytearray(length)
+                wire.recv_exact(conn, memoryview(payload))
+                reply = self._control(payload)
+                body = wire.CONTROL_ENCODER.encode(reply)
+                wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION,
+                                    wire.E_BAD_REQUEST if isinstance(reply, wire.ControlError) else wire.OK,
+                                    0, req_id, len(body))
+                wire.send_views(conn, [resp, body])
+            else:
+                log.warning("%s: unknown opcode %d from %s; closing", self.name, opcode, addr)
+                self._reply_error(conn, resp, req_id, wire.E_BAD_REQUEST, f"unknown opcode {opcode}")
+                return
+
+    def _control(self, payload: bytearray) -> object:
+        try:
+            msg = wire.CONTROL_DECODER.decode(payload)
+        except Exception as exc:  # msgspec raises DecodeError/ValidationError
+            return wire.ControlError(f"bad control message: {exc}")
+        if isinstance(msg, wire.Hello):
+            return wire.Hello(engine=self.name)
+        if self.control is None:
+            return wire.ControlError(f"{type(msg).__name__} not supported here")
+        try:
+            return self.control(msg)
+        except TransferError as exc:
+            return wire.ControlError(str(exc))
+        except Exception as exc:
+            log.exception("%s: control handler failed", self.name)
+            return wire.ControlError(f"internal error: {exc}")
+
+    @staticmethod
+    def _reply_error(conn: socket.socket, resp: bytearray, req_id: int, status: int, message: str) -> None:
+        body = message.encode()
+        wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, status, 0, req_id, len(body))
+        wire.send_views(conn, [resp, body])
+
+    @staticmethod
+    def _drain(conn: socket.socket, length: int) -> None:
+        scratch = memoryview(bytearray(min(length, _DRAIN_CHUNK)))
+        while length > 0:
+            n = min(length, len(scratch))
+            wire.recv_exact(conn, scratch[:n])
+            length -= n

@@ -1,0 +1,148 @@
+"""The TCP data protocol: fixed-size little-endian frame headers, then raw bytes.
+
+Request  (32 bytes): magic u32 | version u8 | opcode u8 | name_len u16 | req_id u64 | offset u64 | length u64
+         then `name_len` bytes of segment name (UTF-8), then `length` payload bytes for WRITE.
+Response (24 bytes): magic u32 | version u8 | status u8 | 0 u16 | req_id u64 | length u64
+         then `length` bytes: the payload of an OK READ, a UTF-8 message for an error, or a
+         msgpack control reply.
+
+Headers are `struct` layouts, not msgspec, because they sit on the hot path (one
+`pack_into` into a reused buffer per slice); the control messages that set connections up
+are versioned msgspec Structs. A server answers requests on one connection in order, so a
+client may pipeline several requests before reading the responses.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+
+import msgspec
+
+from transfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
+
+MAGIC = 0x4B565450  # "KVTP"
+VERSION = 1
+REQ = struct.Struct("<IBBHQQQ")
+RESP = struct.Struct("<IBBHQQ")
+MAX_NAME = 1024
+MAX_CONTROL = 1 << 20
+# Longest payload one frame may announce: a garbage header must not make the server drain forever.
+MAX_FRAME = 1 << 31
+
+# opcodes (READ/WRITE match transfer.batch)
+OP_READ = 1
+OP_WRITE = 2
+OP_CONTROL = 3
+OP_PING = 4
+
+# statuses
+OK = 0
+E_NO_SEGMENT = 1
+E_RANGE = 2
+E_VERSION = 3
+E_BAD_REQUEST = 4
+E_INTERNAL = 5
+
+SOCK_BUF = 8 << 20
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """Control request: who is calling (for logs) and which protocol version it speaks."""
+
+    engine: str
+    version: int = VERSION
+
+
+class QPInfo(msgspec.Struct, frozen=True):
+    """What the other end needs to move an RC queue pair to RTR: its number, start PSN, address."""
+
+    qpn: int
+    psn: int
+    lid: int
+    gid: bytes
+    mtu: int
+
+
+class RdmaConnect(msgspec.Struct, tag="rdma_connect"):
+    """Control request: set up `len(qps)` RC queue pairs against the server's device."""
+
+    engine: str
+    qps: list[QPInfo]
+    version: int = VERSION
+
+
+class RdmaAccept(msgspec.Struct, tag="rdma_accept"):
+    qps: list[QPInfo]
+    version: int = VERSION
+
+
+class ControlError(msgspec.Struct, tag="error"):
+    message: str
+    version: int = VERSION
+
+
+Control = Hello | RdmaConnect | RdmaAccept | ControlError
+CONTROL_ENCODER = msgspec.msgpack.Encoder()
+CONTROL_DECODER = msgspec.msgpack.Decoder(Control)
+
+
+def tune(sock: socket.socket, timeout: float | None) -> None:
+    """Low latency, large buffers, and a kernel-side timeout on a blocking socket.
+
+    The socket stays in blocking mode (Python-level timeouts would turn every recv into
+    poll + non-blocking recv and forbid MSG_WAITALL); SO_RCVTIMEO/SO_SNDTIMEO bound each call.
+    """
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+    if timeout is not None:
+        tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from `sock` (straight into the target memory); raise on EOF or timeout."""
+    n = len(view)
+    got = sock.recv_into(view, n, socket.MSG_WAITALL) if n else 0
+    while got < n:
+        r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if r == 0:
+            raise PeerUnavailable(f"connection closed after {got} of {n} bytes")
+        got += r
+
+
+def send_views(sock: socket.socket, views: list) -> None:
+    """Send all of `views` (gather-write, no concatenation), handling partial sends."""
+    total = sum(len(v) for v in views)
+    sent = sock.sendmsg(views)
+    if sent == total:
+        return
+    for v in views:  # rare: the kernel took part of the gather list
+        v = memoryview(v)
+        if sent >= len(v):
+            sent -= len(v)
+            continue
+        sock.sendall(v[sent:])
+        sent = 0
+
+
+def map_os_error(exc: OSError, what: str) -> Exception:
+    """An OSError from a socket call -> the transfer error a caller should see."""
+    if isinstance(exc, (socket.timeout, TimeoutError)) or exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+        return TransferTimeout(f"{what}: peer did not answer in time")
+    return PeerUnavailable(f"{what}: {exc}")
+
+
+def status_error(status: int, message: str) -> Exception:
+    from transfer.errors import InvalidOp, SegmentNotFound, TransferError
+
+    if status == E_NO_SEGMENT:
+        return SegmentNotFound(message)
+    if status == E_RANGE:
+        return InvalidOp(message)
+    if status in (E_VERSION, E_BAD_REQUEST):
+        return ProtocolError(message)
+    return TransferError(message)
