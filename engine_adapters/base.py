@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
 
@@ -56,13 +57,15 @@ import xxhash
 
 from engine_adapters.handle import KVHandle
 from kvpool.api import PoolClient
-from kvpool.errors import (CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, LayoutMismatch)
+from kvpool.errors import (AlreadyExists, CorruptObject, InvalidArgument, KeyNotFound, KVPoolError,
+                           LayoutMismatch)
 from kvpool.keys import Namespace, chunk_keys_hex, tail_key
 from kvpool.layout import (FORMAT_VERSION, HEADER, HEADER_SIZE, MAGIC, ChunkView, KVLayout, decode_chunk)
 
 log = logging.getLogger(__name__)
 
 EVENT_VERSION = 1
+BUSY_RETRY_S = 1.0  # how long a save retries a chunk the pool reports busy (AlreadyExists)
 
 
 class KVEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -219,9 +222,20 @@ class ChunkStore:
 
     # -- reading ----------------------------------------------------------------------------
 
+    def _flush_releases(self) -> None:
+        """Clients that batch read-lease releases (kvpool's does, on its next request) send them now,
+        so our own finished read does not keep an object we are about to remove or replace alive."""
+        flush = getattr(self.pool, "flush", None)
+        if callable(flush):
+            try:
+                flush()
+            except KVPoolError as exc:
+                log.debug("pool flush failed: %s", exc)
+
     def _discard(self, key: str, why: Exception) -> None:
         """A stored object failed verification: drop it so a later save can store a good copy."""
         log.warning("chunk %s failed verification (%s); removing it and treating it as a miss", key, why)
+        self._flush_releases()
         try:
             removed = self.pool.remove(key)
         except KVPoolError as exc:
@@ -315,21 +329,41 @@ class ChunkStore:
     def store(self, keys: list[str], planned: list[PlannedObject], tail: str | None, num_tokens: int) -> SaveResult:
         """Seal the planned buffers (payloads already filled) and put them in one batch.
 
-        Raises the first put error after reporting the chunks that did get stored.
+        A full chunk the pool reports busy (`AlreadyExists`: another writer's put of the same
+        content, or a removal still waiting for readers' leases) is retried for up to
+        `BUSY_RETRY_S`, then left out of `stored_keys`: the cache is best effort, and a handle
+        naming it reports the miss at load. Any other put error, and any error on the tail, is
+        raised after the chunks that were stored are reported.
         """
         for obj in planned:
             seal_chunk(obj.buffer, self.layout, obj.tokens)
-            if obj.is_tail:  # a put never overwrites (first writer wins): a re-run request replaces its tail
-                self.pool.remove(obj.key)
+        if any(obj.is_tail for obj in planned):
+            self._flush_releases()
+            for obj in planned:
+                if obj.is_tail:  # a put never overwrites (first writer wins): a re-run request replaces its tail
+                    self.pool.remove(obj.key)
         errors = self.pool.put_batch([(obj.key, obj.buffer) for obj in planned]) if planned else []
+        deadline = time.monotonic() + BUSY_RETRY_S
+        while True:
+            busy = [j for j, (obj, err) in enumerate(zip(planned, errors))
+                    if isinstance(err, AlreadyExists) and not obj.is_tail]
+            if not busy or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+            retried = self.pool.put_batch([(planned[j].key, planned[j].buffer) for j in busy])
+            for j, err in zip(busy, retried):
+                errors[j] = err
         stored = [obj.key for obj, err in zip(planned, errors) if err is None and not obj.is_tail]
         if stored:
             self.emit("stored", stored)
-        failed = [(obj.key, err) for obj, err in zip(planned, errors) if err is not None]
-        if failed:
-            key, err = failed[0]
-            log.warning("save: %d of %d puts failed, first %s: %s", len(failed), len(planned), key, err)
-            raise err if isinstance(err, KVPoolError) else KVPoolError(f"put {key} failed: {err}")
+        for obj, err in zip(planned, errors):
+            if err is None:
+                continue
+            if isinstance(err, AlreadyExists) and not obj.is_tail:
+                log.warning("save: chunk %s is busy in the pool (%s); not stored this time", obj.key, err)
+                continue
+            log.warning("save: put %s failed: %s", obj.key, err)
+            raise err if isinstance(err, KVPoolError) else KVPoolError(f"put {obj.key} failed: {err}")
         return SaveResult(keys=keys, tail_key=tail, stored_chunks=len(stored), stored_keys=stored, num_tokens=num_tokens)
 
     def make_handle(self, token_ids: Sequence[int], saved: SaveResult, request_id: str | None = None) -> KVHandle:

@@ -191,7 +191,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         page = self.layout.chunk_tokens
         if host_indices is None or host_indices.numel() < len(keys) * page:
             raise InvalidArgument(f"{len(keys)} pages need {len(keys) * page} host indices")
-        return [int(host_indices[i * page]) for i in range(len(keys))]
+        starts = [int(host_indices[i * page]) for i in range(len(keys))]
+        limit = getattr(self.mem_pool_host, "size", None)
+        if any(s % page or (limit is not None and s + page > limit) for s in starts):
+            raise InvalidArgument(f"host pages must start at multiples of {page} inside the pool: {starts}")
+        return starts
 
     # ---- generic interface (flat page tensors) ----
 

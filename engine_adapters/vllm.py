@@ -18,8 +18,9 @@ How it maps vLLM onto the pool:
   `LoadSpec`s (blocks to fill) and `SaveSpec`s (full chunks that become computed in this step).
 - Worker side: `start_load_kv` fetches and verifies the chunk objects; `wait_for_layer_load`
   scatters one layer into the paged blocks (the payload is layer-major, so layer i needs only
-  its own slice); `save_kv_layer` gathers one layer of the chunks being saved into a staging
-  tensor; `wait_for_save` encodes the chunks and writes them with one `put_batch`.
+  its own slice); `save_kv_layer` copies one layer of the chunks being saved straight into the
+  payloads of their chunk objects; `wait_for_save` seals them and writes them with one
+  `put_batch` (through `engine_adapters.base.ChunkStore`, which also emits "stored" events).
 
 Invariants:
 - A chunk that is missing, fails its checksum or has another layout is a miss: nothing of it or
@@ -34,20 +35,21 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 import logging
-import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from engine_adapters.base import ChunkStore, PlannedObject
+from engine_adapters.vllm_layout import TORCH_DTYPES, ConnectorSettings, detect_paged_layout, paged_kv_views
 from kvpool.api import PoolClient
 from kvpool.errors import CorruptObject, FormatError, InvalidArgument, KVPoolError, LayoutMismatch
-from kvpool.keys import Namespace, chunk_keys_hex
-from kvpool.layout import HEADER_SIZE, KVLayout, decode_chunk
+from kvpool.keys import chunk_keys_hex
+from kvpool.layout import HEADER_SIZE, decode_chunk
 
 try:  # the real base class where vLLM is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -67,96 +69,6 @@ except ImportError:  # CPU-only machines: a stand-in that is named and documente
 logger = logging.getLogger(__name__)
 
 METADATA_VERSION = 1
-_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-# Paged layouts of one layer's KV cache, by attention backend (logical shapes):
-#   "nhd"        [2, num_blocks, block_size, kv_heads, head_dim]   FlashAttention (also with
-#                the HND physical layout: vLLM permutes strides, the logical shape stays)
-#   "flashinfer" [num_blocks, 2, block_size, kv_heads, head_dim]   FlashInfer
-#   "hnd"        [2, num_blocks, kv_heads, block_size, head_dim]   CPU / TPU-style head-major
-# A (K, V) pair of [num_blocks, block_size, kv_heads, head_dim] tensors is accepted as well.
-PAGED_LAYOUTS = ("nhd", "flashinfer", "hnd")
-
-
-def _dtype_name(value: Any) -> str:
-    name = str(value).removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in _TORCH_DTYPES:
-        raise InvalidArgument(f"KVPoolConnector supports float16, bfloat16 and float32 KV caches, got {value!r}")
-    return name
-
-
-@dataclass(frozen=True)
-class ConnectorSettings:
-    """What the connector reads from vLLM's config and `kv_connector_extra_config`."""
-
-    block_size: int
-    layout: KVLayout
-    tp_size: int
-    model_id: str
-    weights_fingerprint: str
-    tenant_salt: str = ""
-    address: str = "127.0.0.1:7600"
-    kv_role: str = "kv_both"
-    async_save: bool = False
-    load_mode: str = "layerwise"  # or "sync": scatter every layer inside start_load_kv
-    paged_layout: str = "auto"
-
-    @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> ConnectorSettings:
-        ktc = vllm_config.kv_transfer_config
-        extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
-        model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-        block_size = int(cache.block_size)
-        chunk_tokens = int(extra.get("chunk_tokens", 256))
-        if chunk_tokens <= 0 or chunk_tokens % block_size:
-            raise InvalidArgument(f"chunk_tokens ({chunk_tokens}) must be a positive multiple of vLLM's block size ({block_size})")
-        cache_dtype = getattr(cache, "cache_dtype", "auto")
-        dtype = _dtype_name(model.dtype if cache_dtype in (None, "auto") else cache_dtype)
-        layout = KVLayout(
-            num_layers=int(extra.get("num_layers", model.get_num_layers(parallel))),
-            kv_heads=int(extra.get("kv_heads", model.get_num_kv_heads(parallel))),
-            head_dim=int(extra.get("head_dim", model.get_head_size())),
-            dtype=dtype,
-            chunk_tokens=chunk_tokens,
-        )
-        load_mode = extra.get("load_mode", "layerwise")
-        if load_mode not in ("layerwise", "sync"):
-            raise InvalidArgument(f"load_mode must be 'layerwise' or 'sync', got {load_mode!r}")
-        paged_layout = extra.get("paged_layout", "auto")
-        if paged_layout not in ("auto", *PAGED_LAYOUTS):
-            raise InvalidArgument(f"paged_layout must be 'auto' or one of {PAGED_LAYOUTS}, got {paged_layout!r}")
-        kv_role = getattr(ktc, "kv_role", None) or "kv_both"
-        if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise InvalidArgument(f"kv_role must be kv_producer, kv_consumer or kv_both, got {kv_role!r}")
-        return cls(
-            block_size=block_size,
-            layout=layout,
-            tp_size=int(getattr(parallel, "tensor_parallel_size", 1)),
-            model_id=str(extra.get("model_id", model.model)),
-            weights_fingerprint=str(extra.get("weights_fingerprint", getattr(model, "revision", None) or "unversioned")),
-            tenant_salt=str(extra.get("tenant_salt", "")),
-            address=str(extra.get("kvpool_address", os.environ.get("KVPOOL_MASTER", "127.0.0.1:7600"))),
-            kv_role=kv_role,
-            async_save=bool(extra.get("async_save", False)),
-            load_mode=load_mode,
-            paged_layout=paged_layout,
-        )
-
-    @property
-    def chunk_tokens(self) -> int:
-        return self.layout.chunk_tokens
-
-    @property
-    def loads(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
-
-    @property
-    def saves(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    def namespace(self, tp_rank: int) -> Namespace:
-        return Namespace(self.model_id, self.weights_fingerprint, self.layout, tp_rank, self.tp_size, self.tenant_salt)
 
 
 # ---- scheduler -> worker metadata (vLLM pickles it to the workers once per step) ----
@@ -204,45 +116,6 @@ class _Track:
     block_ids: list[int] = field(default_factory=list)
 
 
-# ---- paged KV cache views ----
-
-
-def detect_paged_layout(shape: Sequence[int], block_size: int, kv_heads: int, head_dim: int) -> str:
-    """Name the paged layout of a layer's KV tensor from its logical shape (see PAGED_LAYOUTS)."""
-    s = tuple(shape)
-    found = [
-        name
-        for name, expect in (
-            ("nhd", (2, None, block_size, kv_heads, head_dim)),
-            ("flashinfer", (None, 2, block_size, kv_heads, head_dim)),
-            ("hnd", (2, None, kv_heads, block_size, head_dim)),
-        )
-        if len(s) == 5 and all(e is None or e == v for e, v in zip(expect, s))
-    ]
-    if not found:
-        raise InvalidArgument(
-            f"KV cache of shape {s} matches no supported paged layout for block_size={block_size}, "
-            f"kv_heads={kv_heads}, head_dim={head_dim} (MLA caches are not supported)"
-        )
-    return found[0]  # ambiguous only if block_size == kv_heads: set paged_layout explicitly
-
-
-def paged_kv_views(kv_layer: Any, layout_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer as views of shape [num_blocks, block_size, kv_heads, head_dim].
-
-    Views, not copies: indexed assignment into them writes vLLM's paged buffer in place.
-    """
-    if isinstance(kv_layer, (tuple, list)):
-        return kv_layer[0], kv_layer[1]
-    if layout_name == "nhd":
-        return kv_layer[0], kv_layer[1]
-    if layout_name == "flashinfer":
-        return kv_layer[:, 0], kv_layer[:, 1]
-    if layout_name == "hnd":
-        return kv_layer[0].transpose(1, 2), kv_layer[1].transpose(1, 2)
-    raise InvalidArgument(f"unknown paged layout {layout_name!r}")
-
-
 @dataclass
 class _ActiveLoad:
     spec: LoadSpec
@@ -262,7 +135,10 @@ class KVPoolConnector(KVConnectorBase_V1):
     """vLLM KV connector (v1 API) backed by the kvpool. One instance per role and process."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *, client: PoolClient | None = None):
-        super().__init__(vllm_config, role, kv_cache_config)
+        if "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters:
+            super().__init__(vllm_config, role, kv_cache_config)
+        else:  # vLLM before 0.11 constructs connectors with (vllm_config, role)
+            super().__init__(vllm_config, role)
         self.settings = ConnectorSettings.from_vllm_config(vllm_config)
         self._client = client
         self._owns_client = client is None
@@ -409,7 +285,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         for i, name in enumerate(names):
             kv = kv_caches[name]
             first = kv[0] if isinstance(kv, (tuple, list)) else kv
-            if first.dtype != _TORCH_DTYPES[layout.dtype]:
+            if first.dtype != TORCH_DTYPES[layout.dtype]:
                 raise LayoutMismatch(f"layer {name} KV dtype {first.dtype} differs from the configured {layout.dtype}")
             if not isinstance(kv, (tuple, list)) and self._paged_layout == "auto":
                 self._paged_layout = detect_paged_layout(kv.shape, block, layout.kv_heads, layout.head_dim)
@@ -435,7 +311,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             keys = self.store.chunk_keys(spec.token_ids)
             planned = [PlannedObject(keys[c], c * chunk, chunk, False, bytearray(layout.object_nbytes(chunk)))
                        for c in range(spec.first_chunk, len(keys))]
-            payloads = [torch.frombuffer(obj.buffer, dtype=_TORCH_DTYPES[layout.dtype], count=count, offset=HEADER_SIZE)
+            payloads = [torch.frombuffer(obj.buffer, dtype=TORCH_DTYPES[layout.dtype], count=count, offset=HEADER_SIZE)
                         .view(layout.shape(chunk)) for obj in planned]
             if planned:
                 self._active_saves.append(_ActiveSave(spec, keys, planned, payloads))

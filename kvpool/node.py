@@ -27,7 +27,7 @@ from typing import Any
 
 from kvpool.api import check_key
 from kvpool.config import Settings
-from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError
+from kvpool.errors import InvalidArgument, KVPoolError
 from kvpool.messages import (Err, Held, Info, NodeData, NodeGet, NodeInfo, NodePin, NodeRemove, NodeStats,
                              NodeUnpin, NodeWrite, Pins, Placed, WriteReply, Bools)
 from kvpool.node_link import MasterChannel
@@ -70,6 +70,13 @@ class StoreNode:
                 NodeRemove: self._on_remove, NodeStats: self._on_stats}
 
     def start(self) -> "StoreNode":
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()  # never leave an arena file or a listening socket behind
+            raise
+
+    def _start(self) -> "StoreNode":
         s = self.settings
         if self._store is None:
             from kvpool.tiers import TieredStore
@@ -102,13 +109,16 @@ class StoreNode:
             self.rpc.stop()
         if self.channel is not None:
             self.channel.close()
+            self.channel = None
         if self.engine is not None:
             try:
                 self.engine.close()
             except Exception:
                 log.debug("closing the transfer engine failed", exc_info=True)
+            self.engine = None
         if self._store is not None:
             self._store.close()
+            self._store = None
 
     def _start_transfer_engine(self) -> None:
         """Expose the arena to `transfer` peers; the pool works without it (our RPC carries bytes)."""

@@ -11,7 +11,7 @@ from typing import Any
 from kvpool.config import Settings
 from kvpool.errors import KVPoolError, NotLeader, Unavailable
 from kvpool.messages import Held, Heartbeat, NodeInfo, RegisterNode
-from kvpool.rpc import RpcClient
+from kvpool.rpc import RpcClient, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ class MasterChannel:
             from kvpool.cluster import EtcdClient
 
             self._etcd = EtcdClient(settings.meta)
+        elif settings is not None:
+            parse_address(settings.master)  # a typo fails at start, not in every heartbeat
 
     @classmethod
     def local(cls, master: Any) -> "MasterChannel":

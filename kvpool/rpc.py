@@ -163,7 +163,10 @@ class RpcServer:
         self.handlers = handlers
         self.name = name
         self.on_close = on_close
-        self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
+        try:
+            self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
+        except OSError as exc:
+            raise Unavailable(f"{name}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         self.host = host
         self.port = self._sock.getsockname()[1]
         self._conns: set[socket.socket] = set()

@@ -45,12 +45,13 @@ class EmbeddedPool:
         self.rpc = RpcServer(handlers, s.host, s.port, name="pool", on_close=self.node._on_conn_close)
         self.node.rpc = self.node_rpc = self.rpc
         self.node._rpc_external = True
-        self.master.address = self.rpc.address
+        self.master.address = self.master.leader_address = self.rpc.address
         handlers.update(master_handlers(self.master, self.node))
         handlers.update(self.node.handlers())
         self.master.start()
         try:
             self.node.start()
+            self.master.mark_local(self.node.node_id)
             self.rpc.start()
             if self.admin and s.admin_port:
                 from kvpool.admin.app import create_app
@@ -68,7 +69,7 @@ class EmbeddedPool:
             self.admin_handle.stop()
         if self.rpc is not None:
             self.rpc.stop()
-        if self.node is not None and self.node.store is not None:
+        if self.node is not None:
             self.node.stop()
         if self.master is not None:
             self.master.stop()

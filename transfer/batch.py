@@ -2,7 +2,9 @@
 
 An op is split into slices (at most `slice_bytes` each) that transports move independently,
 possibly over different connections. Invariants of `Batch`:
-- `remaining` counts slices not yet finished; it only decreases, under `_lock`.
+- `remaining` counts slices not yet finished, plus 1 for the submitter until `_seal` (so a
+  transport that finishes all its slices early cannot complete a batch another transport has
+  not yet counted its slices into); it changes only under `_lock`.
 - an op has failed iff some slice of it failed; its first error is kept in `failures`.
 - the batch is done iff `remaining == 0`; then `_done` is set and callbacks run exactly once,
   on the thread that finished the last slice (callbacks must be quick and must not block).
@@ -42,7 +44,7 @@ class Batch:
         self.ops = ops
         self.transport = transport
         self.failures: dict[int, BaseException] = {}
-        self._remaining = 0
+        self._remaining = 1  # the submitter's guard, dropped by _seal
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._callbacks: list[Callable[[], None]] = []
@@ -54,17 +56,22 @@ class Batch:
             self._remaining += slices
 
     def _seal(self) -> None:
-        """All slices have been counted: a batch of zero slices is done now."""
-        with self._lock:
-            if self._remaining:
-                return
-        self._finish()
+        """All slices have been counted: drop the submitter's guard (done now if none are left)."""
+        self._slices_ok(1)
 
     def _slice_done(self, op_index: int, error: BaseException | None = None) -> None:
         with self._lock:
             if error is not None and op_index not in self.failures:
                 self.failures[op_index] = error
             self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._finish()
+
+    def _slices_ok(self, count: int) -> None:
+        """`count` slices finished without error (one lock round trip for many)."""
+        with self._lock:
+            self._remaining -= count
             last = self._remaining == 0
         if last:
             self._finish()

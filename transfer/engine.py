@@ -6,6 +6,8 @@ For each op it picks the best transport both sides share, in the order of `PREFE
 (shm when the segment's file is on this host, then rdma, then tcp), unless the caller names one.
 
 Invariants:
+- the ops of one batch run concurrently, in no particular order: a batch that reads and
+  writes the same bytes gets whichever order the connections produce.
 - `submit` validates every op (opcode, local and remote ranges, transport) before any byte
   of the batch moves; a bad op raises `InvalidOp` and nothing is sent.
 - a registered segment's memory stays valid until `unregister` (the engine keeps a view).
@@ -173,7 +175,9 @@ class TransferEngine:
         raise TransportUnavailable(f"no shared transport with segment {desc.name!r} of {desc.engine} "
                                    f"(we offer {list(self.transports)}, it offers {list(desc.transports)})")
 
-    def _validate(self, index: int, op: Op, transport: str | None) -> tuple[str, memoryview]:
+    def _validate(self, index: int, op: Op, transport: str | None, views: dict | None = None,
+                  chosen: dict | None = None) -> tuple[str, memoryview]:
+        """Check one op; `views`/`chosen` cache per-buffer and per-segment work within a submit."""
         if op.opcode not in (READ, WRITE):
             raise InvalidOp(f"op {index}: opcode must be READ or WRITE, got {op.opcode!r}")
         desc = op.remote
@@ -185,19 +189,32 @@ class TransferEngine:
         if ro + length > desc.size:
             raise InvalidOp(f"op {index}: remote range [{ro}, {ro + length}) outside segment "
                             f"{desc.name!r} of {desc.size} bytes")
-        local = byte_view(op.local, writable=op.opcode == READ)
+        key = (id(op.local), op.opcode == READ)
+        local = views.get(key) if views is not None else None
+        if local is None:
+            local = byte_view(op.local, writable=op.opcode == READ)
+            if views is not None:
+                views[key] = local
         if lo + length > len(local):
             raise InvalidOp(f"op {index}: local range [{lo}, {lo + length}) outside buffer of {len(local)} bytes")
-        return self.choose(desc, transport), local[lo:lo + length]
+        name = chosen.get(id(desc)) if chosen is not None else None
+        if name is None:
+            name = self.choose(desc, transport)
+            if chosen is not None:
+                chosen[id(desc)] = name
+        return name, local[lo:lo + length]
 
     def submit(self, ops: Sequence[Op], transport: str | None = None) -> Batch:
         """Start moving `ops`; returns at once with a `Batch` to wait on (shm ops are done already)."""
         ops = list(ops)
         groups: dict[str, list[tuple[int, Op, memoryview]]] = {}
+        # ids are stable here: `ops` holds every buffer and descriptor alive during the loop
+        views: dict = {}
+        choices: dict = {}
         for index, op in enumerate(ops):
             if not isinstance(op, Op):
                 op = ops[index] = Op(*op)
-            chosen, local = self._validate(index, op, transport)
+            chosen, local = self._validate(index, op, transport, views, choices)
             groups.setdefault(chosen, []).append((index, op, local))
         batch = Batch(ops, next(iter(groups)) if len(groups) == 1 else "mixed")
         for name, work in groups.items():

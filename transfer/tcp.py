@@ -125,14 +125,28 @@ class _Peer:
     def run_inline(self, op: Op, view: memoryview) -> None:
         with self._lock:
             conn = self._idle_inline.pop() if self._idle_inline else None
+        reused = conn is not None
         if conn is None:
             conn = _Conn(self, -1, threaded=False)
         step = self.transport.slice_bytes
         name = op.remote.name.encode()
+        start = 0
         try:
-            for start in range(0, op.length, step):
+            while start < op.length:
                 stop = min(start + step, op.length)
-                conn.roundtrip(op.opcode, view[start:stop], name, op.remote_offset + start)
+                try:
+                    conn.roundtrip(op.opcode, view[start:stop], name, op.remote_offset + start)
+                except PeerUnavailable:
+                    # An idle pooled connection may have been closed by a restarted peer: retry
+                    # once on a fresh one (READ and WRITE of the same range are idempotent).
+                    if not reused:
+                        raise
+                    log.debug("stale connection to %s:%d; reconnecting", *self.addr)
+                    conn.close()
+                    reused = False
+                    continue
+                reused = False
+                start = stop
         except BaseException:
             conn.close()
             raise

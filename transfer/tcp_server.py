@@ -6,6 +6,11 @@ unreadable header closes that connection (logged), a bad version gets an error r
 close, an unknown segment or an out-of-range offset gets an error reply (a WRITE's payload is
 drained so the stream stays in sync) and the connection keeps serving. Nothing a client sends
 can take down the listener or other connections.
+
+A WRITE whose payload is cut short (the client died mid-frame) leaves that range partly
+written; the client sees an error for the op, and callers that need atomic visibility (the
+pool's two-phase put) publish a range only after every write to it succeeded. A client that
+stalls mid-frame holds only its own connection thread.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ Not exercised on the development machine (its kernel has no RDMA support); see d
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -26,8 +27,12 @@ from transfer.wire import QPInfo
 log = logging.getLogger("transfer.verbs")
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
-    """Why real RDMA cannot be used here (None when pyverbs finds at least one device)."""
+    """Why real RDMA cannot be used here (None when pyverbs finds at least one device).
+
+    Cached per process: devices do not come and go under a running server.
+    """
     try:
         from pyverbs.device import get_device_list
     except ImportError as exc:
@@ -45,7 +50,7 @@ def open_device(name: str | None = None, port: int = 1, gid_index: int | None = 
     """Open the named (or first) RDMA device; None when there is none (reason is logged)."""
     reason = unavailable_reason()
     if reason is not None:
-        log.info("rdma transport disabled: %s", reason)
+        log.debug("rdma transport disabled: %s", reason)
         return None
     from pyverbs.device import get_device_list
 

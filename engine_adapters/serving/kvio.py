@@ -19,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from kvpool.errors import CorruptObject, KeyNotFound, KVPoolError, LayoutMismatch
 from kvpool.layout import KVLayout, decode_chunk
@@ -65,9 +65,10 @@ def chunks_from_cache(cache, start_chunk: int, end_chunk: int, chunk_tokens: int
 class PoolKV:
     """Chunk-granular access to the pool for one KV layout (any `kvpool.api.PoolClient`)."""
 
-    def __init__(self, pool: Any, layout: KVLayout):
+    def __init__(self, pool: Any, layout: KVLayout, batch_chunks: int = 4):
         self.pool = pool
         self.layout = layout
+        self.batch_chunks = max(1, batch_chunks)
         self.corrupt_chunks = 0
         self.fetched_chunks = 0
         self.on_removed = None  # callback(key) after a damaged object was dropped from the pool
@@ -75,13 +76,23 @@ class PoolKV:
     def match(self, keys: Sequence[str]) -> int:
         return int(self.pool.match_prefix(list(keys))) if keys else 0
 
+    def _get(self, keys: Sequence[str]) -> Iterator[tuple[str, Any]]:
+        """(key, bytes or None) in order, in batches of `batch_chunks`; a batch miss is retried
+        once alone, because a node may decline a large batch it cannot stage all at once (SSD
+        objects are promoted through DRAM) while serving the same objects one by one."""
+        for start in range(0, len(keys), self.batch_chunks):
+            group = list(keys[start:start + self.batch_chunks])
+            for key, blob in zip(group, self.pool.get_batch(group)):
+                if blob is None and len(group) > 1:
+                    blob = self.pool.get(key)
+                yield key, blob
+                if blob is None:
+                    return
+
     def fetch_run(self, keys: Sequence[str]) -> list[Any]:
-        """Chunk tensors of the longest intact run keys[0..n) in the pool (one batch read)."""
-        if not keys:
-            return []
-        blobs = self.pool.get_batch(list(keys))
+        """Chunk tensors of the longest intact run keys[0..n) in the pool."""
         run = []
-        for key, blob in zip(keys, blobs):
+        for key, blob in self._get(keys):
             if blob is None:
                 break
             tensor = self._decode(key, blob)
@@ -100,10 +111,8 @@ class PoolKV:
         Raises `KeyNotFound` when an object is gone and `CorruptObject` when one is damaged (it
         is dropped from the pool too): the caller cannot continue without it.
         """
-        if not keys:
-            return []
         out = []
-        for key, want, blob in zip(keys, tokens, self.pool.get_batch(list(keys))):
+        for (key, blob), want in zip(self._get(keys), tokens):
             if blob is None:
                 raise KeyNotFound(f"KV object {key} is not in the pool (evicted, expired or released)")
             tensor = self._decode(key, blob)

@@ -119,7 +119,13 @@ class Worker:
                                    on_prefill_chunk=self.metrics.prefill_chunk)
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def start(self) -> "Worker":
+    def start(self, warmup: bool = True) -> "Worker":
+        if warmup:  # the first forward of a process is several times slower; pay it before serving
+            from transformers import DynamicCache
+
+            started = time.perf_counter()
+            self.runner.extend(DynamicCache(), list(range(1, 65)))
+            log.info("warm-up forward took %.2f s", time.perf_counter() - started)
         self.scheduler.start()
         return self
 

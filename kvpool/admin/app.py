@@ -77,13 +77,15 @@ def _redact(config: dict[str, Any]) -> dict[str, Any]:
     return {k: (REDACTED if k in _SECRET_FIELDS and v else v) for k, v in config.items()}
 
 
-def _check_version(version: int) -> None:
-    if version != s.API_VERSION:
+def _check_version(version: Any) -> None:
+    if version != s.API_VERSION or isinstance(version, bool):
         raise InvalidArgument(f"unsupported request version {version}; this server speaks {s.API_VERSION}")
 
 
 def _check_patch(changes: dict[str, Any]) -> dict[str, Any]:
     """Shape checks only; which fields may change live (and to what) is the master's call."""
+    if "version" in changes:
+        _check_version(changes["version"])
     changes = {k: v for k, v in changes.items() if k != "version"}
     if not changes:
         raise InvalidArgument("empty config patch: send a JSON object of fields to change")
@@ -122,6 +124,35 @@ class _CatchAll:
             await response(scope, receive, send)
 
 
+# Per-tier counters the issue asks /v1/stats for; nodes report them (store.stats()), the master
+# aggregates capacity and use. Filled in here only where the master's stats() lacks them.
+_NODE_TIER_FIELDS = ("hits", "misses", "evictions", "bytes_in", "bytes_out")
+
+
+def _with_node_tiers(stats: dict[str, Any], nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """`stats` with each tier's hits, misses, evictions and bytes in/out summed over the nodes'
+    own reports (their last heartbeat), unless the master already gives them."""
+    tiers = stats.get("tiers")
+    if not isinstance(tiers, dict):
+        return stats
+    sums: dict[str, dict[str, int]] = {}
+    for node in nodes:
+        reported = (node.get("stats") or {}).get("tiers") if isinstance(node, dict) else None
+        for tier, doc in (reported or {}).items():
+            if not isinstance(doc, dict):
+                continue
+            acc = sums.setdefault(tier, dict.fromkeys(_NODE_TIER_FIELDS, 0))
+            for field in _NODE_TIER_FIELDS:
+                value = doc.get(field)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    acc[field] += value
+    for tier, acc in sums.items():
+        target = tiers.setdefault(tier, {})
+        for field, value in acc.items():
+            target.setdefault(field, value)
+    return stats
+
+
 def _readiness(stats: dict[str, Any]) -> tuple[bool, str]:
     if stats.get("leader") is False:
         return False, f"standby master; the leader is {stats.get('leader_address') or 'unknown'}"
@@ -142,7 +173,11 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     if metrics is None:
         metrics = ServiceMetrics("master")
         # one collector, so one kvpool_stats_up; per-node rows come from nodes()
-        metrics.watch_stats(lambda: {**svc.stats(), "nodes": svc.nodes()})
+        def scrape() -> dict[str, Any]:
+            stats, nodes = to_builtins(svc.stats()), to_builtins(svc.nodes())
+            return {**_with_node_tiers(stats, nodes), "nodes": nodes}
+
+        metrics.watch_stats(scrape)
 
     def current_token() -> str | None:
         return settings.admin_token
@@ -210,7 +245,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     @app.get("/v1/stats", response_model=s.Stats, dependencies=read, tags=["stats"])
     async def stats() -> s.Stats:
         """Per tier: capacity, used, hits, misses, evictions, bytes in/out; and pool totals."""
-        return s.Stats(stats=await _call(svc.stats))
+        return s.Stats(stats=_with_node_tiers(await _call(svc.stats), await _call(svc.nodes)))
 
     @app.get("/v1/keys/{key:path}", response_model=s.KeyInfo, dependencies=read, tags=["keys"])
     async def key_info(key: str) -> s.KeyInfo:

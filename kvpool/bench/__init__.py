@@ -11,6 +11,7 @@ import click
 
 # bench name -> "module:attribute" (a click command)
 BENCHES: dict[str, str] = {
+    "pool": "kvpool.bench.pool:pool",
     "store": "kvpool.bench.store:store",
     "transfer": "kvpool.bench.transfer:transfer",
 }

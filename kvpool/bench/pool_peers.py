@@ -84,21 +84,21 @@ class RedisPeer:
             raise
 
     def put(self, key: str, value: Any) -> None:
-        self.client.set(key, value)
+        self.client.set(key, memoryview(value).cast("B"))
 
-    def get_into(self, key: str, out: memoryview) -> int:
+    def get_into(self, key: str, out: Any) -> int:
         data = self.client.get(key)  # redis-py has no receive-into; the copy is part of its cost
         if data is None:
             raise KeyError(key)
-        out[:len(data)] = data
+        memoryview(out).cast("B")[:len(data)] = data
         return len(data)
 
     def get(self, key: str) -> bytes | None:
         return self.client.get(key)
 
-    def get_batch_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> None:
+    def get_batch_into(self, keys: Sequence[str], outs: Sequence[Any]) -> None:
         for data, out in zip(self.client.mget(keys), outs):
-            out[:len(data)] = data
+            memoryview(out).cast("B")[:len(data)] = data
 
     def remove(self, keys: Sequence[str]) -> None:
         if keys:

@@ -4,7 +4,7 @@
   sizes over the same working set (ours and memcpy alternate, see report.alternate).
 - SSD (lmdb) get / put vs sequential file read / write of the same bytes in the same directory
   (neither side fsyncs: the lmdb tier does not, see kvpool/tiers/ssd.py).
-- Eviction policy: block hit ratio of S3-FIFO vs LRU replaying a request trace (512-token
+- Eviction policy: block hit ratio of S3-FIFO and ARC vs LRU replaying a request trace (512-token
   prefix-hash blocks), counting only each request's cached *prefix* as a prefix cache would.
 Goals (issue "Foundations"): DRAM get_into >= 0.7x memcpy from 1 MiB up; SSD get >= 0.5x read.
 """
@@ -39,7 +39,7 @@ def _bench_dram(report: Report, size: int, total: int, rounds: int, reps: int, t
     store = TieredStore(n * size + (16 << 20), policy="lru")
     try:
         keys = [f"obj{i}" for i in range(n)]
-        dst = bytearray(size)
+        dst = memoryview(bytearray(size))  # both sides copy into the same memoryview
         memcpy_dst = bytearray(n * size)  # the baseline's "arena": same layout as ours
         mv_dst = memoryview(memcpy_dst)
 
@@ -85,16 +85,19 @@ def _bench_ssd(report: Report, size: int, total: int, reps: int, workdir: str, t
     tier = SsdTier(os.path.join(workdir, f"lmdb-{size}"), n * size * 2 + (64 << 20))
     path = os.path.join(workdir, f"seq-{size}.bin")
     keys = [f"obj{i}" for i in range(n)]
-    dst = bytearray(size)
+    dst = memoryview(bytearray(size))
     try:
         def put_ours() -> float:
             for k in keys:
                 tier.remove(k)
             return gbps(n * size, timed(lambda: [tier.put(k, src[i * size : (i + 1) * size]) for i, k in enumerate(keys)]))
 
+        with open(path, "wb") as f:  # overwrite in place below, as lmdb reuses its freed pages
+            f.truncate(n * size)
+
         def write_file() -> float:
             def run():
-                with open(path, "wb", buffering=0) as f:
+                with open(path, "r+b", buffering=0) as f:
                     for i in range(n):
                         f.write(src[i * size : (i + 1) * size])
             return gbps(n * size, timed(run))
@@ -155,25 +158,26 @@ def _bench_policy(report: Report, trace: str, limit: int | None, tick) -> None:
     unique = len({b for r in requests for b in r})
     for fraction in (0.02, 0.05, 0.1):
         cap = max(8, int(unique * fraction))
-        s3 = replay_trace(requests, "s3fifo", cap)
         lru = replay_trace(requests, "lru", cap)
-        report.add("policy_hit_ratio_s3fifo", [s3], "hit_ratio", size=cap, baseline="lru", baseline_values=[lru],
-                   extra={"cache_blocks": cap, "unique_blocks": unique, "requests": len(requests),
-                          "fraction_of_unique": fraction})
+        for name in ("s3fifo", "arc"):
+            ours = replay_trace(requests, name, cap)
+            report.add(f"policy_hit_ratio_{name}", [ours], "hit_ratio", size=cap, baseline="lru", baseline_values=[lru],
+                       extra={"cache_blocks": cap, "unique_blocks": unique, "requests": len(requests),
+                              "fraction_of_unique": fraction})
         tick()
 
 
 @click.command("store")
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON line (see BENCH.md).")
-@click.option("--reps", default=5, show_default=True, help="Alternating repetitions per figure.")
+@click.option("--reps", default=9, show_default=True, help="Alternating repetitions per figure.")
 @click.option("--working-set", default=64, show_default=True, help="MiB of objects per size (DRAM and SSD).")
-@click.option("--rounds", default=4, show_default=True, help="Reads of the whole working set per DRAM get figure.")
+@click.option("--rounds", default=8, show_default=True, help="Reads of the whole working set per DRAM get figure.")
 @click.option("--trace", default=TRACE, show_default=True, help="JSONL request trace with 'hash_ids' per line.")
 @click.option("--trace-limit", type=int, default=None, help="Replay only the first N requests.")
 @click.option("--dir", "workdir", default=None, help="Directory for the SSD tier and files (default: a temp dir).")
 def store(as_json: bool, reps: int, working_set: int, rounds: int, trace: str, trace_limit: int | None,
           workdir: str | None) -> None:
-    """DRAM and SSD tier throughput vs memcpy / file ceilings, and S3-FIFO vs LRU on a trace."""
+    """DRAM and SSD tier throughput vs memcpy / file ceilings, and S3-FIFO / ARC vs LRU on a trace."""
     report = Report("store")
     total = working_set << 20
     has_trace = Path(trace).exists()

@@ -22,6 +22,9 @@ COMMANDS: dict[str, str] = {
     "serve": "kvpool.cli.serve:serve",
     "master": "kvpool.cli.master:master",
     "node": "kvpool.cli.node:node",
+    "worker": "kvpool.cli.worker:worker",
+    "generate": "kvpool.cli.generate:generate",
+    "up": "kvpool.cli.up:up",
 }
 
 

@@ -16,6 +16,7 @@ import httpx
 from kvpool.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per etcd request drowns the logs
 
 
 def _b64(data: str | bytes) -> str:

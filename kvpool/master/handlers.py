@@ -1,7 +1,7 @@
 """The master's RPC face: wire messages -> `MasterService` calls -> wire replies.
 
 Batch requests answer per item (`Err` in place of a result), so one bad key never fails the
-others. `Admin` exposes the admin methods by name (a fixed allow-list) for the CLI and tests.
+others. `Admin` exposes the read-only admin methods by name (a fixed allow-list) for SDK users and tests.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from kvpool.messages import (PROTOCOL_VERSION, Admin, BatchResult, Bools, Count,
                              HeartbeatReply, Hello, HelloReply, Info, Lookup, LookupReply, MatchPrefix, Ok, PutEnd,
                              PutPlans, PutStart, RegisterNode, Release, Remove)
 
-_ADMIN_METHODS = {"nodes", "node", "drain_node", "undrain_node", "remove_node", "stats", "key_info", "keys", "evict",
-                  "config", "patch_config"}
+# Read-only on purpose: the RPC port has no token; changes go through the REST admin API.
+_ADMIN_METHODS = {"nodes", "node", "stats", "key_info", "keys", "config"}
 
 
 def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:

@@ -26,28 +26,19 @@ from typing import Any, Callable, Iterable, Sequence
 
 from kvpool.api import check_key
 from kvpool.config import Settings
-from kvpool.errors import (AllPinned, AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, NotLeader,
+from kvpool.errors import (AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, NotLeader,
                            ObjectTooLarge, Unavailable)
+from kvpool.master.admin_ops import AdminOps
+from kvpool.master.housekeeping import Housekeeping
 from kvpool.master.placement import choose_nodes
-from kvpool.master.tables import COMPLETE, NODE_DRAINING, NODE_UP, PENDING, NodeEntry, ObjectEntry, Replica
+from kvpool.master.tables import COMPLETE, PENDING, NodeEntry, ObjectEntry, Replica
 from kvpool.messages import Entry, Held, Location, NodeInfo, Placed, PutPlan, Target
 
 log = logging.getLogger(__name__)
 
 MAX_OBJECT_BYTES = 1 << 32  # protocol-level ceiling; a node's DRAM capacity is usually lower
 
-# Settings the admin API may change at run time, with their validators.
-_PATCHABLE: dict[str, Callable[[Any], bool]] = {
-    "replicas": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16,
-    "put_timeout_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-    "lease_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-    "node_timeout_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-    "high_watermark": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
-    "low_watermark": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
-}
-
-
-class MasterService:
+class MasterService(AdminOps, Housekeeping):
     """Object table + node table + placement + leases + reclaim + watermark eviction.
 
     `link_factory(node: NodeEntry)` returns an object with `remove(keys, put_ids)` and `close()`
@@ -70,6 +61,7 @@ class MasterService:
         self._objects: dict[str, ObjectEntry] = {}
         self._nodes: dict[str, NodeEntry] = {}
         self._banned: set[str] = set()
+        self._local: set[str] = set()  # nodes in this process (embedded): never timed out
         self._lease_keys: dict[int, list[str]] = {}
         # Unique across failovers: a new leader must never reuse a put id a node still holds.
         self._ids = itertools.count(time.time_ns() // 1000)
@@ -208,6 +200,11 @@ class MasterService:
         with self._lock:
             return self._drop_node_locked(node_id, reason)
 
+    def mark_local(self, node_id: str) -> None:
+        """The node runs in this process (embedded): its liveness is ours, never time it out."""
+        with self._lock:
+            self._local.add(node_id)
+
     def known_nodes(self) -> list[str]:
         with self._lock:
             return list(self._nodes)
@@ -265,6 +262,9 @@ class MasterService:
                     self._outbox.put((p.node_id, [key], [put_id]))
                 raise Unavailable(f"put of {key!r} was reclaimed or removed before it ended; retry it")
             landed = {p.node_id: p for p in written if p.node_id in obj.replicas and p.node_id in self._nodes}
+            for p in written:
+                if p.node_id not in landed:  # the node left and came back meanwhile: its copy is unknown
+                    self._outbox.put((p.node_id, [key], [put_id]))
             for node_id in list(obj.replicas):
                 if node_id not in landed:
                     self._release_space_locked(node_id, obj.size, count=False)
@@ -383,158 +383,6 @@ class MasterService:
                 out.append(True)
         return out
 
-    # ------------------------------------------------------------------ admin (REST API calls these)
-
-    def nodes(self) -> list[dict]:
-        now = time.monotonic()
-        with self._lock:
-            return [n.to_dict(now) for n in self._nodes.values()]
-
-    def node(self, node_id: str) -> dict:
-        with self._lock:
-            return self._node_locked(node_id).to_dict(time.monotonic())
-
-    def drain_node(self, node_id: str) -> dict:
-        """Stop placing new objects on the node; what it holds stays readable until it leaves."""
-        with self._lock:
-            node = self._node_locked(node_id)
-            node.state = NODE_DRAINING
-            return node.to_dict(time.monotonic())
-
-    def undrain_node(self, node_id: str) -> dict:
-        with self._lock:
-            node = self._node_locked(node_id)
-            node.state = NODE_UP
-            return node.to_dict(time.monotonic())
-
-    def remove_node(self, node_id: str) -> dict:
-        """Forget the node and its replicas; it may not register again under this id."""
-        with self._lock:
-            info = self._node_locked(node_id).to_dict(time.monotonic())
-            self._drop_node_locked(node_id, "removed by an operator")
-            self._banned.add(node_id)
-            return info
-
-    def stats(self) -> dict:
-        now = time.monotonic()
-        with self._lock:
-            tiers: dict[str, dict[str, int]] = {}
-            for n in self._nodes.values():
-                for tier, cap in n.capacity.items():
-                    t = tiers.setdefault(tier, {"capacity_bytes": 0, "used_bytes": 0, "replicas": 0})
-                    t["capacity_bytes"] += cap
-            complete = pending = nbytes = leases = 0
-            for obj in self._objects.values():
-                if obj.state == PENDING:
-                    pending += 1
-                    continue
-                complete += 1
-                nbytes += obj.size
-                leases += len(obj.leases)
-                for r in obj.replicas.values():
-                    t = tiers.setdefault(r.tier, {"capacity_bytes": 0, "used_bytes": 0, "replicas": 0})
-                    t["used_bytes"] += obj.size
-                    t["replicas"] += 1
-            return {
-                "leader": self._leader,
-                "leader_address": self.leader_address,
-                "recovering": self._recovering_locked(now),
-                "nodes": len(self._nodes),
-                "nodes_up": sum(n.state == NODE_UP for n in self._nodes.values()),
-                "objects": complete,
-                "pending": pending,
-                "bytes": nbytes,
-                "leases": leases,
-                "tiers": tiers,
-                "totals": {"capacity_bytes": sum(n.total_capacity for n in self._nodes.values()),
-                           "used_bytes": sum(n.used for n in self._nodes.values())},
-                "counters": dict(self.counters),
-            }
-
-    def key_info(self, key: str) -> dict:
-        check_key(key)
-        now = time.monotonic()
-        with self._lock:
-            obj = self._objects.get(key)
-            if obj is None:
-                raise KeyNotFound(f"key {key!r} not found")
-            active = obj.leased(now)
-            return {"key": key, "size": obj.size, "state": "removing" if obj.removing else obj.state,
-                    "replicas": [r.to_dict() for r in obj.replicas.values()], "put_id": obj.put_id,
-                    "lease": {"active": active, "count": len(obj.leases),
-                              "expires_in_s": round(max(0.0, obj.lease_until() - now), 3)},
-                    "created_at": obj.created_at, "idle_s": round(now - obj.last_access, 3)}
-
-    def keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
-        """Complete keys starting with `prefix` (at most `limit`), for listing."""
-        with self._lock:
-            out = []
-            for key, obj in self._objects.items():
-                if obj.visible() and key.startswith(prefix):
-                    out.append(key)
-                    if len(out) >= limit:
-                        break
-            return out
-
-    def evict(self, target_bytes: int | None = None, keys: Sequence[str] | None = None) -> dict:
-        """Evict named keys, or least-recently-used unleased objects until `target_bytes` are freed."""
-        if target_bytes is None and keys is None:
-            raise InvalidArgument("evict needs target_bytes or keys")
-        if target_bytes is not None and (not isinstance(target_bytes, int) or target_bytes < 0):
-            raise InvalidArgument(f"target_bytes must be a non-negative integer, got {target_bytes!r}")
-        now = time.monotonic()
-        evicted, freed, skipped = 0, 0, 0
-        with self._lock:
-            if keys is not None:
-                for key in keys:
-                    check_key(key)
-                    obj = self._objects.get(key)
-                    if obj is None or obj.state != COMPLETE or obj.removing:
-                        continue
-                    if obj.leased(now):
-                        skipped += 1
-                        continue
-                    freed += obj.size * len(obj.replicas)
-                    evicted += 1
-                    self._delete_locked(obj)
-            if target_bytes:
-                for obj in sorted(self._objects.values(), key=lambda o: o.last_access):
-                    if freed >= target_bytes:
-                        break
-                    if obj.state != COMPLETE or obj.removing or obj.leased(now):
-                        continue
-                    freed += obj.size * len(obj.replicas)
-                    evicted += 1
-                    self._delete_locked(obj)
-            self.counters["evictions"] += evicted
-        return {"evicted": evicted, "freed_bytes": freed, "skipped_leased": skipped}
-
-    def config(self) -> dict:
-        with self._lock:
-            doc = self.settings.model_dump()
-            doc.update({k: getattr(self, k) for k in _PATCHABLE})
-            doc.pop("admin_token", None)  # never hand the secret out
-            return doc
-
-    def patch_config(self, changes: dict) -> dict:
-        """Change run-time settings (see `_PATCHABLE`); anything else is an InvalidArgument."""
-        if not isinstance(changes, dict):
-            raise InvalidArgument("config patch must be an object")
-        for name, value in changes.items():
-            check = _PATCHABLE.get(name)
-            if check is None:
-                raise InvalidArgument(f"{name!r} cannot be changed at run time (changeable: {sorted(_PATCHABLE)})")
-            if not check(value):
-                raise InvalidArgument(f"invalid value for {name}: {value!r}")
-        low = changes.get("low_watermark", self.low_watermark)
-        high = changes.get("high_watermark", self.high_watermark)
-        if low > high:
-            raise InvalidArgument(f"low_watermark ({low}) must not exceed high_watermark ({high})")
-        with self._lock:
-            for name, value in changes.items():
-                setattr(self, name, value)
-        return self.config()
-
     # ------------------------------------------------------------------ internals (lock held)
 
     def _node_locked(self, node_id: str) -> NodeEntry:
@@ -614,98 +462,3 @@ class MasterService:
                 obj.leases.pop(lid, None)
                 if obj.removing and not obj.leased(now):
                     self._delete_locked(obj)
-
-    def _make_room_locked(self, size: int, now: float) -> None:
-        """No node has `size` free: evict LRU unleased objects from the roomiest node."""
-        candidates = [n for n in self._nodes.values() if n.state == NODE_UP and n.total_capacity >= size]
-        if not candidates:
-            return
-        node = max(candidates, key=lambda n: n.free)
-        pinned = False
-        for obj in sorted((o for o in self._objects.values() if node.node_id in o.replicas), key=lambda o: o.last_access):
-            if node.free >= size:
-                return
-            if obj.state != COMPLETE:
-                continue
-            if obj.leased(now):
-                pinned = True
-                continue
-            self._evict_replica_locked(obj, node.node_id)
-        if node.free < size and pinned:
-            raise AllPinned(f"no room for {size} bytes: every candidate for eviction is leased by a reader")
-
-    def _evict_replica_locked(self, obj: ObjectEntry, node_id: str) -> None:
-        del obj.replicas[node_id]
-        self._release_space_locked(node_id, obj.size)
-        self._outbox.put((node_id, [obj.key], [obj.put_id]))
-        self.counters["evictions"] += 1
-        if not obj.replicas:
-            del self._objects[obj.key]
-
-    # ------------------------------------------------------------------ background
-
-    def tick(self) -> None:
-        """Reclaim expired puts, drop silent nodes, finish removals, evict above the high watermark."""
-        now = time.monotonic()
-        with self._lock:
-            if not self._leader:
-                return
-            for obj in [o for o in self._objects.values() if o.state == PENDING and o.deadline <= now]:
-                log.info("reclaiming put of %r (no put_end within %.1fs)", obj.key, self.put_timeout_s)
-                self._reclaim_locked(obj)
-            for obj in [o for o in self._objects.values() if o.removing and not o.leased(now)]:
-                self._delete_locked(obj)
-            for lid in [lid for lid, ks in self._lease_keys.items()
-                        if all(lid not in getattr(self._objects.get(k), "leases", {}) for k in ks)]:
-                del self._lease_keys[lid]
-            for node in [n for n in self._nodes.values() if now - n.last_heartbeat > self.node_timeout_s]:
-                self._drop_node_locked(node.node_id, f"no heartbeat for {now - node.last_heartbeat:.1f}s")
-            for node in self._nodes.values():
-                cap = node.total_capacity
-                if cap and node.used > self.high_watermark * cap:
-                    target = node.used - int(self.low_watermark * cap)
-                    victims = sorted((o for o in self._objects.values() if node.node_id in o.replicas
-                                      and o.state == COMPLETE and not o.removing), key=lambda o: o.last_access)
-                    for obj in victims:
-                        if target <= 0:
-                            break
-                        if obj.leased(now):
-                            continue
-                        target -= obj.size
-                        self._evict_replica_locked(obj, node.node_id)
-
-    def _tick_loop(self) -> None:
-        period = min(0.5, self.settings.heartbeat_s)
-        while not self._stop.wait(period):
-            try:
-                self.tick()
-            except Exception:  # the loop must survive a bug in one pass
-                log.exception("master tick failed")
-
-    def _link(self, node_id: str) -> Any:
-        with self._lock:
-            link = self._links.get(node_id)
-            node = self._nodes.get(node_id)
-            if link is None and node is not None:
-                factory = self._link_factory
-                if factory is None:
-                    from kvpool.master.links import RemoteNodeLink
-                    factory = RemoteNodeLink
-                link = self._links[node_id] = factory(node)
-            return link
-
-    def _outbox_loop(self) -> None:
-        while True:
-            item = self._outbox.get()
-            if item is None:
-                return
-            node_id, keys, put_ids = item
-            try:
-                if node_id == "__close__":
-                    keys.close()
-                    continue
-                link = self._link(node_id)
-                if link is not None:
-                    link.remove(keys, put_ids)
-            except Exception as exc:  # a dead node's bytes die with it; nothing else to do
-                log.info("removing %d object(s) on node %s failed: %s", len(keys), node_id, exc)

@@ -6,11 +6,11 @@ from kvpool.tiers.arena import SharedArena
 from kvpool.tiers.base import Location, Reservation, Tier
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.hbm import HbmTier, cuda_unavailable_reason
-from kvpool.tiers.policy import EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_policy
+from kvpool.tiers.policy import ARCPolicy, EvictionPolicy, LRUPolicy, S3FIFOPolicy, make_policy
 from kvpool.tiers.ssd import SsdTier
 from kvpool.tiers.store import TieredStore
 
 __all__ = [
-    "DramTier", "EvictionPolicy", "HbmTier", "LRUPolicy", "Location", "PageAllocator", "Reservation",
+    "ARCPolicy", "DramTier", "EvictionPolicy", "HbmTier", "LRUPolicy", "Location", "PageAllocator", "Reservation",
     "S3FIFOPolicy", "SharedArena", "SsdTier", "Tier", "TieredStore", "cuda_unavailable_reason", "make_policy",
 ]

@@ -1,4 +1,4 @@
-"""Eviction policies behind one Protocol: LRU and S3-FIFO (scan-resistant).
+"""Eviction policies behind one Protocol: LRU, and two scan-resistant ones, S3-FIFO and ARC.
 
 A policy only orders keys; the tier owner decides when to evict (when an allocation fails) and
 what may go (`evictable`, false for pinned or half-written objects).
@@ -159,11 +159,100 @@ class S3FIFOPolicy:
         return len(self._freq)
 
 
-POLICIES: dict[str, type] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy}
+class ARCPolicy:
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003), sized in bytes.
+
+    T1 holds keys seen once recently, T2 keys seen at least twice; B1/B2 remember keys recently
+    evicted from each. A miss that hits B1 means T1 was too small: the target `p` for T1 grows;
+    a B2 hit shrinks it. So the split between recency and frequency follows the workload, and a
+    scan only ever fills T1.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int):
+        if capacity <= 0:
+            raise InvalidArgument(f"ARC needs the tier capacity in bytes, got {capacity!r}")
+        self.capacity = capacity
+        self.p = 0.0  # target bytes of T1
+        self._t1: OrderedDict[str, int] = OrderedDict()
+        self._t2: OrderedDict[str, int] = OrderedDict()
+        self._b1: OrderedDict[str, int] = OrderedDict()
+        self._b2: OrderedDict[str, int] = OrderedDict()
+        self._bytes = {"t1": 0, "t2": 0, "b1": 0, "b2": 0}
+
+    def _push(self, name: str, key: str, size: int) -> None:
+        getattr(self, f"_{name}")[key] = size
+        self._bytes[name] += size
+
+    def _pop(self, name: str, key: str | None = None) -> tuple[str, int] | None:
+        queue: OrderedDict[str, int] = getattr(self, f"_{name}")
+        if key is None:
+            if not queue:
+                return None
+            key, size = queue.popitem(last=False)
+        else:
+            size = queue.pop(key, None)
+            if size is None:
+                return None
+        self._bytes[name] -= size
+        return key, size
+
+    def insert(self, key: str, size: int) -> None:
+        if key in self._t1 or key in self._t2:
+            return
+        b1, b2 = max(1, self._bytes["b1"]), max(1, self._bytes["b2"])
+        if self._pop("b1", key) is not None:
+            self.p = min(self.capacity, self.p + size * max(1.0, b2 / b1))
+            self._push("t2", key, size)
+        elif self._pop("b2", key) is not None:
+            self.p = max(0.0, self.p - size * max(1.0, b1 / b2))
+            self._push("t2", key, size)
+        else:
+            self._push("t1", key, size)
+
+    def access(self, key: str) -> None:
+        hit = self._pop("t1", key)
+        if hit is not None:
+            self._push("t2", *hit)
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+
+    def remove(self, key: str) -> None:
+        if self._pop("t1", key) is None:
+            self._pop("t2", key)
+
+    def evict(self, evictable: Evictable) -> str | None:
+        prefer_t1 = self._t1 and (self._bytes["t1"] > self.p or not self._t2)
+        for name in ("t1", "t2") if prefer_t1 else ("t2", "t1"):
+            queue: OrderedDict[str, int] = getattr(self, f"_{name}")
+            victim = next((k for k in queue if evictable(k)), None)
+            if victim is None:
+                continue
+            _, size = self._pop(name, victim)  # type: ignore[misc]
+            self._push("b1" if name == "t1" else "b2", victim, size)
+            self._trim_ghosts()
+            return victim
+        return None
+
+    def _trim_ghosts(self) -> None:
+        while self._b1 and self._bytes["t1"] + self._bytes["b1"] > self.capacity:
+            self._pop("b1")
+        while self._b2 and sum(self._bytes.values()) > 2 * self.capacity:
+            self._pop("b2")
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+
+POLICIES: dict[str, type] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "arc": ARCPolicy}
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """A fresh policy by name ("lru" | "s3fifo") for a tier of `capacity` bytes."""
+    """A fresh policy by name ("lru" | "s3fifo" | "arc") for a tier of `capacity` bytes."""
     cls = POLICIES.get(name)
     if cls is None:
         raise InvalidArgument(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")

@@ -6,7 +6,8 @@ object's later eviction from DRAM then costs no write).
 
 Concurrency: one lock guards the index, the tiers' metadata and the policies. Bulk copies
 (a put's bytes into the arena, a get's bytes out of it, an SSD read during promotion) run
-outside the lock; what they touch is protected by state instead:
+outside the lock, except copies of at most `SMALL_COPY` bytes, which are cheaper than the
+extra lock round trip; what the unlocked copies touch is protected by state instead:
 - a get pins the object first (`pins > 0`): a pinned object is never evicted and never freed;
   a `remove` of a pinned object hides it at once and frees its space at the last unpin;
 - a put or promotion owns a DRAM reservation that nobody else may place data in, commit or
@@ -39,6 +40,9 @@ from kvpool.tiers.stats import TierStats
 log = logging.getLogger(__name__)
 
 EventHook = Callable[[str, str], None]
+# Copies up to this size run under the lock: a 256 KiB memcpy (~10-20 us) costs less than the
+# second lock round trip and pin bookkeeping it saves; larger copies run outside it, pinned.
+SMALL_COPY = 256 << 10
 
 
 @dataclass
@@ -83,10 +87,18 @@ class TieredStore:
         self.on_event = on_event
         self._entries: dict[str, _Entry] = {}
         self._stats = {name: TierStats() for name in ("hbm", "dram", "ssd")}
+        self._absent = 0  # reads of keys no tier holds (tier misses also count reads served lower)
         if self.ssd is not None:  # objects that survived a restart are visible again
             for key, size in self.ssd.keys():
                 self._entries[key] = _Entry(size, ssd=True)
                 self._ssd_policy.insert(key, size)
+
+    @classmethod
+    def from_settings(cls, settings: Any, **kwargs: Any) -> "TieredStore":
+        """A store sized from `kvpool.config.Settings` (dram/ssd/hbm capacity, ssd_path, eviction)."""
+        return cls(settings.dram_capacity, ssd_path=settings.ssd_path,
+                   ssd_capacity=settings.ssd_capacity if settings.ssd_path else 0,
+                   policy=settings.eviction, hbm_capacity=settings.hbm_capacity, **kwargs)
 
     @staticmethod
     def _open_hbm(capacity: int):
@@ -116,13 +128,21 @@ class TieredStore:
         """Store `data` under `key`; a key already stored is left as it is (first writer wins)."""
         src = readable_view(data)
         check_key(key)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.visible:
-                return
-            events: list = []
-            res = self._reserve_locked(key, src.nbytes, events)
-        self._fire(events)
+        events: list = []
+        try:  # demotions done before a failure still happened: report them either way
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None and entry.visible:
+                    return
+                res = self._reserve_locked(key, src.nbytes, events)
+                small = res.length <= SMALL_COPY
+                if small:  # cheaper than a second lock round trip
+                    self.dram.arena.buffer[res.offset : res.offset + res.length] = src
+                    self._commit_locked(key, self._entries[key], events)
+        finally:
+            self._fire(events)
+        if small:
+            return
         try:
             self.dram.arena.buffer[res.offset : res.offset + res.length] = src
         except BaseException:
@@ -135,26 +155,33 @@ class TieredStore:
         check_key(key)
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidArgument(f"size must be a positive int, got {size!r}")
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.visible:
-                raise AlreadyExists(f"key {key!r} is already stored")
-            events: list = []
-            res = self._reserve_locked(key, size, events)
-        self._fire(events)
-        return res
+        events: list = []
+        try:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None and entry.visible:
+                    raise AlreadyExists(f"key {key!r} is already stored")
+                return self._reserve_locked(key, size, events)
+        finally:
+            self._fire(events)
 
     def commit(self, key: str) -> None:
+        """Make a reserved object visible (its bytes are not checked: readers verify chunks)."""
         check_key(key)
+        events: list = []
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not entry.writing:
                 raise KeyNotFound(f"no reservation for {key!r}")
-            self.dram.commit(key)
-            entry.writing, entry.dram = False, True
-            self._dram_policy.insert(key, entry.size)
-            self._stats["dram"].bytes_in += entry.size
-        self._fire([(key, "stored")])
+            self._commit_locked(key, entry, events)
+        self._fire(events)
+
+    def _commit_locked(self, key: str, entry: _Entry, events: list) -> None:
+        self.dram.commit(key)
+        entry.writing, entry.dram = False, True
+        self._dram_policy.insert(key, entry.size)
+        self._stats["dram"].bytes_in += entry.size
+        events.append((key, "stored"))
 
     def abort(self, key: str) -> None:
         check_key(key)
@@ -262,18 +289,22 @@ class TieredStore:
         loc: Location | None = None
         res: Reservation | None = None
         events: list = []
-        with self._lock:
+        with self._lock:  # _start_promotion never raises: events are fired below
             entry = self._entries.get(key)
             if entry is None or not entry.visible:
                 self._stats["dram"].misses += 1
+                self._absent += 1
                 raise KeyNotFound(key)
             size = entry.size
             dst = writable_view(buffer, size)[:size]
             if entry.dram:
-                entry.pins += 1  # pinned: the copy below runs outside the lock
                 self._dram_policy.access(key)
                 self._stats["dram"].hit(size)
                 loc = self.dram.location(key)
+                if size <= SMALL_COPY:  # cheaper than pin + a second lock round trip
+                    dst[:] = self.dram.arena.buffer[loc.offset : loc.offset + size]
+                    return size
+                entry.pins += 1  # pinned: the copy below runs outside the lock
             else:
                 self._stats["dram"].misses += 1
                 res = self._start_promotion(key, entry, events)
@@ -293,12 +324,15 @@ class TieredStore:
         self._ssd_policy.access(key)
         if entry.promoting:
             return None
-        try:
-            res = self._make_room(key, entry.size, events)
-        except CapacityError:
-            return None
+        # Flag first: making room may demote into SSD, and that must not evict this object's
+        # own SSD copy (promoting objects are not SSD-evictable).
         entry.promoting = True
-        return res
+        try:
+            return self._make_room(key, entry.size, events)
+        except CapacityError:
+            entry.promoting = False
+            self._promoted.notify_all()
+            return None
 
     def _read_ssd(self, key: str, dst: memoryview, res: Reservation | None, pin: bool = False) -> None:
         """Read an SSD object into `dst` outside the lock, then finish its promotion into `res`
@@ -356,10 +390,15 @@ class TieredStore:
 
     def get(self, key: str) -> bytes | None:
         """The object's bytes, or None on a miss."""
+        check_key(key)
         for _ in range(3):  # the key may be removed and re-put with another size meanwhile
-            size = self.size_of(key)
-            if size is None:
-                return None
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is None or not entry.visible:
+                    self._stats["dram"].misses += 1
+                    self._absent += 1
+                    return None
+                size = entry.size
             out = bytearray(size)
             try:
                 n = self.get_into(key, out)
@@ -376,7 +415,9 @@ class TieredStore:
         `Location` in `arena`. Raises KeyNotFound, or AllPinned when DRAM has no room.
         A pin racing another reader's promotion of the same key waits for it."""
         check_key(key)
-        with self._lock:
+        events: list = []
+        self._lock.acquire()  # not `with`: the hook must run after the release, also on errors
+        try:
             while True:
                 entry = self._entries.get(key)
                 if entry is None or not entry.visible:
@@ -384,14 +425,21 @@ class TieredStore:
                 if entry.dram:
                     entry.pins += 1
                     self._dram_policy.access(key)
+                    self._stats["dram"].hit(entry.size)
                     return self.dram.location(key)  # type: ignore[return-value]
                 if not entry.promoting:
                     break
                 self._promoted.wait(timeout=1.0)  # another reader is promoting it: share its result
-            events: list = []
-            res = self._make_room(key, entry.size, events)
-            entry.promoting = True
-        self._fire(events)
+            entry.promoting = True  # first, as in _start_promotion
+            try:
+                res = self._make_room(key, entry.size, events)
+            except BaseException:
+                entry.promoting = False
+                self._promoted.notify_all()
+                raise
+        finally:
+            self._lock.release()
+            self._fire(events)
         view = self.dram.arena.buffer[res.offset : res.offset + res.length]
         self._read_ssd(key, view, res, pin=True)
         return Location(res.offset, res.length)
@@ -445,6 +493,10 @@ class TieredStore:
         return iter(snap)
 
     def stats(self) -> dict[str, Any]:
+        """{"policy", "tiers": {name: {capacity, used, objects, hits, misses, evictions, bytes_in,
+        bytes_out}}, "total": {objects, bytes, pinned, hits, misses, evictions, bytes_in, bytes_out}}.
+        A tier's misses count reads it could not serve (a DRAM miss may be an SSD hit); the
+        total counts each read once. Pins count as reads."""
         with self._lock:
             tiers: dict[str, Any] = {}
             for name, tier in (("hbm", self.hbm), ("dram", self.dram), ("ssd", self.ssd)):
@@ -455,6 +507,9 @@ class TieredStore:
             total = {"objects": len(visible), "bytes": sum(e.size for e in visible),
                      "pinned": sum(1 for e in self._entries.values() if e.pins),
                      **TierStats.total([self._stats[n] for n in tiers])}
+            # Each read is served by one tier (a hit there) or by none: DRAM misses that SSD
+            # served are not misses of the store.
+            total["misses"] = self._absent + self._stats["ssd"].misses
         return {"policy": self.policy, "tiers": tiers, "total": total}
 
     # -- lifecycle -------------------------------------------------------------------------

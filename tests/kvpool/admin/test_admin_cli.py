@@ -38,6 +38,19 @@ def shell(*args, env=None):
     return subprocess.run([KVPOOL, "admin", *args], capture_output=True, text=True, timeout=60, env=full_env)
 
 
+def main_in_process(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    """Run `kvpool admin ARGS` through the real entry point (`kvpool.cli.main`, which turns
+    typed errors into one line and an exit code) without paying for a new interpreter."""
+    from kvpool.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["kvpool", "admin", *args])
+    with pytest.raises(SystemExit) as info:
+        main()
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return info.value.code, out.out, out.err
+
+
 def test_help_lists_the_commands():
     result = CliRunner().invoke(cli, ["admin", "--help"])
     assert result.exit_code == 0
@@ -100,12 +113,12 @@ def test_url_from_settings(admin, tmp_path):
     (["config", "--set", "lease_s"], "FIELD=VALUE"),
     (["--token", TOKEN, "config", "--set", "port=1"], "cannot be changed"),
 ])
-def test_errors_are_one_readable_line(master, admin, args, needle):
+def test_errors_are_one_readable_line(master, admin, args, needle, monkeypatch, capsys):
     handle, _ = admin
-    r = shell("--url", handle.url, *args)
-    assert r.returncode == 2
-    assert needle in r.stderr and r.stderr.startswith("error: ")
-    assert "Traceback" not in r.stderr
+    code, _, err = main_in_process(monkeypatch, capsys, "--url", handle.url, *args)
+    assert code == 2
+    assert needle in err and err.startswith("error: ") and err.count("\n") == 1
+    assert "Traceback" not in err
     assert master.node("node-a")["state"] == "up"
 
 

@@ -20,7 +20,7 @@ def payload(n: int, seed: int) -> bytes:
 OBJ = 200_000  # 49 pages: five fit in a 1 MiB arena
 
 
-@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "arc"])
 def test_demotes_to_ssd_and_promotes_back(make_store, policy):
     store = make_store(ssd=8 << 20, policy=policy)
     events = []
@@ -38,6 +38,10 @@ def test_demotes_to_ssd_and_promotes_back(make_store, policy):
     s = store.stats()
     assert s["tiers"]["ssd"]["hits"] >= len(demoted) and s["tiers"]["dram"]["evictions"] >= len(demoted)
     assert s["total"]["objects"] == 12
+    assert s["total"]["hits"] == 12 and s["total"]["misses"] == 0  # each read counted once
+    assert s["tiers"]["dram"]["misses"] == s["tiers"]["ssd"]["hits"]
+    store.get("absent")
+    assert store.stats()["total"]["misses"] == 1
 
 
 def test_without_ssd_eviction_drops(make_store):
@@ -205,3 +209,22 @@ def test_another_process_reads_a_pinned_object(make_store):
 
     assert out == xxhash.xxh3_64_hexdigest(payload(OBJ, 3))
     assert os.path.exists(store.arena.path)  # an attacher never unlinks
+
+
+def test_from_settings(tmp_path):
+    from kvpool.config import load_settings
+
+    settings = load_settings(dram_capacity="2MiB", ssd_path=str(tmp_path / "s"), ssd_capacity="4MiB", eviction="lru")
+    with TieredStore.from_settings(settings) as store:
+        stats = store.stats()
+        assert stats["policy"] == "lru"
+        assert stats["tiers"]["dram"]["capacity"] == 2 << 20 and stats["tiers"]["ssd"]["capacity"] == 4 << 20
+
+
+def test_hbm_request_without_cuda_runs_without_it(make_store):
+    from kvpool.tiers import cuda_unavailable_reason
+
+    if cuda_unavailable_reason() is None:
+        pytest.skip("this machine has CUDA")
+    store = make_store(hbm_capacity=1 << 20)
+    assert store.hbm is None and "hbm" not in store.stats()["tiers"]

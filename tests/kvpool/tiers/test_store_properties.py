@@ -31,7 +31,7 @@ ops = st.lists(st.one_of(
 ), max_size=60)
 
 
-@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "arc"])
 @pytest.mark.parametrize("with_ssd", [False, True])
 @settings(max_examples=40, deadline=None)
 @given(program=ops)

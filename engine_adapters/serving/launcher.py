@@ -1,0 +1,220 @@
+"""Start a local cluster as real processes: an embedded pool (`kvpool serve`) and reference
+workers (`kvpool worker`), each on a free loopback port, and stop them again.
+
+Used by `kvpool up`, the e2e tests and the adapter benchmark. Every process gets its own log
+file under `workdir`; the pool reports its address on its first stdout line, a worker through
+its ready file, so nothing races for a port.
+
+Invariants:
+- `start` returns only once every process answers (pool address known, worker `/health` 200),
+  or raises `Unavailable` with the tail of the failing process's log, having stopped the rest.
+- `stop` ends every process it started (SIGTERM, then SIGKILL after a grace period), workers
+  before the pool, and is safe to call twice. Children also get SIGTERM if this process dies
+  (Linux parent-death signal), so a killed launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from kvpool.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+KVPOOL = [sys.executable, "-c", "from kvpool.cli import main; main()"]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class WorkerSpec:
+    role: str
+    name: str = ""
+    args: list[str] = field(default_factory=list)  # extra `kvpool worker` flags
+
+
+@dataclass
+class PoolSpec:
+    args: list[str] = field(default_factory=list)  # extra `kvpool serve` flags
+    address: str | None = None  # use a pool that is already running instead of starting one
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    url: str = ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class LocalCluster:
+    def __init__(self, workdir: str | os.PathLike, workers: list[WorkerSpec], pool: PoolSpec | None = None,
+                 env: dict[str, str] | None = None, timeout_s: float = 600.0):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.pool_spec = pool or PoolSpec()
+        self.specs = workers
+        for i, spec in enumerate(self.specs):
+            spec.name = spec.name or f"{spec.role}-{i}"
+        self.env = {**os.environ, **(env or {})}
+        self.timeout_s = timeout_s
+        self.pool_address = self.pool_spec.address or ""
+        self.pool_proc: Proc | None = None
+        self.workers: dict[str, Proc] = {}
+
+    # -- public --------------------------------------------------------------------------------
+    def url(self, name_or_role: str) -> str:
+        if name_or_role in self.workers:
+            return self.workers[name_or_role].url
+        for proc in self.workers.values():
+            if proc.name.startswith(name_or_role + "-"):
+                return proc.url
+        raise KeyError(name_or_role)
+
+    def start(self, progress: Callable[[str], None] | None = None, sequential: bool | None = None) -> "LocalCluster":
+        say = progress or (lambda msg: log.info("%s", msg))
+        try:
+            if not self.pool_address:
+                say("starting the pool")
+                self.pool_proc = self._spawn("pool", ["serve", "--host", "127.0.0.1", "--port", "0",
+                                                      "--admin-port", "0", *self.pool_spec.args])
+                self.pool_address = self._wait_pool(self.pool_proc)
+                say(f"pool serving at {self.pool_address}")
+            if sequential is None:
+                sequential = not model_is_cached()
+            pending = []
+            for spec in self.specs:
+                proc = self._spawn_worker(spec)
+                if sequential:  # the first load converts the model; let one process do it
+                    say(f"starting {spec.name} (first start converts the model, ~40 s)")
+                    self._wait_worker(proc, say)
+                else:
+                    pending.append(proc)
+            for proc in pending:
+                say(f"waiting for {proc.name}")
+                self._wait_worker(proc, say)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        procs = list(self.workers.values())
+        for proc in procs:
+            _terminate(proc.popen)
+        for proc in procs:
+            _reap(proc.popen, grace_s)
+        self.workers.clear()
+        if self.pool_proc is not None:
+            _terminate(self.pool_proc.popen)
+            _reap(self.pool_proc.popen, grace_s)
+            self.pool_proc = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        log_path = self.workdir / f"{name}.log"
+        out = open(log_path, "wb")
+        try:
+            popen = subprocess.Popen([*KVPOOL, *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self.env, cwd=self.workdir, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        finally:
+            out.close()
+        return Proc(name, popen, log_path)
+
+    def _spawn_worker(self, spec: WorkerSpec) -> Proc:
+        ready = self.workdir / f"{spec.name}.ready"
+        ready.unlink(missing_ok=True)
+        proc = self._spawn(spec.name, ["worker", "--role", spec.role, "--host", "127.0.0.1", "--port", "0",
+                                       "--pool", self.pool_address, "--ready-file", str(ready), *spec.args])
+        self.workers[spec.name] = proc
+        return proc
+
+    def _wait_pool(self, proc: Proc) -> str:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            for line in proc.log_tail(200).splitlines():
+                if line.startswith("kvpool serving at "):
+                    return line.split()[-1]
+            self._check_alive(proc)
+            time.sleep(0.05)
+        raise Unavailable(f"the pool did not start within {self.timeout_s:.0f} s:\n{proc.log_tail()}")
+
+    def _wait_worker(self, proc: Proc, say: Callable[[str], None]) -> None:
+        ready = self.workdir / f"{proc.name}.ready"
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if ready.exists():
+                proc.url = json.loads(ready.read_text())["url"]
+                try:
+                    if httpx.get(f"{proc.url}/health", timeout=5).status_code == 200:
+                        say(f"{proc.name} ready at {proc.url}")
+                        return
+                except httpx.HTTPError:
+                    pass
+            self._check_alive(proc)
+            time.sleep(0.1)
+        raise Unavailable(f"{proc.name} did not become healthy within {self.timeout_s:.0f} s:\n{proc.log_tail()}")
+
+    @staticmethod
+    def _check_alive(proc: Proc) -> None:
+        code = proc.popen.poll()
+        if code is not None:
+            raise Unavailable(f"{proc.name} exited with status {code}:\n{proc.log_tail()}")
+
+
+def _terminate(popen: subprocess.Popen) -> None:
+    if popen.poll() is None:
+        try:
+            popen.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _reap(popen: subprocess.Popen, grace_s: float) -> None:
+    try:
+        popen.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        log.warning("process %d ignored SIGTERM; killing it", popen.pid)
+        popen.kill()
+        popen.wait()
+
+
+def model_is_cached(model_cache: str | None = None) -> bool:
+    """True when the reference model was converted already (workers then start in seconds)."""
+    from engine_adapters import model
+
+    try:
+        root = Path(model_cache) if model_cache else model.default_cache_root()
+        return (root / model.weights_fingerprint(None, root) / model._CACHE_MARK).is_file()
+    except Exception:  # no package, unreadable cache: assume the slow path
+        return False

@@ -1,0 +1,283 @@
+"""`kvpool bench pool`: put/get throughput of the pool through the SDK, against Redis and
+Mooncake Store, all measured in the same run.
+
+Setup: the pool runs as `kvpool serve` in a child process; this process is the SDK client,
+once with shared memory disabled (every byte crosses loopback TCP) and once same-host (`shm`).
+Redis is a private `redis-server` (redis-py client); Mooncake Store runs in TCP mode with the
+segment in another process (see `pool_peers`). Every system does the same work per repetition:
+`count` gets (or puts) of `size` bytes, one at a time, into a preallocated buffer where the API
+allows it (`get_into`; redis-py has none). Systems are run in turn (ours tcp, ours shm, redis,
+mooncake, ours tcp, ...) after a warm-up so all see the same noise; each figure is a median.
+
+Correctness is checked, not assumed: every key holds distinct bytes, the warm-up reads every key
+of every system and compares it, and each timed repetition compares the last value it read.
+Goals (issue): TCP get >= 1.3x Mooncake at >= 1 MiB and >= 1x at 64 KiB (single and batched);
+shm get >= 3x Mooncake's TCP; ahead of Redis at every size. They are printed as notes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+import numpy as np
+
+from kvpool.bench.pool_peers import MooncakePeer, RedisPeer, mooncake_available, stop_process
+from kvpool.bench.report import Report, gbps, progress
+
+log = logging.getLogger(__name__)
+
+GOALS = {  # (case, baseline, min size, max size) -> minimum ratio
+    ("get_tcp", "mooncake_tcp", 1 << 20, None): 1.3,
+    ("get_tcp", "mooncake_tcp", 0, (1 << 20) - 1): 1.0,
+    ("get_batch_tcp", "mooncake_tcp", 0, (1 << 20) - 1): 1.0,
+    ("get_shm", "mooncake_tcp", 0, None): 3.0,
+    ("get_tcp", "redis", 0, None): 1.0,
+    ("get_shm", "redis", 0, None): 1.0,
+    ("get_batch_tcp", "redis", 0, None): 1.0,
+    ("put_tcp", "redis", 0, None): 1.0,
+}
+
+
+class PoolProcess:
+    """`kvpool serve` on a free loopback port in a child process."""
+
+    def __init__(self, dram_capacity: int):
+        exe = Path(sys.executable).with_name("kvpool")
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from kvpool.cli import main; main()"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+        self.proc = subprocess.Popen(
+            cmd + ["--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", "0", "--admin-port", "0",
+                   "--dram-capacity", str(dram_capacity)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("kvpool serving at "):
+            stop_process(self.proc)
+            raise RuntimeError(f"kvpool serve did not start (said {line!r})")
+        self.address = line.rsplit(" ", 1)[1]
+
+    def close(self) -> None:
+        stop_process(self.proc, timeout=10)
+
+
+class Ours:
+    """The SDK client as a bench system; `use_shm=False` forces every read over TCP."""
+
+    def __init__(self, address: str, use_shm: bool, name: str):
+        import kvpool
+
+        self.name = name
+        self.client = kvpool.connect(address, use_shm=use_shm)
+
+    def put(self, key: str, value: np.ndarray) -> None:
+        self.client.put_from(key, value)
+
+    def get_into(self, key: str, out: np.ndarray) -> int:
+        return self.client.get_into(key, out)
+
+    def get_batch_into(self, keys: list[str], outs: list[np.ndarray]) -> None:
+        for value, out in zip(self.client.get_batch(keys), outs):
+            out[:] = np.frombuffer(value, np.uint8)
+
+    def remove(self, keys: list[str]) -> None:
+        self.client.remove_batch(keys)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Workload:
+    """The keys and bytes of one size: `count` distinct values (first 8 bytes = index)."""
+
+    def __init__(self, size: int, count: int, batch: int, seed: int = 7):
+        self.size, self.count, self.batch = size, count, batch
+        self.base = np.random.default_rng(seed + size).integers(0, 256, size, dtype=np.uint8)
+        self.value = self.base.copy()
+        self.out = np.zeros(size, np.uint8)
+        self.outs = [np.zeros(size, np.uint8) for _ in range(batch)]
+        self.get_keys = [f"bench/get/{size}/{i}" for i in range(count)]
+        self._put_round = 0
+
+    def fill(self, i: int) -> np.ndarray:
+        self.value[:8] = np.frombuffer(int(i).to_bytes(8, "little"), np.uint8)
+        return self.value
+
+    def check(self, i: int, out: np.ndarray, system: str) -> None:
+        if int.from_bytes(out[:8].tobytes(), "little") != i or not np.array_equal(out[8:], self.base[8:]):
+            raise RuntimeError(f"{system}: wrong bytes for value {i} of size {self.size}")
+
+    def next_put_keys(self) -> list[str]:
+        self._put_round += 1
+        return [f"bench/put/{self.size}/{self._put_round}/{i}" for i in range(self.count)]
+
+
+def _get(system: Any, w: Workload) -> float:
+    start = time.perf_counter()
+    for key in w.get_keys:
+        system.get_into(key, w.out)
+    seconds = time.perf_counter() - start
+    w.check(w.count - 1, w.out, system.name)
+    return gbps(w.size * w.count, seconds)
+
+
+def _get_batch(system: Any, w: Workload) -> float:
+    start = time.perf_counter()
+    for j in range(0, w.count, w.batch):
+        keys = w.get_keys[j:j + w.batch]
+        system.get_batch_into(keys, w.outs[:len(keys)])
+    seconds = time.perf_counter() - start
+    last = (w.count - 1) // w.batch * w.batch
+    w.check(last, w.outs[0], system.name)
+    return gbps(w.size * w.count, seconds)
+
+
+def _put(system: Any, w: Workload) -> float:
+    keys = w.next_put_keys()
+    start = time.perf_counter()
+    for i, key in enumerate(keys):
+        system.put(key, w.fill(i))
+    seconds = time.perf_counter() - start
+    system.remove(keys)  # untimed: keep every system's memory bounded
+    return gbps(w.size * w.count, seconds)
+
+
+def _prepare(systems: list[Any], w: Workload) -> None:
+    """Load the get keys into every system and read each back once (correctness, warm caches)."""
+    stores = {id(s): s for s in systems if s.name != "ours_shm"}  # ours_shm shares ours_tcp's pool
+    for system in stores.values():
+        for i, key in enumerate(w.get_keys):
+            system.put(key, w.fill(i))
+    for system in systems:
+        for i, key in enumerate(w.get_keys):
+            w.out[:8] = 0
+            system.get_into(key, w.out)
+            w.check(i, w.out, system.name)
+
+
+def _sizes(text: str) -> list[int]:
+    from kvpool.config import parse_size
+
+    return [parse_size(p) for p in text.split(",") if p.strip()]
+
+
+@click.command("pool")
+@click.option("--json", "as_json", is_flag=True, help="End the output with one JSON line.")
+@click.option("--sizes", default="64KiB,1MiB,8MiB", show_default=True, help="Value sizes, comma-separated.")
+@click.option("--bytes-per-rep", default="32MiB", show_default=True, help="Bytes each system moves per repetition.")
+@click.option("--min-ops", default=16, show_default=True, help="At least this many operations per repetition.")
+@click.option("--reps", default=5, show_default=True, type=click.IntRange(1, 100))
+@click.option("--batch", default=16, show_default=True, type=click.IntRange(1, 1024), help="Keys per batch call.")
+@click.option("--peers", default="redis,mooncake", show_default=True, help="Baselines to run (redis, mooncake).")
+@click.option("--no-put", is_flag=True, help="Measure gets only.")
+def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int, batch: int, peers: str,
+         no_put: bool) -> None:
+    """SDK put/get GB/s and ops/s (TCP forced and same-host shm) vs Redis and Mooncake Store (TCP)."""
+    from kvpool.config import parse_size
+
+    size_list = _sizes(sizes)
+    per_rep = parse_size(bytes_per_rep)
+    wanted = {p.strip() for p in peers.split(",") if p.strip()}
+    report = Report("pool")
+    workloads = [Workload(s, max(min_ops, per_rep // s), batch) for s in size_list]
+    working_set = sum(w.size * w.count for w in workloads)
+    closers: list[Callable[[], None]] = []
+    systems: list[Any] = []
+    try:
+        server = PoolProcess(dram_capacity=max(1 << 30, 4 * working_set))
+        closers.append(server.close)
+        for use_shm, name in ((False, "ours_tcp"), (True, "ours_shm")):
+            systems.append(Ours(server.address, use_shm, name))
+            closers.append(systems[-1].close)
+        if "redis" in wanted:
+            systems.append(RedisPeer())
+            closers.append(systems[-1].close)
+        if "mooncake" in wanted:
+            why = mooncake_available()
+            if why is None:
+                try:
+                    mc = MooncakePeer(segment_bytes=max(512 << 20, 3 * working_set),
+                                      buffer_bytes=max(64 << 20, 2 * batch * max(size_list)))
+                    closers.append(mc.close)
+                    mc.name = "mooncake_tcp"
+                    for w in workloads:
+                        for array in (w.value, w.out, *w.outs):
+                            mc.register(array)
+                    systems.append(mc)
+                except RuntimeError as exc:
+                    report.notes.append(f"Mooncake skipped: {exc}")
+            else:
+                report.notes.append(f"Mooncake skipped: {why}")
+        _run(report, systems, workloads, reps, no_put)
+    finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:
+                log.warning("cleanup failed", exc_info=True)
+    _check_goals(report)
+    report.emit(as_json)
+
+
+def _run(report: Report, systems: list[Any], workloads: list[Workload], reps: int, no_put: bool) -> None:
+    ours = [s for s in systems if s.name.startswith("ours")]
+    peers = [s for s in systems if not s.name.startswith("ours")]
+    ops: list[tuple[str, Callable[[Any, Workload], float], list[Any]]] = [("get", _get, systems)]
+    ops.append(("get_batch", _get_batch, [s for s in systems if s.name != "ours_shm"]))
+    max_batch_bytes = 16 << 20  # a batch call of 16 x 8 MiB says nothing a single get does not
+    if not no_put:
+        # a put always goes over TCP in our SDK (shm is a read path), so one "ours" put row
+        ops.append(("put", _put, [s for s in systems if s.name != "ours_shm"]))
+    total = sum(len(members) * (reps + 1) for op, _, members in ops for w in workloads
+                if op != "get_batch" or w.size * w.batch <= max_batch_bytes)
+    bar, advance = progress(total, "bench pool")
+    with bar:
+        for w in workloads:
+            _prepare(systems, w)
+            for op, fn, members in ops:
+                if op == "get_batch" and w.size * w.batch > max_batch_bytes:
+                    continue
+                figures: dict[str, list[float]] = {s.name: [] for s in members}
+                for rep in range(reps + 1):  # round 0 is the warm-up
+                    for system in members:
+                        value = fn(system, w)
+                        if rep:
+                            figures[system.name].append(value)
+                        advance()
+                _add_rows(report, op, w, figures, [s.name for s in ours], [s.name for s in peers])
+            for system in {id(s): s for s in systems if s.name != "ours_shm"}.values():
+                system.remove(w.get_keys)
+
+
+def _add_rows(report: Report, op: str, w: Workload, figures: dict[str, list[float]], ours: list[str],
+              peers: list[str]) -> None:
+    for mine in ours:
+        if mine not in figures:
+            continue
+        case = f"{op}_{mine.removeprefix('ours_')}"
+        rows = [p for p in peers if p in figures] or [None]
+        for peer in rows:
+            ops_s = [v * 1e9 / w.size for v in figures[mine]]
+            extra = {"ops_per_s": round(float(np.median(ops_s)), 1), "count": w.count}
+            if op == "get_batch":
+                extra["batch"] = w.batch
+            if peer is not None:
+                extra["baseline_ops_per_s"] = round(float(np.median(figures[peer])) * 1e9 / w.size, 1)
+            report.add(case, figures[mine], "GB/s", size=w.size, baseline=peer,
+                       baseline_values=figures[peer] if peer else None, extra=extra)
+
+
+def _check_goals(report: Report) -> None:
+    for r in report.results:
+        for (case, baseline, lo, hi), goal in GOALS.items():
+            if r.case != case or r.baseline != baseline or r.ratio is None:
+                continue
+            if r.size is None or r.size < lo or (hi is not None and r.size > hi):
+                continue
+            verdict = "met" if r.ratio >= goal else "MISSED"
+            report.notes.append(f"goal {case} vs {baseline} at {r.size} B: {r.ratio:.2f}x (goal {goal}x) {verdict}")

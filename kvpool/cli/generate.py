@@ -1,0 +1,46 @@
+"""`kvpool generate`: one request through the disaggregated path (prefill worker -> pool ->
+decode worker), streaming the text. `--json` ends the output with one JSON line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+
+
+@click.command()
+@click.option("--prefill", "prefill_url", required=True, help="Prefill worker URL, e.g. http://127.0.0.1:8100")
+@click.option("--decode", "decode_url", required=True, help="Decode worker URL, e.g. http://127.0.0.1:8200")
+@click.option("--prompt", help="Plain text prompt (no chat template).")
+@click.option("--message", help="One user message, rendered with the model's chat template.")
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="End with one JSON line: text, token_ids, ttft_ms, "
+              "cached_tokens, computed_tokens.")
+def generate(prefill_url, decode_url, prompt, message, max_tokens, as_json) -> None:
+    """Send PROMPT (or MESSAGE) through a prefill and a decode worker and stream the answer."""
+    from engine_adapters.serving.client import WorkerClient, generate as run
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
+
+    if (prompt is None) == (message is None):
+        raise click.UsageError("give exactly one of --prompt or --message")
+    with WorkerClient(prefill_url) as prefill, WorkerClient(decode_url) as decode:
+        if prompt is not None:
+            ids = prefill.tokenize(prompt=prompt)
+        else:
+            ids = prefill.tokenize(messages=[{"role": "user", "content": message}])
+
+        def show(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        gen = run(prefill, decode, ids, max_tokens, on_text=show)
+    sys.stdout.write("\n")
+    click.echo(f"[{gen.prompt_tokens} prompt tokens: {gen.cached_tokens} cached "
+               f"({gen.local_cached_tokens} worker-local, {gen.pool_cached_tokens} pool), "
+               f"{gen.computed_tokens} computed; TTFT {gen.ttft_ms:.0f} ms; {len(gen.token_ids)} tokens in "
+               f"{gen.total_ms:.0f} ms; {gen.finish_reason}]", err=True)
+    if as_json:
+        click.echo(json.dumps(gen.summary()))

@@ -1,0 +1,45 @@
+"""`kvpool worker`: a reference prefill / decode worker on the reference model.
+
+The CLI is the one place in `kvpool` that sees `engine_adapters` (imported on use).
+"""
+
+from __future__ import annotations
+
+import click
+
+from kvpool.config import load_settings, parse_size
+
+
+@click.command()
+@click.option("--role", type=click.Choice(["prefill", "decode", "both"]), required=True,
+              help="prefill: prompt in, first token + KV handle out; decode: handle in, tokens out; "
+                   "both: colocated, decode-priority scheduling.")
+@click.option("--pool", "pool_address", help="Pool address HOST:PORT (default: settings 'master').")
+@click.option("--host", help="Address to listen on (default 127.0.0.1).")
+@click.option("--port", type=int, default=0, show_default=True, help="HTTP port (0: any free port).")
+@click.option("--chunk-tokens", type=int, help="Tokens per KV chunk (default: settings, 256).")
+@click.option("--local-cache", "local_cache", default="512MiB", show_default=True,
+              help="Size of this worker's own prefix cache in front of the pool (0 disables).")
+@click.option("--max-batch", type=int, default=32, show_default=True, help="Most sequences in a decode batch.")
+@click.option("--prefill-chunk-tokens", type=int,
+              help="Prefill at most this many tokens between decode steps (default: whole prompt; 512 on 'both').")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--tenant-salt", default="", help="Keeps this tenant's KV apart from others'.")
+@click.option("--model-cache", type=click.Path(file_okay=False), envvar="KVPOOL_MODEL_CACHE",
+              help="Where the converted model is cached (default ~/.cache/kvpool/models).")
+@click.option("--ready-file", type=click.Path(dir_okay=False),
+              help="Write {url, port, pid, role} here (JSON) once serving: for launchers.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="KVPOOL_CONFIG",
+              help="Settings file (JSON or TOML).")
+def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch, prefill_chunk_tokens, dtype,
+           tenant_salt, model_cache, ready_file, config_file) -> None:
+    """Serve a reference worker's HTTP API (/v1/prefill, /v1/decode, /v1/generate, /load, /metrics)."""
+    from engine_adapters.serving.server import serve
+    from engine_adapters.serving.service import WorkerConfig
+
+    settings = load_settings(config_file, host=host, chunk_tokens=chunk_tokens)
+    config = WorkerConfig(role=role, pool=pool_address or settings.master, chunk_tokens=settings.chunk_tokens,
+                          local_cache_bytes=parse_size(local_cache), max_batch=max_batch,
+                          prefill_chunk_tokens=prefill_chunk_tokens, tenant_salt=tenant_salt)
+    serve(config, host=settings.host, port=port, ready_file=ready_file, model_cache=model_cache, dtype=dtype,
+          on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"))

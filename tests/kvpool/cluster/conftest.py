@@ -1,0 +1,15 @@
+"""A real etcd on free loopback ports (per test), from `kvpool.cluster.etcd_testing`."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.cluster.etcd_testing import EtcdServer, etcd_binary
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed (make system-deps)")
+    with EtcdServer(tmp_path) as server:
+        yield server

@@ -1,0 +1,65 @@
+"""The etcd client and the leased registration / leader election primitives, on a real etcd."""
+
+from __future__ import annotations
+
+import time
+
+from kvpool.cluster import LEADER_KEY, EtcdClient, LeaderElection, Registration
+
+
+def wait_for(pred, timeout=10.0, step=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
+
+
+def test_create_is_exclusive_and_leases_expire(etcd):
+    c = EtcdClient(etcd.meta)
+    try:
+        lease = c.grant(2)
+        assert c.create("/t/x", "one", lease=lease) is True
+        assert c.create("/t/x", "two") is False
+        assert c.get("/t/x") == b"one"
+        c.put("/t/y", "why")
+        assert c.get_prefix("/t/") == {"/t/x": b"one", "/t/y": b"why"}
+        assert wait_for(lambda: c.get("/t/x") is None, timeout=6)  # no keepalive: the key goes
+        assert c.keepalive(lease) == 0
+        assert c.get("/t/y") == b"why"
+    finally:
+        c.close()
+
+
+def test_registration_stays_while_alive_and_goes_on_stop(etcd):
+    c = EtcdClient(etcd.meta)
+    reg = Registration(EtcdClient(etcd.meta), "/t/node/a", "addr", ttl=2).start()
+    try:
+        time.sleep(2.5)  # longer than the TTL: the keepalive thread holds it
+        assert c.get("/t/node/a") == b"addr"
+    finally:
+        reg.stop()
+    assert c.get("/t/node/a") is None
+    c.close()
+
+
+def test_one_leader_and_the_standby_takes_over(etcd):
+    events: list[tuple[str, str]] = []
+
+    def election(name):
+        return LeaderElection(EtcdClient(etcd.meta), name, ttl=2,
+                              on_elected=lambda: events.append((name, "elected")),
+                              on_standby=lambda leader: events.append((name, f"standby:{leader}")))
+
+    a = election("a:1").start()
+    assert wait_for(lambda: a.is_leader)
+    b = election("b:2").start()
+    assert wait_for(lambda: ("b:2", "standby:a:1") in events)
+    assert not b.is_leader
+    a.stop()  # revokes its lease: b wins at its next campaign
+    assert wait_for(lambda: b.is_leader, timeout=5)
+    c = EtcdClient(etcd.meta)
+    assert c.get(LEADER_KEY) == b"b:2"
+    b.stop()
+    c.close()

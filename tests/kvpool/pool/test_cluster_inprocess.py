@@ -1,0 +1,180 @@
+"""A standalone master with three store nodes (all in this process, talking over loopback RPC):
+placement, replicas, two-phase put, reclaim, leases, node loss, admin methods."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+import kvpool
+from kvpool.config import load_settings
+from kvpool.errors import InvalidArgument, KeyNotFound, ObjectTooLarge
+from kvpool.master.server import MasterServer
+from kvpool.messages import NodeWrite, PutEnd, PutStart
+from kvpool.node import StoreNode
+from kvpool.rpc import RpcClient
+
+
+def wait_for(pred, timeout=10.0, step=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
+
+
+@pytest.fixture
+def cluster():
+    base = dict(admin_port=0, heartbeat_s=0.2, put_timeout_s=1.0)
+    master = MasterServer(load_settings(port=0, **base)).start()
+    nodes = [StoreNode(load_settings(port=0, master=master.address, node_id=f"n{i}",
+                                     dram_capacity=f"{16 * (i + 1)}MiB", **base)).start() for i in range(3)]
+    assert wait_for(lambda: len(master.service.nodes()) == 3)
+    yield master, nodes
+    for n in nodes:
+        if n.rpc is not None and not n._stop.is_set():
+            n.stop()
+    master.stop()
+
+
+def test_put_get_across_nodes_and_placement_by_free_space(cluster):
+    master, nodes = cluster
+    with kvpool.connect(master.address) as c:
+        assert not c.embedded
+        values = {f"k{i}": os.urandom(1000 + i) for i in range(30)}
+        for k, v in values.items():
+            c.put(k, v)
+        assert c.get_batch(list(values)) == list(values.values())
+        for k, v in values.items():
+            assert c.get(k) == v
+        holders = {master.service.key_info(k)["replicas"][0]["node_id"] for k in values}
+        assert holders == {"n2"}  # the node with the most free space takes single replicas
+
+
+def test_local_first_placement_for_a_writer_that_is_a_node(cluster):
+    master, nodes = cluster
+    with kvpool.connect(master.address, writer_node="n0") as c:
+        c.put("local", b"x" * 100)
+        c.put("local2", b"y" * 100, replicas=2)
+    assert master.service.key_info("local")["replicas"][0]["node_id"] == "n0"
+    info = master.service.key_info("local2")
+    assert [r["node_id"] for r in info["replicas"]][0] == "n0" and len(info["replicas"]) == 2
+
+
+def test_replicas_survive_the_loss_of_a_node(cluster):
+    master, nodes = cluster
+    with kvpool.connect(master.address, replicas=2) as c:
+        values = {f"r{i}": os.urandom(5000) for i in range(20)}
+        assert c.put_batch(list(values.items())) == [None] * 20
+        for k in values:
+            assert len(master.service.key_info(k)["replicas"]) == 2
+        nodes[2].stop()  # the roomiest node holds one replica of each
+        for k, v in values.items():
+            assert c.get(k) == v
+        assert wait_for(lambda: len(master.service.nodes()) == 2)
+        assert c.get_batch(list(values)) == list(values.values())
+
+
+def test_a_put_that_never_ends_is_reclaimed(cluster):
+    master, nodes = cluster
+    rpc = RpcClient(master.address)
+    plan = rpc.call(PutStart(["orphan"], [4096], 1)).plans[0]
+    target = plan.targets[0]
+    node_rpc = RpcClient(target.address)
+    placed = node_rpc.call(NodeWrite(["orphan"], [4096], [plan.put_id]), [b"z" * 4096]).results[0]
+    assert placed.node_id == target.node_id
+    with kvpool.connect(master.address) as c:
+        assert c.get("orphan") is None  # written to a node, but not published
+        assert master.service.key_info("orphan")["state"] == "pending"
+        assert wait_for(lambda: master.service.stats()["pending"] == 0, timeout=5)
+        node = next(n for n in nodes if n.node_id == target.node_id)
+        assert wait_for(lambda: not node.store.contains("orphan"))  # its bytes were removed too
+        end = rpc.call(PutEnd(["orphan"], [plan.put_id], [[placed]])).errors[0]
+        assert end is not None and end.code == "unavailable"  # too late: the writer learns it
+        assert c.get("orphan") is None
+        c.put("orphan", b"fresh")
+        assert c.get("orphan") == b"fresh"
+    rpc.close()
+    node_rpc.close()
+
+
+def test_admin_methods(cluster):
+    master, nodes = cluster
+    svc = master.service
+    with kvpool.connect(master.address) as c:
+        c.put("a", b"1" * 100)
+        assert {n["node_id"] for n in svc.nodes()} == {"n0", "n1", "n2"}
+        assert svc.node("n1")["capacity"]["dram"] == 32 << 20
+        with pytest.raises(KeyNotFound):
+            svc.node("nope")
+        with pytest.raises(KeyNotFound):
+            svc.remove_node("nope")
+        stats = svc.stats()
+        assert stats["objects"] == 1 and stats["tiers"]["dram"]["capacity_bytes"] == (16 + 32 + 48) << 20
+        info = svc.key_info("a")
+        assert info["size"] == 100 and info["state"] == "complete"
+        svc.drain_node("n2")
+        c.put("b", b"2" * 100)
+        assert svc.key_info("b")["replicas"][0]["node_id"] == "n1"
+        assert svc.evict(keys=["a"])["evicted"] == 1
+        assert c.get("a") is None
+        with pytest.raises(InvalidArgument):
+            svc.patch_config({"replicas": 0})
+        with pytest.raises(InvalidArgument):
+            svc.patch_config({"port": 1})
+        assert svc.patch_config({"replicas": 2})["replicas"] == 2
+        c.put("c", b"3" * 100)
+        assert len(svc.key_info("c")["replicas"]) == 2
+        assert "admin_token" not in svc.config()
+        svc.remove_node("n0")
+        assert "n0" not in {n["node_id"] for n in svc.nodes()}
+
+
+def test_eviction_under_the_high_watermark(cluster):
+    master, nodes = cluster
+    svc = master.service
+    svc.patch_config({"high_watermark": 0.5, "low_watermark": 0.25})
+    for n in ("n1", "n2"):
+        svc.drain_node(n)
+    with kvpool.connect(master.address) as c:
+        for i in range(12):  # 12 MiB into the 16 MiB node
+            c.put(f"e{i}", os.urandom(1 << 20))
+        assert wait_for(lambda: svc.node("n0")["used_bytes"] <= 0.5 * (16 << 20), timeout=5)
+        present = c.exists_batch([f"e{i}" for i in range(12)])
+        assert present[-1] and not present[0]  # least recently used went first
+        for i, p in enumerate(present):
+            if p:
+                assert len(c.get(f"e{i}")) == 1 << 20
+
+
+def test_bad_input_over_the_cluster_sdk(cluster):
+    master, nodes = cluster
+    with kvpool.connect(master.address) as c:
+        with pytest.raises(ObjectTooLarge):
+            c.put("big", bytearray((48 << 20) + 1))
+        with pytest.raises(InvalidArgument):
+            c.put("k" * 600, b"v")
+        assert c.get("unknown") is None
+        with pytest.raises(KeyNotFound):
+            c.get_into("unknown", bytearray(8))
+        with pytest.raises(KeyNotFound):
+            c.admin("node", node_id="ghost")
+        with pytest.raises(KeyNotFound):
+            master.service.drain_node("ghost")
+        c.put("ok", b"still serving")
+        assert c.get("ok") == b"still serving"
+
+
+def test_garbage_on_the_wire_gets_an_error_and_the_server_lives(cluster):
+    master, nodes = cluster
+    with socket.create_connection(("127.0.0.1", master.rpc.port)) as s:
+        s.sendall(b"\x07\x00" + b"\xff" * 30)
+        s.settimeout(5)
+        assert s.recv(4096)  # an error frame, then the connection closes
+    with kvpool.connect(master.address) as c:
+        c.put("alive", b"yes")
+        assert c.get("alive") == b"yes"

@@ -1,0 +1,174 @@
+"""The SDK against an embedded pool (master + node in this process), over shm and over TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+from kvpool.api import PoolClient
+from kvpool.client import connect_async
+from kvpool.errors import InvalidArgument, KeyNotFound, ObjectTooLarge, Unavailable
+
+
+def test_client_satisfies_the_protocol(client):
+    assert isinstance(client, PoolClient)
+
+
+def test_put_get_roundtrip_exact_bytes(client):
+    values = {f"k{i}": os.urandom(n) for i, n in enumerate([1, 7, 4096, 65536, 1 << 20, 3 * 1024 * 1024 + 5])}
+    for key, value in values.items():
+        client.put(key, value)
+    for key, value in values.items():
+        assert client.get(key) == value
+        assert client.exists(key)
+
+
+def test_missing_key_is_a_typed_miss(client):
+    assert client.get("nope") is None
+    with pytest.raises(KeyNotFound):
+        client.get_into("nope", bytearray(16))
+    assert client.exists("nope") is False
+    assert client.remove("nope") is False
+
+
+def test_first_writer_wins(client):
+    client.put("same", b"first")
+    client.put("same", b"second-and-longer")
+    assert client.get("same") == b"first"
+
+
+def test_get_into_and_put_from_buffers_and_tensors(client):
+    t = torch.arange(1000, dtype=torch.float32)
+    client.put_from("tensor", t)
+    out = torch.empty(1000, dtype=torch.float32)
+    assert client.get_into("tensor", out) == 4000
+    assert torch.equal(out, t)
+    arr = np.arange(256, dtype=np.uint16)
+    client.put("array", arr)
+    back = np.zeros(256, dtype=np.uint16)
+    assert client.get_into("array", back) == 512
+    assert np.array_equal(arr, back)
+    with pytest.raises(InvalidArgument):
+        client.get_into("array", bytearray(10))  # too small: typed error, nothing written past it
+    with pytest.raises(InvalidArgument):
+        client.get_into("array", b"read-only-buffer-that-is-big-enough-" * 100)
+
+
+def test_remove_then_miss_then_put_again(client):
+    client.put("r", b"one")
+    assert client.remove("r") is True
+    assert client.get("r") is None
+    client.put("r", b"two")
+    assert client.get("r") == b"two"
+
+
+def test_batch_forms_keep_order_and_isolate_bad_items(client):
+    items = [("b0", b"zero"), ("", b"bad key"), ("b2", b"two"), ("b3", "not bytes"), ("b4", b"")]
+    errors = client.put_batch(items)
+    assert errors[0] is None and errors[2] is None
+    assert isinstance(errors[1], InvalidArgument)
+    assert isinstance(errors[3], InvalidArgument)
+    assert isinstance(errors[4], InvalidArgument)
+    assert client.get_batch(["b2", "missing", "", "b0"]) == [b"two", None, None, b"zero"]
+    assert client.exists_batch(["b0", "b1", "b2"]) == [True, False, True]
+    assert client.remove_batch(["b0", "missing"]) == [True, False]
+    assert client.get("b0") is None
+
+
+def test_match_prefix_is_the_longest_present_run(client):
+    keys = [f"{i:032x}" for i in range(10)]
+    for k in keys[:6]:
+        client.put(k, b"x" * 100)
+    client.put(keys[7], b"y")  # after a hole: not part of the prefix
+    assert client.match_prefix(keys) == 6
+    assert client.match_prefix(keys[:3]) == 3
+    assert client.match_prefix([]) == 0
+
+
+def test_bad_input_gets_typed_errors_and_server_keeps_serving(client, pool):
+    with pytest.raises(ObjectTooLarge):
+        client.put("huge", bytearray(pool.settings.dram_capacity + 1))
+    for bad in ["", "x" * 513, "nul\x00key", 42, b"bytes-key"]:
+        with pytest.raises(InvalidArgument):
+            client.put(bad, b"v")
+        with pytest.raises(InvalidArgument):
+            client.get(bad)
+    with pytest.raises(InvalidArgument):
+        client.put("str-value", "text")
+    with pytest.raises(KeyNotFound):
+        client.admin("node", node_id="no-such-node")
+    with pytest.raises(KeyNotFound):
+        pool.master.drain_node("no-such-node")
+    with pytest.raises(InvalidArgument):
+        client.admin("remove_node", node_id="x")  # mutations are not on the RPC port
+    # Still serving, and nothing was half-stored.
+    client.put("after", b"fine")
+    assert client.get("after") == b"fine"
+    assert client.get("huge") is None
+
+
+def test_utf8_keys_up_to_512_bytes(client):
+    key = "é" * 256  # 512 UTF-8 bytes
+    client.put(key, b"accented")
+    assert client.get(key) == b"accented"
+    client.put("tail/req-42", b"tail")
+    assert client.get("tail/req-42") == b"tail"
+
+
+def test_two_clients_share_the_pool(pool):
+    a = kvpool.connect(pool.address)
+    b = kvpool.connect(pool.address, use_shm=False)
+    try:
+        a.put("shared", b"from a")
+        assert b.get("shared") == b"from a"
+        b.remove("shared")
+        assert a.get("shared") is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_unreachable_pool_is_unavailable():
+    with pytest.raises(Unavailable):
+        kvpool.connect("127.0.0.1:1", timeout=0.5)
+
+
+def test_asyncio_client(pool):
+    async def main():
+        c = await connect_async(pool.address, concurrency=3)
+        try:
+            await asyncio.gather(*(c.put(f"a{i}", bytes([i]) * 1000) for i in range(20)))
+            got = await asyncio.gather(*(c.get(f"a{i}") for i in range(20)))
+            assert got == [bytes([i]) * 1000 for i in range(20)]
+            assert await c.get("missing") is None
+            assert await c.match_prefix([f"a{i}" for i in range(3)] + ["zz"]) == 3
+            assert await c.exists_batch(["a1", "zz"]) == [True, False]
+            with pytest.raises(InvalidArgument):
+                await c.put("", b"x")
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_leased_object_is_removed_only_after_release(pool):
+    pool.master.put_start  # the lease is the master's; take one as a cluster reader would
+    c = kvpool.connect(pool.address)
+    try:
+        c.put("leased", b"v" * 10)
+        lease_id, entries = pool.master.lookup(["leased"])
+        assert entries[0] is not None and lease_id
+        assert c.remove("leased") is True
+        assert c.get("leased") is None  # hidden at once
+        assert pool.master.key_info("leased")["state"] == "removing"
+        assert pool.master.evict(keys=["leased"])["evicted"] == 0
+        pool.master.release([lease_id])
+        with pytest.raises(KeyNotFound):
+            pool.master.key_info("leased")
+    finally:
+        c.close()
