@@ -244,6 +244,17 @@ class ChunkStore:
         if removed and not key.startswith("tail/"):
             self.emit("removed", [key])
 
+    def _get_many(self, keys: list[str]) -> list[bytes | None]:
+        """get_batch, then a single get for each miss: a pool may refuse a batch larger than it can pin
+        at once (e.g. SSD objects promoted through a small DRAM tier) yet serve its objects one by one."""
+        out = self.pool.get_batch(keys) if keys else []
+        for j, data in enumerate(out):
+            if data is None:
+                out[j] = self.pool.get(keys[j])
+                if out[j] is None and j < len(out) - 1 and not keys[j].startswith("tail/"):
+                    log.debug("fetch: %s missing after a retry", keys[j])
+        return out
+
     def fetch_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[ChunkView]:
         """Verified views of the longest cached prefix's chunks, in order (maybe empty)."""
         keys = self._capped_keys(token_ids, max_tokens)
@@ -253,7 +264,7 @@ class ChunkStore:
         if n == 0:
             return []
         views: list[ChunkView] = []
-        for key, data in zip(keys[:n], self.pool.get_batch(keys[:n])):
+        for key, data in zip(keys[:n], self._get_many(keys[:n])):
             if data is None:  # evicted since match_prefix: the prefix ends here
                 break
             try:
@@ -282,7 +293,7 @@ class ChunkStore:
         self.check_handle(handle)
         keys = list(handle.chunk_keys) + ([handle.tail_key] if handle.tail_key else [])
         views: list[ChunkView] = []
-        for i, (key, data) in enumerate(zip(keys, self.pool.get_batch(keys) if keys else [])):
+        for i, (key, data) in enumerate(zip(keys, self._get_many(keys))):
             if data is None:
                 raise KeyNotFound(f"KV handle object {key} is not in the pool")
             expected = self.chunk_tokens if i < len(handle.chunk_keys) else handle.tail_tokens

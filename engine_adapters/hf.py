@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from engine_adapters.base import ChunkStore, KVEvent, LoadResult, PlannedObject, SaveResult
 from engine_adapters.handle import KVHandle
@@ -99,6 +100,25 @@ class HFLayerwiseSave:
             payload[i, 1].copy_(v[:, obj.start:obj.start + obj.tokens, :])
         self._done[i] = True
 
+    def attach(self, cache: DynamicCache) -> DynamicCache:
+        """Save each layer of `cache` the moment the forward pass appends it, so the copy of layer i
+        overlaps the compute of layer i+1; `finish()` after the pass. The cache's layers must exist
+        (a cache built with the model config, a loaded one, or a `HFLayerwiseLoad.cache()`)."""
+        if len(cache.layers) != self._adapter.layout.num_layers:
+            raise InvalidArgument(f"cache has {len(cache.layers)} layers, the layout {self._adapter.layout.num_layers}")
+        for i, layer in enumerate(cache.layers):
+            layer.update = self._saving_update(i, layer.update)
+        return cache
+
+    def _saving_update(self, i: int, update):
+        def saving_update(key_states, value_states, *args, **kwargs):
+            keys, values = update(key_states, value_states, *args, **kwargs)
+            if not self._done[i] and keys.shape[-2] >= self.num_tokens:
+                self.save_layer(i, keys, values)
+            return keys, values
+
+        return saving_update
+
     def finish(self) -> SaveResult:
         if self._finished:
             raise InvalidArgument("this save has already finished")
@@ -107,6 +127,31 @@ class HFLayerwiseSave:
             raise InvalidArgument(f"layers {missing[:5]}... were never saved")
         self._finished = True
         return self._store.store(self.keys, self.planned, self.tail, self.num_tokens)
+
+
+class _PendingLayer(DynamicLayer):
+    """A cache layer whose KV is still arriving: it reports the loaded length at once, and the first
+    `update` (the model reaching this layer) waits for the layer's KV before appending to it."""
+
+    def __init__(self, load: "HFLayerwiseLoad", index: int, num_tokens: int):
+        super().__init__()
+        self._load: HFLayerwiseLoad | None = load
+        self._index = index
+        self._pending_tokens = num_tokens
+
+    def _resolve(self) -> None:
+        if self._load is not None:
+            k, v = self._load.wait_layer(self._index)
+            self.lazy_initialization(k, v)
+            self.keys, self.values = k, v
+            self._load = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self._resolve()
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return self._pending_tokens if self._load is not None else super().get_seq_length()
 
 
 class HFLayerwiseLoad:
@@ -163,6 +208,16 @@ class HFLayerwiseLoad:
         if self._kv is None:
             raise InvalidArgument("nothing was loaded (num_tokens() == 0): there is no layer KV to wait for")
         return self._kv[i, 0].unsqueeze(0), self._kv[i, 1].unsqueeze(0)
+
+    def cache(self) -> DynamicCache:
+        """A DynamicCache of the loaded prefix to run the model on right away: the model's first use
+        of layer i (its `update`) waits for that layer only, so the scatter of later layers overlaps
+        the compute of earlier ones. Blocks until the chunks are fetched and verified."""
+        n = self.num_tokens()
+        cache = DynamicCache(config=self._adapter.model.config)
+        if n:
+            cache.layers = [_PendingLayer(self, i, n) for i in range(len(self._layer_ready))]
+        return cache
 
     def wait(self) -> LoadResult:
         self._thread.join()

@@ -26,6 +26,7 @@ Invariants:
 - A chunk that is missing, fails its checksum or has another layout is a miss: nothing of it or
   of later chunks is written to the paged cache, and every block of the request's load range
   from that chunk on is reported by `get_block_ids_with_load_errors` (vLLM then recomputes).
+  A damaged chunk is also removed from the pool (a "removed" event) so a later save replaces it.
 - Saves copy the KV out of the paged buffer before `wait_for_save` returns, so vLLM may reuse the
   blocks afterwards. With `async_save`, the pool writes finish in the background;
   `request_finished` then returns True for requests that had saves, and `get_finished` reports
@@ -163,6 +164,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._saving_reqs: set[str] = set()  # req ids that had saves (async mode) not yet reported
         self._finished_reqs: set[str] = set()
         self.stats = {"lookups": 0, "hit_chunks": 0, "loaded_chunks": 0, "load_errors": 0, "saved_chunks": 0, "save_errors": 0}
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: loads and saves run in the per-layer hooks, which full CUDA graphs would skip."""
+        return True
 
     @property
     def client(self) -> PoolClient:
@@ -398,7 +404,18 @@ class KVPoolConnector(KVConnectorBase_V1):
                     payload[index, kv_index].copy_(gathered.permute(1, 0, 2))
 
     def wait_for_save(self) -> None:
-        """Seal and write the chunks (inline, or in the background with async_save)."""
+        """Seal and write the chunks (inline, or in the background with async_save).
+
+        Called as the forward pass ends: a loaded request whose layers were not all scattered
+        before their attention ran (hooks skipped) computed on missing KV, so its loaded blocks
+        are reported as load errors and vLLM recomputes them.
+        """
+        if self._active_loads and len(self._loaded_layers) < len(self._layers):
+            logger.error("wait_for_layer_load ran for %d of %d layers: reporting the loaded blocks as failed",
+                         len(self._loaded_layers), len(self._layers))
+            for load in self._active_loads:
+                self._load_errors |= set(load.spec.block_ids[load.spec.start // self.settings.block_size:])
+            self._active_loads = []
         if self._step_meta is None or not self._active_saves:
             return
         saves, self._active_saves = self._active_saves, []

@@ -7,8 +7,9 @@ comma-separated or JSON).
 
 Invariants: `load_settings` either returns fully validated `Settings` or raises
 `InvalidArgument` naming the bad field and where it came from (file, environment, flag); an
-unknown key in a config file is an error, not silently ignored (a typo must not quietly run a
-pool with default capacities).
+unknown top-level key in a config file is an error, not silently ignored (a typo must not
+quietly run a pool with default capacities); tables (`[pool]`, `[[workers]]`) belong to other
+tools reading the same file and are skipped.
 """
 
 from __future__ import annotations
@@ -130,10 +131,16 @@ def _read_file(path: str | os.PathLike) -> dict[str, Any]:
         raise InvalidArgument(f"config file {p} is not valid {p.suffix[1:].upper()}: {exc}") from None
     if not isinstance(values, dict):
         raise InvalidArgument(f"config file {p} must hold one object of settings, got {type(values).__name__}")
-    unknown = sorted(set(values) - set(Settings.model_fields))
+    unknown = sorted(k for k, v in values.items() if k not in Settings.model_fields and not _is_section(v))
     if unknown:
         raise InvalidArgument(f"config file {p}: unknown setting(s) {unknown}; known: {sorted(Settings.model_fields)}")
-    return values
+    return {k: v for k, v in values.items() if k in Settings.model_fields}
+
+
+def _is_section(value: Any) -> bool:
+    """A TOML table (`[pool]`) or array of tables (`[[workers]]`): another tool's part of a shared
+    file (`kvpool up` reads deploy/local.toml), not a misspelt setting."""
+    return isinstance(value, dict) or (isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value))
 
 
 def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any) -> Settings:

@@ -2,7 +2,8 @@
 
 A descriptor is data (msgspec Struct, msgpack on the wire) so the pool can ship it through its
 master. Invariants:
-- `(engine, name)` names one segment for the life of the engine; `size` never changes.
+- `(engine, name)` names one segment while it is registered; `seg_id` names that one
+  registration (never reused by the engine), and `size` never changes.
 - `transports` lists what the owner offers for this segment; "shm" is offered only when the
   buffer IS a mapping of `shm_path`, and is usable only by a process with the same `host_id`.
 - `rdma` is set only when the owner registered the buffer with an RDMA device.
@@ -37,6 +38,7 @@ class SegmentDescriptor(msgspec.Struct, frozen=True):
     pid: int = 0
     shm_path: str | None = None
     rdma: RdmaEndpoint | None = None
+    seg_id: int = 0  # the owner's number for this registration (the TCP frames carry it)
     version: int = DESCRIPTOR_VERSION
 
     def to_bytes(self) -> bytes:

@@ -50,7 +50,7 @@ class TransferEngine:
         self.host = host
         self.timeout = timeout
         self.requested = tuple(transports)
-        self._segments: dict[bytes, memoryview] = {}
+        self._segments: dict[int, tuple[str, memoryview]] = {}  # seg_id -> (name, view), read by the server
         self._descriptors: dict[str, SegmentDescriptor] = {}
         self._owners: dict[str, Any] = {}  # keeps registered buffers alive
         self._lock = threading.Lock()
@@ -120,31 +120,29 @@ class TransferEngine:
             if file_size < len(view):
                 raise InvalidOp(f"shm_path {shm_path!r} has {file_size} bytes, buffer has {len(view)}")
         with self._lock:
-            if name is None:
-                self._counter += 1
-                name = f"seg{self._counter}"
+            seg_id = self._counter + 1  # ids are never reused: a stale descriptor misses, never aliases
+            name = name if name is not None else f"seg{seg_id}"
             if name in self._descriptors:
                 raise InvalidOp(f"segment {name!r} is already registered on {self.name}")
-            if len(name.encode()) > 1024:
-                raise InvalidOp("segment name longer than 1024 bytes")
+            self._counter = seg_id
             offered = [t for t in self.transports if t != "shm" or shm_path is not None]
             rdma_ep = None
             if "rdma" in self._transports:
                 rdma_ep = self._transports["rdma"].register(name, view)
             desc = SegmentDescriptor(name=name, engine=self.name, host=self.host, port=self.port, size=len(view),
                                      transports=tuple(offered), host_id=local_host_id(), pid=os.getpid(),
-                                     shm_path=shm_path, rdma=rdma_ep, version=DESCRIPTOR_VERSION)
+                                     shm_path=shm_path, rdma=rdma_ep, seg_id=seg_id, version=DESCRIPTOR_VERSION)
             self._descriptors[name] = desc
             self._owners[name] = buffer
-            self._segments[name.encode()] = view
+            self._segments[seg_id] = (name, view)
         return desc
 
     def unregister(self, seg_name: str) -> None:
         with self._lock:
             if seg_name not in self._descriptors:
                 raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}")
-            del self._descriptors[seg_name]
-            self._segments.pop(seg_name.encode(), None)
+            desc = self._descriptors.pop(seg_name)
+            self._segments.pop(desc.seg_id, None)
             self._owners.pop(seg_name, None)
             if "rdma" in self._transports:
                 self._transports["rdma"].unregister(seg_name)

@@ -4,8 +4,9 @@ Invariants:
 - a segment is used through shm only when its descriptor offers "shm", names a `shm_path`,
   and comes from this kernel (`host_id`); the mapping is cached per (engine, path), so a
   restarted owner (new engine name) never reuses a stale mapping;
-- the owner's liveness is checked (pid) once per segment per submit: a dead owner's ops fail
-  with `PeerUnavailable` rather than reading memory nobody maintains;
+- the owner's liveness (pid) is checked at most every `LIVENESS_S` seconds per owner (the
+  check reads /proc, which would cost more than a 64 KiB copy): ops to an owner known dead
+  fail with `PeerUnavailable` rather than read memory nobody maintains;
 - shm ops complete during `submit` (a memcpy cannot wait on a peer), so they never time out.
 """
 
@@ -15,6 +16,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 
 from transfer.batch import READ, Batch, Op
 from transfer.descriptor import SegmentDescriptor, pid_alive, same_host
@@ -23,6 +25,7 @@ from transfer.errors import InvalidOp, PeerUnavailable, TransferError
 log = logging.getLogger("transfer.shm")
 
 SHM_DIR = "/dev/shm"
+LIVENESS_S = 0.05
 
 
 def create_shm_buffer(size: int, name: str | None = None, directory: str = SHM_DIR) -> tuple[mmap.mmap, str]:
@@ -53,6 +56,16 @@ class ShmTransport:
     def __init__(self) -> None:
         self._maps: dict[tuple[str, str], tuple[mmap.mmap, memoryview]] = {}
         self._lock = threading.Lock()
+        self._alive: dict[int, tuple[float, bool]] = {}  # pid -> (checked at, alive)
+
+    def _owner_alive(self, pid: int) -> bool:
+        now = time.monotonic()
+        seen = self._alive.get(pid)
+        if seen is not None and (not seen[1] or now - seen[0] < LIVENESS_S):
+            return seen[1]
+        alive = pid_alive(pid)
+        self._alive[pid] = (now, alive)
+        return alive
 
     def usable(self, desc: SegmentDescriptor) -> bool:
         return "shm" in desc.transports and bool(desc.shm_path) and same_host(desc)
@@ -86,18 +99,18 @@ class ShmTransport:
 
     def submit(self, batch: Batch, work: list[tuple[int, Op, memoryview]]) -> None:
         batch._expect(len(work))
-        alive: dict[int, bool] = {}
         ok = 0  # successes are reported in one call: no per-op lock round trip
+        segments: dict[int, memoryview] = {}  # id(descriptor) -> mapping, checked once per submit
         for index, op, local in work:
             error = None
             try:
                 desc = op.remote
-                live = alive.get(desc.pid)
-                if live is None:
-                    live = alive[desc.pid] = pid_alive(desc.pid)
-                if not live:
-                    raise PeerUnavailable(f"owner of segment {desc.name!r} (pid {desc.pid}) is gone")
-                remote = self.view(desc)[op.remote_offset:op.remote_offset + op.length]
+                seg = segments.get(id(desc))
+                if seg is None:
+                    if not self._owner_alive(desc.pid):
+                        raise PeerUnavailable(f"owner of segment {desc.name!r} (pid {desc.pid}) is gone")
+                    seg = segments[id(desc)] = self.view(desc)
+                remote = seg[op.remote_offset:op.remote_offset + op.length]
                 if op.opcode == READ:
                     local[:] = remote
                 else:

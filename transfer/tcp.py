@@ -33,7 +33,7 @@ log = logging.getLogger("transfer.tcp")
 _STOP = None
 PIPELINE_DEPTH = 2
 
-# A slice: (batch, op index, opcode, local byte view, segment name bytes, remote offset)
+# A slice: (batch, op index, opcode, local byte view, remote seg_id, remote offset)
 Slice = tuple
 
 
@@ -55,14 +55,14 @@ class TcpTransport:
         step = self.slice_bytes
         per_peer: dict[tuple[str, int], list[Slice]] = {}
         for index, op, view in work:
-            name = op.remote.name.encode()
+            seg_id = op.remote.seg_id
             slices = per_peer.setdefault((op.remote.host, op.remote.port), [])
             length = op.length
             if length == 0:
                 continue
             for start in range(0, length, step):
                 stop = min(start + step, length)
-                slices.append((batch, index, op.opcode, view[start:stop], name, op.remote_offset + start))
+                slices.append((batch, index, op.opcode, view[start:stop], seg_id, op.remote_offset + start))
         total = sum(len(s) for s in per_peer.values())
         batch._expect(total)
         for addr, slices in per_peer.items():
@@ -129,13 +129,13 @@ class _Peer:
         if conn is None:
             conn = _Conn(self, -1, threaded=False)
         step = self.transport.slice_bytes
-        name = op.remote.name.encode()
+        seg_id = op.remote.seg_id
         start = 0
         try:
             while start < op.length:
                 stop = min(start + step, op.length)
                 try:
-                    conn.roundtrip(op.opcode, view[start:stop], name, op.remote_offset + start)
+                    conn.roundtrip(op.opcode, view[start:stop], seg_id, op.remote_offset + start)
                 except PeerUnavailable:
                     # An idle pooled connection may have been closed by a restarted peer: retry
                     # once on a fresh one (READ and WRITE of the same range are idempotent).
@@ -164,6 +164,8 @@ class _Peer:
         for _ in conns:
             self.queue.put(_STOP)
         for conn in conns:
+            conn.interrupt()  # a thread blocked on a silent peer must not hold up close()
+        for conn in conns:
             conn.join()
         for conn in inline:
             conn.close()
@@ -180,6 +182,8 @@ class _Conn:
         self.resp = bytearray(wire.RESP.size)
         self.resp_view = memoryview(self.resp)
         self.ids = itertools.count(1)
+        self._sock_lock = threading.Lock()
+        self._interrupted = False
         self.thread = None
         if threaded:
             self.thread = threading.Thread(target=self._loop, daemon=True,
@@ -196,7 +200,11 @@ class _Conn:
                 raise wire.map_os_error(exc, f"connect to {self.peer.addr[0]}:{self.peer.addr[1]}") from exc
             sock.settimeout(None)
             wire.tune(sock, timeout)
-            self.sock = sock
+            with self._sock_lock:
+                if self._interrupted:
+                    sock.close()
+                    raise PeerUnavailable("transfer engine closed")
+                self.sock = sock
         return self.sock
 
     def close(self) -> None:
@@ -206,19 +214,30 @@ class _Conn:
             finally:
                 self.sock = None
 
+    def interrupt(self) -> None:
+        """Unblock the thread (and keep it from connecting again): the engine is closing."""
+        with self._sock_lock:
+            self._interrupted = True
+            sock = self.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
     def join(self) -> None:
         if self.thread is not None:
             self.thread.join(timeout=self.peer.transport.timeout + 1)
         self.close()
 
     # -- one request / response ------------------------------------------------------------
-    def send(self, opcode: int, view: memoryview, name: bytes, offset: int) -> int:
+    def send(self, opcode: int, view: memoryview, seg_id: int, offset: int) -> int:
         req_id = next(self.ids)
-        wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, len(name), req_id, offset, len(view))
+        wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, 0, seg_id, req_id, offset, len(view))
         if opcode == wire.OP_WRITE:
-            wire.send_views(self.sock, [self.hdr, name, view])
+            wire.send_views(self.sock, [self.hdr, view])
         else:
-            wire.send_views(self.sock, [self.hdr, name])
+            self.sock.sendall(self.hdr)
         return req_id
 
     def recv(self, opcode: int, view: memoryview, req_id: int) -> BaseException | None:
@@ -246,10 +265,10 @@ class _Conn:
             wire.recv_exact(sock, view)
         return None
 
-    def roundtrip(self, opcode: int, view: memoryview, name: bytes, offset: int) -> None:
+    def roundtrip(self, opcode: int, view: memoryview, seg_id: int, offset: int) -> None:
         try:
             self.connect()
-            err = self.recv(opcode, view, self.send(opcode, view, name, offset))
+            err = self.recv(opcode, view, self.send(opcode, view, seg_id, offset))
         except OSError as exc:
             raise wire.map_os_error(exc, f"{self.peer.addr[0]}:{self.peer.addr[1]}") from exc
         if err is not None:
@@ -312,7 +331,7 @@ def control_call(addr: tuple[str, int], msg: object, timeout: float) -> object:
     """One control request on a fresh connection (connection set-up, not the data path)."""
     body = wire.CONTROL_ENCODER.encode(msg)
     hdr = bytearray(wire.REQ.size)
-    wire.REQ.pack_into(hdr, 0, wire.MAGIC, wire.VERSION, wire.OP_CONTROL, 0, 1, 0, len(body))
+    wire.REQ.pack_into(hdr, 0, wire.MAGIC, wire.VERSION, wire.OP_CONTROL, 0, 0, 1, 0, len(body))
     try:
         with socket.create_connection(addr, timeout=timeout) as sock:
             sock.settimeout(None)

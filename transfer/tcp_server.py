@@ -29,13 +29,13 @@ _DRAIN_CHUNK = 1 << 20
 
 
 class DataServer:
-    """Accepts connections on `host:port` and serves `segments` (name bytes -> byte view).
+    """Accepts connections on `host:port` and serves `segments` (seg_id -> (name, byte view)).
 
     `segments` is owned by the engine; the server only reads it (dict reads are atomic).
     `control` handles OP_CONTROL payloads (decoded msgspec message -> reply message).
     """
 
-    def __init__(self, segments: dict[bytes, memoryview], host: str, port: int,
+    def __init__(self, segments: dict[int, tuple[str, memoryview]], host: str, port: int,
                  control: Callable[[object], object] | None = None, name: str = ""):
         self.segments = segments
         self.control = control
@@ -101,8 +101,6 @@ class DataServer:
         hdr = bytearray(wire.REQ.size)
         hview = memoryview(hdr)
         resp = bytearray(wire.RESP.size)
-        name_buf = bytearray(wire.MAX_NAME)
-        name_view = memoryview(name_buf)
         segments = self.segments
         while True:
             first = conn.recv_into(hview, len(hview), socket.MSG_WAITALL)
@@ -110,7 +108,7 @@ class DataServer:
                 return  # clean close between frames
             if first < len(hview):
                 wire.recv_exact(conn, hview[first:])
-            magic, version, opcode, name_len, req_id, offset, length = wire.REQ.unpack_from(hdr)
+            magic, version, opcode, _, seg_id, req_id, offset, length = wire.REQ.unpack_from(hdr)
             if magic != wire.MAGIC:
                 log.warning("%s: garbage from %s (bad magic %#x); closing that connection", self.name, addr, magic)
                 return
@@ -119,23 +117,22 @@ class DataServer:
                 self._reply_error(conn, resp, req_id, wire.E_VERSION,
                                   f"protocol version {version} not supported (server speaks {wire.VERSION})")
                 return
-            if name_len > wire.MAX_NAME or length > wire.MAX_FRAME:
-                log.warning("%s: oversized frame from %s (name %d, length %d); closing", self.name, addr,
-                            name_len, length)
+            if length > wire.MAX_FRAME:
+                log.warning("%s: oversized frame from %s (length %d); closing", self.name, addr, length)
                 self._reply_error(conn, resp, req_id, wire.E_BAD_REQUEST, "frame too large")
                 return
-            if name_len:
-                wire.recv_exact(conn, name_view[:name_len])
-            name = bytes(name_view[:name_len])
 
             if opcode == wire.OP_READ or opcode == wire.OP_WRITE:
-                seg = segments.get(name)
-                err = None
-                if seg is None:
-                    err = (wire.E_NO_SEGMENT, f"no segment {name.decode(errors='replace')!r} on {self.name}")
-                elif offset + length > len(seg):
-                    err = (wire.E_RANGE, f"[{offset}, {offset + length}) outside segment "
-                                         f"{name.decode(errors='replace')!r} of {len(seg)} bytes")
+                entry = segments.get(seg_id)
+                err = seg = None
+                if entry is None:
+                    err = (wire.E_NO_SEGMENT, f"no segment #{seg_id} on {self.name} (never registered or "
+                                              "unregistered since)")
+                else:
+                    seg = entry[1]
+                    if offset + length > len(seg):
+                        err = (wire.E_RANGE, f"[{offset}, {offset + length}) outside segment "
+                                             f"{entry[0]!r} of {len(seg)} bytes")
                 if opcode == wire.OP_WRITE:
                     if err is None:
                         wire.recv_exact(conn, seg[offset:offset + length])

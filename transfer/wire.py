@@ -1,7 +1,10 @@
 """The TCP data protocol: fixed-size little-endian frame headers, then raw bytes.
 
-Request  (32 bytes): magic u32 | version u8 | opcode u8 | name_len u16 | req_id u64 | offset u64 | length u64
-         then `name_len` bytes of segment name (UTF-8), then `length` payload bytes for WRITE.
+Request  (36 bytes): magic u32 | version u8 | opcode u8 | 0 u16 | seg_id u32 | req_id u64 | offset u64 | length u64
+         then `length` payload bytes for WRITE (or a msgpack control message for CONTROL).
+         `seg_id` is the number the owner gave the segment at registration (in its descriptor);
+         ids are never reused within an engine's life, so a stale descriptor cannot reach a
+         different buffer that was later registered under the same name.
 Response (24 bytes): magic u32 | version u8 | status u8 | 0 u16 | req_id u64 | length u64
          then `length` bytes: the payload of an OK READ, a UTF-8 message for an error, or a
          msgpack control reply.
@@ -24,9 +27,8 @@ from transfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 
 MAGIC = 0x4B565450  # "KVTP"
 VERSION = 1
-REQ = struct.Struct("<IBBHQQQ")
+REQ = struct.Struct("<IBBHIQQQ")
 RESP = struct.Struct("<IBBHQQ")
-MAX_NAME = 1024
 MAX_CONTROL = 1 << 20
 # Longest payload one frame may announce: a garbage header must not make the server drain forever.
 MAX_FRAME = 1 << 31

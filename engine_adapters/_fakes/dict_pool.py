@@ -16,8 +16,10 @@ from kvpool.errors import InvalidArgument, KeyNotFound
 
 
 def _to_bytes(value: Any) -> bytes:
-    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a CPU torch tensor
-        value = value.detach().contiguous().view(-1).numpy().view("u1")
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor (bfloat16 included)
+        import torch
+
+        value = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
     try:
         return memoryview(value).cast("B").tobytes()
     except TypeError:

@@ -13,7 +13,7 @@ the calls a real engine step makes, in the same order and with the same kinds of
                finished requests -> request_finished; blocks of delayed requests are freed only
                when the worker's get_finished reports them.
 
-The paged KV cache is a real CPU torch tensor per layer in one of vLLM's layouts, with blocks
+The paged KV cache is a real torch tensor per layer (CPU, or CUDA with `device="cuda"`) in one of vLLM's layouts, with blocks
 handed out in random order. The "model" is FAKE: the KV of token p in each layer is a
 pseudo-random function of tokens[0..p] (as in a causal model), so equal prefixes have equal KV.
 The engine indexes its paged tensors itself (not through the connector's views), so a layout
@@ -53,6 +53,9 @@ class FakeRequest:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None
+    local_prefix_tokens: int = 0  # FAKE local prefix-cache hit (block-aligned) on admission
+    local_fill: float | None = None  # fill the local prefix with this constant (a probe) instead of its KV
+    was_scheduled: bool = False  # scheduled before: a re-admission is a resume from preemption
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -124,10 +127,11 @@ class FakeStepResult:
     load_errors: set[int]
 
 
-def alloc_paged(paged_layout: str, num_blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+def alloc_paged(paged_layout: str, num_blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype,
+                device: str = "cpu") -> torch.Tensor:
     shape = {"nhd": (2, num_blocks, block_size, heads, dim), "flashinfer": (num_blocks, 2, block_size, heads, dim),
              "hnd": (2, num_blocks, heads, block_size, dim)}[paged_layout]
-    return torch.zeros(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def write_slots(t: torch.Tensor, paged_layout: str, kv: int, blocks: torch.Tensor, offs: torch.Tensor, vals: torch.Tensor) -> None:
@@ -152,7 +156,7 @@ class FakeVllmEngine:
     """FAKE vLLM v1 engine (scheduler + one worker + CPU paged KV cache) driving a KV connector."""
 
     def __init__(self, vllm_config: Any, connector_cls: type, *, client: Any, num_blocks: int = 64,
-                 paged_layout: str = "nhd", token_budget: int | None = None, seed: int = 0):
+                 paged_layout: str = "nhd", token_budget: int | None = None, seed: int = 0, device: str = "cpu"):
         self.config = vllm_config
         model = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
@@ -161,12 +165,13 @@ class FakeVllmEngine:
         self.head_dim = model.get_head_size()
         self.dtype = getattr(torch, str(model.dtype).removeprefix("torch."))
         self.paged_layout = paged_layout
+        self.device = device
         self.token_budget = token_budget
         self.scheduler = connector_cls(vllm_config, FakeKVConnectorRole.SCHEDULER, None, client=client)
         self.worker = connector_cls(vllm_config, FakeKVConnectorRole.WORKER, None, client=client)
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.num_layers)]
-        self.kv_caches = {name: alloc_paged(paged_layout, num_blocks, self.block_size, self.kv_heads, self.head_dim, self.dtype)
-                          for name in self.layer_names}
+        self.kv_caches = {name: alloc_paged(paged_layout, num_blocks, self.block_size, self.kv_heads, self.head_dim,
+                                            self.dtype, device) for name in self.layer_names}
         self.worker.register_kv_caches(self.kv_caches)
         self.rng = random.Random(seed)
         self.free_blocks = list(range(num_blocks))
@@ -179,8 +184,12 @@ class FakeVllmEngine:
         self._model_kv: dict[str, torch.Tensor] = {}
         self.layer_hook = None  # optional callable(layer_name, phase) for tests
 
-    def add_request(self, req_id: str, prompt: list[int]) -> FakeRequest:
-        req = FakeRequest(req_id, list(prompt))
+    def add_request(self, req_id: str, prompt: list[int], *, local_prefix_tokens: int = 0,
+                    local_fill: float | None = None) -> FakeRequest:
+        """Queue a request; `local_prefix_tokens` plays a hit in vLLM's own (GPU) prefix cache."""
+        if local_prefix_tokens % self.block_size:
+            raise ValueError("vLLM's local prefix-cache hits are whole blocks")
+        req = FakeRequest(req_id, list(prompt), local_prefix_tokens=local_prefix_tokens, local_fill=local_fill)
         self.waiting.append(req)
         self.requests[req_id] = req
         self._model_kv[req_id] = fake_model_kv(req.prompt_token_ids, self.num_layers, self.kv_heads, self.head_dim, self.dtype)
@@ -192,13 +201,13 @@ class FakeVllmEngine:
     def read_kv(self, req_id: str, start: int, end: int) -> torch.Tensor:
         """What the paged cache holds for tokens [start, end) of a request: [T, layers, 2, heads, dim]."""
         req = self.requests[req_id]
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(req.block_ids, dtype=torch.long)[pos // self.block_size]
+        pos = torch.arange(start, end, device=self.device)
+        blocks = torch.tensor(req.block_ids, dtype=torch.long, device=self.device)[pos // self.block_size]
         offs = pos % self.block_size
         out = torch.empty((end - start, self.num_layers, 2, self.kv_heads, self.head_dim), dtype=self.dtype)
         for li, name in enumerate(self.layer_names):
             for kv in (0, 1):
-                out[:, li, kv] = read_slots(self.kv_caches[name], self.paged_layout, kv, blocks, offs)
+                out[:, li, kv] = read_slots(self.kv_caches[name], self.paged_layout, kv, blocks, offs).cpu()
         return out
 
     def _schedule(self) -> tuple[FakeSchedulerOutput, dict[str, int]]:
@@ -216,17 +225,28 @@ class FakeVllmEngine:
             budget -= n
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            hit, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
+            local = 0 if req.was_scheduled else req.local_prefix_tokens
+            hit, is_async = self.scheduler.get_num_new_matched_tokens(req, local)
             assert not is_async, "this fake engine drives synchronous loads only"
             need = -(-req.num_tokens // self.block_size)
             if len(self.free_blocks) < need:
                 break
             self.waiting.pop(0)
             req.block_ids = [self.free_blocks.pop(0) for _ in range(need)]  # shuffled at start: random tables
+            self._fill_local_prefix(req, local)
             self.scheduler.update_state_after_alloc(req, FakeKVCacheBlocks(req.block_ids), hit or 0)
-            req.num_computed_tokens = hit or 0
+            req.num_computed_tokens = local + (hit or 0)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_reqs.append(FakeNewRequestData(req.request_id, req.prompt_token_ids, (list(req.block_ids),), req.num_computed_tokens))
+            if req.was_scheduled:  # resumed after preemption: a cached request with all-new blocks
+                cached.req_ids.append(req.request_id)
+                cached.resumed_req_ids.add(req.request_id)
+                cached.new_token_ids.append([])
+                cached.new_block_ids.append((list(req.block_ids),))
+                cached.num_computed_tokens.append(req.num_computed_tokens)
+            else:
+                new_reqs.append(FakeNewRequestData(req.request_id, req.prompt_token_ids, (list(req.block_ids),),
+                                                   req.num_computed_tokens))
+            req.was_scheduled = True
             num_sched[req.request_id] = n
             matched[req.request_id] = hit or 0
             budget -= n
@@ -235,13 +255,35 @@ class FakeVllmEngine:
         self._finished_for_workers = set()
         return out, matched
 
+    def _fill_local_prefix(self, req: FakeRequest, local: int) -> None:
+        """What vLLM's local prefix cache would hold in the request's first blocks."""
+        if not local:
+            return
+        pos = torch.arange(local)
+        blocks = torch.tensor(req.block_ids, dtype=torch.long)[pos // self.block_size].to(self.device)
+        offs = (pos % self.block_size).to(self.device)
+        for li, name in enumerate(self.layer_names):
+            kv = self._model_kv[req.request_id][:local, li].to(self.device)
+            if req.local_fill is not None:
+                kv = torch.full_like(kv, req.local_fill)
+            for which in (0, 1):
+                write_slots(self.kv_caches[name], self.paged_layout, which, blocks, offs, kv[:, which])
+
+    def preempt(self, req_id: str) -> None:
+        """Preempt a running request as vLLM does: free its blocks, recompute from scratch later."""
+        req = self.running.pop(req_id)
+        self.free_blocks.extend(req.block_ids)
+        req.block_ids, req.num_computed_tokens = [], 0
+        self.waiting.insert(0, req)
+
     def _attention(self, layer_index: int, name: str, out: FakeSchedulerOutput) -> None:
         """FAKE attention layer: writes the model's KV of the scheduled tokens into their slots."""
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
             pos = torch.arange(req.num_computed_tokens, req.num_computed_tokens + n)
-            blocks = torch.tensor(req.block_ids, dtype=torch.long)[pos // self.block_size]
-            kv = self._model_kv[req_id][pos, layer_index]  # [n, 2, heads, dim]
+            blocks = torch.tensor(req.block_ids, dtype=torch.long)[pos // self.block_size].to(self.device)
+            kv = self._model_kv[req_id][pos, layer_index].to(self.device)  # [n, 2, heads, dim]
+            pos = pos.to(self.device)
             for which in (0, 1):
                 write_slots(self.kv_caches[name], self.paged_layout, which, blocks, pos % self.block_size, kv[:, which])
 

@@ -7,6 +7,7 @@ worker, and the tokens stream back. Error answers become the `kvpool.errors` cla
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import httpx
 
 from engine_adapters.handle import KVHandle
 from engine_adapters.serving import messages as m
-from kvpool.errors import KVPoolError, Unavailable, error_from_code
+from kvpool.errors import CorruptObject, KeyNotFound, KVPoolError, Unavailable, error_from_code
 
 
 def _raise_for(resp: httpx.Response) -> None:
@@ -138,24 +139,41 @@ class Generation:
 
 
 def generate(prefill: WorkerClient, decode: WorkerClient, token_ids: Sequence[int], max_tokens: int = 16, *,
-             request_id: str | None = None, on_text: Callable[[str], None] | None = None) -> Generation:
-    """Prefill on one worker, decode on another: the KV moves through the pool, by handle."""
+             request_id: str | None = None, on_text: Callable[[str], None] | None = None,
+             retries: int = 1) -> Generation:
+    """Prefill on one worker, decode on another: the KV moves through the pool, by handle.
+
+    If the decode worker cannot load the KV (evicted between the two calls, or damaged: the
+    decode worker drops a damaged object), the request is prefilled again, which recomputes
+    what is missing, up to `retries` times. Tokens already streamed are never retried.
+    """
     started = time.perf_counter()
-    rid = request_id or uuid.uuid4().hex
-    head = prefill.prefill(token_ids, request_id=rid)
-    gen = Generation(request_id=head.request_id, prompt_tokens=head.prompt_tokens, token_ids=[head.first_token],
-                     text=head.text, ttft_ms=(time.perf_counter() - started) * 1e3,
-                     cached_tokens=head.cached_tokens, local_cached_tokens=head.local_cached_tokens,
-                     pool_cached_tokens=head.pool_cached_tokens, computed_tokens=head.computed_tokens)
-    if on_text is not None and head.text:
-        on_text(head.text)
-    for event in decode.decode(head.handle, head.first_token, max_tokens):
-        if event.done:
-            gen.finish_reason = event.finish_reason
-            break
-        gen.token_ids.append(event.token_id)
-        gen.text += event.text
-        if on_text is not None and event.text:
-            on_text(event.text)
-    gen.total_ms = (time.perf_counter() - started) * 1e3
-    return gen
+    base = request_id or uuid.uuid4().hex
+    for attempt in range(retries + 1):
+        rid = base if attempt == 0 else f"{base}-r{attempt}"
+        head = prefill.prefill(token_ids, request_id=rid)
+        gen = Generation(request_id=head.request_id, prompt_tokens=head.prompt_tokens,
+                         token_ids=[head.first_token], text=head.text,
+                         ttft_ms=(time.perf_counter() - started) * 1e3, cached_tokens=head.cached_tokens,
+                         local_cached_tokens=head.local_cached_tokens, pool_cached_tokens=head.pool_cached_tokens,
+                         computed_tokens=head.computed_tokens)
+        try:
+            events = decode.decode(head.handle, head.first_token, max_tokens)
+            first = next(events)
+        except (KeyNotFound, CorruptObject):
+            if attempt == retries:
+                raise
+            continue
+        if on_text is not None and head.text:
+            on_text(head.text)
+        for event in itertools.chain([first], events):
+            if event.done:
+                gen.finish_reason = event.finish_reason
+                break
+            gen.token_ids.append(event.token_id)
+            gen.text += event.text
+            if on_text is not None and event.text:
+                on_text(event.text)
+        gen.total_ms = (time.perf_counter() - started) * 1e3
+        return gen
+    raise AssertionError("unreachable")

@@ -91,8 +91,8 @@ class LocalPrefixCache:
 
         A chunk larger than the whole capacity is not admitted (capacity 0 disables the cache).
         """
-        stored: list[str] = []
-        removed: list[str] = []
+        changes: list[tuple[str, str]] = []  # (kind, key) in the order they happen
+        stored = 0
         with self._lock:
             for key, tensor in items:
                 if key in self._entries:
@@ -103,13 +103,14 @@ class LocalPrefixCache:
                 while self._nbytes + size > self.capacity_bytes:
                     old_key, old = self._entries.popitem(last=False)
                     self._account(old, -1)
-                    removed.append(old_key)
+                    changes.append(("removed", old_key))
                     self.evictions += 1
                 self._entries[key] = tensor
                 self._account(tensor, +1)
-                stored.append(key)
-        self._notify(removed, stored)
-        return len(stored)
+                changes.append(("stored", key))
+                stored += 1
+        self._notify(changes)
+        return stored
 
     def remove(self, keys: Iterable[str]) -> int:
         removed = []
@@ -119,7 +120,7 @@ class LocalPrefixCache:
                 if tensor is not None:
                     self._account(tensor, -1)
                     removed.append(key)
-        self._notify(removed, [])
+        self._notify([("removed", key) for key in removed])
         return len(removed)
 
     def clear(self) -> int:
@@ -136,10 +137,15 @@ class LocalPrefixCache:
         self._nbytes += sign * _nbytes(tensor)
         self._tokens += sign * int(tensor.shape[3])
 
-    def _notify(self, removed: list[str], stored: list[str]) -> None:
-        for kind, keys in (("removed", removed), ("stored", stored)):
-            if not keys:
-                continue
+    def _notify(self, changes: list[tuple[str, str]]) -> None:
+        """One event per run of same-kind changes, in the order they happened."""
+        runs: list[tuple[str, list[str]]] = []
+        for kind, key in changes:
+            if runs and runs[-1][0] == kind:
+                runs[-1][1].append(key)
+            else:
+                runs.append((kind, [key]))
+        for kind, keys in runs:
             event = CacheEvent(kind, tuple(keys))
             for callback in self._listeners:
                 try:

@@ -70,6 +70,7 @@ class Scheduler:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._fail_all(Unavailable("worker is stopping"))  # work that never reached the loop
 
     # -- submission (any thread) ---------------------------------------------------------------
     def submit_prefill(self, job: PrefillJob) -> PrefillJob:

@@ -182,7 +182,8 @@ class Worker:
                 self.cache.put_many(zip(keys[len(local):], fetched))
         return _Prefix(keys, local + fetched, len(local), len(fetched))
 
-    async def _prefill(self, ids: list[int], request_id: str) -> tuple[PrefillJob, _Prefix]:
+    async def run_prefill(self, ids: list[int], request_id: str) -> tuple[PrefillJob, _Prefix]:
+        """Find the cached prefix, compute the rest; the job holds the cache and last logits."""
         prefix = await asyncio.to_thread(self._find_prefix, ids)
         cached = len(prefix.chunks) * self.layout.chunk_tokens
         usable = min(cached, len(ids) - 1)  # compute at least one token: its logits give the first token
@@ -206,7 +207,7 @@ class Worker:
         started = time.perf_counter()
         ids = self._check_tokens(list(req.token_ids))
         rid = req.request_id or uuid.uuid4().hex
-        job, prefix = await self._prefill(ids, rid)
+        job, prefix = await self.run_prefill(ids, rid)
         saved = await asyncio.to_thread(self._publish, ids, job, prefix, rid)
         handle = self.adapter.make_handle(ids, saved)
         return self._prefill_response(rid, ids, job, prefix, handle, started)
@@ -334,7 +335,7 @@ class Worker:
         if req.max_tokens < 1:
             raise InvalidArgument("max_tokens must be >= 1")
         rid = req.request_id or uuid.uuid4().hex
-        job, prefix = await self._prefill(ids, rid)
+        job, prefix = await self.run_prefill(ids, rid)
         # Full chunks still go to the local cache and the pool (prefix reuse); no tail, no handle.
         await asyncio.to_thread(self._publish, ids, job, prefix, None)
         head = self._prefill_response(rid, ids, job, prefix, None, started)

@@ -2,7 +2,7 @@
 
 Two halves, so the hot path pays only for what it does:
 - `ServiceMetrics`: counters and a latency histogram that the node / master update as they
-  work (`m.observe("get", seconds, nbytes=n)`, about a microsecond each).
+  work (`m.observe("get", seconds, nbytes=n)`, a few microseconds each).
 - `StatsCollector`: reads the service's own `stats()` at scrape time and exposes it as
   `kvpool_tier_*{tier=...}` and `kvpool_pool_*`; nothing is copied between scrapes, so the
   numbers can never drift from what `/v1/stats` reports.

@@ -11,6 +11,7 @@ import click
 
 # bench name -> "module:attribute" (a click command)
 BENCHES: dict[str, str] = {
+    "adapter": "kvpool.bench.adapter:adapter",
     "pool": "kvpool.bench.pool:pool",
     "store": "kvpool.bench.store:store",
     "transfer": "kvpool.bench.transfer:transfer",

@@ -30,6 +30,7 @@ import numpy as np
 
 from kvpool.bench.pool_peers import MooncakePeer, RedisPeer, mooncake_available, stop_process
 from kvpool.bench.report import Report, gbps, progress
+from kvpool.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,8 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
     size_list = _sizes(sizes)
     per_rep = parse_size(bytes_per_rep)
     wanted = {p.strip() for p in peers.split(",") if p.strip()}
+    if wanted - {"redis", "mooncake"}:
+        raise InvalidArgument(f"unknown peer(s) {sorted(wanted - {'redis', 'mooncake'})}; known: redis, mooncake")
     report = Report("pool")
     workloads = [Workload(s, max(min_ops, per_rep // s), batch) for s in size_list]
     working_set = sum(w.size * w.count for w in workloads)
@@ -195,8 +198,11 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
             systems.append(Ours(server.address, use_shm, name))
             closers.append(systems[-1].close)
         if "redis" in wanted:
-            systems.append(RedisPeer())
-            closers.append(systems[-1].close)
+            try:
+                systems.append(RedisPeer())
+                closers.append(systems[-1].close)
+            except RuntimeError as exc:
+                report.notes.append(f"Redis skipped: {exc}")
         if "mooncake" in wanted:
             why = mooncake_available()
             if why is None:

@@ -118,7 +118,9 @@ class PlainSocket:
 @click.option("--total", default="128MiB", show_default=True, help="Bytes moved per measurement.")
 @click.option("--reps", default=5, show_default=True, type=click.IntRange(1), help="Alternating repetitions.")
 @click.option("--latency-ops", default=2000, show_default=True, type=click.IntRange(10), help="Ops per latency run.")
-def transfer(as_json: bool, sizes: str, total: str, reps: int, latency_ops: int) -> None:
+@click.option("--mooncake/--no-mooncake", default=True, show_default=True,
+              help="Also compare with Mooncake's TCP transfer engine when it is installed.")
+def transfer(as_json: bool, sizes: str, total: str, reps: int, latency_ops: int, mooncake: bool) -> None:
     """Throughput of shm and tcp between two processes vs. memcpy and a plain socket pair."""
     from transfer import READ, WRITE, Op, SegmentDescriptor, TransferEngine
 
@@ -197,7 +199,8 @@ def transfer(as_json: bool, sizes: str, total: str, reps: int, latency_ops: int)
                     report.add(f"{transport}_read_latency_{q}", mine, "us", size=small,
                                baseline="socket_pair_rtt" if transport == "tcp" else None,
                                baseline_values=base if transport == "tcp" else None)
-        _mooncake(report, size_list, total_bytes)
+        if mooncake:
+            _mooncake(report, size_list, total_bytes, reps)
         plain.close()
         engine.close()
     finally:
@@ -242,7 +245,7 @@ def _latency(engine, seg, lview, size, n, transport, plain, advance, reps) -> di
     return out
 
 
-def _mooncake(report: Report, sizes: list[int], total_bytes: int) -> None:
+def _mooncake(report: Report, sizes: list[int], total_bytes: int, reps: int) -> None:
     """Mooncake's TCP transfer engine as a peer baseline, when its wheel is installed."""
     try:
         from mooncake.engine import TransferEngine as MooncakeEngine  # noqa: F401
@@ -253,7 +256,7 @@ def _mooncake(report: Report, sizes: list[int], total_bytes: int) -> None:
     try:
         from kvpool.bench.transfer_mooncake import compare
 
-        compare(report, sizes, total_bytes)
+        compare(report, sizes, total_bytes, reps)
     except Exception as exc:  # an optional peer must never sink the bench
         log.exception("mooncake comparison failed")
         report.notes.append(f"mooncake comparison failed: {exc}")

@@ -19,6 +19,10 @@ the lock is released, in the thread that caused the event.
 Invariants: a visible object (`contains`) reads back exactly the bytes of the put that stored
 it; every tier's `used <= capacity`; a key is visible iff it is committed, not being removed,
 and held by DRAM or SSD.
+
+Pins do not expire: whoever pins (the node, for a same-host reader or a transfer) unpins, also
+when its peer goes away. HBM, when asked for and CUDA is present, is `store.hbm`: a tier of its
+own (counted in `stats`), not part of the DRAM <-> SSD chain.
 """
 
 from __future__ import annotations

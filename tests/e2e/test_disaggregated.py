@@ -38,23 +38,32 @@ CHATS = [
 LONG = [256, 257, 512, 700, 1300, 2048]
 
 
-def prompts(rm) -> list[tuple[str, list[int]]]:
-    out = [(f"short:{t[:12]}", rm.encode(t)) for t in SHORT]
-    out += [(f"chat:{i}", rm.encode_chat(c)) for i, c in enumerate(CHATS)]
-    out += [(f"long:{n}", filler_ids(rm, n, seed=1000 + n)) for n in LONG]
-    return out
+CASES = ([("short", i) for i in range(len(SHORT))] + [("chat", i) for i in range(len(CHATS))]
+         + [("long", i) for i in range(len(LONG))])
 
 
-def test_twenty_prompts_match_generate_token_for_token(rm, prefill, decode):
-    cases = prompts(rm)
-    assert len(cases) >= 20
-    for name, ids in cases:
-        want = reference(rm, ids, NEW_TOKENS)
-        gen = generate(prefill, decode, ids, NEW_TOKENS)
-        # nothing of these prompts was cached: the straight handoff, which is bit-exact
-        assert gen.cached_tokens == 0 and gen.computed_tokens == len(ids), name
-        assert gen.token_ids == want, f"{name}: {gen.token_ids} != {want}"
-        assert gen.finish_reason in ("stop", "length")
+def prompt_ids(rm, kind: str, i: int) -> list[int]:
+    if kind == "short":
+        return rm.encode(SHORT[i])
+    if kind == "chat":
+        return rm.encode_chat(CHATS[i])
+    return filler_ids(rm, LONG[i], seed=1000 + LONG[i])
+
+
+def test_at_least_twenty_prompts():
+    assert len(CASES) >= 20
+
+
+@pytest.mark.timeout(900)  # a 2,048-token prompt twice (worker + reference) on a shared 2-core box
+@pytest.mark.parametrize("kind,i", CASES, ids=[f"{k}{i}" for k, i in CASES])
+def test_prompt_matches_generate_token_for_token(rm, prefill, decode, kind, i):
+    ids = prompt_ids(rm, kind, i)
+    want = reference(rm, ids, NEW_TOKENS)
+    gen = generate(prefill, decode, ids, NEW_TOKENS)
+    # nothing of these prompts was cached: the straight handoff, which is bit-exact
+    assert gen.cached_tokens == 0 and gen.computed_tokens == len(ids)
+    assert gen.token_ids == want
+    assert gen.finish_reason in ("stop", "length")
 
 
 def test_colocated_worker_matches_generate(rm, both):
@@ -68,6 +77,7 @@ def test_colocated_worker_matches_generate(rm, both):
         assert events[-1].done
 
 
+@pytest.mark.timeout(900)
 def test_prefix_reuse_computes_only_uncached_tokens(rm, prefill, decode):
     c = 256
     a = filler_ids(rm, 1280, seed=42)

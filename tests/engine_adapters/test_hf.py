@@ -34,7 +34,7 @@ def _prompts(rm) -> dict[str, list[int]]:
             {"role": "assistant", "content": "Stored attention keys and values of earlier tokens."},
             {"role": "user", "content": "Why does it help decoding?"},
         ]),
-        "long": rm.encode_chat([{"role": "user", "content": FILLER * 12 + "Summarize this in one line."}]),
+        "long": rm.encode_chat([{"role": "user", "content": FILLER * 4 + "Summarize this in one line."}]),
     }
 
 
@@ -79,7 +79,7 @@ def test_handoff_from_a_cached_prefix_matches_generate(reference_model, adapters
     """Second request shares the first's prefix: its prefill is split (prefix loaded, suffix computed)."""
     rm = reference_model
     prefill, decode = adapters
-    base = [{"role": "user", "content": FILLER * 3 + "What does the pool keep?"}]
+    base = [{"role": "user", "content": FILLER * 2 + "What does the pool keep?"}]
     first_ids = rm.encode_chat(base)
     handoff(rm, prefill, decode, first_ids, "req-a")
     follow = base + [{"role": "assistant", "content": "Chunks of KV cache."},
@@ -158,10 +158,64 @@ def test_handoff_many_prompts_up_to_2048_tokens(reference_model, adapters):
     prefill, decode = adapters
     prompts = list(_prompts(rm).values())
     for i in range(16):
-        prompts.append(rm.encode_chat([{"role": "user", "content": f"Question {i}: " + FILLER * (i * 2 + 1)}]))
+        prompts.append(rm.encode_chat([{"role": "user", "content": f"Question {i}: " + FILLER * (i * 3 + 1)}]))
     long_ids = rm.encode(FILLER * 80)[:2048 - 1]
     prompts.append(long_ids)
     assert len(prompts) >= 20 and max(len(p) for p in prompts) >= 2047
     for i, ids in enumerate(prompts):
         got, _ = handoff(rm, prefill, decode, ids, f"req-many-{i}", n=8)
         assert got == reference(rm, ids, 8), f"prompt {i} ({len(ids)} tokens)"
+
+
+def test_layerwise_prefill_overlaps_and_matches_the_plain_path(reference_model, pool):
+    """start_load().cache() feeds the model while layers arrive; start_save().attach() saves each
+    layer as it is computed. Same logits and the same stored objects as load/forward/save."""
+    rm = reference_model
+    ns = rm.namespace(CHUNK_TOKENS)
+    ad = HFAdapter(pool, rm.model, ns)
+    base = _prompts(rm)["long"]
+    ad.save(base, forward(rm.model, base)[1])
+    ids = base + rm.encode(" And one more sentence to compute after the cached prefix.")
+
+    plain = ad.load(ids, max_tokens=len(ids) - 1)
+    plain_logits, plain_cache = forward(rm.model, ids, plain.cache)
+
+    ld = ad.start_load(ids, max_tokens=len(ids) - 1)
+    cache = ld.cache()
+    assert cache.get_seq_length() == plain.num_tokens > 0
+    sv = ad.start_save(ids, request_id="req-lw", start_token=ld.num_tokens())
+    logits, cache = forward(rm.model, ids, sv.attach(cache))
+    saved = sv.finish()
+    assert torch.equal(logits, plain_logits)
+    assert saved.stored_keys == saved.keys[plain.num_tokens // CHUNK_TOKENS:]
+    handle_kv = ad.load_handle(ad.make_handle(ids, saved))
+    for mine, ref in zip(handle_kv.layers, plain_cache.layers):
+        assert torch.equal(mine.keys, ref.keys[:, :, :len(ids)]) and torch.equal(mine.values, ref.values[:, :, :len(ids)])
+
+
+def test_handoff_with_the_prefix_served_from_ssd_after_dram_eviction(reference_model, tmp_path):
+    """A DRAM tier of a few chunks: the prompt's early chunks are demoted to SSD by the later ones,
+    and the handoff still reproduces generate."""
+    import kvpool
+    from kvpool.config import load_settings
+    from kvpool.server import EmbeddedPool
+
+    rm = reference_model
+    ids = _prompts(rm)["long"]
+    ns = rm.namespace(CHUNK_TOKENS)
+    dram = 4 * ns.layout.bytes_per_chunk
+    settings = load_settings(port=0, admin_port=0, dram_capacity=dram, ssd_path=str(tmp_path / "ssd"),
+                             ssd_capacity="256MiB", eviction="lru")
+    with EmbeddedPool(settings) as ep:
+        client = kvpool.connect(ep.address)
+        try:
+            ad = HFAdapter(client, rm.model, ns)
+            saved = ad.save(ids, forward(rm.model, ids)[1])
+            assert len(saved.keys) > 4
+            tiers = {key: tier for key, _, tier in ep.node.store.keys()}
+            assert tiers[saved.keys[0]] == "ssd"  # evicted from DRAM, kept on SSD
+            got, reused = handoff(rm, ad, HFAdapter(client, rm.model, ns), ids, "req-ssd")
+            assert reused == len(saved.keys) * CHUNK_TOKENS - (CHUNK_TOKENS if len(ids) % CHUNK_TOKENS == 0 else 0)
+            assert got == reference(rm, ids)
+        finally:
+            client.close()

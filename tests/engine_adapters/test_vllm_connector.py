@@ -127,6 +127,25 @@ def test_second_request_loads_bit_identical_prefix(pool, paged_layout, dtype):
     eng.shutdown()
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("paged_layout", ["nhd", "flashinfer", "hnd"])
+def test_paged_cache_on_cuda(pool, paged_layout):
+    """Where vLLM really runs: the paged tensors live on the GPU, chunk objects on the host."""
+    eng = FakeVllmEngine(make_config("bfloat16"), conn.KVPoolConnector, client=pool, paged_layout=paged_layout,
+                         device="cuda")
+    p1, p2 = prompts()
+    eng.add_request("r1", p1)
+    eng.run()
+    eng.add_request("r2", p2)
+    assert eng.step().matched == {"r2": 64}
+    assert torch.equal(eng.read_kv("r2", 0, 64).view(torch.uint8), eng.model_kv("r1")[:64].view(torch.uint8))
+    layout = KVLayout(LAYERS, HEADS, DIM, "bfloat16", CHUNK)
+    view = decode_chunk(pool.get(pool_chunk_keys(p1, "bfloat16")[2]), layout)
+    assert torch.equal(view.as_torch(), eng.model_kv("r1")[64:96].permute(1, 2, 3, 0, 4))
+    eng.shutdown()
+
+
 def test_pool_objects_are_kvpool_chunk_objects(pool):
     """Keys are kvpool chunk keys and values decode as layer-major chunk objects of the right KV."""
     eng = engine_for(pool)
@@ -165,6 +184,56 @@ def test_layerwise_load(pool, load_mode):
         assert seen == [[j <= i for j in range(LAYERS)] for i in range(LAYERS)]
     else:
         assert seen == [[True] * LAYERS] * LAYERS
+
+
+def test_skipped_layer_hooks_turn_into_load_errors(pool):
+    """If the engine never calls wait_for_layer_load (e.g. a captured graph), the load must not
+    silently count: its blocks are reported and recomputed."""
+    eng = engine_for(pool)
+    p1, p2 = prompts()
+    eng.add_request("r1", p1)
+    eng.run()
+    eng.add_request("r2", p2)
+    eng.worker.wait_for_layer_load = lambda name: None  # the hook never runs
+    step = eng.step()
+    r2 = eng.requests["r2"]
+    assert step.matched == {"r2": 64} and step.load_errors == set(r2.block_ids[:4])  # the 64 loaded tokens
+    assert r2.num_computed_tokens == 0
+    eng.run()
+    assert torch.equal(eng.read_kv("r2", 0, len(p2)), eng.model_kv("r2"))
+    assert conn.KVPoolConnector.requires_piecewise_for_cudagraph({}) is True
+
+
+def test_local_prefix_cache_hit_loads_only_the_rest(pool):
+    """vLLM already holds the first block locally: the connector fills blocks 1..3 only."""
+    eng = engine_for(pool)
+    p1, p2 = prompts()
+    eng.add_request("r1", p1)
+    eng.run()
+    eng.add_request("r2", p2, local_prefix_tokens=BLOCK, local_fill=7.0)
+    step = eng.step()
+    assert step.matched == {"r2": 64 - BLOCK}, "counted beyond vLLM's own hit, up to the pool's 2 chunks"
+    got = eng.read_kv("r2", 0, 64)
+    assert bool((got[:BLOCK] == 7.0).all()), "the locally cached block was not touched"
+    assert torch.equal(got[BLOCK:], eng.model_kv("r2")[BLOCK:64])
+    assert torch.equal(eng.read_kv("r2", 64, len(p2)), eng.model_kv("r2")[64:])
+
+
+def test_preempted_request_resumes_with_its_saved_chunks(pool):
+    eng = engine_for(pool, token_budget=40)
+    p1, _ = prompts()
+    keys = pool_chunk_keys(p1)
+    eng.add_request("r1", p1)
+    eng.step()  # 40 tokens computed: chunk 0 saved
+    assert [pool.exists(k) for k in keys] == [True, False, False]
+    eng.preempt("r1")
+    step = eng.step()  # resumed: a cached request with new blocks, chunk 0 comes from the pool
+    assert step.matched == {"r1": 32}
+    assert step.output.scheduled_cached_reqs.resumed_req_ids == {"r1"} and not step.output.scheduled_new_reqs
+    eng.run()
+    assert all(pool.exists(k) for k in keys)
+    assert torch.equal(eng.read_kv("r1", 0, len(p1)), eng.model_kv("r1"))
+    assert eng.worker.stats["loaded_chunks"] == 1
 
 
 def test_chunked_prefill_saves_each_chunk_once_computed(pool):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -122,6 +123,17 @@ def test_bad_file_is_a_typed_error(tmp_path, name, text, match):
     cfg.write_text(text)
     with pytest.raises(InvalidArgument, match=match):
         load_settings(cfg)
+
+
+def test_tables_of_other_tools_are_skipped(tmp_path):
+    # deploy/local.toml shape: `kvpool up` reads [pool] and [[workers]]; settings ignore them
+    cfg = tmp_path / "local.toml"
+    cfg.write_text('port = 7401\n[pool]\ndram_capacity = "2GiB"\n[[workers]]\nrole = "prefill"\n')
+    s = load_settings(cfg)
+    assert s.port == 7401 and s.dram_capacity == 1 << 30  # the default, not [pool]'s value
+    repo_file = Path(__file__).resolve().parents[2] / "deploy" / "local.toml"
+    if repo_file.exists():
+        load_settings(repo_file)
 
 
 def test_missing_file(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ import pytest
 
 from transfer_peer import Peer
 
+
 @pytest.fixture
 def make_peer():
     peers: list[Peer] = []

@@ -102,7 +102,7 @@ def test_batch_wait_poll_and_await(pair):
         batches = [a.submit([Op(READ, o, 0, seg, 0, 1 << 20)]) for o in outs]
         await asyncio.gather(*(asyncio.ensure_future(_awaitable(b)) for b in batches))
         assert all(o == b"x" * (1 << 20) for o in outs)
-        bad = a.submit([Op(READ, bytearray(4), 0, seg.__class__(**{**_fields(seg), "name": "gone"}), 0, 4)])
+        bad = a.submit([Op(READ, bytearray(4), 0, seg.__class__(**{**_fields(seg), "seg_id": 999}), 0, 4)])
         with pytest.raises(SegmentNotFound.__mro__[1]):  # TransferError carrying the per-op cause
             await bad
         assert isinstance(bad.failures[0], SegmentNotFound)
@@ -126,7 +126,7 @@ def test_per_op_failures_do_not_fail_the_others(pair):
     good = b.register(bytearray(b"g" * 1000))
     other_buf = bytearray(100)
     other = b.register(other_buf)
-    gone = good.__class__(**{**_fields(good), "name": "gone"})
+    gone = good.__class__(**{**_fields(good), "seg_id": 999})
     out1, out2 = bytearray(1000), bytearray(1000)
     # ops of one batch run concurrently and unordered, so they touch disjoint bytes here
     batch = a.submit([Op(READ, out1, 0, good, 0, 1000), Op(READ, out2, 0, gone, 0, 1000),
@@ -177,3 +177,25 @@ def test_mixed_transport_batch_completes_only_when_all_parts_do(pair):
         assert batch.transport == "mixed"
         batch.wait(10)
         assert out_t == b"t" * (4 << 20) and out_s == b"s" * 10
+
+
+def test_close_does_not_wait_for_a_silent_peer():
+    import signal
+    import time
+
+    from transfer_peer import Peer
+
+    peer = Peer(1 << 20, 1, "tcp")
+    eng = TransferEngine(transports=["tcp"], timeout=5.0).start()
+    try:
+        eng.read(peer.pattern_seg, 0, bytearray(10))
+        peer.signal(signal.SIGSTOP)
+        batch = eng.submit([Op(READ, bytearray(1 << 20), 0, peer.pattern_seg, 0, 1 << 20)] * 4)
+        start = time.monotonic()
+        eng.close()
+        assert time.monotonic() - start < 2.0
+        with pytest.raises(TransferError):
+            batch.wait(1.0)  # every op finished (failed) by close
+    finally:
+        eng.close()
+        peer.stop()

@@ -14,6 +14,7 @@ import pytest
 from transfer import InvalidOp, ProtocolError, SegmentNotFound, TransferEngine, wire
 
 SEG_SIZE = 1 << 16
+DATA = 1  # the first segment an engine registers gets seg_id 1
 
 
 @pytest.fixture
@@ -21,6 +22,7 @@ def server():
     eng = TransferEngine(transports=["tcp"], timeout=2.0).start()
     buf = bytearray(range(256)) * (SEG_SIZE // 256)
     seg = eng.register(buf, name="data")
+    assert seg.seg_id == DATA
     yield eng, seg, buf
     eng.close()
 
@@ -37,9 +39,12 @@ def _conn(eng) -> socket.socket:
     return sock
 
 
-def _request(opcode: int, name: bytes, offset: int, length: int, version: int = wire.VERSION,
+NO_SUCH = 999
+
+
+def _request(opcode: int, seg_id: int, offset: int, length: int, version: int = wire.VERSION,
              magic: int = wire.MAGIC) -> bytes:
-    return wire.REQ.pack(magic, version, opcode, len(name), 9, offset, length) + name
+    return wire.REQ.pack(magic, version, opcode, 0, seg_id, 9, offset, length)
 
 
 def _response(sock: socket.socket) -> tuple[int, bytes]:
@@ -82,16 +87,16 @@ def test_garbage_bytes_close_only_that_connection(server, client):
 def test_truncated_frame_then_close(server, client):
     eng, seg, buf = server
     with _conn(eng) as bad:
-        bad.sendall(_request(wire.OP_WRITE, b"data", 0, 1000)[:20])
+        bad.sendall(_request(wire.OP_WRITE, DATA, 0, 1000)[:20])
     with _conn(eng) as bad:  # header complete, payload cut short: nothing may be half-applied silently
-        bad.sendall(_request(wire.OP_WRITE, b"data", 0, 1000) + b"\xff" * 10)
+        bad.sendall(_request(wire.OP_WRITE, DATA, 0, 1000) + b"\xff" * 10)
     _still_serving(client, seg, buf)
 
 
 def test_bad_version_gets_error_reply(server, client):
     eng, seg, buf = server
     with _conn(eng) as bad:
-        bad.sendall(_request(wire.OP_READ, b"data", 0, 10, version=99))
+        bad.sendall(_request(wire.OP_READ, DATA, 0, 10, version=99))
         status, body = _response(bad)
         assert status == wire.E_VERSION and b"version" in body
         assert _closed(bad)
@@ -102,29 +107,29 @@ def test_unknown_segment_and_out_of_range_get_error_replies_and_keep_connection(
     eng, seg, buf = server
     before = bytes(buf)
     with _conn(eng) as sock:
-        sock.sendall(_request(wire.OP_READ, b"nope", 0, 10))
+        sock.sendall(_request(wire.OP_READ, NO_SUCH, 0, 10))
         assert _response(sock)[0] == wire.E_NO_SEGMENT
-        sock.sendall(_request(wire.OP_WRITE, b"data", SEG_SIZE - 4, 8) + b"Z" * 8)
+        sock.sendall(_request(wire.OP_WRITE, DATA, SEG_SIZE - 4, 8) + b"Z" * 8)
         assert _response(sock)[0] == wire.E_RANGE
-        sock.sendall(_request(wire.OP_WRITE, b"nope", 0, 8) + b"Z" * 8)
+        sock.sendall(_request(wire.OP_WRITE, NO_SUCH, 0, 8) + b"Z" * 8)
         assert _response(sock)[0] == wire.E_NO_SEGMENT
-        sock.sendall(_request(42, b"data", 0, 0))  # unknown opcode: reply, then close
+        sock.sendall(_request(42, DATA, 0, 0))  # unknown opcode: reply, then close
         assert _response(sock)[0] == wire.E_BAD_REQUEST
         assert _closed(sock)
     assert bytes(buf) == before  # no refused write touched the segment
     with _conn(eng) as sock:  # the same connection form still works for good requests
-        sock.sendall(_request(wire.OP_READ, b"data", 10, 4))
+        sock.sendall(_request(wire.OP_READ, DATA, 10, 4))
         assert _response(sock) == (wire.OK, bytes(buf[10:14]))
 
 
 def test_oversized_and_bad_control_frames(server, client):
     eng, seg, buf = server
     with _conn(eng) as bad:
-        bad.sendall(_request(wire.OP_WRITE, b"data", 0, 1 << 40))
+        bad.sendall(_request(wire.OP_WRITE, DATA, 0, 1 << 40))
         assert _response(bad)[0] == wire.E_BAD_REQUEST
         assert _closed(bad)
     with _conn(eng) as bad:
-        bad.sendall(_request(wire.OP_CONTROL, b"", 0, 5) + b"\x93abcd")
+        bad.sendall(_request(wire.OP_CONTROL, 0, 0, 5) + b"\x93abcd")
         status, body = _response(bad)
         assert status == wire.E_BAD_REQUEST and b"bad control message" in body
     _still_serving(client, seg, buf)
@@ -132,7 +137,7 @@ def test_oversized_and_bad_control_frames(server, client):
 
 def test_client_sees_typed_errors(server, client):
     eng, seg, buf = server
-    missing = type(seg)(**{**{f: getattr(seg, f) for f in seg.__struct_fields__}, "name": "gone"})
+    missing = type(seg)(**{**{f: getattr(seg, f) for f in seg.__struct_fields__}, "seg_id": NO_SUCH})
     with pytest.raises(SegmentNotFound):
         client.read(missing, 0, bytearray(4))
     with pytest.raises(InvalidOp):
@@ -142,6 +147,14 @@ def test_client_sees_typed_errors(server, client):
     with pytest.raises(InvalidOp):
         client.read(liar, SEG_SIZE, bytearray(4))
     _still_serving(client, seg, buf)
+
+
+def test_stale_descriptor_never_reaches_a_reregistered_buffer(server, client):
+    eng, seg, buf = server
+    eng.unregister("data")
+    eng.register(bytearray(SEG_SIZE), name="data")  # same name, another buffer
+    with pytest.raises(SegmentNotFound):
+        client.read(seg, 0, bytearray(4))
 
 
 def test_descriptor_roundtrip_and_rejects_garbage(server):

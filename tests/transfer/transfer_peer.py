@@ -2,7 +2,8 @@
 
 It registers two shared-memory segments: "pattern" (filled from numpy's generator with SEED,
 so the test can compute every byte) and "scratch" (zeros), prints each descriptor as a hex
-line on stdout, then serves until stdin closes. `Peer` starts one and cleans up after it (even after SIGKILL).
+line on stdout, then serves until stdin closes. `Peer` starts one and cleans up after it
+(even after SIGKILL).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Peer:
-    """A `peer.py` process: `pattern` and `scratch` segments of `size` bytes."""
+    """A `transfer_peer.py` process: `pattern` and `scratch` segments of `size` bytes."""
 
     def __init__(self, size: int, seed: int, transports: str):
         env = dict(os.environ, PYTHONPATH=str(REPO))

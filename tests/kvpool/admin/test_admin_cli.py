@@ -33,6 +33,7 @@ def run(url, *args, token=None):
 
 
 def shell(*args, env=None):
+    """The real `kvpool` executable in a new process (for what only a fresh process shows)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     full_env.update(env or {})
     return subprocess.run([KVPOOL, "admin", *args], capture_output=True, text=True, timeout=60, env=full_env)
@@ -83,24 +84,34 @@ def test_mutations_with_token(master, admin):
     assert master.node("node-a")["state"] == "draining"
 
 
-def test_token_from_env_and_config_file(master, admin, tmp_path):
+def test_token_from_env_and_config_file(master, admin, tmp_path, monkeypatch, capsys):
     handle, _ = admin
-    r = shell("--url", handle.url, "drain", "node-a", env={"KVPOOL_ADMIN_TOKEN": TOKEN})
-    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("KVPOOL_ADMIN_TOKEN", TOKEN)
+    code, _, err = main_in_process(monkeypatch, capsys, "--url", handle.url, "drain", "node-a")
+    assert code == 0, err
+    monkeypatch.delenv("KVPOOL_ADMIN_TOKEN")
     cfg = tmp_path / "kvpool.toml"
     cfg.write_text(f'admin_token = "{TOKEN}"\n')
-    r = shell("--url", handle.url, "--config", str(cfg), "--json", "config", "--set", "replicas=2")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["replicas"] == 2
+    code, out, err = main_in_process(monkeypatch, capsys, "--url", handle.url, "--config", str(cfg), "--json",
+                                     "config", "--set", "replicas=2")
+    assert code == 0, err
+    assert json.loads(out)["replicas"] == 2
+    # a flag beats the file: a wrong --token is refused even though the file has the right one
+    code, _, err = main_in_process(monkeypatch, capsys, "--url", handle.url, "--config", str(cfg), "--token", "bad",
+                                   "drain", "node-a")
+    assert code == 2 and "wrong bearer token" in err
 
 
-def test_url_from_settings(admin, tmp_path):
+def test_url_from_settings(admin, tmp_path, monkeypatch, capsys):
     handle, _ = admin
     cfg = tmp_path / "kvpool.json"
     cfg.write_text(json.dumps({"host": "127.0.0.1", "admin_port": handle.port}))
-    r = shell("--config", str(cfg), "--json", "nodes")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)[0]["node_id"] == "node-a"
+    code, out, err = main_in_process(monkeypatch, capsys, "--config", str(cfg), "--json", "nodes")
+    assert code == 0, err
+    assert json.loads(out)[0]["node_id"] == "node-a"
+    monkeypatch.setenv("KVPOOL_ADMIN_PORT", str(handle.port))  # the environment works the same way
+    code, out, err = main_in_process(monkeypatch, capsys, "--json", "nodes")
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -132,8 +143,8 @@ def test_unreachable_server_is_a_readable_error():
     assert r.returncode == 2 and "cannot reach the admin API" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_bad_config_file_is_a_readable_error(tmp_path):
+def test_bad_config_file_is_a_readable_error(tmp_path, monkeypatch, capsys):
     cfg = tmp_path / "kvpool.toml"
     cfg.write_text("admin_port = 'x'\n")
-    r = shell("--config", str(cfg), "nodes")
-    assert r.returncode == 2 and "admin_port" in r.stderr and "Traceback" not in r.stderr
+    code, _, err = main_in_process(monkeypatch, capsys, "--config", str(cfg), "nodes")
+    assert code == 2 and "admin_port" in err and "Traceback" not in err

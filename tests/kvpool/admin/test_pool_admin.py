@@ -191,3 +191,17 @@ def test_stats_per_tier_counters(client, http):
     assert dram["bytes_in"] >= 4096 and dram["hits"] >= 1
     metrics = http.get("/metrics").text
     assert 'kvpool_tier_hits_total{tier="dram"}' in metrics
+
+
+def test_admin_client_with_awkward_keys(served, client):
+    from kvpool.admin.client import AdminClient
+
+    keys = ["e2e/ü ñ", "e2e/q?x=1#frag", "e2e/100%", "tail/req/with/slashes", "/leading-slash"]
+    for i, key in enumerate(keys):
+        client.put(key, bytes([i]) * (100 + i))
+    with AdminClient(served[1], TOKEN) as admin:
+        for i, key in enumerate(keys):
+            assert admin.key(key)["size"] == 100 + i, key
+        assert admin.evict(keys=[keys[0]])["evicted"] == 1
+        with pytest.raises(KeyNotFound):
+            admin.key(keys[0])

@@ -1,0 +1,136 @@
+"""The worker core in-process, on the real model and a real embedded pool (fixtures from
+tests/engine_adapters/conftest.py): split and chunked prefill numerics, decode-priority
+scheduling, typed errors, clean stop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine_adapters.handle import KVHandle
+from engine_adapters.serving import messages as m
+from engine_adapters.serving.runner import ModelRunner
+from engine_adapters.serving.scheduler import Scheduler
+from engine_adapters.serving.sequence import DecodeSequence, PrefillJob
+from engine_adapters.serving.service import Worker, WorkerConfig
+from kvpool.errors import InvalidArgument, LayoutMismatch, Unavailable
+
+pytestmark = pytest.mark.model
+
+
+def ids_of(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+
+def full_pass_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+
+
+@pytest.fixture
+def worker_factory(reference_model, pool):
+    made: list[Worker] = []
+
+    def make(**kw) -> Worker:
+        w = Worker(WorkerConfig(**kw), reference_model, pool).start(warmup=False)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.stop()
+
+
+def test_split_prefill_logits_agree_within_1e4(reference_model, worker_factory):
+    w = worker_factory(role="prefill", chunk_tokens=128)
+    a = ids_of(300, seed=1)
+    b = a[:260] + ids_of(40, seed=2)
+    asyncio.run(w.prefill(m.PrefillRequest(token_ids=a)))
+    job, prefix = asyncio.run(w.run_prefill(b, "split"))
+    assert prefix.local_chunks == 2 and job.computed_tokens == len(b) - 256
+    want = full_pass_logits(reference_model.model, b)
+    diff = float((job.logits - want).abs().max())
+    assert diff < 1e-4, f"split prefill logits differ by {diff:.2e}"
+    assert int(job.logits.argmax()) == int(want.argmax())
+
+
+def test_unsplit_prefill_is_bitwise_a_full_pass(reference_model, worker_factory):
+    w = worker_factory(role="prefill")
+    ids = ids_of(200, seed=3)
+    job, _ = asyncio.run(w.run_prefill(ids, "whole"))
+    assert torch.equal(job.logits, full_pass_logits(reference_model.model, ids))
+
+
+def test_chunked_prefill_on_both_agrees_within_1e4(reference_model, worker_factory):
+    w = worker_factory(role="both", prefill_chunk_tokens=64)
+    ids = ids_of(300, seed=4)
+    job, _ = asyncio.run(w.run_prefill(ids, "chunked"))
+    want = full_pass_logits(reference_model.model, ids)
+    assert float((job.logits - want).abs().max()) < 1e-4
+    assert int(job.logits.argmax()) == int(want.argmax())
+
+
+def test_decode_steps_come_first_and_prefill_fills_the_gaps(reference_model):
+    """While a sequence decodes, a long prefill advances one chunk per decode step, never two."""
+    timeline: list[str] = []
+    runner = ModelRunner(reference_model.model)
+    sched = Scheduler(runner, prefill_chunk_tokens=32, on_decode_step=lambda n, s: timeline.append("D"),
+                      on_prefill_chunk=lambda n, s: timeline.append("P"))
+    done = threading.Event()
+    tokens: list[int] = []
+
+    def emit(token, reason, error):
+        assert error is None
+        tokens.append(token)
+        if reason is not None:
+            done.set()
+
+    cache = DynamicCache()
+    first = runner.greedy(runner.extend(cache, ids_of(20, seed=5)))
+    sched.submit_decode(DecodeSequence("d", cache, first, 12, frozenset(), emit))
+    job = PrefillJob("p", ids_of(160, seed=6), DynamicCache(), 0)
+    sched.submit_prefill(job)
+    sched.start()
+    try:
+        assert done.wait(120) and job.future.result(120) is not None
+    finally:
+        sched.stop()
+    assert len(tokens) == 12
+    assert timeline.count("P") == 5
+    while_decoding = "".join(timeline)[: 2 * timeline.count("P")]
+    assert "PP" not in while_decoding and while_decoding.startswith("D"), timeline
+
+
+def test_stop_fails_pending_work_with_unavailable(reference_model):
+    sched = Scheduler(ModelRunner(reference_model.model))  # never started: nothing runs
+    job = sched.submit_prefill(PrefillJob("p", [1, 2, 3], DynamicCache(), 0))
+    errors: list[BaseException | None] = []
+    sched.submit_decode(DecodeSequence("d", DynamicCache(), 1, 3, frozenset(), lambda t, r, e: errors.append(e)))
+    sched.stop()
+    with pytest.raises(Unavailable):
+        job.future.result(timeout=1)
+    assert len(errors) == 1 and isinstance(errors[0], Unavailable)
+    with pytest.raises(Unavailable):
+        sched.submit_prefill(PrefillJob("q", [1, 2], DynamicCache(), 0))
+
+
+def test_bad_requests_raise_typed_errors(worker_factory):
+    p = worker_factory(role="prefill")
+    d = worker_factory(role="decode")
+    with pytest.raises(InvalidArgument):
+        asyncio.run(p.prefill(m.PrefillRequest(token_ids=[])))
+    with pytest.raises(InvalidArgument):
+        asyncio.run(p.prefill(m.PrefillRequest(token_ids=[1, 10**9])))
+    with pytest.raises(InvalidArgument):  # a prefill worker does not decode
+        asyncio.run(p.open_decode(m.DecodeRequest(handle=KVHandle(namespace="0" * 32, request_id="r", num_tokens=1,
+                                                                  chunk_tokens=256, chunk_keys=[], tail_key="tail/r"),
+                                                  first_token=1)))
+    other = KVHandle(namespace="f" * 32, request_id="r", num_tokens=1, chunk_tokens=256, chunk_keys=[],
+                     tail_key="tail/r")
+    with pytest.raises(LayoutMismatch):
+        asyncio.run(d.open_decode(m.DecodeRequest(handle=other, first_token=1)))
