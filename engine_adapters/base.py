@@ -28,6 +28,15 @@ Layer-wise forms, so transfer overlaps compute:
     sv = ad.start_save(ids, request_id="r1", start_token=0)
     sv.save_layer(i, k, v)                            # copy layer i as soon as it is computed
     saved = sv.finish()                               # seal and put: SaveResult, as `save` returns
+    # HF only: run the model straight on the arriving prefix, saving each layer as it is computed
+    cache = sv.attach(ld.cache()); logits, cache = forward(rm.model, ids, cache); sv.finish()
+
+What layer-wise buys with whole-object gets (`PoolClient`): a layer of the prefix is complete
+only when every chunk has arrived (each chunk object holds all layers), so `start_load` overlaps
+the scatter of later layers (and, on a GPU, their host-to-device copy) with the compute of
+earlier ones; `start_save` copies each layer out as it is computed, so after the forward pass
+only sealing and the puts remain. A transport that streams the layer-major payload could signal
+layer i sooner without changing this contract.
 
 Invariants every adapter keeps (tests/engine_adapters/conformance.py checks them):
 - `load` returns the longest prefix whose chunks all arrive and verify (layout hash and checksum);
@@ -38,8 +47,8 @@ Invariants every adapter keeps (tests/engine_adapters/conformance.py checks them
   `LayoutMismatch`.
 - `save` writes only full chunks not already present, from `start_token` on (chunks before it are
   the caller's loaded prefix), and the tail only when a request id is given (replacing any older
-  tail of that request id). It emits one "stored"
-  event listing exactly the chunk keys it wrote (tails are request-scoped and never reported).
+  tail of that request id). It emits one "stored" event listing exactly the chunk keys it wrote
+  (tails are request-scoped and never reported).
 - KV of another model, weight file, dtype, chunk size or tenant salt is never loaded: it lives
   under other keys, and handles carry their namespace.
 """
@@ -245,14 +254,15 @@ class ChunkStore:
             self.emit("removed", [key])
 
     def _get_many(self, keys: list[str]) -> list[bytes | None]:
-        """get_batch, then a single get for each miss: a pool may refuse a batch larger than it can pin
-        at once (e.g. SSD objects promoted through a small DRAM tier) yet serve its objects one by one."""
+        """get_batch, then a single get for each miss up to the first key still missing (callers stop
+        there): a pool may refuse a batch larger than it can pin at once (SSD objects promoted
+        through a small DRAM tier) yet serve the same objects one by one."""
         out = self.pool.get_batch(keys) if keys else []
         for j, data in enumerate(out):
             if data is None:
                 out[j] = self.pool.get(keys[j])
-                if out[j] is None and j < len(out) - 1 and not keys[j].startswith("tail/"):
-                    log.debug("fetch: %s missing after a retry", keys[j])
+                if out[j] is None:
+                    break
         return out
 
     def fetch_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[ChunkView]:

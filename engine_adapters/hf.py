@@ -8,9 +8,10 @@ bit-exact (bytes are copied, never converted).
 
 Invariants beyond the contract (`engine_adapters.base`):
 - Batch size 1: one adapter call is one sequence (`InvalidArgument` otherwise).
-- A loaded cache holds positions 0..num_tokens of the prompt; continuing the forward pass on it
-  with the next tokens gives the same KV a single pass computes for them (up to float rounding
-  of the split, ~1e-5 in float32: the attention reductions run in another order).
+- A loaded cache holds positions 0..num_tokens of the prompt, bit for bit what was saved.
+  Continuing the forward pass on it gives what one full pass computes up to float rounding of
+  the split (float32 on this CPU: identical with one torch thread, up to ~6e-5 in the logits
+  with two, where the reductions are split differently).
 - `save` never modifies the cache it reads.
 """
 
@@ -27,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 from engine_adapters.base import ChunkStore, KVEvent, LoadResult, PlannedObject, SaveResult
 from engine_adapters.handle import KVHandle
 from kvpool.api import PoolClient
-from kvpool.errors import InvalidArgument, KVPoolError
+from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace
 from kvpool.layout import HEADER_SIZE, ChunkView, KVLayout
 
@@ -101,9 +102,11 @@ class HFLayerwiseSave:
         self._done[i] = True
 
     def attach(self, cache: DynamicCache) -> DynamicCache:
-        """Save each layer of `cache` the moment the forward pass appends it, so the copy of layer i
-        overlaps the compute of layer i+1; `finish()` after the pass. The cache's layers must exist
-        (a cache built with the model config, a loaded one, or a `HFLayerwiseLoad.cache()`)."""
+        """Save each layer of `cache` the moment the forward pass appends it, so nothing is left to
+        gather after the pass but sealing and the puts; call `finish()` then. On CPU the copy runs
+        inline in the layer's `update`; it is the hook where a GPU engine starts its async
+        device-to-host copy. The cache's layers must exist (built with the model config, loaded,
+        or a `HFLayerwiseLoad.cache()`)."""
         if len(cache.layers) != self._adapter.layout.num_layers:
             raise InvalidArgument(f"cache has {len(cache.layers)} layers, the layout {self._adapter.layout.num_layers}")
         for i, layer in enumerate(cache.layers):
@@ -367,4 +370,4 @@ def greedy_continue(model: Any, token_ids: Sequence[int], cache: DynamicCache | 
 
 
 __all__ = ["HFAdapter", "HFLayerwiseLoad", "HFLayerwiseSave", "KVEvent", "KVHandle", "LoadResult", "SaveResult",
-           "cache_from_kv", "forward", "greedy_continue", "layout_for_model", "KVPoolError"]
+           "cache_from_kv", "forward", "greedy_continue", "layout_for_model"]

@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -144,8 +144,8 @@ def _convert_into_cache(source: Path, target: Path, fingerprint: str) -> None:
 class ReferenceModel:
     """The loaded model (eval mode, CPU), its tokenizer and what keys its KV cache."""
 
-    model: Any  # transformers LlamaForCausalLM
-    tokenizer: Any
+    model: Any = field(repr=False)  # transformers LlamaForCausalLM
+    tokenizer: Any = field(repr=False)
     model_id: str
     fingerprint: str
     dtype: str

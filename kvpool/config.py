@@ -140,7 +140,9 @@ def _read_file(path: str | os.PathLike) -> dict[str, Any]:
 def _is_section(value: Any) -> bool:
     """A TOML table (`[pool]`) or array of tables (`[[workers]]`): another tool's part of a shared
     file (`kvpool up` reads deploy/local.toml), not a misspelt setting."""
-    return isinstance(value, dict) or (isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value))
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(v, dict) for v in value)
+    return isinstance(value, dict)
 
 
 def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any) -> Settings:

@@ -213,6 +213,8 @@ class NodePin(Msg):
 
 
 class Pins(Msg):
+    """offsets[i] == -1 with sizes[i] >= 0: the object is small and follows in the payload."""
+
     pin_id: int
     offsets: list[int]
     sizes: list[int]  # -1: absent
@@ -245,13 +247,22 @@ class NodeRemove(Msg):
     put_ids: list[int]
 
 
+class NodeCopy(Msg):
+    """Pull objects from the node at `source` and store them here under the same put ids (a
+    drain). Reply: `WriteReply`, one entry per key."""
+
+    keys: list[str]
+    put_ids: list[int]
+    source: str
+
+
 class NodeStats(Msg):
     pass
 
 
 Request = Union[
     Hello, PutStart, PutEnd, Lookup, Release, Exists, MatchPrefix, Remove, RegisterNode, Heartbeat,
-    Admin, NodeGet, NodePin, NodeUnpin, NodeWrite, NodeRemove, NodeStats,
+    Admin, NodeGet, NodePin, NodeUnpin, NodeWrite, NodeRemove, NodeCopy, NodeStats,
 ]
 Reply = Union[
     Ok, Err, Bools, Count, Info, HelloReply, PutPlans, BatchResult, LookupReply, HeartbeatReply,

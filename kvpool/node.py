@@ -28,12 +28,14 @@ from typing import Any
 from kvpool.api import check_key
 from kvpool.config import Settings
 from kvpool.errors import InvalidArgument, KVPoolError
-from kvpool.messages import (Err, Held, Info, NodeData, NodeGet, NodeInfo, NodePin, NodeRemove, NodeStats,
-                             NodeUnpin, NodeWrite, Pins, Placed, WriteReply, Bools)
+from kvpool.messages import (Bools, Err, Held, Info, NodeCopy, NodeData, NodeGet, NodeInfo, NodePin, NodeRemove,
+                             NodeStats, NodeUnpin, NodeWrite, Pins, Placed, WriteReply)
 from kvpool.node_link import MasterChannel
-from kvpool.rpc import Payload, RpcServer, ServerConn
+from kvpool.rpc import Payload, RpcClient, RpcServer, ServerConn
 
 log = logging.getLogger(__name__)
+
+INLINE_MAX = 32 * 1024  # NodePin sends objects up to this size in the reply instead of pinning them
 
 
 class StoreNode:
@@ -67,7 +69,7 @@ class StoreNode:
 
     def handlers(self) -> dict[type, Any]:
         return {NodeGet: self._on_get, NodePin: self._on_pin, NodeUnpin: self._on_unpin, NodeWrite: self._on_write,
-                NodeRemove: self._on_remove, NodeStats: self._on_stats}
+                NodeRemove: self._on_remove, NodeCopy: self._on_copy, NodeStats: self._on_stats}
 
     def start(self) -> "StoreNode":
         try:
@@ -246,18 +248,29 @@ class StoreNode:
         finally:
             self._unpin_keys(pinned)
 
-    def _on_pin(self, msg: NodePin, payload: Payload, conn: ServerConn) -> Pins:
+    def _on_pin(self, msg: NodePin, payload: Payload, conn: ServerConn) -> None:
         if msg.unpin:
             self._unpin_ids(msg.unpin, conn)
-        pinned, offsets, sizes = self._pin_batch(msg.keys)
+        _, offsets, sizes = self._pin_batch(msg.keys)
+        hits = [i for i, n in enumerate(sizes) if n >= 0]
+        # Small objects ride inline in the reply (a pin + memcpy costs more than the bytes).
+        inline = [i for i in hits if sizes[i] <= INLINE_MAX]
+        kept = [msg.keys[i] for i in hits if sizes[i] > INLINE_MAX]
+        arena = self._store.arena.buffer
+        views = [arena[offsets[i]:offsets[i] + sizes[i]] for i in inline]
+        for i in inline:
+            offsets[i] = -1
         pin_id = 0
-        if pinned:
+        if kept:
             with self._lock:
                 self._pin_seq += 1
                 pin_id = self._pin_seq
-                self._pins[pin_id] = (pinned, time.monotonic() + self.settings.lease_s)
+                self._pins[pin_id] = (kept, time.monotonic() + self.settings.lease_s)
             conn.state.setdefault("pins", set()).add(pin_id)
-        return Pins(pin_id, offsets, sizes)
+        try:
+            conn.reply(Pins(pin_id, offsets, sizes), views)
+        finally:
+            self._unpin_keys([msg.keys[i] for i in inline])
 
     def _on_unpin(self, msg: NodeUnpin, payload: Payload, conn: ServerConn) -> None:
         self._unpin_ids(msg.pin_ids, conn)
@@ -291,6 +304,8 @@ class StoreNode:
                     self.master.put_abort(key, plan.put_id)
                     raise InvalidArgument("a one-round-trip put needs a single-node plan; use put_start")
                 put_id, local = plan.put_id, True
+            elif self.master is not None and not self.master.expects_write(key, put_id, self.node_id):
+                raise InvalidArgument(f"no pending put {put_id} of {key!r} on this node")
             res = self._reserve(key, size, put_id)
         except BaseException:
             payload.skip(size)
@@ -331,6 +346,36 @@ class StoreNode:
                 out.append(False)
         return Bools(out)
 
+    def _on_copy(self, msg: NodeCopy, payload: Payload, conn: ServerConn) -> WriteReply:
+        if len(msg.put_ids) != len(msg.keys):
+            raise InvalidArgument("NodeCopy: keys and put_ids must have the same length")
+        source = RpcClient(msg.source, timeout=30.0)
+        try:
+            sizes = source.call(NodeGet(list(msg.keys))).sizes
+            results: list[Placed | Err] = []
+            for key, put_id, size in zip(msg.keys, msg.put_ids, sizes):
+                if size < 0:
+                    results.append(Err("not_found", f"{key!r} is not on {msg.source}"))
+                    continue
+                try:
+                    res = self._reserve(key, size, put_id)
+                except KVPoolError as exc:
+                    source.skip_payload(size)
+                    results.append(Err(exc.code, str(exc)))
+                    continue
+                try:
+                    source.read_payload_into(self._store.arena.buffer[res.offset:res.offset + size])
+                except BaseException:
+                    self._store.abort(key)
+                    raise
+                with self._lock:
+                    self._put_ids[key] = put_id
+                self._store.commit(key)
+                results.append(Placed(self.node_id, "dram", self.segment, res.offset))
+            return WriteReply(results)
+        finally:
+            source.close()
+
     def _on_stats(self, msg: NodeStats, payload: Payload, conn: ServerConn) -> Info:
         arena = self._store.arena
         return Info({"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
@@ -339,6 +384,9 @@ class StoreNode:
     # In-process link for the embedded master (same semantics as NodeRemove, no socket).
     def remove(self, keys: list[str], put_ids: list[int]) -> None:
         self._on_remove(NodeRemove(list(keys), list(put_ids)), None, None)  # type: ignore[arg-type]
+
+    def copy(self, keys: list[str], put_ids: list[int], source: str) -> list:
+        return self._on_copy(NodeCopy(list(keys), list(put_ids), source), None, None).results  # type: ignore[arg-type]
 
     def close(self) -> None:
         pass

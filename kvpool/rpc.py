@@ -298,6 +298,12 @@ class RpcClient:
         except OSError as exc:
             raise Unavailable(f"cannot reach {self.address}: {exc.strerror or exc}") from None
         _tune(sock)
+        # Blocking mode with kernel timeouts: a Python-level timeout makes the socket non-blocking,
+        # and then MSG_WAITALL returns early and a large reply arrives in many pieces.
+        sock.settimeout(None)
+        tv = struct.pack("ll", int(self.timeout), int((self.timeout % 1) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self._sock = sock
         return sock
 
@@ -370,18 +376,23 @@ class RpcClient:
             raise InvalidArgument(f"reply payload has {self.payload_left} bytes left, asked for {n}")
         try:
             data = self._sock.recv(n, socket.MSG_WAITALL)
-            if len(data) != n:
+            if len(data) != n:  # interrupted or timed out part-way: finish into one buffer
                 if not data:
                     raise ConnectionError("peer closed the connection")
-                data += self._recv_rest(n - len(data))
+                buf = bytearray(n)
+                buf[: len(data)] = data
+                recv_exact_into(self._sock, memoryview(buf)[len(data):])
+                data = bytes(buf)
         except (OSError, ConnectionError) as exc:
             raise self._broken(exc) from None
         self.payload_left -= n
         return data
 
-    def skip_payload(self) -> None:
+    def skip_payload(self, n: int | None = None) -> None:
+        """Discard the next n payload bytes (all that is left by default)."""
+        n = self.payload_left if n is None else min(n, self.payload_left)
         try:
-            Payload(self._sock, self.payload_left).drain()
+            Payload(self._sock, n).drain()
         except (OSError, ConnectionError) as exc:
             raise self._broken(exc) from None
-        self.payload_left = 0
+        self.payload_left -= n

@@ -6,7 +6,8 @@ possibly over different connections. Invariants of `Batch`:
   transport that finishes all its slices early cannot complete a batch another transport has
   not yet counted its slices into); it changes only under `_lock`.
 - an op has failed iff some slice of it failed; its first error is kept in `failures`.
-- the batch is done iff `remaining == 0`; then `_done` is set and callbacks run exactly once,
+- the batch is done iff `remaining == 0`; then the internal `_hooks` run (e.g. copying a
+  staged READ into its CUDA tensor), then `_done` is set, then callbacks run exactly once, all
   on the thread that finished the last slice (callbacks must be quick and must not block).
 """
 
@@ -38,7 +39,7 @@ class Op(NamedTuple):
 class Batch:
     """Completion handle of a submitted list of ops: `wait()`, `poll()` or `await batch`."""
 
-    __slots__ = ("ops", "failures", "_remaining", "_lock", "_done", "_callbacks", "transport")
+    __slots__ = ("ops", "failures", "_remaining", "_lock", "_done", "_callbacks", "_hooks", "transport")
 
     def __init__(self, ops: list[Op], transport: str = ""):
         self.ops = ops
@@ -48,6 +49,8 @@ class Batch:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._callbacks: list[Callable[[], None]] = []
+        # (op index, fn): run before the batch reports done; an exception fails that op
+        self._hooks: list[tuple[int, Callable[[], None]]] = []
 
     # -- producer side (transports) ------------------------------------------------------
     def _expect(self, slices: int) -> None:
@@ -77,6 +80,13 @@ class Batch:
             self._finish()
 
     def _finish(self) -> None:
+        for index, hook in self._hooks:
+            if index in self.failures:
+                continue
+            try:
+                hook()
+            except Exception as exc:
+                self.failures[index] = TransferError(f"op {index}: finishing step failed: {exc}")
         with self._lock:
             callbacks, self._callbacks = self._callbacks, []
             self._done.set()

@@ -1,7 +1,9 @@
 """Turning the buffers callers hand us into flat writable byte views (and raw addresses).
 
 Accepted: bytearray, memoryview (writable), mmap, numpy arrays (C-contiguous), torch CPU
-tensors (contiguous, any dtype). A view returned here keeps its owner alive through `obj`.
+tensors (contiguous, any dtype); bytes for the source of a WRITE. CUDA tensors never get a
+view here: the engine stages ops on them through host memory (transfer/staging.py).
+A view returned here keeps its owner alive (the view's exporter holds a reference).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def address_of(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+def is_cuda_tensor(obj: Any) -> bool:
+    return _is_torch_tensor(obj) and bool(obj.is_cuda)
+
+
 def _is_torch_tensor(obj: Any) -> bool:
     mod = type(obj).__module__
     return mod.startswith("torch") and hasattr(obj, "data_ptr") and hasattr(obj, "is_cuda")
@@ -46,8 +52,9 @@ def _is_torch_tensor(obj: Any) -> bool:
 
 def _torch_view(tensor: Any) -> memoryview:
     if tensor.is_cuda:
-        raise InvalidOp("CUDA tensors are not supported by the shm/tcp transports; "
-                        "stage through a pinned CPU tensor (GPUDirect RDMA is future work)")
+        # Ops on CUDA tensors are staged by the engine (transfer.staging); segments cannot be.
+        raise InvalidOp("a CUDA tensor cannot be registered as a segment (peers could not reach it "
+                        "without GPUDirect RDMA); register a pinned CPU tensor instead")
     if not tensor.is_contiguous():
         raise InvalidOp("torch tensor must be contiguous")
     nbytes = tensor.numel() * tensor.element_size()

@@ -23,7 +23,8 @@ import threading
 from typing import Any, Sequence
 
 from transfer.batch import READ, WRITE, Batch, Op
-from transfer.buffers import byte_view
+from transfer import staging
+from transfer.buffers import byte_view, is_cuda_tensor
 from transfer.descriptor import DESCRIPTOR_VERSION, SegmentDescriptor, local_host_id
 from transfer.errors import InvalidOp, SegmentNotFound, TransferError, TransportUnavailable
 from transfer.shm import ShmTransport
@@ -209,12 +210,18 @@ class TransferEngine:
         # ids are stable here: `ops` holds every buffer and descriptor alive during the loop
         views: dict = {}
         choices: dict = {}
+        hooks = []
         for index, op in enumerate(ops):
             if not isinstance(op, Op):
                 op = ops[index] = Op(*op)
+            if is_cuda_tensor(op.local):
+                op, hook = staging.stage(index, op)
+                if hook is not None:
+                    hooks.append((index, hook))
             chosen, local = self._validate(index, op, transport, views, choices)
             groups.setdefault(chosen, []).append((index, op, local))
         batch = Batch(ops, next(iter(groups)) if len(groups) == 1 else "mixed")
+        batch._hooks = hooks
         for name, work in groups.items():
             self._transports[name].submit(batch, work)
         batch._seal()
@@ -224,17 +231,20 @@ class TransferEngine:
              length: int | None = None, transport: str | None = None) -> None:
         """Copy `length` bytes of the remote segment into `local_buffer` (synchronously)."""
         if length is None:
-            length = len(byte_view(local_buffer)) - local_offset
+            length = _nbytes(local_buffer) - local_offset
         self._one(Op(READ, local_buffer, local_offset, seg, remote_offset, length), transport)
 
     def write(self, seg: SegmentDescriptor, remote_offset: int, local_buffer: Any, local_offset: int = 0,
               length: int | None = None, transport: str | None = None) -> None:
         """Copy `length` bytes of `local_buffer` into the remote segment (synchronously)."""
         if length is None:
-            length = len(byte_view(local_buffer, writable=False)) - local_offset
+            length = _nbytes(local_buffer) - local_offset
         self._one(Op(WRITE, local_buffer, local_offset, seg, remote_offset, length), transport)
 
     def _one(self, op: Op, transport: str | None) -> None:
+        if is_cuda_tensor(op.local):
+            self.submit([op], transport).wait()
+            return
         chosen, local = self._validate(0, op, transport)
         if chosen == "tcp":
             # No hand-off to a connection thread: a sync single op runs on the caller's thread.
@@ -259,3 +269,9 @@ class TransferEngine:
 
     def __repr__(self) -> str:
         return f"<TransferEngine {self.name} {self.host}:{self.port} {list(self.transports)}>"
+
+
+def _nbytes(buffer: Any) -> int:
+    if is_cuda_tensor(buffer):
+        return buffer.numel() * buffer.element_size()
+    return len(byte_view(buffer, writable=False))

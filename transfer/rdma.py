@@ -37,6 +37,7 @@ log = logging.getLogger("transfer.rdma")
 
 MAX_OUTSTANDING = 64
 CQ_DEPTH = 8192
+EXPIRY_CHECK_S = 0.05
 
 
 def open_transport(engine: Any, timeout: float, qps_per_peer: int, slice_bytes: int,
@@ -109,6 +110,7 @@ class RdmaTransport:
         self.cq = device.create_cq(CQ_DEPTH)
         self._segments: dict[str, Any] = {}  # name -> MR
         self._peers: dict[tuple, _RdmaPeer] = {}
+        self._connecting: dict[tuple, threading.Lock] = {}
         self._served: list[Any] = []  # QPs created for peers that connected to us
         self._inflight: dict[int, _Slice] = {}
         self._wr_ids = itertools.count(1)
@@ -150,6 +152,15 @@ class RdmaTransport:
             peer = self._peers.get(key)
             if peer is not None and not peer.broken:
                 return peer
+            connecting = self._connecting.setdefault(key, threading.Lock())
+        with connecting:  # one handshake per peer at a time; latecomers use its result
+            with self._lock:
+                peer = self._peers.get(key)
+                if peer is not None and not peer.broken:
+                    return peer
+            return self._connect(key, desc)
+
+    def _connect(self, key: tuple, desc: SegmentDescriptor) -> _RdmaPeer:
         qps = [self.dev.create_qp(self.cq, MAX_OUTSTANDING) for _ in range(self.qps_per_peer)]
         try:
             from transfer.tcp import control_call
@@ -255,6 +266,7 @@ class RdmaTransport:
     # -- completions ---------------------------------------------------------------------------
     def _poll_loop(self) -> None:
         idle = 0
+        next_expiry = time.monotonic() + EXPIRY_CHECK_S
         while not self._closed:
             if not self._inflight:
                 self._wake.wait(0.05)
@@ -263,12 +275,14 @@ class RdmaTransport:
             completions = self.cq.poll(64)
             for wr_id, ok, status in completions:
                 self._complete(wr_id, None if ok else TransferError(f"rdma work completion failed: {status}"))
+            now = time.monotonic()
+            if now >= next_expiry:  # by the clock: a busy peer must not keep a silent one alive
+                next_expiry = now + EXPIRY_CHECK_S
+                self._expire()
             if completions:
                 idle = 0
                 continue
             idle += 1
-            if idle % 64 == 0:
-                self._expire()
             # Busy-poll briefly, then back off: two cores are shared with the data path.
             time.sleep(0 if idle < 64 else 0.0002)
 

@@ -2,8 +2,8 @@
 
 Per peer (host, port) there is one queue of slices and `connections_per_peer` threads, each
 owning one socket (connected lazily). A thread takes a slice, sends its request, and while
-that response is outstanding takes one more slice and sends it too (pipelining depth 2), so a
-connection never sits idle for a round trip. Payloads go out with `sendmsg([header, view])`
+responses are outstanding takes more slices and sends them too (up to `PIPELINE_DEPTH`
+requests in flight), so a connection never sits idle for a round trip. Payloads go out with `sendmsg([header, view])`
 and come in with `recv_into(view, MSG_WAITALL)` straight into the caller's buffer.
 
 Invariants:
@@ -31,7 +31,7 @@ from transfer.errors import PeerUnavailable, ProtocolError, TransferError
 log = logging.getLogger("transfer.tcp")
 
 _STOP = None
-PIPELINE_DEPTH = 2
+PIPELINE_DEPTH = 4  # 2..8 measured alike at >= 1 MiB; deeper helps 64 KiB slices a little
 
 # A slice: (batch, op index, opcode, local byte view, remote seg_id, remote offset)
 Slice = tuple
@@ -284,13 +284,22 @@ class _Conn:
                 self.close()
                 return
             stop = False
-            pending = item  # a slice taken off the queue but not yet in `inflight` or finished
+            # Slices taken off the queue but not in `inflight` yet: a WRITE waits here while READ
+            # responses are due, because sending its payload could block against a server that
+            # is itself blocked sending us those responses (a deadlock until the timeout).
+            held: list = [item]
+            reads = 0  # READs in flight
             try:
                 self.connect()
-                inflight.append((item, self.send(item[2], item[3], item[4], item[5])))
-                pending = None
-                while inflight:
-                    if len(inflight) < PIPELINE_DEPTH and not stop:
+                while held or inflight:
+                    if held and (held[0][2] != wire.OP_WRITE or reads == 0) and len(inflight) < PIPELINE_DEPTH:
+                        nxt = held[0]
+                        req_id = self.send(nxt[2], nxt[3], nxt[4], nxt[5])
+                        held.pop()
+                        inflight.append((nxt, req_id))
+                        reads += nxt[2] == wire.OP_READ
+                        continue
+                    if not held and not stop and len(inflight) < PIPELINE_DEPTH:
                         try:
                             nxt = q.get_nowait()
                         except queue.Empty:
@@ -298,13 +307,12 @@ class _Conn:
                         if nxt is _STOP:
                             stop = True
                         elif nxt is not False:
-                            pending = nxt
-                            inflight.append((nxt, self.send(nxt[2], nxt[3], nxt[4], nxt[5])))
-                            pending = None
-                    done, req_id = inflight.popleft()
-                    pending = done
+                            held.append(nxt)
+                            continue
+                    done, req_id = inflight[0]
                     err = self.recv(done[2], done[3], req_id)
-                    pending = None
+                    inflight.popleft()
+                    reads -= done[2] == wire.OP_READ
                     done[0]._slice_done(done[1], err)
             except BaseException as exc:
                 if isinstance(exc, OSError):
@@ -316,7 +324,7 @@ class _Conn:
                     error = TransferError(f"internal error: {exc!r}")
                 log.info("connection to %s:%d failed: %s", *self.peer.addr, error)
                 self.close()
-                if pending is not None:
+                for pending in held:
                     pending[0]._slice_done(pending[1], error)
                 while inflight:
                     done, _ = inflight.popleft()
@@ -325,7 +333,6 @@ class _Conn:
             if stop:
                 self.close()
                 return
-
 
 def control_call(addr: tuple[str, int], msg: object, timeout: float) -> object:
     """One control request on a fresh connection (connection set-up, not the data path)."""

@@ -45,11 +45,11 @@ class TokenizeResponse(Message):
 
 class PrefillRequest(Message):
     token_ids: list[int]
-    request_id: str | None = None  # assigned by the worker when absent
+    request_id: str | None = None  # the caller's id; the worker adds a unique suffix
 
 
 class PrefillResponse(Message):
-    request_id: str
+    request_id: str  # the worker's id for this request (names the tail object)
     first_token: int
     handle: KVHandle
     prompt_tokens: int

@@ -206,7 +206,7 @@ class Worker:
         self._require("prefill", "both")
         started = time.perf_counter()
         ids = self._check_tokens(list(req.token_ids))
-        rid = req.request_id or uuid.uuid4().hex
+        rid = _unique(req.request_id)
         job, prefix = await self.run_prefill(ids, rid)
         saved = await asyncio.to_thread(self._publish, ids, job, prefix, rid)
         handle = self.adapter.make_handle(ids, saved)
@@ -334,7 +334,7 @@ class Worker:
         ids = self._check_tokens(list(req.token_ids))
         if req.max_tokens < 1:
             raise InvalidArgument("max_tokens must be >= 1")
-        rid = req.request_id or uuid.uuid4().hex
+        rid = _unique(req.request_id)
         job, prefix = await self.run_prefill(ids, rid)
         # Full chunks still go to the local cache and the pool (prefix reuse); no tail, no handle.
         await asyncio.to_thread(self._publish, ids, job, prefix, None)
@@ -351,6 +351,17 @@ class Worker:
             return
         async for event in self._stream(rid, job.cache, first, max_tokens - 1, stop):
             yield event
+
+
+def _unique(request_id: str | None) -> str:
+    """The caller's request id plus a unique suffix: the tail object `tail/<id>` is first-writer-
+    wins, so a reused caller id must never name another prompt's tail."""
+    suffix = uuid.uuid4().hex[:12]
+    if not request_id:
+        return uuid.uuid4().hex
+    if "/" in request_id or len(request_id) > 200:
+        raise InvalidArgument("request_id must have at most 200 characters and no '/'")
+    return f"{request_id}.{suffix}"
 
 
 async def _single(event: TokenEvent) -> AsyncIterator[TokenEvent]:

@@ -8,6 +8,7 @@ methods below (see `kvpool.master.service.MasterService`); each may be sync or a
     stats() -> mapping               key_info(key) -> mapping
     evict(target_bytes=None, keys=None) -> result
     config() -> mapping              patch_config(changes: dict) -> mapping
+    optional: undrain_node(node_id), keys(prefix, limit) -> list[str]
 
 Invariants:
 - Every error reaches the client as `ErrorBody` with the status of its `kvpool.errors` class
@@ -24,7 +25,7 @@ import inspect
 import logging
 from typing import Any, Callable
 
-from fastapi import Body, Depends, FastAPI, Request
+from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -36,7 +37,7 @@ from kvpool.admin.auth import token_guard
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins
 from kvpool.api import check_key
 from kvpool.config import Settings
-from kvpool.errors import InvalidArgument, KVPoolError
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,14 @@ def _check_patch(changes: dict[str, Any]) -> dict[str, Any]:
     if secret:
         raise InvalidArgument(f"{secret} cannot be changed through the API; restart with a new setting")
     return changes
+
+
+def _method(svc: Any, name: str) -> Callable[..., Any]:
+    """An optional master method; without it the answer is a typed `Unavailable` (503)."""
+    fn = getattr(svc, name, None)
+    if fn is None:
+        raise Unavailable(f"this master does not support {name}")
+    return fn
 
 
 class _CatchAll:
@@ -172,6 +181,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     svc = master_service
     if metrics is None:
         metrics = ServiceMetrics("master")
+
         # one collector, so one kvpool_stats_up; per-node rows come from nodes()
         def scrape() -> dict[str, Any]:
             stats, nodes = to_builtins(svc.stats()), to_builtins(svc.nodes())
@@ -237,6 +247,11 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         """Stop placing new objects on the node; existing ones stay readable."""
         return s.Done(result=await _call(svc.drain_node, node_id))
 
+    @app.post("/v1/nodes/{node_id}/undrain", response_model=s.Done, dependencies=write, tags=["nodes"])
+    async def undrain(node_id: str) -> s.Done:
+        """Place new objects on the node again."""
+        return s.Done(result=await _call(_method(svc, "undrain_node"), node_id))
+
     @app.delete("/v1/nodes/{node_id}", response_model=s.Done, dependencies=write, tags=["nodes"])
     async def remove(node_id: str) -> s.Done:
         """Forget the node and drop its replicas from the index."""
@@ -246,6 +261,11 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     async def stats() -> s.Stats:
         """Per tier: capacity, used, hits, misses, evictions, bytes in/out; and pool totals."""
         return s.Stats(stats=_with_node_tiers(await _call(svc.stats), await _call(svc.nodes)))
+
+    @app.get("/v1/keys", response_model=s.Keys, dependencies=read, tags=["keys"])
+    async def list_keys(prefix: str = "", limit: int = Query(100, ge=1, le=10_000)) -> s.Keys:
+        """Complete keys starting with `prefix` (at most `limit`; the order is the master's)."""
+        return s.Keys(keys=await _call(_method(svc, "keys"), prefix=prefix, limit=limit))
 
     @app.get("/v1/keys/{key:path}", response_model=s.KeyInfo, dependencies=read, tags=["keys"])
     async def key_info(key: str) -> s.KeyInfo:

@@ -49,6 +49,12 @@ class AdminClient:
     def drain(self, node_id: str) -> Any:
         return self._request("POST", f"/v1/nodes/{quote(node_id, safe='')}/drain")["result"]
 
+    def undrain(self, node_id: str) -> Any:
+        return self._request("POST", f"/v1/nodes/{quote(node_id, safe='')}/undrain")["result"]
+
+    def keys(self, prefix: str = "", limit: int = 100) -> list[str]:
+        return self._request("GET", "/v1/keys", params={"prefix": prefix, "limit": limit})["keys"]
+
     def remove_node(self, node_id: str) -> Any:
         return self._request("DELETE", f"/v1/nodes/{quote(node_id, safe='')}")["result"]
 

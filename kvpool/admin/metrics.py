@@ -61,7 +61,8 @@ class ServiceMetrics:
                                   ["service", "node", "op"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self._labels = labels
 
-    def observe(self, op: str, seconds: float, *, result: str = "ok", nbytes: int = 0, direction: str | None = None) -> None:
+    def observe(self, op: str, seconds: float, *, result: str = "ok", nbytes: int = 0,
+                direction: str | None = None) -> None:
         """Count one operation. `direction` ("in" | "out") with `nbytes` adds to the byte counter."""
         self._ops.labels(op=op, result=result, **self._labels).inc()
         self._latency.labels(op=op, **self._labels).observe(seconds)

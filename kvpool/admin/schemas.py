@@ -51,6 +51,11 @@ class KeyInfo(BaseModel):
     info: dict[str, Any]
 
 
+class Keys(BaseModel):
+    version: int = API_VERSION
+    keys: list[str]
+
+
 class Done(BaseModel):
     """The answer of a mutating call: what the master reported doing."""
 

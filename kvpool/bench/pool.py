@@ -4,9 +4,10 @@ Mooncake Store, all measured in the same run.
 Setup: the pool runs as `kvpool serve` in a child process; this process is the SDK client,
 once with shared memory disabled (every byte crosses loopback TCP) and once same-host (`shm`).
 Redis is a private `redis-server` (redis-py client); Mooncake Store runs in TCP mode with the
-segment in another process (see `pool_peers`). Every system does the same work per repetition:
-`count` gets (or puts) of `size` bytes, one at a time, into a preallocated buffer where the API
-allows it (`get_into`; redis-py has none). Systems are run in turn (ours tcp, ours shm, redis,
+segment in another process (see `pool_peers`). Every system does the same work per repetition
+(a short turn: 8 MiB by default, at least 16 ops; 21 turns each): `count` gets (or puts) of
+`size` bytes, one at a time, into a preallocated buffer where the API allows it (`get_into`;
+redis-py has none). Systems are run in turn (ours tcp, ours shm, redis,
 mooncake, ours tcp, ...) after a warm-up so all see the same noise; each figure is a median.
 
 Correctness is checked, not assumed: every key holds distinct bytes, the warm-up reads every key
@@ -170,9 +171,11 @@ def _sizes(text: str) -> list[int]:
 @click.command("pool")
 @click.option("--json", "as_json", is_flag=True, help="End the output with one JSON line.")
 @click.option("--sizes", default="64KiB,1MiB,8MiB", show_default=True, help="Value sizes, comma-separated.")
-@click.option("--bytes-per-rep", default="32MiB", show_default=True, help="Bytes each system moves per repetition.")
+@click.option("--bytes-per-rep", default="8MiB", show_default=True, help="Bytes each system moves per repetition.")
 @click.option("--min-ops", default=16, show_default=True, help="At least this many operations per repetition.")
-@click.option("--reps", default=5, show_default=True, type=click.IntRange(1, 100))
+# Many short turns rather than a few long ones: on a shared machine a burst of load then lands on
+# every system alike instead of on whichever one held the CPU at that moment.
+@click.option("--reps", default=21, show_default=True, type=click.IntRange(1, 200))
 @click.option("--batch", default=16, show_default=True, type=click.IntRange(1, 1024), help="Keys per batch call.")
 @click.option("--peers", default="redis,mooncake", show_default=True, help="Baselines to run (redis, mooncake).")
 @click.option("--no-put", is_flag=True, help="Measure gets only.")

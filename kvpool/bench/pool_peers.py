@@ -151,7 +151,8 @@ class MooncakePeer:
     name = "mooncake"
 
     def __init__(self, segment_bytes: int, buffer_bytes: int):
-        os.environ.update({k: v for k, v in _mooncake_env().items() if k in ("MC_TCP_BIND_ADDRESS", "GLOG_minloglevel")})
+        # its client library lives in this process: same loopback binding as the child processes
+        os.environ.update({k: v for k, v in _mooncake_env().items() if k.startswith(("MC_", "GLOG_"))})
         from mooncake.store import MooncakeDistributedStore
 
         import mooncake
@@ -173,7 +174,8 @@ class MooncakePeer:
             self.owner = subprocess.Popen(
                 [sys.executable, "-m", "kvpool.bench.pool_peers", "mooncake-owner", self.metadata_url,
                  self.master_address, str(segment_bytes)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_mooncake_env(), text=True)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_mooncake_env(),
+                text=True)
             line = self.owner.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"the Mooncake segment owner did not start (said {line!r})")

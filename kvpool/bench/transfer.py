@@ -116,7 +116,7 @@ class PlainSocket:
 @click.option("--json", "as_json", is_flag=True, help="End the output with one JSON line.")
 @click.option("--sizes", default="64KiB,1MiB,8MiB,64MiB", show_default=True, help="Op sizes.")
 @click.option("--total", default="128MiB", show_default=True, help="Bytes moved per measurement.")
-@click.option("--reps", default=5, show_default=True, type=click.IntRange(1), help="Alternating repetitions.")
+@click.option("--reps", default=7, show_default=True, type=click.IntRange(1), help="Alternating repetitions.")
 @click.option("--latency-ops", default=2000, show_default=True, type=click.IntRange(10), help="Ops per latency run.")
 @click.option("--mooncake/--no-mooncake", default=True, show_default=True,
               help="Also compare with Mooncake's TCP transfer engine when it is installed.")

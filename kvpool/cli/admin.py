@@ -43,7 +43,8 @@ def _size(n: Any) -> str:
 
 
 @click.group()
-@click.option("--url", envvar="KVPOOL_ADMIN_URL", help="Admin API base URL [default: http://<host>:<admin_port> from settings].")
+@click.option("--url", envvar="KVPOOL_ADMIN_URL",
+              help="Admin API base URL [default: http://<host>:<admin_port> from settings].")
 @click.option("--token", help="Bearer token for mutating calls [default: settings' admin_token, KVPOOL_ADMIN_TOKEN].")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Settings file (TOML or JSON).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
@@ -148,6 +149,30 @@ def drain(ctx: _Ctx, node_id: str) -> None:
     """Stop placing new objects on NODE_ID (its objects stay readable)."""
     with ctx.client() as c:
         _emit(ctx, c.drain(node_id))
+
+
+@admin.command()
+@click.argument("node_id")
+@click.pass_obj
+def undrain(ctx: _Ctx, node_id: str) -> None:
+    """Place new objects on NODE_ID again."""
+    with ctx.client() as c:
+        _emit(ctx, c.undrain(node_id))
+
+
+@admin.command()
+@click.option("--prefix", default="", help="Only keys starting with this.")
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10_000))
+@click.pass_obj
+def keys(ctx: _Ctx, prefix: str, limit: int) -> None:
+    """List complete keys (at most --limit)."""
+    with ctx.client() as c:
+        found = c.keys(prefix, limit)
+    if ctx.as_json:
+        _emit(ctx, found)
+    else:
+        for k in found:
+            click.echo(k)
 
 
 @admin.command("remove-node")

@@ -1,7 +1,7 @@
 """A client's connection to one store node: reads over TCP or, on the same host, through shm.
 
 Same-host reads map the node's arena file read-only once; a get is then one round trip to pin
-(`NodePin`), one memcpy out of the mapping, and an unpin that rides on the next request to that
+(`NodePin`; objects up to 32 KiB come back inline instead), one memcpy out of the mapping, and an unpin that rides on the next request to that
 node (or a one-way `NodeUnpin` from `flush`), so it costs no extra round trip. Other reads are one
 `NodeGet` round trip whose reply payload is received straight into the result (`recv` into a new
 `bytes`, or `recv_into` the caller's buffer).
@@ -76,7 +76,8 @@ class NodeConn:
         if self.arena is not None:
             pins = self.rpc.call(NodePin(list(keys), self._take_unpins()))
             arena = self.arena
-            out = [bytes(arena[o:o + n]) if n >= 0 else None for o, n in zip(pins.offsets, pins.sizes)]
+            out = [None if n < 0 else self.rpc.read_payload(n) if o < 0 else bytes(arena[o:o + n])
+                   for o, n in zip(pins.offsets, pins.sizes)]
             self._unpin_later(pins.pin_id)
             return out
         data = self.rpc.call(NodeGet(list(keys)))
@@ -86,12 +87,14 @@ class NodeConn:
         """Copy one object into `view`; -1 on a miss. InvalidArgument if `view` is too small."""
         if self.arena is not None:
             pins = self.rpc.call(NodePin([key], self._take_unpins()))
-            n = pins.sizes[0]
+            n, offset = pins.sizes[0], pins.offsets[0]
             try:
-                if n >= 0:
-                    if n > len(view):
-                        raise InvalidArgument(f"buffer holds {len(view)} bytes, the object needs {n}")
-                    view[:n] = self.arena[pins.offsets[0]:pins.offsets[0] + n]
+                if n > len(view):
+                    raise InvalidArgument(f"buffer holds {len(view)} bytes, the object needs {n}")
+                if n >= 0 and offset < 0:
+                    self.rpc.read_payload_into(view[:n])
+                elif n >= 0:
+                    view[:n] = self.arena[offset:offset + n]
             finally:
                 self._unpin_later(pins.pin_id)
             return n

@@ -29,18 +29,26 @@ class AdminOps:
     def nodes(self) -> list[dict]:
         now = time.monotonic()
         with self._lock:
-            return [n.to_dict(now) for n in self._nodes.values()]
+            return [self._node_doc_locked(n) for n in self._nodes.values()]
 
     def node(self, node_id: str) -> dict:
         with self._lock:
-            return self._node_locked(node_id).to_dict(time.monotonic())
+            return self._node_doc_locked(self._node_locked(node_id))
 
     def drain_node(self, node_id: str) -> dict:
-        """Stop placing new objects on the node; what it holds stays readable until it leaves."""
+        """Stop placing new objects on the node and copy what only it holds to other nodes
+        (in the background); `pending_migration` counts down to 0, then it can leave."""
         with self._lock:
             node = self._node_locked(node_id)
             node.state = NODE_DRAINING
-            return node.to_dict(time.monotonic())
+            return self._node_doc_locked(node)
+
+    def _node_doc_locked(self, node: Any) -> dict:
+        doc = node.to_dict(time.monotonic())
+        doc["pending_migration"] = sum(1 for o in self._objects.values()
+                                       if node.node_id in o.replicas and self._stranded(o)) \
+            if node.state == NODE_DRAINING else 0
+        return doc
 
     def undrain_node(self, node_id: str) -> dict:
         with self._lock:

@@ -6,6 +6,7 @@
   capacity down to `low_watermark`.
 - the outbox thread: removes the bytes of dropped objects on their nodes, outside the lock, each
   removal naming the put that wrote the copy.
+- drained nodes' objects are copied elsewhere (`kvpool.master.migration`).
 - `_make_room_locked`: when no node can take a new object, evict LRU unleased replicas from
   the roomiest node; `AllPinned` when only leased objects stand in the way.
 Eviction order is the master's own access recency (it sees every lookup); each node's store
@@ -69,6 +70,7 @@ class Housekeeping:
             for node in [n for n in self._nodes.values()
                          if now - n.last_heartbeat > self.node_timeout_s and n.node_id not in self._local]:
                 self._drop_node_locked(node.node_id, f"no heartbeat for {now - node.last_heartbeat:.1f}s")
+            self._plan_migrations_locked()
             for node in self._nodes.values():
                 cap = node.total_capacity
                 if cap and node.used > self.high_watermark * cap:
@@ -112,6 +114,9 @@ class Housekeeping:
             try:
                 if node_id == "__close__":
                     keys.close()
+                    continue
+                if node_id == "__copy__":
+                    self._run_copy(keys)
                     continue
                 link = self._link(node_id)
                 if link is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from kvpool.master.tables import NodeEntry
-from kvpool.messages import NodeRemove
+from kvpool.messages import NodeCopy, NodeRemove
 from kvpool.rpc import RpcClient
 
 
@@ -20,6 +20,10 @@ class RemoteNodeLink:
     def remove(self, keys: list[str], put_ids: list[int]) -> list[bool]:
         with self._lock:
             return self._rpc.call(NodeRemove(list(keys), list(put_ids))).values
+
+    def copy(self, keys: list[str], put_ids: list[int], source: str) -> list:
+        with self._lock:
+            return self._rpc.call(NodeCopy(list(keys), list(put_ids), source)).results
 
     def close(self) -> None:
         with self._lock:

@@ -11,6 +11,10 @@ a new leader answers `Unavailable` ("recovering") for keys it does not know yet 
 registered in etcd has re-reported what it holds (or `recovery_s` passes), so a failover never
 turns a complete object into a miss.
 
+The class is assembled from mixins, one concept per file: this file holds the client- and
+node-facing calls; `admin_ops` the admin API's calls; `housekeeping` reclaim, node timeouts and
+eviction; `migration` draining.
+
 Errors: malformed input raises `InvalidArgument` (or `ObjectTooLarge`); an unknown node id or key
 in admin calls raises `KeyNotFound`; no room raises `CapacityError` / `AllPinned`.
 """
@@ -30,6 +34,7 @@ from kvpool.errors import (AlreadyExists, CapacityError, InvalidArgument, KeyNot
                            ObjectTooLarge, Unavailable)
 from kvpool.master.admin_ops import AdminOps
 from kvpool.master.housekeeping import Housekeeping
+from kvpool.master.migration import Migration
 from kvpool.master.placement import choose_nodes
 from kvpool.master.tables import COMPLETE, PENDING, NodeEntry, ObjectEntry, Replica
 from kvpool.messages import Entry, Held, Location, NodeInfo, Placed, PutPlan, Target
@@ -38,7 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_OBJECT_BYTES = 1 << 32  # protocol-level ceiling; a node's DRAM capacity is usually lower
 
-class MasterService(AdminOps, Housekeeping):
+class MasterService(AdminOps, Housekeeping, Migration):
     """Object table + node table + placement + leases + reclaim + watermark eviction.
 
     `link_factory(node: NodeEntry)` returns an object with `remove(keys, put_ids)` and `close()`
@@ -61,6 +66,7 @@ class MasterService(AdminOps, Housekeeping):
         self._objects: dict[str, ObjectEntry] = {}
         self._nodes: dict[str, NodeEntry] = {}
         self._banned: set[str] = set()
+        self._migrating: set[str] = set()  # keys with a drain copy in flight
         self._local: set[str] = set()  # nodes in this process (embedded): never timed out
         self._lease_keys: dict[int, list[str]] = {}
         # Unique across failovers: a new leader must never reuse a put id a node still holds.
@@ -257,6 +263,8 @@ class MasterService(AdminOps, Housekeeping):
         self._check_leader()
         with self._lock:
             obj = self._objects.get(key)
+            if obj is not None and obj.state == COMPLETE and obj.put_id == put_id:
+                return  # already published (a new leader learned it from the nodes' reports)
             if obj is None or obj.state != PENDING or obj.put_id != put_id:
                 for p in written:  # the put was reclaimed or removed meanwhile: its bytes must go
                     self._outbox.put((p.node_id, [key], [put_id]))
@@ -280,6 +288,12 @@ class MasterService(AdminOps, Housekeeping):
             obj.last_access = time.monotonic()
             self.counters["puts"] += 1
             self.counters["put_bytes"] += obj.size
+
+    def expects_write(self, key: str, put_id: int, node_id: str) -> bool:
+        """Is `node_id` a target of the pending put `put_id` of `key`? (nodes refuse stray writes)"""
+        with self._lock:
+            obj = self._objects.get(key)
+            return obj is not None and obj.state == PENDING and obj.put_id == put_id and node_id in obj.replicas
 
     def put_abort(self, key: str, put_id: int) -> None:
         self._check_leader()

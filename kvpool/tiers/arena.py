@@ -4,23 +4,28 @@ Other processes on the host map the same file (`SharedArena.attach(path)`) and r
 the offsets the store hands out (`TieredStore.pin`), so a same-host get is one memcpy.
 
 Invariants: `size` never changes after creation; the creator unlinks the file on `close()`, an
-attacher never does. The pages are reserved up front (`posix_fallocate`) so a full tmpfs fails
+attacher never does; a default-named arena whose creator died is unlinked by the next
+`create` on the host (`reap_stale`: the creator holds a flock on it for its whole life). The pages are reserved up front (`posix_fallocate`) so a full tmpfs fails
 at start-up with a clear error instead of SIGBUS on a later write.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import tempfile
+import time
 
 from kvpool.errors import CapacityError, InvalidArgument
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+_DEFAULT_NAME = re.compile(r"kvpool-\d+-[0-9a-f]{8}")
 
 
 def _shm_dir() -> str:
@@ -35,9 +40,45 @@ class SharedArena:
         self.size = size
         self.owner = owner
         self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)  # the mapping keeps the file alive
+        # The creator keeps its fd (and the shared flock on it) while it lives, which is how
+        # `reap_stale` tells a live arena from one whose node died; an attacher needs neither.
+        self._fd = fd if owner else -1
+        if not owner:
+            os.close(fd)
         self.buffer = memoryview(self._mmap)
         self.closed = False
+
+    @staticmethod
+    def reap_stale(directory: str | None = None, min_age_s: float = 10.0) -> list[str]:
+        """Unlink arenas (default-named `kvpool-<pid>-<hex>`) whose creator died without
+        `close()` (kill -9, OOM): nobody holds their flock. Returns the paths removed.
+        Files younger than `min_age_s` are left alone (their creator may not hold the lock yet)."""
+        directory = directory or _shm_dir()
+        removed: list[str] = []
+        now = time.time()
+        for name in os.listdir(directory):
+            if not _DEFAULT_NAME.fullmatch(name):
+                continue
+            path = os.path.join(directory, name)
+            try:
+                if now - os.stat(path).st_mtime < min_age_s:
+                    continue
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its creator is alive
+            finally:
+                os.close(fd)  # also drops our lock if we got it
+            try:
+                os.unlink(path)
+                removed.append(path)
+                log.warning("removed stale shared-memory arena %s (its node died without closing it)", path)
+            except FileNotFoundError:
+                pass
+        return removed
 
     @classmethod
     def create(cls, size: int, name: str | None = None, prefault: bool = True) -> "SharedArena":
@@ -45,13 +86,19 @@ class SharedArena:
             raise InvalidArgument(f"arena size must be a positive int, got {size!r}")
         if name is not None and (not name or "/" in name or name in (".", "..")):
             raise InvalidArgument(f"shm name must be a plain file name, got {name!r}")
-        name = name or f"kvpool-{os.getpid()}-{secrets.token_hex(4)}"
+        if name is None:
+            try:  # best effort: a crashed node's arena would hold its RAM until reboot
+                cls.reap_stale()
+            except OSError:
+                log.debug("could not scan for stale arenas", exc_info=True)
+            name = f"kvpool-{os.getpid()}-{secrets.token_hex(4)}"
         path = os.path.join(_shm_dir(), name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             raise InvalidArgument(f"shared-memory file {path} already exists (another node?)") from None
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, size)
             if prefault:
                 try:
@@ -61,9 +108,11 @@ class SharedArena:
                         raise CapacityError(f"cannot reserve {size} bytes in {path}: {exc.strerror}") from None
                     log.debug("posix_fallocate unsupported on %s (%s); pages are allocated lazily", path, exc)
             return cls(path, size, fd, owner=True)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
             os.unlink(path)
+            if isinstance(exc, OSError):
+                raise CapacityError(f"cannot map a {size}-byte arena at {path}: {exc.strerror}") from None
             raise
 
     @classmethod
@@ -80,8 +129,8 @@ class SharedArena:
         if self.closed:
             return
         self.closed = True
-        self.buffer.release()
         try:
+            self.buffer.release()
             self._mmap.close()
         except BufferError:
             # Someone still holds a view of the arena; the mapping goes when they drop it.
@@ -91,6 +140,8 @@ class SharedArena:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> "SharedArena":
         return self

@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import struct
@@ -74,16 +75,33 @@ class SsdTier:
     def __init__(self, path: str, capacity: int, durable: bool = False):
         if not isinstance(capacity, int) or capacity <= 0:
             raise InvalidArgument(f"SSD capacity must be a positive int, got {capacity!r}")
-        os.makedirs(path, exist_ok=True)
         self.path = path
         self._capacity = capacity
-        self.env = lmdb.open(path, map_size=capacity * MAP_FACTOR + MAP_SLACK, max_dbs=2, writemap=True,
-                             sync=durable, metasync=durable, lock=True, max_readers=512)
-        self._meta = self.env.open_db(b"meta")
-        self._data = self.env.open_db(b"data")
+        # One owner per environment: a second node on the same path would desync our index.
+        try:
+            os.makedirs(path, exist_ok=True)
+            self._lock_fd = os.open(os.path.join(path, "kvpool.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot use {path!r} for the SSD tier: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise InvalidArgument(f"SSD tier {path} is in use by another process") from None
         self._index: dict[str, tuple[int, int]] = {}  # key -> (payload length, xxh3-64)
         self._used = 0
-        self._recover()
+        try:
+            self.env = lmdb.open(path, map_size=capacity * MAP_FACTOR + MAP_SLACK, max_dbs=2, writemap=True,
+                                 sync=durable, metasync=durable, lock=True, max_readers=512)
+            self._meta = self.env.open_db(b"meta")
+            self._data = self.env.open_db(b"data")
+            self._recover()
+        except lmdb.Error as exc:
+            os.close(self._lock_fd)
+            raise InvalidArgument(f"cannot open the SSD tier at {path}: {exc}") from None
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
 
     @property
     def capacity(self) -> int:
@@ -217,4 +235,8 @@ class SsdTier:
         return iter([(k, n) for k, (n, _) in self._index.items()])
 
     def close(self) -> None:
+        if self._lock_fd < 0:
+            return
         self.env.close()
+        os.close(self._lock_fd)  # releases the flock
+        self._lock_fd = -1

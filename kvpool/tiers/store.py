@@ -69,7 +69,7 @@ class TieredStore:
 
     def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
                  policy: str = "s3fifo", shm_name: str | None = None, hbm_capacity: int = 0, *,
-                 on_event: EventHook | None = None, prefault: bool = True):
+                 on_event: EventHook | None = None, prefault: bool = True, ssd_durable: bool = False):
         if ssd_path is not None and ssd_capacity <= 0:
             raise InvalidArgument("an SSD tier needs ssd_capacity > 0")
         self._lock = threading.Lock()
@@ -81,7 +81,7 @@ class TieredStore:
         self.hbm = None
         try:
             if ssd_path is not None:
-                self.ssd = SsdTier(ssd_path, ssd_capacity)
+                self.ssd = SsdTier(ssd_path, ssd_capacity, durable=ssd_durable)
                 self._ssd_policy = make_policy(policy, self.ssd.capacity)
             if hbm_capacity > 0:
                 self.hbm = self._open_hbm(hbm_capacity)

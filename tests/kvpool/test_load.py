@@ -223,8 +223,8 @@ def run_load(address: str, admin_url: str, duration: float, report) -> dict:
         for op, values in r["lat"].items():
             lat.setdefault(op, []).extend(values)
     total_ops = sum(r["ops"] for r in results)
-    lines = [f"load: {PROCESSES * THREADS} clients, {duration:.0f} s, {total_ops} ops "
-             f"({total_ops / duration:.0f} ops/s), {len(live)} live objects, {len(lost)} lost, {len(corrupt)} corrupted"]
+    lines = [f"load: {PROCESSES * THREADS} clients, {duration:.0f} s, {total_ops} ops ({total_ops / duration:.0f} ops/s), "
+             f"{len(live)} live objects, {len(lost)} lost, {len(corrupt)} corrupted"]
     summary = {"clients": PROCESSES * THREADS, "duration_s": duration, "ops": total_ops, "lost": len(lost),
                "corrupted": len(corrupt), "errors": sum(r["n_errors"] for r in results), "latency_ms": {}}
     for op, values in sorted(lat.items()):

@@ -199,3 +199,78 @@ def test_close_does_not_wait_for_a_silent_peer():
     finally:
         eng.close()
         peer.stop()
+
+
+def test_mixed_reads_and_writes_on_one_connection_do_not_deadlock():
+    """Big READ responses and big WRITE payloads crossing on one socket must not block each other.
+
+    Slices are far larger than any socket buffer, so a client that sent a WRITE payload while
+    READ responses were due would block against a server blocked sending those responses.
+    """
+    mib = 1 << 20
+    server = TransferEngine(transports=["tcp"], timeout=3.0).start()
+    client = TransferEngine(transports=["tcp"], timeout=3.0, connections_per_peer=1, slice_bytes=48 * mib)
+    try:
+        remote = bytearray(b"r" * (192 * mib))
+        seg = server.register(remote)
+        src = b"w" * (48 * mib)
+        outs = [bytearray(48 * mib) for _ in range(2)]
+        ops = []
+        for i in range(2):
+            ops.append(Op(READ, outs[i], 0, seg, i * 48 * mib, 48 * mib))
+            ops.append(Op(WRITE, src, 0, seg, (96 + i * 48) * mib, 48 * mib))
+        client.submit(ops).wait(timeout=60)
+        assert all(o == b"r" * (48 * mib) for o in outs)
+        assert remote[96 * mib:] == b"w" * (96 * mib)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_staging_touches_only_the_op_range():
+    """transfer.staging on a CPU tensor (the function is device-agnostic; the engine uses it for CUDA)."""
+    from transfer import staging
+
+    dev = torch.arange(16, dtype=torch.int32)  # 64 bytes
+    op = Op(READ, dev, 8, "desc", 0, 16)
+    host_op, hook = staging.stage(0, op)
+    assert host_op.local_offset == 0 and host_op.local.numel() == 16 and host_op.remote == "desc"
+    host_op.local.copy_(torch.full((16,), 0xFF, dtype=torch.uint8))
+    hook()
+    assert dev[:2].tolist() == [0, 1] and dev[2:6].tolist() == [-1] * 4 and dev[6:].tolist() == list(range(6, 16))
+    write_op, hook = staging.stage(0, Op(WRITE, dev, 0, "desc", 0, 8))
+    assert hook is None and bytes(write_op.local.numpy()) == dev[:2].numpy().tobytes()
+    with pytest.raises(InvalidOp):
+        staging.stage(0, Op(READ, dev, 60, "desc", 0, 8))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_cuda_tensors_as_local_buffers(pair, transport):
+    a, b, mapping, path = pair
+    seg = b.register(mapping, shm_path=path)
+    src = torch.arange(1 << 18, dtype=torch.float32, device="cuda")  # 1 MiB
+    a.write(seg, 0, src, transport=transport)
+    dst = torch.zeros_like(src)
+    batch = a.submit([Op(READ, dst, 0, seg, 0, 1 << 20)], transport=transport)
+    batch.wait(10)
+    assert torch.equal(dst, src)
+    with pytest.raises(InvalidOp):
+        b.register(src)
+
+
+def test_batch_hooks_run_before_done_and_a_failing_hook_fails_its_op():
+    order = []
+    batch = Batch([None, None])
+    batch._hooks = [(0, lambda: order.append(("hook", batch.poll()))), (1, lambda: 1 / 0)]
+    batch.add_done_callback(lambda: order.append(("callback", batch.poll())))
+    batch._expect(2)
+    batch._seal()
+    batch._slice_done(0)
+    assert not batch.poll()
+    batch._slice_done(1)
+    assert order == [("hook", False), ("callback", True)]
+    with pytest.raises(TransferError) as info:
+        batch.wait(1)
+    assert set(info.value.failures) == {1}

@@ -177,3 +177,19 @@ def test_real_device_loopback():
         assert out == data
         client.write(seg, 0, b"\x00" * 4096)
         assert data[:4096] == b"\x00" * 4096
+
+
+def test_busy_peer_does_not_keep_a_silent_one_from_timing_out(engines, fabric):
+    busy_server, silent_server = engines(), engines()
+    client = engines()
+    busy = busy_server.register(bytearray(1 << 16))
+    silent = silent_server.register(bytearray(1 << 16))
+    client.read(silent, 0, bytearray(10))
+    fabric.silent.add(silent_server._transports["rdma"].dev)
+    stuck = client.submit([Op(READ, bytearray(100), 0, silent, 0, 100)])
+    start = time.monotonic()
+    while not stuck.poll() and time.monotonic() - start < TIMEOUT * 3:
+        client.read(busy, 0, bytearray(1000))  # completions keep flowing meanwhile
+    with pytest.raises(TransferTimeout):
+        stuck.wait(0)
+    assert time.monotonic() - start < TIMEOUT * 2

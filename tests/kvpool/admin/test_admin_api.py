@@ -228,3 +228,20 @@ def test_port_in_use_is_a_typed_error(master):
         s.listen()
         with pytest.raises(Unavailable, match="cannot listen"):
             serve_in_thread(create_app(master, Settings()), "127.0.0.1", s.getsockname()[1])
+
+
+def test_list_keys(admin):
+    _, c = admin
+    assert sorted(c.get("/v1/keys").json()["keys"]) == ["key-0", "key-1", "key-2"]
+    assert c.get("/v1/keys", params={"prefix": "key-1"}).json()["keys"] == ["key-1"]
+    assert len(c.get("/v1/keys", params={"limit": 2}).json()["keys"]) == 2
+    _error(c.get("/v1/keys", params={"limit": 0}), 400, "invalid_argument")
+    _error(c.get("/v1/keys", params={"limit": "many"}), 400, "invalid_argument")
+
+
+def test_undrain(master, admin, auth):
+    _, c = admin
+    c.post(f"/v1/nodes/{NODE}/drain", headers=auth)
+    r = c.post(f"/v1/nodes/{NODE}/undrain", headers=auth)
+    assert r.status_code == 200 and master.node(NODE)["state"] == "up"
+    _error(c.post(f"/v1/nodes/{NODE}/undrain"), 401, "unauthorized")

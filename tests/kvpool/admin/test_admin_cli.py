@@ -55,7 +55,7 @@ def main_in_process(monkeypatch, capsys, *args) -> tuple[int, str, str]:
 def test_help_lists_the_commands():
     result = CliRunner().invoke(cli, ["admin", "--help"])
     assert result.exit_code == 0
-    for name in ("nodes", "stats", "key", "evict", "drain", "config", "remove-node"):
+    for name in ("nodes", "stats", "key", "keys", "evict", "drain", "undrain", "config", "remove-node"):
         assert name in result.output
 
 
@@ -66,6 +66,7 @@ def test_nodes_stats_key_json(admin):
     assert run(handle.url, "stats")["objects"] == 3
     assert run(handle.url, "key", "key-2")["size"] == 3000
     assert run(handle.url, "node", "node-a")["objects"] == 3
+    assert sorted(run(handle.url, "keys", "--prefix", "key-")) == ["key-0", "key-1", "key-2"]
 
 
 def test_tables_render(admin):

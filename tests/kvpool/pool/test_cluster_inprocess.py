@@ -178,3 +178,20 @@ def test_garbage_on_the_wire_gets_an_error_and_the_server_lives(cluster):
     with kvpool.connect(master.address) as c:
         c.put("alive", b"yes")
         assert c.get("alive") == b"yes"
+
+
+def test_draining_a_node_copies_its_objects_elsewhere(cluster):
+    master, nodes = cluster
+    svc = master.service
+    with kvpool.connect(master.address) as c:
+        values = {f"d{i}": os.urandom(3000 + i) for i in range(50)}
+        assert c.put_batch(list(values.items())) == [None] * 50
+        on_n2 = [k for k in values if svc.key_info(k)["replicas"][0]["node_id"] == "n2"]
+        assert on_n2
+        assert svc.drain_node("n2")["state"] == "draining"
+        assert wait_for(lambda: svc.node("n2")["pending_migration"] == 0, timeout=10)
+        for k in on_n2:
+            assert {r["node_id"] for r in svc.key_info(k)["replicas"]} - {"n2"}
+        nodes[2].stop()  # now it can leave: nothing is lost
+        assert wait_for(lambda: len(svc.nodes()) == 2)
+        assert c.get_batch(list(values)) == list(values.values())

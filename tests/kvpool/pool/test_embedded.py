@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvpool
+import kvpool.messages
 from kvpool.api import PoolClient
 from kvpool.client import connect_async
 from kvpool.errors import InvalidArgument, KeyNotFound, ObjectTooLarge, Unavailable
@@ -172,3 +173,90 @@ def test_leased_object_is_removed_only_after_release(pool):
             pool.master.key_info("leased")
     finally:
         c.close()
+
+
+def _pinned(pool) -> int:
+    return pool.node.store.stats()["total"]["pinned"]
+
+
+def test_shm_pins_are_released_by_piggyback_flush_and_close(pool):
+    c = kvpool.connect(pool.address)
+    assert c._nodes[pool.address].shm
+    big = os.urandom(256 * 1024)  # above the inline size: read through the mapping, pinned meanwhile
+    c.put("p1", big)
+    c.put("p2", big)
+    assert c.get("p1") == big
+    assert _pinned(pool) == 1  # released with the next request, not by an extra round trip
+    assert c.get("p2") == big
+    assert _pinned(pool) == 1  # p1's pin rode on p2's request
+    c.flush()
+    assert wait_until(lambda: _pinned(pool) == 0)
+    assert c.get("p1") == big
+    c.close()  # a closed connection drops whatever it still pins
+    assert wait_until(lambda: _pinned(pool) == 0)
+
+
+def test_removing_an_object_a_reader_has_pinned_keeps_its_bytes_until_unpin(pool):
+    reader = kvpool.connect(pool.address)
+    other = kvpool.connect(pool.address, use_shm=False)
+    value = os.urandom(128 * 1024)
+    reader.put("pinned", value)
+    node = reader._nodes[pool.address]
+    pins = node.rpc.call(kvpool.messages.NodePin(["pinned"], []))
+    assert pins.sizes == [len(value)] and pins.offsets[0] >= 0
+    assert other.remove("pinned") is True
+    assert other.get("pinned") is None
+    other.put("filler", os.urandom(len(value)))  # may not reuse the pinned bytes
+    o = pins.offsets[0]
+    assert bytes(node.arena[o:o + len(value)]) == value
+    node.unpins.append(pins.pin_id)
+    reader.close()
+    other.close()
+    assert wait_until(lambda: _pinned(pool) == 0)
+
+
+def wait_until(pred, timeout=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_dram_overflow_demotes_to_ssd_and_every_object_stays_readable(tmp_path):
+    from kvpool.config import load_settings
+    from kvpool.server import EmbeddedPool
+
+    settings = load_settings(port=0, admin_port=0, dram_capacity="4MiB", ssd_path=str(tmp_path / "ssd"),
+                             ssd_capacity="64MiB", heartbeat_s=0.2)
+    with EmbeddedPool(settings) as pool:
+        for shm in (True, False):
+            with kvpool.connect(pool.address, use_shm=shm) as c:
+                values = {f"s{shm}{i}": os.urandom(512 * 1024) for i in range(24)}  # 12 MiB through 4 MiB of DRAM
+                for k, v in values.items():
+                    c.put(k, v)
+                assert pool.node.store.stats()["tiers"]["ssd"]["objects"] > 0
+                for k, v in values.items():  # SSD hits are promoted back into DRAM to be served
+                    assert c.get(k) == v
+                assert c.match_prefix(list(values)) == len(values)
+
+
+def test_dram_full_without_ssd_evicts_and_reports_misses_not_garbage(tmp_path):
+    from kvpool.config import load_settings
+    from kvpool.server import EmbeddedPool
+
+    settings = load_settings(port=0, admin_port=0, dram_capacity="4MiB", heartbeat_s=0.2)
+    with EmbeddedPool(settings) as pool, kvpool.connect(pool.address) as c:
+        values = {f"e{i}": os.urandom(512 * 1024) for i in range(24)}
+        for k, v in values.items():
+            c.put(k, v)
+        got = c.get_batch(list(values))
+        assert any(g is None for g in got) and got[-1] == values["e23"]
+        for (k, v), g in zip(values.items(), got):
+            assert g is None or g == v
+        present = c.exists_batch(list(values))
+        assert present == [g is not None for g in got]  # the master's index follows the node's evictions
+        assert pool.master.stats()["objects"] == sum(present)

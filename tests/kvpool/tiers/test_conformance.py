@@ -129,3 +129,12 @@ def test_long_unicode_key(tier):
     tier.put(key, b"v")
     assert tier.get(key) == b"v"
     assert [k for k, _ in tier.keys()] == [key]
+
+
+def test_ssd_path_has_one_owner(tmp_path):
+    first = SsdTier(str(tmp_path / "lmdb"), CAPACITY)
+    with pytest.raises(InvalidArgument):
+        SsdTier(str(tmp_path / "lmdb"), CAPACITY)
+    first.close()
+    first.close()  # idempotent
+    SsdTier(str(tmp_path / "lmdb"), CAPACITY).close()

@@ -228,3 +228,13 @@ def test_hbm_request_without_cuda_runs_without_it(make_store):
         pytest.skip("this machine has CUDA")
     store = make_store(hbm_capacity=1 << 20)
     assert store.hbm is None and "hbm" not in store.stats()["tiers"]
+
+
+def test_close_with_a_live_export_does_not_raise():
+    import numpy as np
+
+    store = TieredStore(1 << 20)
+    held = np.frombuffer(store.arena.buffer, dtype=np.uint8)  # e.g. a tensor over the arena
+    path = store.arena.path
+    store.close()
+    assert not os.path.exists(path) and held.size == store.arena.size

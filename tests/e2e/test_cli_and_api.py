@@ -1,0 +1,106 @@
+"""The worker HTTP API's contract (typed errors, load report, events) and the user-facing
+commands `kvpool generate` and `kvpool up --demo`, all against real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from e2e_support import reference
+from engine_adapters.handle import KVHandle
+from kvpool.errors import InvalidArgument, KeyNotFound, LayoutMismatch
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
+
+KVPOOL = [sys.executable, "-c", "from kvpool.cli import main; main()"]
+
+
+def test_bad_requests_get_typed_errors_not_tracebacks(cluster, prefill, decode):
+    url = cluster.url("prefill")
+    for body in (b"{", b'{"token_ids": []}', b'{"token_ids": [1], "v": 7}', b'{"token_ids": [-1]}'):
+        resp = httpx.post(f"{url}/v1/prefill", content=body, timeout=60)
+        assert resp.status_code == 400, body
+        assert resp.json()["code"] == "invalid_argument" and "Traceback" not in resp.text
+    with pytest.raises(InvalidArgument):  # a decode worker does not prefill
+        decode.prefill([1, 2, 3])
+    ns = prefill.info().namespace
+    gone = KVHandle(namespace=ns, request_id="nope", num_tokens=3, chunk_tokens=256, chunk_keys=[],
+                    tail_key="tail/nope")
+    with pytest.raises(KeyNotFound):
+        list(decode.decode(gone, 5, 4))
+    other = KVHandle(namespace="0" * 32, request_id="x", num_tokens=3, chunk_tokens=256, chunk_keys=[],
+                     tail_key="tail/x")
+    with pytest.raises(LayoutMismatch):
+        list(decode.decode(other, 5, 4))
+
+
+def test_load_report_events_and_metrics(prefill, decode, rm):
+    ids = rm.encode("A short prompt about the load report")
+    head = prefill.prefill(ids)
+    report = prefill.load()
+    assert report.role == "prefill" and report.queue_length == 0 and report.cache_capacity_tokens > 0
+    list(decode.decode(head.handle, head.first_token, 3))
+    text = decode.metrics()
+    assert "kvpool_worker_generated_tokens_total" in text and "kvpool_worker_active_sequences" in text
+    since = prefill.events(0)
+    assert all(e.kind in ("stored", "removed") and e.tier in ("local", "pool") for e in since.events)
+    assert prefill.events(since.next).events == []
+
+
+def test_kvpool_generate_cli_streams_and_ends_with_json(cluster, rm):
+    out = subprocess.run([*KVPOOL, "generate", "--prefill", cluster.url("prefill"), "--decode", cluster.url("decode"),
+                          "--message", "What is the capital of Spain?", "--max-tokens", "6", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(doc) >= {"text", "token_ids", "ttft_ms", "cached_tokens", "computed_tokens"}
+    ids = rm.encode_chat([{"role": "user", "content": "What is the capital of Spain?"}])
+    assert doc["token_ids"] == reference(rm, ids, 6)
+    assert doc["text"] == rm.decode(doc["token_ids"]) and doc["text"] in out.stdout
+    assert doc["computed_tokens"] + doc["cached_tokens"] == len(ids)
+
+
+def test_kvpool_generate_cli_rejects_bad_usage(cluster):
+    out = subprocess.run([*KVPOOL, "generate", "--prefill", cluster.url("prefill"), "--decode", cluster.url("decode")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "exactly one of --prompt or --message" in out.stderr
+
+
+@pytest.mark.slow
+def test_kvpool_up_demo_runs_and_stops_cleanly(tmp_path):
+    out = subprocess.run([*KVPOOL, "up", "--demo", "--max-tokens", "8", "--workdir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("TTFT") == 2
+    second = out.stdout.split("[2]")[1]
+    assert " 0 from the cache" not in second  # the shared prefix was reused
+
+
+@pytest.mark.slow
+def test_kvpool_up_stops_its_processes_on_sigint(tmp_path):
+    proc = subprocess.Popen([*KVPOOL, "up", "--workdir", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops" in line or time.monotonic() > deadline:
+                break
+        pids = [json.loads(p.read_text())["pid"] for p in tmp_path.glob("*.ready")]
+        assert len(pids) == 2, "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,124 @@
+"""Property test of the master's tables: any sequence of puts, ends, aborts, lookups, releases,
+removes, evictions, node joins and losses keeps the accounting exact and never shows a reader
+an object that is not complete. (The service is not started: no threads, no node links.)"""
+
+from __future__ import annotations
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool.config import Settings
+from kvpool.errors import KVPoolError
+from kvpool.master.service import MasterService
+from kvpool.master.tables import COMPLETE
+from kvpool.messages import Held, NodeInfo, Placed
+
+KEYS = st.sampled_from([f"k{i}" for i in range(8)])
+NODES = st.sampled_from(["a", "b", "c"])
+
+
+def info(node_id: str, cap: int = 10_000) -> NodeInfo:
+    return NodeInfo(node_id=node_id, address=f"127.0.0.1:{1000 + ord(node_id)}", hostname="h", segments=[],
+                    shm_path=None, capacity={"dram": cap})
+
+
+class MasterMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.m = MasterService(Settings(replicas=1, put_timeout_s=1000))
+        self.puts: dict[str, tuple[int, list[str]]] = {}  # key -> (put_id, target nodes) of open puts
+        self.leases: list[int] = []
+        for n in ("a", "b"):
+            self.m.register_node(info(n))
+
+    @rule(key=KEYS, size=st.integers(1, 4000), replicas=st.integers(1, 3), writer=st.sampled_from(["", "a", "c"]))
+    def put_start(self, key, size, replicas, writer):
+        try:
+            plan = self.m.put_start(key, size, replicas, writer)
+        except KVPoolError:
+            return
+        if not plan.exists:
+            self.puts[key] = (plan.put_id, [t.node_id for t in plan.targets])
+
+    @precondition(lambda self: self.puts)
+    @rule(data=st.data(), landed=st.integers(0, 3))
+    def put_end(self, data, landed):
+        key = data.draw(st.sampled_from(sorted(self.puts)))
+        put_id, targets = self.puts.pop(key)
+        written = [Placed(n, "dram", "", 0) for n in targets[:landed]]
+        try:
+            self.m.put_end(key, put_id, written)
+        except KVPoolError:
+            return
+
+    @precondition(lambda self: self.puts)
+    @rule(data=st.data())
+    def put_abort(self, data):
+        key = data.draw(st.sampled_from(sorted(self.puts)))
+        put_id, _ = self.puts.pop(key)
+        self.m.put_abort(key, put_id)
+
+    @rule(keys=st.lists(KEYS, max_size=4))
+    def lookup(self, keys):
+        lease_id, entries = self.m.lookup(keys)
+        for key, entry in zip(keys, entries):
+            obj = self.m._objects.get(key)
+            if entry is not None:
+                assert obj is not None and obj.state == COMPLETE and not obj.removing
+                assert entry.size == obj.size and entry.locations
+        if lease_id:
+            self.leases.append(lease_id)
+
+    @precondition(lambda self: self.leases)
+    @rule()
+    def release(self):
+        self.m.release([self.leases.pop(0)])
+
+    @rule(keys=st.lists(KEYS, max_size=3))
+    def remove(self, keys):
+        self.m.remove(keys)
+
+    @rule(nbytes=st.integers(0, 8000))
+    def evict(self, nbytes):
+        self.m.evict(target_bytes=nbytes)
+
+    @rule(node=NODES)
+    def join(self, node):
+        held = [Held(k, o.size, "dram", o.put_id) for k, o in list(self.m._objects.items())[:2] if o.state == COMPLETE]
+        try:
+            self.m.register_node(info(node), held)
+        except KVPoolError:
+            pass
+
+    @rule(node=NODES)
+    def lose(self, node):
+        self.m.drop_node(node)
+
+    @rule(node=NODES, drain=st.booleans())
+    def drain(self, node, drain):
+        try:
+            (self.m.drain_node if drain else self.m.undrain_node)(node)
+        except KVPoolError:
+            pass
+
+    @rule()
+    def tick(self):
+        self.m.tick()
+
+    @invariant()
+    def accounting_is_exact(self):
+        m = self.m
+        for node in m._nodes.values():
+            holding = [o for o in m._objects.values() if node.node_id in o.replicas]
+            assert node.used == sum(o.size for o in holding), node.node_id
+            assert node.objects == sum(o.state == COMPLETE for o in holding), node.node_id
+        for obj in m._objects.values():
+            assert set(obj.replicas) <= set(m._nodes)
+            if obj.state == COMPLETE:
+                assert obj.replicas, obj.key
+        visible = {k for k, o in m._objects.items() if o.visible()}
+        assert {k for k, v in zip(sorted(visible), m.exists(sorted(visible))) if v} == visible
+
+
+TestMasterMachine = MasterMachine.TestCase
+TestMasterMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
