@@ -65,7 +65,8 @@ class Settings(BaseSettings):
     ssd_path: str | None = None  # None: no SSD tier
     ssd_capacity: int = 8 << 30
     hbm_capacity: int = 0  # bytes of device memory; 0 = no HBM tier
-    eviction: str = "s3fifo"  # "lru" | "s3fifo"
+    # ARC beat LRU at every cache size on the conversation trace; S3-FIFO only at 2% (BENCHMARKS.md).
+    eviction: str = "arc"  # "lru" | "s3fifo" | "arc"
 
     # Pool behaviour.
     replicas: int = Field(1, ge=1)

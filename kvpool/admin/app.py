@@ -179,15 +179,18 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     made, watching `master_service.stats()`, if not given); it is served at `/metrics`."""
     settings = settings or Settings()
     svc = master_service
+    # The scrape reads a snapshot that `/metrics` takes just before rendering: the master's
+    # methods may be coroutines, which the (threaded) collector could not await.
+    snapshot: dict[str, Any] = {}
     if metrics is None:
         metrics = ServiceMetrics("master")
 
-        # one collector, so one kvpool_stats_up; per-node rows come from nodes()
-        def scrape() -> dict[str, Any]:
-            stats, nodes = to_builtins(svc.stats()), to_builtins(svc.nodes())
-            return {**_with_node_tiers(stats, nodes), "nodes": nodes}
+        def latest() -> dict[str, Any]:
+            if "error" in snapshot:
+                raise snapshot["error"]
+            return snapshot.get("doc", {})
 
-        metrics.watch_stats(scrape)
+        metrics.watch_stats(latest)  # one collector, so one kvpool_stats_up
 
     def current_token() -> str | None:
         return settings.admin_token
@@ -295,6 +298,12 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     @app.get("/metrics", tags=["metrics"], response_class=Response)
     async def prometheus() -> Response:
         """Prometheus text exposition (`kvpool_` prefix)."""
+        try:
+            stats, nodes = await _call(svc.stats), await _call(svc.nodes)
+            snapshot.pop("error", None)
+            snapshot["doc"] = {**_with_node_tiers(stats, nodes), "nodes": nodes}  # per-node rows too
+        except Exception as exc:  # reported as kvpool_stats_up 0 by the collector; the scrape still answers
+            snapshot["error"] = exc
         body, content_type = await run_in_threadpool(render, metrics.registry)
         return Response(content=body, media_type=content_type)
 

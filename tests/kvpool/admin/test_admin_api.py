@@ -245,3 +245,31 @@ def test_undrain(master, admin, auth):
     r = c.post(f"/v1/nodes/{NODE}/undrain", headers=auth)
     assert r.status_code == 200 and master.node(NODE)["state"] == "up"
     _error(c.post(f"/v1/nodes/{NODE}/undrain"), 401, "unauthorized")
+
+
+def test_async_master_methods_are_awaited(master):
+    """A master whose methods are coroutines (an asyncio master) works the same."""
+    import httpx
+
+    from kvpool.admin import create_app, serve_in_thread
+    from kvpool.config import Settings
+
+    class AsyncFacade:
+        def __getattr__(self, name):
+            target = getattr(master, name)
+
+            async def call(*args, **kwargs):
+                return target(*args, **kwargs)
+
+            return call
+
+    handle = serve_in_thread(create_app(AsyncFacade(), Settings()), "127.0.0.1", 0)
+    try:
+        with httpx.Client(base_url=handle.url, timeout=10) as c:
+            assert c.get("/v1/stats").json()["stats"]["objects"] == 3
+            assert c.get("/v1/keys/key-2").json()["info"]["size"] == 3000
+            assert c.get("/v1/nodes/ghost").status_code == 404
+            assert c.get("/ready").status_code == 200
+            assert "kvpool_pool_objects" in c.get("/metrics").text
+    finally:
+        handle.stop()

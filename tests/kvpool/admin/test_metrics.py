@@ -116,3 +116,17 @@ def test_collector_accepts_structs_and_dataclasses():
     reg.register(StatsCollector(lambda: Doc(tiers={"dram": Tier(used=3, hits=4)})))
     s = _samples(generate_latest(reg).decode())
     assert s[("kvpool_tier_hits_total", (("tier", "dram"),))] == 4
+
+
+def test_master_metrics_survive_a_failing_stats(master, admin, monkeypatch):
+    _, c = admin
+
+    def broken():
+        raise RuntimeError("stats down")
+
+    monkeypatch.setattr(master, "stats", broken)
+    r = c.get("/metrics")
+    assert r.status_code == 200
+    assert _samples(r.text)[("kvpool_stats_up", ())] == 0
+    monkeypatch.undo()
+    assert _samples(c.get("/metrics").text)[("kvpool_stats_up", ())] == 1

@@ -260,3 +260,17 @@ def test_dram_full_without_ssd_evicts_and_reports_misses_not_garbage(tmp_path):
         present = c.exists_batch(list(values))
         assert present == [g is not None for g in got]  # the master's index follows the node's evictions
         assert pool.master.stats()["objects"] == sum(present)
+
+
+def test_a_forgotten_shm_pin_expires_after_the_lease(tmp_path):
+    from kvpool.config import load_settings
+    from kvpool.messages import NodePin
+    from kvpool.server import EmbeddedPool
+
+    settings = load_settings(port=0, admin_port=0, dram_capacity="8MiB", heartbeat_s=0.1, lease_s=0.3)
+    with EmbeddedPool(settings) as pool, kvpool.connect(pool.address) as c:
+        c.put("forgotten", os.urandom(100_000))
+        pins = c._nodes[pool.address].rpc.call(NodePin(["forgotten"], []))
+        assert pins.pin_id and _pinned(pool) == 1
+        assert wait_until(lambda: _pinned(pool) == 0, timeout=5)  # the connection is still open
+        assert c.get("forgotten") is not None
