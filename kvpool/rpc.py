@@ -329,12 +329,26 @@ class RpcClient:
             raise self._broken(exc) from None
 
     def call(self, msg: Any, buffers: Sequence[Any] = ()) -> Any:
+        self.send_request(msg, buffers)
+        return self.recv_reply()
+
+    def send_request(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
+        """First half of `call`: lets a caller send to several servers before waiting on any."""
         sock = self._sock or self._connect()
         if self.payload_left:
             self.skip_payload()
         try:
             nbytes = sum(memoryview(b).nbytes for b in buffers)
             send_all(sock, _frame(msg, nbytes) + list(buffers))
+        except OSError as exc:
+            raise self._broken(exc) from None
+
+    def recv_reply(self) -> Any:
+        """Second half of `call`: the reply to the request sent last."""
+        sock = self._sock
+        if sock is None:
+            raise Unavailable(f"connection to {self.address} is closed")
+        try:
             recv_exact_into(sock, memoryview(self._header))
             version, _flags, msg_len, payload_len = HEADER.unpack(self._header)
             if version != PROTOCOL_VERSION:

@@ -126,6 +126,11 @@ class PoolKV:
 
     def remove(self, key: str) -> None:
         try:
+            # Our own read of the object holds a lease that would defer the removal (and make the
+            # re-store of a good copy find the key busy); the client releases leases lazily.
+            flush = getattr(self.pool, "flush", None)
+            if flush is not None:
+                flush()
             self.pool.remove(key)
         except KVPoolError as exc:  # best effort: the tail's lease reclaims it anyway
             log.warning("could not remove %s from the pool: %s", key, exc)

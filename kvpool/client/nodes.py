@@ -115,7 +115,16 @@ class NodeConn:
 
     def write(self, keys: Sequence[str], sizes: Sequence[int], put_ids: Sequence[int], views: Sequence[Any],
               replicas: int = 0) -> list[Placed | Err]:
-        return self.rpc.call(NodeWrite(list(keys), list(sizes), list(put_ids), replicas), views).results
+        self.start_write(keys, sizes, put_ids, views, replicas)
+        return self.finish_write()
+
+    def start_write(self, keys: Sequence[str], sizes: Sequence[int], put_ids: Sequence[int], views: Sequence[Any],
+                    replicas: int = 0) -> None:
+        """Send a write without waiting, so writes to several replicas overlap."""
+        self.rpc.send_request(NodeWrite(list(keys), list(sizes), list(put_ids), replicas), views)
+
+    def finish_write(self) -> list[Placed | Err]:
+        return self.rpc.recv_reply().results
 
     def close(self) -> None:
         try:

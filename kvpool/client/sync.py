@@ -327,15 +327,19 @@ class Client:
             elif not plan.exists:
                 for t in plan.targets:
                     by_node.setdefault(t.address, []).append(i)
-        for address, idx in by_node.items():
+        sent: list[tuple[str, list[int]]] = []
+        for address, idx in by_node.items():  # send to every node first: replica writes overlap
             try:
-                results = self._node(address).write([keys[i] for i in idx], [views[i].nbytes for i in idx],
-                                                    [plans[i].put_id for i in idx], [views[i] for i in idx])
+                self._node(address).start_write([keys[i] for i in idx], [views[i].nbytes for i in idx],
+                                                [plans[i].put_id for i in idx], [views[i] for i in idx])
+                sent.append((address, idx))
             except Unavailable as exc:  # that node died mid-put: the other replicas may still land
-                log.info("write to node %s failed: %s", address, exc)
-                self._drop_node(address)
-                for i in idx:
-                    out[i] = out[i] or exc
+                self._write_failed(address, idx, exc, out)
+        for address, idx in sent:
+            try:
+                results = self._nodes[address].finish_write()
+            except Unavailable as exc:
+                self._write_failed(address, idx, exc, out)
                 continue
             for i, res in zip(idx, results):
                 if isinstance(res, Placed):
@@ -352,6 +356,12 @@ class Client:
                 elif written[i]:
                     out[i] = None  # published: a failed extra replica does not fail the put
         return out
+
+    def _write_failed(self, address: str, idx: list[int], exc: Exception, out: list[Exception | None]) -> None:
+        log.info("write to node %s failed: %s", address, exc)
+        self._drop_node(address)
+        for i in idx:
+            out[i] = out[i] or exc
 
     def remove(self, key: str) -> bool:
         check_key(key)
