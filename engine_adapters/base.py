@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import msgspec
+import numpy as np
 import xxhash
 
 from engine_adapters.handle import KVHandle
@@ -183,11 +184,17 @@ class PlannedObject:
 
 
 def _check_token_ids(token_ids: Sequence[int]) -> list[int]:
+    """Token ids as a list of ints; anything else (floats, strings, nesting, out of u32) is refused
+    rather than rounded, since a silently changed id would key another prompt's KV."""
     try:
-        ids = [int(t) for t in token_ids]
+        arr = np.asarray(token_ids)
     except (TypeError, ValueError):
         raise InvalidArgument("token ids must be a sequence of integers") from None
-    return ids
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgument(f"token ids must be a flat sequence of integers, got {arr.dtype} of shape {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+        raise InvalidArgument("token ids must be in 0..2**32-1")
+    return arr.tolist()
 
 
 class ChunkStore:

@@ -64,9 +64,14 @@ def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def cache_from_kv(kv: torch.Tensor, config: Any = None) -> DynamicCache:
     """A DynamicCache whose layer i holds views of `kv[i, 0]` / `kv[i, 1]` (`[L, 2, H, T, D]`), no copy."""
+    return cache_from_layers(list(kv), config)
+
+
+def cache_from_layers(layers: Sequence[torch.Tensor], config: Any = None) -> DynamicCache:
+    """A DynamicCache whose layer i holds views of `layers[i][0]` / `layers[i][1]` (`[2, H, T, D]`)."""
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    for i in range(kv.shape[0]):
-        k, v = kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)
+    for i, layer in enumerate(layers):
+        k, v = layer[0].unsqueeze(0), layer[1].unsqueeze(0)
         if i < len(cache.layers):
             layer = cache.layers[i]
             layer.lazy_initialization(k, v)
@@ -168,7 +173,8 @@ class HFLayerwiseLoad:
         self._layer_ready = [threading.Event() for _ in range(layers)]
         self._error: BaseException | None = None
         self._num_tokens = 0
-        self._kv: torch.Tensor | None = None
+        self._kv: torch.Tensor | None = None  # host assembly buffer [L, 2, H, T, D]
+        self._layers: list[torch.Tensor] = []  # layer i on the model's device, once ready
         ids = list(token_ids)
         self._thread = threading.Thread(target=self._run, args=(ids, max_tokens), daemon=True,
                                         name="kvpool-hf-load")
@@ -182,11 +188,13 @@ class HFLayerwiseLoad:
                 self._kv = self._adapter.empty_kv(self._num_tokens)
             self._fetched.set()
             sources = [v.as_torch() for v in views]
+            device = self._adapter.device
             for i, ready in enumerate(self._layer_ready):
                 start = 0
                 for src in sources:
                     self._kv[i, :, :, start:start + src.shape[3]].copy_(src[i])
                     start += src.shape[3]
+                self._layers.append(self._kv[i] if device.type == "cpu" else self._kv[i].to(device))
                 ready.set()
         except BaseException as exc:  # handed to the waiting thread, which re-raises it
             self._error = exc
@@ -210,7 +218,8 @@ class HFLayerwiseLoad:
         self._check()
         if self._kv is None:
             raise InvalidArgument("nothing was loaded (num_tokens() == 0): there is no layer KV to wait for")
-        return self._kv[i, 0].unsqueeze(0), self._kv[i, 1].unsqueeze(0)
+        layer = self._layers[i]
+        return layer[0].unsqueeze(0), layer[1].unsqueeze(0)
 
     def cache(self) -> DynamicCache:
         """A DynamicCache of the loaded prefix to run the model on right away: the model's first use
@@ -227,7 +236,7 @@ class HFLayerwiseLoad:
         self._check()
         if self._kv is None:
             return LoadResult(0, None)
-        return LoadResult(self._num_tokens, cache_from_kv(self._kv, self._adapter.model.config))
+        return LoadResult(self._num_tokens, cache_from_layers(self._layers, self._adapter.model.config))
 
 
 class HFAdapter:
@@ -246,11 +255,13 @@ class HFAdapter:
         self.namespace = namespace
         self.layout = layout
         self.torch_dtype = model.dtype
+        self.device = model.device  # loaded KV goes here; saved KV is copied to the host first
         self.store = ChunkStore(pool, namespace)
 
     # -- engine format ---------------------------------------------------------------------
 
     def empty_kv(self, tokens: int) -> torch.Tensor:
+        """A host tensor `[L, 2, H, tokens, D]` to assemble chunks in."""
         return torch.empty(self.layout.shape(tokens), dtype=self.torch_dtype)
 
     def check_layer_kv(self, t: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -277,6 +288,8 @@ class HFAdapter:
         for view in views:
             kv[:, :, :, start:start + view.tokens].copy_(view.as_torch())
             start += view.tokens
+        if self.device.type != "cpu":  # assembled on the host, where the bytes arrive; one copy over
+            kv = kv.to(self.device)
         return cache_from_kv(kv, self.model.config)
 
     # -- the contract ------------------------------------------------------------------------
@@ -337,7 +350,8 @@ class HFAdapter:
 # -- running the model on a cache (used by the reference workers and the tests) ------------------
 
 @torch.inference_mode()
-def forward(model: Any, token_ids: Sequence[int], cache: DynamicCache | None = None) -> tuple[torch.Tensor, DynamicCache]:
+def forward(model: Any, token_ids: Sequence[int],
+            cache: DynamicCache | None = None) -> tuple[torch.Tensor, DynamicCache]:
     """Run the tokens that `cache` does not yet hold; return (last-position logits [vocab], cache).
 
     `token_ids` is the whole sequence so far; the cache holds its first `cache.get_seq_length()`
@@ -347,7 +361,7 @@ def forward(model: Any, token_ids: Sequence[int], cache: DynamicCache | None = N
     have = cache.get_seq_length()
     if have >= len(token_ids):
         raise InvalidArgument(f"the cache already holds {have} of {len(token_ids)} tokens: nothing to compute")
-    new = torch.tensor([list(token_ids[have:])], dtype=torch.long)
+    new = torch.tensor([list(token_ids[have:])], dtype=torch.long, device=model.device)
     out = model(input_ids=new, cache=cache, use_cache=True)
     return out.logits[0, -1], out.cache if getattr(out, "cache", None) is not None else cache
 
@@ -370,4 +384,4 @@ def greedy_continue(model: Any, token_ids: Sequence[int], cache: DynamicCache | 
 
 
 __all__ = ["HFAdapter", "HFLayerwiseLoad", "HFLayerwiseSave", "KVEvent", "KVHandle", "LoadResult", "SaveResult",
-           "cache_from_kv", "forward", "greedy_continue", "layout_for_model"]
+           "cache_from_kv", "cache_from_layers", "forward", "greedy_continue", "layout_for_model"]

@@ -9,6 +9,7 @@ Data path (all on the node's RPC port, one round trip each):
 - `NodeWrite`: reserve in the arena, `recv_into` the reservation, commit. A write that dies
   half-way is aborted, so a half-written object is never visible. With `put_id == 0` and a master
   in this process (embedded mode) the node plans and publishes the put itself: one round trip.
+- `NodeCopy`: pull objects from another node (the master's drain), master stays off the data path.
 
 The node remembers which put wrote each object (`put_id`), and `NodeRemove` removes a copy only
 if it is still that put's, so a late removal from the master never deletes a newer object.

@@ -167,7 +167,8 @@ class RpcServer:
             self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
         except OSError as exc:
             raise Unavailable(f"{name}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        self.host = host
+        # Listening on every interface: advertise this machine's address, not 0.0.0.0.
+        self.host = host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname())
         self.port = self._sock.getsockname()[1]
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()

@@ -122,9 +122,8 @@ class Scheduler:
                     job = self._prefills[0] if self._prefills else None
                 if self._running:
                     self._decode_step()
-                if job is not None and self._prefill_chunk(job):
-                    with self._cond:
-                        self._prefills.popleft()
+                if job is not None:
+                    self._prefill_chunk(job)
         except BaseException:  # the engine thread must never die silently
             log.exception("engine loop crashed")
             raise
@@ -134,6 +133,7 @@ class Scheduler:
     def _decode_step(self) -> None:
         started = time.perf_counter()
         still: list[DecodeSequence] = []
+        finals: list[tuple[DecodeSequence, int | None, str | None, BaseException | None]] = []
         for seq in self._running:
             if seq.cancelled:
                 seq.finished = True
@@ -142,8 +142,7 @@ class Scheduler:
                 token = self.runner.greedy(self.runner.extend(seq.cache, [seq.next_token]))
             except Exception as exc:
                 log.exception("decode step failed for request %s", seq.request_id)
-                seq.finished = True
-                seq.emit(None, None, exc)
+                finals.append((seq, None, None, exc))
                 continue
             seq.generated += 1
             seq.remaining -= 1
@@ -151,19 +150,22 @@ class Scheduler:
             reason = "stop" if token in seq.stop_ids else ("length" if seq.remaining <= 0 else None)
             if reason is None and seq.kv_tokens + 1 >= self.runner.max_positions:
                 reason = "length"
-            seq.emit(token, reason, None)
             if reason is None:
+                seq.emit(token, None, None)
                 still.append(seq)
             else:
-                seq.finished = True
+                finals.append((seq, token, reason, None))
         n = len(self._running)
-        self._running = still
+        self._running = still  # before the final emits, so a client that saw "done" sees the load without it
+        for seq, token, reason, error in finals:
+            seq.finished = True
+            seq.emit(token, reason, error)
         self.steps += 1
         if self._on_decode_step is not None:
             self._on_decode_step(n, time.perf_counter() - started)
 
-    def _prefill_chunk(self, job: PrefillJob) -> bool:
-        """One chunk of `job`; True when the job is resolved (done or failed)."""
+    def _prefill_chunk(self, job: PrefillJob) -> None:
+        """One chunk of `job`; a finished or failed job leaves the queue before it is resolved."""
         started = time.perf_counter()
         budget = self.prefill_chunk_tokens or job.remaining
         end = min(len(job.token_ids), job.cursor + budget)
@@ -171,16 +173,21 @@ class Scheduler:
             job.logits = self.runner.extend(job.cache, job.token_ids[job.cursor:end])
         except Exception as exc:
             log.exception("prefill failed for request %s", job.request_id)
+            self._pop(job)
             job.future.set_exception(exc)
-            return True
+            return
         tokens = end - job.cursor
         job.cursor = end
         if self._on_prefill_chunk is not None:
             self._on_prefill_chunk(tokens, time.perf_counter() - started)
-        if job.cursor < len(job.token_ids):
-            return False
-        job.future.set_result(self.runner.greedy(job.logits))
-        return True
+        if job.cursor == len(job.token_ids):
+            self._pop(job)
+            job.future.set_result(self.runner.greedy(job.logits))
+
+    def _pop(self, job: PrefillJob) -> None:
+        with self._cond:
+            if self._prefills and self._prefills[0] is job:
+                self._prefills.popleft()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:

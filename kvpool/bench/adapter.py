@@ -92,14 +92,15 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, as_json: bool) -> None:
 
     report = Report("adapter")
     for name in ("cached_50", "cached_90"):
-        report.add(f"ttft_{name}", samples[name], "ms", size=tokens, baseline="ttft_cold",
-                   baseline_values=samples["cold"],
-                   extra={"cached_tokens": cached_tokens[name], "computed_tokens": tokens - cached_tokens[name],
+        report.add(f"ttft_{name}", samples[name], "ms", baseline="ttft_cold", baseline_values=samples["cold"],
+                   extra={"prompt_tokens": tokens, "cached_tokens": cached_tokens[name],
+                          "computed_tokens": tokens - cached_tokens[name],
                           "ttft_fraction_of_cold": round(_median(samples[name]) / _median(samples["cold"]), 3)})
-    report.add("ttft_cold", samples["cold"], "ms", size=tokens, baseline="model_forward",
-               baseline_values=samples["model_forward"], extra={"cached_tokens": 0, "computed_tokens": tokens})
-    report.notes.append("cached tokens are whole chunks fetched from the pool (worker-local cache off); "
-                        "goal: ttft_cached_90 under 0.2x cold, i.e. ratio above 5")
+    report.add("ttft_cold", samples["cold"], "ms", baseline="model_forward", baseline_values=samples["model_forward"],
+               extra={"prompt_tokens": tokens, "cached_tokens": 0, "computed_tokens": tokens})
+    report.notes.append("cached tokens are whole chunks fetched from the pool (worker-local cache off), so "
+                        f"'90%' is {cached_tokens['cached_90']} of {tokens} tokens; goal: ttft_cached_90 under "
+                        "0.2x cold, i.e. ratio above 5")
     report.emit(as_json)
 
 

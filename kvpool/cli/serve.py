@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from kvpool.cli._service import common_options, node_options, run_until_signal, settings_from
+from kvpool.errors import InvalidArgument
 
 
 @click.command()
@@ -19,5 +20,8 @@ def serve(config_file, **flags) -> None:
     from kvpool.server import EmbeddedPool
 
     settings = settings_from(config_file, **flags)
+    if settings.meta:
+        raise InvalidArgument("`kvpool serve` is the embedded mode (no etcd); for a cluster run "
+                              "`kvpool master --meta ...` and `kvpool node --meta ...`")
     pool = EmbeddedPool(settings, admin=bool(settings.admin_port)).start()
     run_until_signal(pool, f"kvpool serving at {pool.address}")

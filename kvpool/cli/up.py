@@ -117,6 +117,12 @@ def _demo(prefill_url: str, decode_url: str, max_tokens: int) -> None:
         for i, question in enumerate(DEMO_QUESTIONS, 1):
             ids = prefill.tokenize(messages=[{"role": "system", "content": HANDBOOK},
                                              {"role": "user", "content": question}])
+            if i > 1:
+                # Otherwise the prefill worker's own prefix cache (its "HBM" tier) would answer;
+                # emptying it shows the shared prefix coming back from the pool.
+                prefill.clear_cache()
+                click.echo("\n(prefill worker's local prefix cache cleared: the shared prefix must come "
+                           "from the pool)")
             click.echo(f"\n[{i}] {question}\n    ", nl=False)
             gen = generate(prefill, decode, ids, max_tokens,
                            on_text=lambda t: (sys.stdout.write(t.replace("\n", "\n    ")), sys.stdout.flush()))

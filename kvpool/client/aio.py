@@ -62,11 +62,15 @@ class AsyncClient:
     async def match_prefix(self, keys: Sequence[str]) -> int:
         return await self._run(lambda c: c.match_prefix(keys))
 
-    async def put_batch(self, items: Sequence[tuple[str, Any]], *, replicas: int | None = None) -> list[Exception | None]:
+    async def put_batch(self, items: Sequence[tuple[str, Any]], *,
+                        replicas: int | None = None) -> list[Exception | None]:
         return await self._run(lambda c: c.put_batch(items, replicas=replicas))
 
     async def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         return await self._run(lambda c: c.get_batch(keys))
+
+    async def get_batch_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        return await self._run(lambda c: c.get_batch_into(keys, buffers))
 
     async def exists_batch(self, keys: Sequence[str]) -> list[bool]:
         return await self._run(lambda c: c.exists_batch(keys))

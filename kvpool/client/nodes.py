@@ -1,10 +1,10 @@
 """A client's connection to one store node: reads over TCP or, on the same host, through shm.
 
 Same-host reads map the node's arena file read-only once; a get is then one round trip to pin
-(`NodePin`; objects up to 32 KiB come back inline instead), one memcpy out of the mapping, and an unpin that rides on the next request to that
-node (or a one-way `NodeUnpin` from `flush`), so it costs no extra round trip. Other reads are one
-`NodeGet` round trip whose reply payload is received straight into the result (`recv` into a new
-`bytes`, or `recv_into` the caller's buffer).
+(`NodePin`; objects up to 32 KiB come back inline instead), one memcpy out of the mapping, and an
+unpin that rides on the next request to that node (or a one-way `NodeUnpin` from `flush`), so it
+costs no extra round trip. Other reads are one `NodeGet` round trip whose reply payload is
+received straight into the result (`recv` into a new `bytes`, or `recv_into` the caller's buffer).
 
 Not thread-safe: the owning client serializes calls.
 """
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MAX_PENDING_UNPINS = 256
+TOO_SMALL = -2  # get_many_into: the caller's buffer cannot hold the object
+BATCH_SLURP_MAX = 256 * 1024  # a batch reply up to this size is received in one piece
 
 
 class NodeConn:
@@ -75,37 +77,55 @@ class NodeConn:
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if self.arena is not None:
             pins = self.rpc.call(NodePin(list(keys), self._take_unpins()))
-            arena = self.arena
-            out = [None if n < 0 else self.rpc.read_payload(n) if o < 0 else bytes(arena[o:o + n])
+            arena, cur = self.arena, _Cursor(self.rpc, sum(1 for o in pins.offsets if o < 0))
+            out = [None if n < 0 else cur.take(n) if o < 0 else bytes(arena[o:o + n])
                    for o, n in zip(pins.offsets, pins.sizes)]
             self._unpin_later(pins.pin_id)
             return out
         data = self.rpc.call(NodeGet(list(keys)))
-        return [self.rpc.read_payload(n) if n >= 0 else None for n in data.sizes]
+        cur = _Cursor(self.rpc, len(data.sizes))
+        return [cur.take(n) if n >= 0 else None for n in data.sizes]
 
     def get_into(self, key: str, view: memoryview) -> int:
         """Copy one object into `view`; -1 on a miss. InvalidArgument if `view` is too small."""
+        n = self.get_many_into([key], [view])[0]
+        if n == TOO_SMALL:
+            raise InvalidArgument(f"buffer holds {len(view)} bytes, the object {key!r} needs more")
+        return n
+
+    def get_many_into(self, keys: Sequence[str], views: Sequence[memoryview]) -> list[int]:
+        """Copy each object into its view: its size, -1 on a miss, TOO_SMALL if the view is."""
+        out: list[int] = []
         if self.arena is not None:
-            pins = self.rpc.call(NodePin([key], self._take_unpins()))
-            n, offset = pins.sizes[0], pins.offsets[0]
+            pins = self.rpc.call(NodePin(list(keys), self._take_unpins()))
+            cur = _Cursor(self.rpc, sum(1 for o in pins.offsets if o < 0))
             try:
-                if n > len(view):
-                    raise InvalidArgument(f"buffer holds {len(view)} bytes, the object needs {n}")
-                if n >= 0 and offset < 0:
-                    self.rpc.read_payload_into(view[:n])
-                elif n >= 0:
-                    view[:n] = self.arena[offset:offset + n]
+                for view, n, offset in zip(views, pins.sizes, pins.offsets):
+                    if n > len(view):
+                        if offset < 0:
+                            cur.skip(n)
+                        out.append(TOO_SMALL)
+                    elif n >= 0 and offset < 0:
+                        cur.into(view[:n])
+                        out.append(n)
+                    else:
+                        if n >= 0:
+                            view[:n] = self.arena[offset:offset + n]
+                        out.append(n)
             finally:
                 self._unpin_later(pins.pin_id)
-            return n
-        data = self.rpc.call(NodeGet([key]))
-        n = data.sizes[0]
-        if n > len(view):
-            self.rpc.skip_payload()
-            raise InvalidArgument(f"buffer holds {len(view)} bytes, the object needs {n}")
-        if n >= 0:
-            self.rpc.read_payload_into(view[:n])
-        return n
+            return out
+        data = self.rpc.call(NodeGet(list(keys)))
+        cur = _Cursor(self.rpc, len(data.sizes))
+        for view, n in zip(views, data.sizes):
+            if n > len(view):
+                cur.skip(n)
+                out.append(TOO_SMALL)
+            else:
+                if n >= 0:
+                    cur.into(view[:n])
+                out.append(n)
+        return out
 
     def _unpin_later(self, pin_id: int) -> None:
         if pin_id:
@@ -138,3 +158,36 @@ class NodeConn:
         if self._mmap is not None:
             self._mmap.close()
             self._mmap = None
+
+
+class _Cursor:
+    """Hands out a reply payload piece by piece. Several small pieces are received with one
+    `recv` and sliced (a syscall per 4 KiB object costs more than copying it); large ones go
+    straight from the socket into their destination."""
+
+    def __init__(self, rpc: RpcClient, pieces: int):
+        self.rpc = rpc
+        self.blob: memoryview | None = None
+        self.pos = 0
+        if pieces > 1 and 0 < rpc.payload_left <= BATCH_SLURP_MAX:
+            self.blob = memoryview(rpc.read_payload(rpc.payload_left))
+
+    def take(self, n: int) -> bytes:
+        if self.blob is None:
+            return self.rpc.read_payload(n)
+        self.pos += n
+        return bytes(self.blob[self.pos - n:self.pos])
+
+    def into(self, view: memoryview) -> None:
+        if self.blob is None:
+            self.rpc.read_payload_into(view)
+            return
+        n = len(view)
+        view[:] = self.blob[self.pos:self.pos + n]
+        self.pos += n
+
+    def skip(self, n: int) -> None:
+        if self.blob is None:
+            self.rpc.skip_payload(n)
+        else:
+            self.pos += n

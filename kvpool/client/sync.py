@@ -1,11 +1,13 @@
 """`Client`: the synchronous pool SDK (satisfies `kvpool.api.PoolClient`). Thread-safe (one lock).
 
 Round trips (loopback, embedded mode: the server is master and node at once):
-- get / get_into / get_batch: 1 (`NodePin` + shm copy on the same host, else `NodeGet`);
+- get / get_into / get_batch / get_batch_into: 1 (`NodePin` + shm copy on the same host, else
+  `NodeGet`);
 - put / put_from / put_batch: 1 (`NodeWrite` with put_id 0: the server plans and publishes).
 Cluster mode: a get is `Lookup` at the master (replicas + a lease; the previous leases are
 released on the same message) then one read from a node; a put is `PutStart`, one `NodeWrite`
-per replica, `PutEnd`. Batch forms cost one master round trip for all keys plus one per node.
+per replica node (all sent before any reply is awaited, so replica writes overlap), `PutEnd`.
+Batch forms cost one master round trip for all keys plus one per node.
 
 Misses: `get` returns None, `get_into` raises `KeyNotFound`. Errors are `kvpool.errors` types.
 Master failover (address `etcd://...`): calls that fail with `Unavailable` / `NotLeader` find
@@ -20,7 +22,7 @@ import time
 from typing import Any, Callable, Sequence, TypeVar
 
 from kvpool.api import check_key
-from kvpool.client.nodes import NodeConn
+from kvpool.client.nodes import TOO_SMALL, NodeConn
 from kvpool.errors import (InvalidArgument, KeyNotFound, KVPoolError, NotLeader, ObjectTooLarge, Unavailable,
                            error_from_code)
 from kvpool.messages import (PROTOCOL_VERSION, Admin, Err, Exists, Hello, Lookup, MatchPrefix, Placed, PutEnd,
@@ -167,37 +169,36 @@ class Client:
     def get_into(self, key: str, buffer: Any) -> int:
         """Copy the object into `buffer` (writable, large enough); return its size. `KeyNotFound` on a miss."""
         check_key(key)
-        view = writable_view(buffer, 0)
-        with self._lock:
-            if self.embedded:
-                n = self._with_master(lambda m: self._nodes[m.address].get_into(key, view))
-            else:
-                n = -1
-                for conn in self._locate(key):
-                    try:
-                        n = conn.get_into(key, view)
-                    except Unavailable:
-                        self._drop_node(conn.address)
-                        continue
-                    if n >= 0:
-                        break
+        n = self.get_batch_into([key], [buffer])[0]
         if n < 0:
             raise KeyNotFound(f"key {key!r} not found")
         return n
 
-    def _locate(self, key: str) -> list[NodeConn]:
-        lease_id, entries = self._lookup([key])
-        if lease_id:
-            self._release.append(lease_id)
-        if entries[0] is None:
-            return []
-        conns = []
-        for loc in entries[0].locations:
-            try:
-                conns.append(self._node(loc.address))
-            except Unavailable:
-                continue
-        return conns
+    def get_batch_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        """Copy each object into its buffer (bytearray, numpy array, CPU tensor...) with no
+        intermediate `bytes`; one entry per key: the object's size, or -1 for a miss or a
+        malformed key. A buffer too small for its object raises `InvalidArgument` once the
+        others are filled."""
+        keys = list(keys)
+        if len(buffers) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+        views = [writable_view(b, 0) for b in buffers]
+        valid = [i for i, k in enumerate(keys) if _valid(k)]
+        out = [-1] * len(keys)
+        got = self._get_many_into([keys[i] for i in valid], [views[i] for i in valid]) if valid else []
+        for i, n in zip(valid, got):
+            out[i] = n
+        small = [keys[i] for i, n in enumerate(out) if n == TOO_SMALL]
+        if small:
+            raise InvalidArgument(f"buffer too small for {small[:5]}{'...' if len(small) > 5 else ''}")
+        return out
+
+    def _get_many_into(self, keys: list[str], views: list[memoryview]) -> list[int]:
+        with self._lock:
+            if self.embedded:
+                return self._with_master(lambda m: self._nodes[m.address].get_many_into(keys, views))
+            return self._from_replicas(keys, lambda conn, idx: conn.get_many_into([keys[i] for i in idx],
+                                                                                 [views[i] for i in idx]), -1)
 
     def _lookup(self, keys: list[str]):
         def call(m: RpcClient):
@@ -210,30 +211,35 @@ class Client:
         with self._lock:
             if self.embedded:
                 return self._with_master(lambda m: self._nodes[m.address].get_many(keys))
-            lease_id, entries = self._lookup(keys)
-            if lease_id:
-                self._release.append(lease_id)
-            out: list[bytes | None] = [None] * len(keys)
-            todo = [i for i, e in enumerate(entries) if e is not None and e.locations]
-            attempt = 0
-            while todo:
-                by_node: dict[str, list[int]] = {}
-                for i in todo:
-                    locs = entries[i].locations
-                    if attempt < len(locs):
-                        by_node.setdefault(locs[attempt].address, []).append(i)
-                todo = []
-                for address, idx in by_node.items():
-                    try:
-                        values = self._node(address).get_many([keys[i] for i in idx])
-                    except Unavailable:  # that replica's node is gone: try the next replica
-                        self._drop_node(address)
-                        todo.extend(idx)
-                        continue
-                    for i, v in zip(idx, values):
-                        out[i] = v
-                attempt += 1
-            return out
+            return self._from_replicas(keys, lambda conn, idx: conn.get_many([keys[i] for i in idx]), None)
+
+    def _from_replicas(self, keys: list[str], read: Callable[[NodeConn, list[int]], list], miss: Any) -> list:
+        """Cluster read: one `Lookup` for all keys, then `read(node, indexes)` per node; a key whose
+        node is gone is retried on its next replica. Lock held by the caller."""
+        lease_id, entries = self._lookup(keys)
+        if lease_id:
+            self._release.append(lease_id)
+        out: list[Any] = [miss] * len(keys)
+        todo = [i for i, e in enumerate(entries) if e is not None and e.locations]
+        attempt = 0
+        while todo:
+            by_node: dict[str, list[int]] = {}
+            for i in todo:
+                locs = entries[i].locations
+                if attempt < len(locs):
+                    by_node.setdefault(locs[attempt].address, []).append(i)
+            todo = []
+            for address, idx in by_node.items():
+                try:
+                    values = read(self._node(address), idx)
+                except Unavailable:  # that replica's node is gone: try the next replica
+                    self._drop_node(address)
+                    todo.extend(idx)
+                    continue
+                for i, v in zip(idx, values):
+                    out[i] = v
+            attempt += 1
+        return out
 
     def exists(self, key: str) -> bool:
         check_key(key)
@@ -292,7 +298,9 @@ class Client:
         out: list[Exception | None] = [None] * len(keys)
         ok = []
         for i, v in enumerate(views):
-            if self.max_object_bytes and v.nbytes > self.max_object_bytes:
+            # Embedded puts carry their bytes in the first message: refuse a hopeless one before
+            # sending it. (In cluster mode PutStart refuses it before any byte moves.)
+            if self.embedded and self.max_object_bytes and v.nbytes > self.max_object_bytes:
                 out[i] = ObjectTooLarge(f"value of {v.nbytes} bytes is larger than the pool's largest object "
                                         f"({self.max_object_bytes} bytes)")
             else:
@@ -316,7 +324,8 @@ class Client:
                 out[i] = err
             return out
 
-    def _put_cluster(self, keys: list[str], views: list[memoryview], want: int, master: RpcClient) -> list[Exception | None]:
+    def _put_cluster(self, keys: list[str], views: list[memoryview], want: int,
+                     master: RpcClient) -> list[Exception | None]:
         plans = master.call(PutStart(keys, [v.nbytes for v in views], want, self.writer_node)).plans
         out: list[Exception | None] = [None] * len(keys)
         written: list[list[Placed]] = [[] for _ in keys]

@@ -33,7 +33,8 @@ class Housekeeping:
             return
         node = max(candidates, key=lambda n: n.free)
         pinned = False
-        for obj in sorted((o for o in self._objects.values() if node.node_id in o.replicas), key=lambda o: o.last_access):
+        mine = sorted((o for o in self._objects.values() if node.node_id in o.replicas), key=lambda o: o.last_access)
+        for obj in mine:
             if node.free >= size:
                 return
             if obj.state != COMPLETE:
@@ -64,9 +65,8 @@ class Housekeeping:
                 self._reclaim_locked(obj)
             for obj in [o for o in self._objects.values() if o.removing and not o.leased(now)]:
                 self._delete_locked(obj)
-            for lid in [lid for lid, ks in self._lease_keys.items()
-                        if all(lid not in getattr(self._objects.get(k), "leases", {}) for k in ks)]:
-                del self._lease_keys[lid]
+            # Leases whose reader never released them (a crashed client) end at their expiry.
+            self._release_locked([lid for lid, (_, until) in self._lease_keys.items() if until <= now], now)
             for node in [n for n in self._nodes.values()
                          if now - n.last_heartbeat > self.node_timeout_s and n.node_id not in self._local]:
                 self._drop_node_locked(node.node_id, f"no heartbeat for {now - node.last_heartbeat:.1f}s")

@@ -68,7 +68,7 @@ class MasterService(AdminOps, Housekeeping, Migration):
         self._banned: set[str] = set()
         self._migrating: set[str] = set()  # keys with a drain copy in flight
         self._local: set[str] = set()  # nodes in this process (embedded): never timed out
-        self._lease_keys: dict[int, list[str]] = {}
+        self._lease_keys: dict[int, tuple[list[str], float]] = {}  # lease id -> (keys, expiry)
         # Unique across failovers: a new leader must never reuse a put id a node still holds.
         self._ids = itertools.count(time.time_ns() // 1000)
         self._links: dict[str, Any] = {}
@@ -146,40 +146,51 @@ class MasterService(AdminOps, Housekeeping, Migration):
     # ------------------------------------------------------------------ node-facing
 
     def register_node(self, info: NodeInfo, objects: Sequence[Held] = ()) -> None:
-        """A node (re-)joins and reports everything it holds; its previous replicas are replaced."""
+        """A node (re-)joins and reports everything it holds; the index is reconciled with it:
+        replicas it no longer reports are dropped, reported objects are (re-)added (a removed
+        object still waiting for its readers keeps its removal pending)."""
         self._check_leader()
         if info.node_id in self._banned:
             raise InvalidArgument(f"node {info.node_id!r} was removed by an operator; start it with another id")
         now = time.monotonic()
-        stale: list[tuple[str, list[str], list[int]]] = []
         with self._lock:
-            if info.node_id in self._nodes:
-                self._drop_node_locked(info.node_id, "re-registered")
-            node = NodeEntry(node_id=info.node_id, address=info.address, hostname=info.hostname,
-                             segments=list(info.segments), shm_path=info.shm_path, capacity=dict(info.capacity),
-                             transfer_segment=info.transfer_segment, last_heartbeat=now)
-            self._nodes[node.node_id] = node
-            conflicts_k: list[str] = []
-            conflicts_p: list[int] = []
+            node = self._nodes.get(info.node_id)
+            if node is None:
+                node = self._nodes[info.node_id] = NodeEntry(node_id=info.node_id, address=info.address)
+            elif node.address != info.address:  # restarted elsewhere: the old connection is useless
+                link = self._links.pop(node.node_id, None)
+                if link is not None:
+                    self._outbox.put(("__close__", link, None))
+            node.address, node.hostname, node.segments = info.address, info.hostname, list(info.segments)
+            node.shm_path, node.capacity = info.shm_path, dict(info.capacity)
+            node.transfer_segment = info.transfer_segment
+            node.last_heartbeat = now
+            reported = {h.key for h in objects}
+            for key in [k for k, o in self._objects.items()
+                        if node.node_id in o.replicas and o.state == COMPLETE and k not in reported]:
+                self._drop_replica_locked(key, node.node_id)
+            stale_keys: list[str] = []
+            stale_ids: list[int] = []
             for held in objects:
                 obj = self._objects.get(held.key)
                 if obj is None:
                     obj = ObjectEntry(key=held.key, size=held.size, state=COMPLETE, replicas={}, put_id=held.put_id)
                     self._objects[held.key] = obj
                 elif obj.size != held.size or (obj.state == PENDING and obj.put_id != held.put_id):
-                    conflicts_k.append(held.key)  # another copy won; this one must not linger
-                    conflicts_p.append(held.put_id)
+                    stale_keys.append(held.key)  # another copy won; this one must not linger
+                    stale_ids.append(held.put_id)
                     continue
                 elif obj.state == PENDING:
                     continue  # its writer will end the put and name this node
+                if node.node_id in obj.replicas:
+                    obj.replicas[node.node_id].tier = held.tier
+                    continue
                 obj.replicas[node.node_id] = Replica(node.node_id, held.tier, "", -1)
                 node.used += held.size
                 node.objects += 1
-            if conflicts_k:
-                stale.append((node.node_id, conflicts_k, conflicts_p))
+            if stale_keys:
+                self._outbox.put((node.node_id, stale_keys, stale_ids))
             self._awaiting.discard(info.node_id)
-        for item in stale:
-            self._outbox.put(item)
         log.info("node %s registered at %s with %d object(s)", info.node_id, info.address, len(objects))
 
     def heartbeat(self, node_id: str, stats: dict | None = None, dropped: Sequence[Held] = (),
@@ -302,7 +313,8 @@ class MasterService(AdminOps, Housekeeping, Migration):
             if obj is not None and obj.state == PENDING and obj.put_id == put_id:
                 self._reclaim_locked(obj)
 
-    def lookup(self, keys: Sequence[str], lease: bool = True, release: Sequence[int] = ()) -> tuple[int, list[Entry | None]]:
+    def lookup(self, keys: Sequence[str], lease: bool = True,
+               release: Sequence[int] = ()) -> tuple[int, list[Entry | None]]:
         """Replicas of each complete key (None: a miss) and one lease id covering the hits."""
         self._check_leader()
         now = time.monotonic()
@@ -330,7 +342,7 @@ class MasterService(AdminOps, Housekeeping, Migration):
                 self.counters["hits"] += 1
             self.counters["gets"] += len(keys)
             if hit_keys:
-                self._lease_keys[lease_id] = hit_keys
+                self._lease_keys[lease_id] = (hit_keys, now + self.lease_s)
             else:
                 lease_id = 0
         return lease_id, out
@@ -469,7 +481,7 @@ class MasterService(AdminOps, Housekeeping, Migration):
 
     def _release_locked(self, lease_ids: Iterable[int], now: float) -> None:
         for lid in lease_ids:
-            for key in self._lease_keys.pop(lid, ()):
+            for key in self._lease_keys.pop(lid, ((), 0.0))[0]:
                 obj = self._objects.get(key)
                 if obj is None:
                     continue

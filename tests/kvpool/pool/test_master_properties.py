@@ -121,4 +121,4 @@ class MasterMachine(RuleBasedStateMachine):
 
 
 TestMasterMachine = MasterMachine.TestCase
-TestMasterMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestMasterMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

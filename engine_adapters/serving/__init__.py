@@ -1,0 +1,13 @@
+"""The reference prefill / decode workers (`kvpool worker --role prefill|decode|both`).
+
+    service.Worker      the model, its local prefix cache, the pool and the scheduler
+    scheduler.Scheduler continuous batching with decode priority (one engine thread)
+    prefix_cache        the worker's own bounded LRU prefix cache ("HBM" tier) + KV events
+    kvio                DynamicCache <-> chunk tensors; chunk-granular pool reads
+    app / server        the HTTP control API (FastAPI + uvicorn) and the worker process
+    client              WorkerClient and `generate(prefill, decode, ids)`: the disaggregated path
+    launcher            LocalCluster: pool + workers as real processes on free loopback ports
+    messages            the declared, versioned wire messages
+
+Submodules are imported on use, so importing this package does not load torch.
+"""

@@ -1,0 +1,104 @@
+"""The pool RPC framing on real loopback sockets: replies, payloads, one-way frames, errors."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+
+from kvpool.errors import InvalidArgument, KeyNotFound, Unavailable
+from kvpool.messages import PROTOCOL_VERSION, Bools, Exists, Hello, NodeData, NodeGet, Ok, Release, Remove
+from kvpool.rpc import HEADER, RpcClient, RpcServer, parse_address
+
+
+@pytest.fixture
+def server():
+    seen: list = []
+
+    def exists(msg, payload, conn):
+        return Bools([k == "yes" for k in msg.keys])
+
+    def get(msg, payload, conn):  # echo: the payload back, cut by key length
+        data = payload.read()
+        return NodeData([len(data)]), [data]
+
+    def remove(msg, payload, conn):
+        if msg.keys == ["boom"]:
+            raise RuntimeError("a bug")
+        raise KeyNotFound(f"{msg.keys[0]} not here")
+
+    def release(msg, payload, conn):
+        seen.append(msg.lease_ids)
+
+    srv = RpcServer({Exists: exists, NodeGet: get, Remove: remove, Release: release}, name="test").start()
+    srv.seen = seen
+    yield srv
+    srv.stop()
+
+
+def test_call_reply_and_payload_both_ways(server):
+    c = RpcClient(server.address)
+    assert c.call(Exists(["yes", "no"])).values == [True, False]
+    blob = bytes(range(256)) * 4096  # 1 MiB
+    reply = c.call(NodeGet([]), [blob])
+    assert reply.sizes == [len(blob)] and c.read_payload(len(blob)) == blob
+    c.call(NodeGet([]), [b"unread"])
+    assert c.call(Exists(["yes"])).values == [True]  # the unread payload was skipped, still in frame
+    buf = bytearray(5)
+    c.call(NodeGet([]), [memoryview(b"hello")])
+    c.read_payload_into(memoryview(buf))
+    assert buf == b"hello"
+    c.close()
+
+
+def test_errors_are_typed_and_the_server_survives_a_handler_bug(server):
+    c = RpcClient(server.address)
+    with pytest.raises(KeyNotFound, match="k not here"):
+        c.call(Remove(["k"]))
+    with pytest.raises(Exception) as info:
+        c.call(Remove(["boom"]))
+    assert getattr(info.value, "code", None) == "internal" and "a bug" in str(info.value)
+    with pytest.raises(InvalidArgument, match="does not serve"):
+        c.call(Hello(PROTOCOL_VERSION))  # a request this server has no handler for
+    with pytest.raises(InvalidArgument, match="malformed"):
+        c.call(Ok())  # a reply type is not a request
+    assert c.call(Exists(["yes"])).values == [True]
+    c.close()
+
+
+def test_one_way_frames_get_no_reply(server):
+    c = RpcClient(server.address)
+    c.send_oneway(Release([1, 2]))
+    assert c.call(Exists(["yes"])).values == [True]  # the next reply is this call's, not the one-way's
+    assert server.seen == [[1, 2]]
+    c.close()
+
+
+def test_wrong_version_and_garbage_are_refused(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(HEADER.pack(PROTOCOL_VERSION + 1, 0, 0, 0))
+        s.settimeout(5)
+        data = s.recv(4096)
+        assert data and struct.unpack_from("<H", data)[0] == PROTOCOL_VERSION
+        assert s.recv(4096) == b""  # then closed
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        body = b"\xc1\xc1\xc1"  # never valid msgpack
+        s.sendall(HEADER.pack(PROTOCOL_VERSION, 0, len(body), 0) + body)
+        s.settimeout(5)
+        assert s.recv(4096)  # an error reply; the connection stays usable
+    c = RpcClient(server.address)
+    assert c.call(Exists(["yes"])).values == [True]
+    c.close()
+
+
+def test_addresses_and_unreachable_servers():
+    assert parse_address("127.0.0.1:7600") == ("127.0.0.1", 7600)
+    for bad in ["", "nohost", "host:", ":80", "h:0", "h:99999", "h:x"]:
+        with pytest.raises(InvalidArgument):
+            parse_address(bad)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(Unavailable):
+        RpcClient(f"127.0.0.1:{port}", timeout=1).call(Exists([]))
