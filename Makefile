@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-slow bench gpu-check system-deps clean help
+.PHONY: run test test-slow bench bench-deps gpu-check system-deps clean help
 
 help:
 	@echo "make run        create .venv, install, start the local cluster with the reference model"
@@ -40,7 +40,13 @@ test: $(STAMP) system-deps
 test-slow: $(STAMP) system-deps
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
-bench: $(STAMP) system-deps
+# Baselines for the benches: Mooncake Store (optional; needs Debian's libibverbs1 to load).
+# Best effort: a bench whose peer is missing prints a note and measures the rest.
+bench-deps: $(STAMP) system-deps
+	-@ldconfig -p | grep -q libibverbs.so.1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }
+	-$(BIN)/pip install -q ".[mooncake]"
+
+bench: bench-deps
 	mkdir -p bench-results
 	for b in store transfer pool adapter; do $(BIN)/kvpool bench $$b --json | tail -n 1 > bench-results/$$b.json; done
 

@@ -10,7 +10,8 @@ Invariants:
   or raises `Unavailable` with the tail of the failing process's log, having stopped the rest.
 - `stop` ends every process it started (SIGTERM, then SIGKILL after a grace period), workers
   before the pool, and is safe to call twice. Children also get SIGTERM if this process dies
-  (Linux parent-death signal), so a killed launcher leaves no orphans.
+  (Linux parent-death signal), so a killed launcher leaves no orphans. That signal is tied to the
+  thread that started them: call `start` from a thread that outlives the cluster (the main one).
 """
 
 from __future__ import annotations
@@ -36,11 +37,15 @@ log = logging.getLogger(__name__)
 KVPOOL = [sys.executable, "-c", "from kvpool.cli import main; main()"]
 
 
+try:  # resolved here, not in the child: after fork only the plain call is safe
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the launcher dies
 
 
 @dataclass
@@ -146,7 +151,7 @@ class LocalCluster:
         try:
             popen = subprocess.Popen([*KVPOOL, *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=self.env, cwd=self.workdir, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=_die_with_parent if _PRCTL is not None else None)
         finally:
             out.close()
         return Proc(name, popen, log_path)
