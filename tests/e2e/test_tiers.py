@@ -125,3 +125,17 @@ def test_prefix_served_from_ssd_after_dram_eviction(rm, prefill, decode, pool_cl
     again = generate(prefill, decode, ids, NEW_TOKENS)
     assert again.pool_cached_tokens == 512 and again.computed_tokens == len(ids) - 512
     assert_same_tokens(rm, ids, again.token_ids, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [300, 700, 1300, 2048])
+def test_sweep_decode_from_ssd_is_exact(rm, prefill, decode, pool_client, n):
+    """The 20-prompt equality, for long prompts whose KV was demoted to SSD before decode."""
+    ids = filler_ids(rm, n, seed=5000 + n)
+    head = prefill.prefill(ids)
+    for i in range(7):
+        pool_client.put(f"e2e-sweep/{os.getpid()}/{i}", bytes(12 << 20))
+    decode.clear_cache()
+    tokens = [head.first_token] + [e.token_id for e in decode.decode(head.handle, head.first_token, NEW_TOKENS)
+                                   if not e.done]
+    assert tokens == reference(rm, ids, NEW_TOKENS)
