@@ -63,14 +63,13 @@ from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import msgspec
 import numpy as np
-import xxhash
 
 from engine_adapters.handle import KVHandle
 from kvpool.api import PoolClient
 from kvpool.errors import (AlreadyExists, CorruptObject, InvalidArgument, KeyNotFound, KVPoolError,
                            LayoutMismatch)
 from kvpool.keys import Namespace, chunk_keys_hex, tail_key
-from kvpool.layout import (FORMAT_VERSION, HEADER, HEADER_SIZE, MAGIC, ChunkView, KVLayout, decode_chunk)
+from kvpool.layout import ChunkView, KVLayout, decode_chunk, seal_into
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +158,6 @@ class EngineAdapter(Protocol):
     def add_listener(self, callback: Callable[[KVEvent], None]) -> None: ...
 
     def remove_listener(self, callback: Callable[[KVEvent], None]) -> None: ...
-
-
-def seal_chunk(buf: Any, layout: KVLayout, tokens: int) -> None:
-    """Write the header of a chunk object whose payload was filled in place (layer by layer).
-
-    Same bytes `kvpool.layout.encode_into` produces, without copying the payload a second time.
-    """
-    view = memoryview(buf).cast("B")
-    nbytes = layout.payload_nbytes(tokens)
-    checksum = xxhash.xxh3_64_intdigest(view[HEADER_SIZE:HEADER_SIZE + nbytes])
-    HEADER.pack_into(view, 0, MAGIC, FORMAT_VERSION, HEADER_SIZE, layout.layout_hash, tokens, 0, nbytes, checksum)
 
 
 @dataclass
@@ -364,7 +352,7 @@ class ChunkStore:
         raised after the chunks that were stored are reported.
         """
         for obj in planned:
-            seal_chunk(obj.buffer, self.layout, obj.tokens)
+            seal_into(obj.buffer, self.layout, obj.tokens)
         if any(obj.is_tail for obj in planned):
             self._flush_releases()
             for obj in planned:

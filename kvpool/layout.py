@@ -144,6 +144,20 @@ def encode_into(out: Any, layout: KVLayout, kv: Any, tokens: int) -> int:
     if dst.nbytes < total:
         raise InvalidArgument(f"output buffer holds {dst.nbytes} bytes, need {total}")
     dst[HEADER_SIZE:total] = src
+    return seal_into(dst, layout, tokens)
+
+
+def seal_into(buf: Any, layout: KVLayout, tokens: int) -> int:
+    """Write the header of a chunk object whose payload is already in `buf[HEADER_SIZE:]`.
+
+    For writers that fill the payload in place (layer by layer, or straight from a paged cache),
+    so the payload is never copied a second time. Returns the object's size.
+    """
+    dst = memoryview(buf).cast("B")
+    nbytes = layout.payload_nbytes(tokens)
+    total = HEADER_SIZE + nbytes
+    if dst.nbytes < total:
+        raise InvalidArgument(f"buffer holds {dst.nbytes} bytes, a {tokens}-token chunk object needs {total}")
     checksum = xxhash.xxh3_64_intdigest(dst[HEADER_SIZE:total])
     HEADER.pack_into(dst, 0, MAGIC, FORMAT_VERSION, HEADER_SIZE, layout.layout_hash, tokens, 0, nbytes, checksum)
     return total

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_adapters.base import ChunkStore, KVEvent, _check_token_ids, seal_chunk
+from engine_adapters.base import ChunkStore, KVEvent, _check_token_ids
+from kvpool.layout import seal_into
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace
 from kvpool.layout import HEADER_SIZE, KVLayout, decode_chunk, encode_chunk
@@ -24,7 +25,7 @@ def test_sealing_a_filled_payload_gives_the_encoder_bytes(dtype, tokens):
     expected = encode_chunk(layout, kv, tokens)
     buf = bytearray(layout.object_nbytes(tokens))
     buf[HEADER_SIZE:] = memoryview(np.ascontiguousarray(kv)).cast("B")
-    seal_chunk(buf, layout, tokens)
+    seal_into(buf, layout, tokens)
     assert buf == expected
     assert decode_chunk(buf, layout).tokens == tokens
 
