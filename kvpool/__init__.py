@@ -15,6 +15,7 @@ __all__ = [
     "chunk_keys",
     "chunk_keys_hex",
     "connect",
+    "connect_async",
     "decode_chunk",
     "encode_chunk",
 ]
@@ -25,3 +26,10 @@ def connect(address: str = "127.0.0.1:7600", **kwargs):
     from kvpool.client import connect as _connect
 
     return _connect(address, **kwargs)
+
+
+async def connect_async(address: str = "127.0.0.1:7600", **kwargs):
+    """An asyncio client of the pool at `address` (see `kvpool.client.connect_async`)."""
+    from kvpool.client import connect_async as _connect_async
+
+    return await _connect_async(address, **kwargs)

@@ -206,10 +206,13 @@ class NodeData(Msg):
 
 
 class NodePin(Msg):
-    """Pin objects in the DRAM arena for a same-host reader (shm). Reply: `Pins`."""
+    """Pin objects in the DRAM arena for a reader that copies them itself (a same-host reader
+    through shm, or any reader through the transfer engine). Reply: `Pins`. `inline=False`:
+    pin every hit, none rides in the payload (the engine data path reads them all)."""
 
     keys: list[str]
     unpin: list[int] = []
+    inline: bool = True
 
 
 class Pins(Msg):
@@ -234,6 +237,40 @@ class NodeWrite(Msg):
     sizes: list[int]
     put_ids: list[int]
     replicas: int = 0
+
+
+class NodeReserve(Msg):
+    """Engine data path, phase 1 at a node: reserve arena space for each object; the writer then
+    moves the bytes with the transfer engine and ends with `NodeCommit`. put_ids[i] == 0: the
+    node's own master plans the put (embedded mode). Reply: `Slots`."""
+
+    keys: list[str]
+    sizes: list[int]
+    put_ids: list[int]
+    replicas: int = 0
+    unpin: list[int] = []
+
+
+class Slot(Msg):
+    """Where to write one object: arena `offset` in the node's transfer segment, for put `put_id`.
+    offset == -1: the key is already complete, nothing to write."""
+
+    put_id: int
+    offset: int
+
+
+class Slots(Msg):
+    results: list[Union[Slot, Err]]
+    segment: Union[bytes, None]  # the node's transfer engine SegmentDescriptor.to_bytes()
+
+
+class NodeCommit(Msg):
+    """Engine data path, phase 2 at a node: ok[i] -> the bytes of put_ids[i] are in place, commit
+    them (embedded mode: and publish); not ok -> abort the reservation. Reply: `WriteReply`."""
+
+    keys: list[str]
+    put_ids: list[int]
+    ok: list[bool]
 
 
 class WriteReply(Msg):
@@ -262,9 +299,9 @@ class NodeStats(Msg):
 
 Request = Union[
     Hello, PutStart, PutEnd, Lookup, Release, Exists, MatchPrefix, Remove, RegisterNode, Heartbeat,
-    Admin, NodeGet, NodePin, NodeUnpin, NodeWrite, NodeRemove, NodeCopy, NodeStats,
+    Admin, NodeGet, NodePin, NodeUnpin, NodeWrite, NodeRemove, NodeCopy, NodeStats, NodeReserve, NodeCommit,
 ]
 Reply = Union[
     Ok, Err, Bools, Count, Info, HelloReply, PutPlans, BatchResult, LookupReply, HeartbeatReply,
-    NodeData, Pins, WriteReply,
+    NodeData, Pins, WriteReply, Slots,
 ]

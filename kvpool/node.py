@@ -10,12 +10,16 @@ Data path (all on the node's RPC port, one round trip each):
   half-way is aborted, so a half-written object is never visible. With `put_id == 0` and a master
   in this process (embedded mode) the node plans and publishes the put itself: one round trip.
 - `NodeCopy`: pull objects from another node (the master's drain), master stays off the data path.
+- `NodeReserve` / `NodeCommit` (see `kvpool.node_engine`): the transfer-engine data path; the
+  writer moves the bytes one-sided into the arena segment between the two. Reads on that path
+  are `NodePin(inline=False)` and a one-sided READ, the pin held until the reader's next request.
 
 The node remembers which put wrote each object (`put_id`), and `NodeRemove` removes a copy only
 if it is still that put's, so a late removal from the master never deletes a newer object.
 Objects the store evicts by its own policy are reported to the master with the next heartbeat.
-The arena is also registered with the transfer engine (when available), and its descriptor is
-published in `NodeInfo.transfer_segment` for peers that move bytes with `transfer`.
+The arena is also registered with the transfer engine (when available; `engine=` passes one in,
+e.g. with an RDMA device), and its descriptor is published in `NodeInfo.transfer_segment` (and
+`NodeStats`) for peers that move bytes with `transfer`.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from typing import Any
 from kvpool.api import check_key
 from kvpool.config import Settings
 from kvpool.errors import InvalidArgument, KVPoolError
-from kvpool.messages import (Bools, Err, Held, Info, NodeCopy, NodeData, NodeGet, NodeInfo, NodePin, NodeRemove,
-                             NodeStats, NodeUnpin, NodeWrite, Pins, Placed, WriteReply)
+from kvpool.messages import (Bools, Err, Held, Info, NodeCommit, NodeCopy, NodeData, NodeGet, NodeInfo, NodePin,
+                             NodeRemove, NodeReserve, NodeStats, NodeUnpin, NodeWrite, Pins, Placed, WriteReply)
+from kvpool.node_engine import EngineWrites
 from kvpool.node_link import MasterChannel
 from kvpool.rpc import Payload, RpcClient, RpcServer, ServerConn
 
@@ -39,10 +44,13 @@ log = logging.getLogger(__name__)
 INLINE_MAX = 32 * 1024  # NodePin sends objects up to this size in the reply instead of pinning them
 
 
-class StoreNode:
-    """A store node. `master`: a `MasterService` in this process (embedded mode), else None."""
+class StoreNode(EngineWrites):
+    """A store node. `master`: a `MasterService` in this process (embedded mode), else None.
+    `engine`: a started `transfer.TransferEngine` to register the arena with (the caller owns
+    it); default: the node starts its own with `settings.transports`."""
 
-    def __init__(self, settings: Settings, *, master: Any = None, store: Any = None, rpc: RpcServer | None = None):
+    def __init__(self, settings: Settings, *, master: Any = None, store: Any = None, rpc: RpcServer | None = None,
+                 engine: Any = None):
         self.settings = settings
         self.master = master
         self._store = store
@@ -52,6 +60,7 @@ class StoreNode:
         self.segment = ""
         self._put_ids: dict[str, int] = {}
         self._pins: dict[int, tuple[list[str], float]] = {}
+        self._writing: dict[str, Any] = {}  # key -> node_engine._Write (reserved, not yet committed)
         self._pin_seq = 0
         self._lock = threading.Lock()
         self._dropped: list[Held] = []
@@ -59,7 +68,8 @@ class StoreNode:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.channel: MasterChannel | None = None
-        self.engine = None
+        self.engine = engine
+        self._engine_external = engine is not None
         self.transfer_segment: bytes | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -70,7 +80,8 @@ class StoreNode:
 
     def handlers(self) -> dict[type, Any]:
         return {NodeGet: self._on_get, NodePin: self._on_pin, NodeUnpin: self._on_unpin, NodeWrite: self._on_write,
-                NodeRemove: self._on_remove, NodeCopy: self._on_copy, NodeStats: self._on_stats}
+                NodeRemove: self._on_remove, NodeCopy: self._on_copy, NodeStats: self._on_stats,
+                NodeReserve: self._on_reserve, NodeCommit: self._on_commit}
 
     def start(self) -> "StoreNode":
         try:
@@ -115,7 +126,11 @@ class StoreNode:
             self.channel = None
         if self.engine is not None:
             try:
-                self.engine.close()
+                if self._engine_external:
+                    if self.transfer_segment is not None:
+                        self.engine.unregister(self.segment)
+                else:
+                    self.engine.close()
             except Exception:
                 log.debug("closing the transfer engine failed", exc_info=True)
             self.engine = None
@@ -128,15 +143,17 @@ class StoreNode:
         try:
             from transfer import TransferEngine
 
-            transports = [t for t in self.settings.transports if t in ("shm", "tcp")]
-            self.engine = TransferEngine(name=f"kvpool-{self.node_id}", host=self.settings.host,
-                                         transports=transports or ("tcp",)).start()
+            if self.engine is None:
+                transports = [t for t in self.settings.transports if t in ("shm", "tcp", "rdma")]
+                self.engine = TransferEngine(name=f"kvpool-{self.node_id}", host=self.settings.host,
+                                             transports=transports or ("tcp",)).start()
             desc = self.engine.register(self._store.arena.buffer, name=self.segment, shm_path=self._store.arena.path)
             self.transfer_segment = desc.to_bytes()
         except Exception as exc:  # an optional path: log and carry on
             log.warning("node %s: transfer engine unavailable (%s); serving over the pool RPC only",
                         self.node_id, exc)
-            self.engine = None
+            if not self._engine_external:
+                self.engine = None
 
     def info(self) -> NodeInfo:
         s = self.settings
@@ -159,6 +176,7 @@ class StoreNode:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):
             self._expire_pins()
+            self._expire_writes()
             with self._lock:
                 dropped, self._dropped = self._dropped, []
                 moved, self._moved = self._moved, []
@@ -235,6 +253,7 @@ class StoreNode:
 
     def _on_conn_close(self, conn: ServerConn) -> None:
         self._unpin_ids(list(conn.state.get("pins", ())))
+        self._abort_conn_writes(conn)
 
     # ------------------------------------------------------------------ handlers
 
@@ -255,8 +274,8 @@ class StoreNode:
         _, offsets, sizes = self._pin_batch(msg.keys)
         hits = [i for i, n in enumerate(sizes) if n >= 0]
         # Small objects ride inline in the reply (a pin + memcpy costs more than the bytes).
-        inline = [i for i in hits if sizes[i] <= INLINE_MAX]
-        kept = [msg.keys[i] for i in hits if sizes[i] > INLINE_MAX]
+        inline = [i for i in hits if msg.inline and sizes[i] <= INLINE_MAX]
+        kept = [msg.keys[i] for i in hits if not msg.inline or sizes[i] > INLINE_MAX]
         arena = self._store.arena.buffer
         views = [arena[offsets[i]:offsets[i] + sizes[i]] for i in inline]
         for i in inline:
@@ -339,6 +358,9 @@ class StoreNode:
             raise InvalidArgument("NodeRemove: keys and put_ids must have the same length")
         out = []
         for key, put_id in zip(msg.keys, msg.put_ids):
+            if self._abort_write(key, put_id):  # a reclaimed put still reserved here
+                out.append(True)
+                continue
             with self._lock:
                 ours = put_id == 0 or self._put_ids.get(key, 0) in (put_id, 0)
             try:
@@ -380,7 +402,8 @@ class StoreNode:
     def _on_stats(self, msg: NodeStats, payload: Payload, conn: ServerConn) -> Info:
         arena = self._store.arena
         return Info({"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
-                     "shm_path": arena.path, "arena_size": arena.size, **self._store.stats()})
+                     "shm_path": arena.path, "arena_size": arena.size, "transfer_segment": self.transfer_segment,
+                     **self._store.stats()})
 
     # In-process link for the embedded master (same semantics as NodeRemove, no socket).
     def remove(self, keys: list[str], put_ids: list[int]) -> None:

@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class EmbeddedPool:
-    def __init__(self, settings: Settings | None = None, *, admin: bool = False):
+    def __init__(self, settings: Settings | None = None, *, admin: bool = False, transfer_engine: Any = None):
+        """`transfer_engine`: a started `transfer.TransferEngine` for the node's arena (caller-owned)."""
         self.settings = settings or Settings()
+        self.transfer_engine = transfer_engine
         self.admin = admin
         self.master: MasterService | None = None
         self.node: StoreNode | None = None
@@ -40,7 +42,7 @@ class EmbeddedPool:
     def start(self) -> "EmbeddedPool":
         s = self.settings
         self.master = MasterService(s, link_factory=lambda entry: self.node)
-        self.node = StoreNode(s, master=self.master)
+        self.node = StoreNode(s, master=self.master, engine=self.transfer_engine)
         handlers: dict[type, Any] = {}
         self.rpc = RpcServer(handlers, s.host, s.port, name="pool", on_close=self.node._on_conn_close)
         self.node.rpc = self.node_rpc = self.rpc

@@ -65,10 +65,12 @@ def chunks_from_cache(cache, start_chunk: int, end_chunk: int, chunk_tokens: int
 class PoolKV:
     """Chunk-granular access to the pool for one KV layout (any `kvpool.api.PoolClient`)."""
 
-    def __init__(self, pool: Any, layout: KVLayout, batch_chunks: int = 4):
+    def __init__(self, pool: Any, layout: KVLayout, batch_bytes: int = 48 << 20):
         self.pool = pool
         self.layout = layout
-        self.batch_chunks = max(1, batch_chunks)
+        # Reads go in batches of about `batch_bytes`: one round trip for many small chunks, but
+        # not more at once than a node can stage through its DRAM (see `_get`).
+        self.batch_chunks = max(1, batch_bytes // layout.object_nbytes())
         self.corrupt_chunks = 0
         self.fetched_chunks = 0
         self.on_removed = None  # callback(key) after a damaged object was dropped from the pool

@@ -1,8 +1,9 @@
 """Continuous batching with decode priority, on one engine thread.
 
 Each iteration of the loop:
-  1. admits waiting decode sequences into the running batch (up to `max_batch`): requests join
-     only between steps;
+  1. admits waiting decode sequences into the running batch (up to `max_batch` sequences and
+     `max_kv_tokens` tokens of KV, counting what each may still grow): requests join only
+     between steps;
   2. runs one decode step for every running sequence (decode first: a token already promised
      to a streaming client is never delayed by a new prompt), dropping those that finished or
      whose client went away: requests leave only between steps;
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, max_batch: int = 32, prefill_chunk_tokens: int | None = None,
+                 max_kv_tokens: int | None = None,
                  on_decode_step: Callable[[int, float], None] | None = None,
                  on_prefill_chunk: Callable[[int, float], None] | None = None):
         if max_batch <= 0:
@@ -47,6 +49,7 @@ class Scheduler:
             raise ValueError("prefill_chunk_tokens must be positive or None")
         self.runner = runner
         self.max_batch = max_batch
+        self.max_kv_tokens = max_kv_tokens  # admission: KV of the running batch stays under this
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._on_decode_step = on_decode_step
         self._on_prefill_chunk = on_prefill_chunk
@@ -117,8 +120,7 @@ class Scheduler:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    while self._joining and len(self._running) < self.max_batch:
-                        self._running.append(self._joining.popleft())
+                    self._admit()
                     job = self._prefills[0] if self._prefills else None
                 if self._running:
                     self._decode_step()
@@ -129,6 +131,17 @@ class Scheduler:
             raise
         finally:
             self._fail_all(Unavailable("worker is stopping"))
+
+    def _admit(self) -> None:
+        """Move waiting sequences into the batch, oldest first, while batch size and KV budget allow
+        (a sequence alone in the batch is always admitted, so a long one cannot starve)."""
+        held = sum(s.kv_tokens + s.remaining for s in self._running) if self.max_kv_tokens else 0
+        while self._joining and len(self._running) < self.max_batch:
+            nxt = self._joining[0]
+            if self.max_kv_tokens and self._running and held + nxt.kv_tokens + nxt.remaining > self.max_kv_tokens:
+                break
+            self._running.append(self._joining.popleft())
+            held += nxt.kv_tokens + nxt.remaining
 
     def _decode_step(self) -> None:
         started = time.perf_counter()

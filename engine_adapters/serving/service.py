@@ -54,6 +54,7 @@ class WorkerConfig:
     chunk_tokens: int = 256
     local_cache_bytes: int = 512 << 20
     max_batch: int = 32
+    max_kv_tokens: int | None = 65536  # KV the decode batch may hold (~3 GiB in float32 here)
     # None: whole prompt in one pass. Defaults to 512 on `both` (decode priority needs gaps).
     prefill_chunk_tokens: int | None = None
     tenant_salt: str = ""
@@ -113,7 +114,7 @@ class Worker:
         self.eos = frozenset(model.eos_token_ids)
         self.metrics = WorkerMetrics(config.role, self)
         self.runner = ModelRunner(model.model)
-        self.scheduler = Scheduler(self.runner, max_batch=config.max_batch,
+        self.scheduler = Scheduler(self.runner, max_batch=config.max_batch, max_kv_tokens=config.max_kv_tokens,
                                    prefill_chunk_tokens=config.prefill_chunk_tokens,
                                    on_decode_step=self.metrics.decode_step,
                                    on_prefill_chunk=self.metrics.prefill_chunk)

@@ -2,7 +2,9 @@
 Mooncake Store, all measured in the same run.
 
 Setup: the pool runs as `kvpool serve` in a child process; this process is the SDK client,
-once with shared memory disabled (every byte crosses loopback TCP) and once same-host (`shm`).
+once with shared memory disabled (every byte crosses loopback TCP), once same-host (`shm`), and
+once with the transfer-engine data path over TCP (`tcp-engine`: reserve / one-sided WRITE /
+commit, pin / one-sided READ), whose rows are also compared with `ours_tcp` (the node-RPC path).
 Redis is a private `redis-server` (redis-py client); Mooncake Store runs in TCP mode with the
 segment in another process (see `pool_peers`). Every system does the same work per repetition
 (a short turn: 8 MiB by default, at least 16 ops; 21 turns each): `count` gets (or puts) of
@@ -68,14 +70,19 @@ class PoolProcess:
         stop_process(self.proc, timeout=10)
 
 
-class Ours:
-    """The SDK client as a bench system; `use_shm=False` forces every read over TCP."""
+ENGINE = "ours_tcp-engine"
+SHARES_POOL = ("ours_shm", ENGINE)  # clients of ours_tcp's pool: nothing of their own to load or clean
 
-    def __init__(self, address: str, use_shm: bool, name: str):
+
+class Ours:
+    """The SDK client as a bench system; `use_shm=False` forces every read over TCP;
+    `data_path="engine"` moves the bytes through the transfer engine (over TCP)."""
+
+    def __init__(self, address: str, use_shm: bool, name: str, data_path: str = "rpc"):
         import kvpool
 
         self.name = name
-        self.client = kvpool.connect(address, use_shm=use_shm)
+        self.client = kvpool.connect(address, use_shm=use_shm, data_path=data_path, transports=("tcp",))
 
     def put(self, key: str, value: np.ndarray) -> None:
         self.client.put_from(key, value)
@@ -84,8 +91,7 @@ class Ours:
         return self.client.get_into(key, out)
 
     def get_batch_into(self, keys: list[str], outs: list[np.ndarray]) -> None:
-        for value, out in zip(self.client.get_batch(keys), outs):
-            out[:] = np.frombuffer(value, np.uint8)
+        self.client.get_batch_into(keys, outs)
 
     def remove(self, keys: list[str]) -> None:
         self.client.remove_batch(keys)
@@ -151,7 +157,7 @@ def _put(system: Any, w: Workload) -> float:
 
 def _prepare(systems: list[Any], w: Workload) -> None:
     """Load the get keys into every system and read each back once (correctness, warm caches)."""
-    stores = {id(s): s for s in systems if s.name != "ours_shm"}  # ours_shm shares ours_tcp's pool
+    stores = {id(s): s for s in systems if s.name not in SHARES_POOL}
     for system in stores.values():
         for i, key in enumerate(w.get_keys):
             system.put(key, w.fill(i))
@@ -179,8 +185,9 @@ def _sizes(text: str) -> list[int]:
 @click.option("--batch", default=16, show_default=True, type=click.IntRange(1, 1024), help="Keys per batch call.")
 @click.option("--peers", default="redis,mooncake", show_default=True, help="Baselines to run (redis, mooncake).")
 @click.option("--no-put", is_flag=True, help="Measure gets only.")
+@click.option("--no-engine", is_flag=True, help="Leave out the transfer-engine data path (tcp-engine).")
 def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int, batch: int, peers: str,
-         no_put: bool) -> None:
+         no_put: bool, no_engine: bool) -> None:
     """SDK put/get GB/s and ops/s (TCP forced and same-host shm) vs Redis and Mooncake Store (TCP)."""
     from kvpool.config import parse_size
 
@@ -197,8 +204,11 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
     try:
         server = PoolProcess(dram_capacity=max(1 << 30, 4 * working_set))
         closers.append(server.close)
-        for use_shm, name in ((False, "ours_tcp"), (True, "ours_shm")):
-            systems.append(Ours(server.address, use_shm, name))
+        ours = [(False, "ours_tcp", "rpc"), (True, "ours_shm", "rpc")]
+        if not no_engine:
+            ours.append((False, ENGINE, "engine"))
+        for use_shm, name, data_path in ours:
+            systems.append(Ours(server.address, use_shm, name, data_path))
             closers.append(systems[-1].close)
         if "redis" in wanted:
             try:
@@ -259,7 +269,7 @@ def _run(report: Report, systems: list[Any], workloads: list[Workload], reps: in
                             figures[system.name].append(value)
                         advance()
                 _add_rows(report, op, w, figures, [s.name for s in ours], [s.name for s in peers])
-            for system in {id(s): s for s in systems if s.name != "ours_shm"}.values():
+            for system in {id(s): s for s in systems if s.name not in SHARES_POOL}.values():
                 system.remove(w.get_keys)
 
 
@@ -270,6 +280,8 @@ def _add_rows(report: Report, op: str, w: Workload, figures: dict[str, list[floa
             continue
         case = f"{op}_{mine.removeprefix('ours_')}"
         rows = [p for p in peers if p in figures] or [None]
+        if mine == ENGINE and "ours_tcp" in figures:  # the two data paths, side by side
+            rows.insert(0, "ours_tcp")
         for peer in rows:
             ops_s = [v * 1e9 / w.size for v in figures[mine]]
             extra = {"ops_per_s": round(float(np.median(ops_s)), 1), "count": w.count}

@@ -31,7 +31,7 @@ def node_options(fn: Callable) -> Callable:
         click.option("--dram-capacity", help="DRAM arena size, e.g. 4GiB."),
         click.option("--ssd-path", type=click.Path(file_okay=False), help="Directory of the SSD tier (lmdb)."),
         click.option("--ssd-capacity", help="SSD tier size, e.g. 64GiB."),
-        click.option("--eviction", type=click.Choice(["lru", "s3fifo"]), help="Eviction policy."),
+        click.option("--eviction", type=click.Choice(["lru", "s3fifo", "arc"]), help="Eviction policy."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+
 import click
 
 from kvpool.cli._service import common_options, node_options, run_until_signal, settings_from
+
+log = logging.getLogger(__name__)
 
 
 @click.command()
 @common_options
 @node_options
 @click.option("--master", help="The master's HOST:PORT (standalone); with --meta the leader is found in etcd.")
+@click.option("--admin-port", type=int, help="Port of this node's Prometheus /metrics (0: none).")
 def node(config_file, **flags) -> None:
-    """Run a store node: its tiers, its RPC port, heartbeats to the master.
+    """Run a store node: its tiers, its RPC port, heartbeats to the master, /metrics.
 
     Prints "kvpool node ID at HOST:PORT" once it serves.
     """
@@ -20,4 +25,22 @@ def node(config_file, **flags) -> None:
 
     settings = settings_from(config_file, **flags)
     store_node = StoreNode(settings).start()
+    metrics = None
+    if settings.admin_port:
+        from kvpool.admin.metrics import ServiceMetrics, serve_metrics
+
+        m = ServiceMetrics("node", store_node.node_id)
+        m.watch_stats(store_node.store.stats)
+        try:
+            metrics = serve_metrics(m.registry, settings.host, settings.admin_port)
+        except OSError as exc:  # a busy port must not keep the node's data from serving
+            log.warning("node %s: /metrics not served on port %d: %s", store_node.node_id, settings.admin_port, exc)
+    stop = store_node.stop
+
+    def stop_both() -> None:
+        if metrics is not None:
+            metrics.stop()
+        stop()
+
+    store_node.stop = stop_both  # type: ignore[method-assign]
     run_until_signal(store_node, f"kvpool node {store_node.node_id} at {store_node.rpc.address}")

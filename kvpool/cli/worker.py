@@ -21,6 +21,8 @@ from kvpool.config import load_settings, parse_size
 @click.option("--local-cache", "local_cache", default="512MiB", show_default=True,
               help="Size of this worker's own prefix cache in front of the pool (0 disables).")
 @click.option("--max-batch", type=int, default=32, show_default=True, help="Most sequences in a decode batch.")
+@click.option("--max-kv-tokens", type=int, default=65536, show_default=True,
+              help="Most KV tokens the decode batch may hold; later sequences wait to join.")
 @click.option("--prefill-chunk-tokens", type=int,
               help="Prefill at most this many tokens between decode steps (default: whole prompt; 512 on 'both').")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
@@ -31,8 +33,8 @@ from kvpool.config import load_settings, parse_size
               help="Write {url, port, pid, role} here (JSON) once serving: for launchers.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="KVPOOL_CONFIG",
               help="Settings file (JSON or TOML).")
-def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch, prefill_chunk_tokens, dtype,
-           tenant_salt, model_cache, ready_file, config_file) -> None:
+def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch, max_kv_tokens,
+           prefill_chunk_tokens, dtype, tenant_salt, model_cache, ready_file, config_file) -> None:
     """Serve a reference worker's HTTP API (/v1/prefill, /v1/decode, /v1/generate, /load, /metrics)."""
     from engine_adapters.serving.server import serve
     from engine_adapters.serving.service import WorkerConfig
@@ -40,6 +42,7 @@ def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch,
     settings = load_settings(config_file, host=host, chunk_tokens=chunk_tokens)
     config = WorkerConfig(role=role, pool=pool_address or settings.master, chunk_tokens=settings.chunk_tokens,
                           local_cache_bytes=parse_size(local_cache), max_batch=max_batch,
+                          max_kv_tokens=max_kv_tokens or None,
                           prefill_chunk_tokens=prefill_chunk_tokens, tenant_salt=tenant_salt)
     serve(config, host=settings.host, port=port, ready_file=ready_file, model_cache=model_cache, dtype=dtype,
           on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"))

@@ -6,6 +6,9 @@ unpin that rides on the next request to that node (or a one-way `NodeUnpin` from
 costs no extra round trip. Other reads are one `NodeGet` round trip whose reply payload is
 received straight into the result (`recv` into a new `bytes`, or `recv_into` the caller's buffer).
 
+The node's transfer segment (for the engine data path, `kvpool.client.engine_path`) is learned
+from the embedded pool's hello, a `NodeStats` answer or a `Slots` reply, and kept.
+
 Not thread-safe: the owning client serializes calls.
 """
 
@@ -27,21 +30,45 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MAX_PENDING_UNPINS = 256
 TOO_SMALL = -2  # get_many_into: the caller's buffer cannot hold the object
 BATCH_SLURP_MAX = 256 * 1024  # a batch reply up to this size is received in one piece
+_UNKNOWN = object()  # transfer segment not learned yet
 
 
 class NodeConn:
     def __init__(self, address: str, rpc: RpcClient | None = None, *, timeout: float = 10.0, use_shm: bool = True,
-                 shm_path: str | None = None, hostname: str | None = None, arena_size: int | None = None):
+                 shm_path: str | None = None, hostname: str | None = None, arena_size: int | None = None,
+                 segment: bytes | None = None):
         self.address = address
         self.rpc = rpc or RpcClient(address, timeout=timeout)
         self.unpins: list[int] = []
         self._mmap: mmap.mmap | None = None
         self.arena: memoryview | None = None
+        self._segment: Any = _UNKNOWN
+        if segment is not None or shm_path is not None:  # the hello told us
+            self.remember_segment(segment)
         if use_shm:
             if shm_path is None:
                 info = self.rpc.call(NodeStats()).doc
                 shm_path, hostname, arena_size = info.get("shm_path"), info.get("hostname"), info.get("arena_size")
+                self.remember_segment(info.get("transfer_segment"))
             self._map(shm_path, hostname, arena_size)
+
+    def transfer_segment(self):
+        """The node's arena as a `transfer.SegmentDescriptor`, or None when it has no engine."""
+        if self._segment is _UNKNOWN:
+            self.remember_segment(self.rpc.call(NodeStats()).doc.get("transfer_segment"))
+        return self._segment
+
+    def remember_segment(self, raw: bytes | None) -> None:
+        if raw is None:
+            self._segment = None
+            return
+        from transfer import SegmentDescriptor, TransferError
+
+        try:
+            self._segment = SegmentDescriptor.from_bytes(raw)
+        except TransferError as exc:
+            log.warning("node %s published an unreadable transfer segment (%s); using its RPC", self.address, exc)
+            self._segment = None
 
     def _map(self, shm_path: str | None, hostname: str | None, size: int | None) -> None:
         host, _ = parse_address(self.address)
@@ -68,6 +95,13 @@ class NodeConn:
     def _take_unpins(self) -> list[int]:
         out, self.unpins = self.unpins, []
         return out
+
+    take_unpins = _take_unpins
+
+    def release_pins(self) -> None:
+        """Unpin now and wait for the node to have done it (before a remove of what we read)."""
+        if self.unpins:
+            self.rpc.call(NodePin([], self._take_unpins()))
 
     def flush(self) -> None:
         """Send pending unpins now (one-way)."""
@@ -132,6 +166,8 @@ class NodeConn:
             self.unpins.append(pin_id)
             if len(self.unpins) >= MAX_PENDING_UNPINS:
                 self.flush()
+
+    unpin_later = _unpin_later
 
     def write(self, keys: Sequence[str], sizes: Sequence[int], put_ids: Sequence[int], views: Sequence[Any],
               replicas: int = 0) -> list[Placed | Err]:

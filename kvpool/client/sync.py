@@ -9,6 +9,10 @@ released on the same message) then one read from a node; a put is `PutStart`, on
 per replica node (all sent before any reply is awaited, so replica writes overlap), `PutEnd`.
 Batch forms cost one master round trip for all keys plus one per node.
 
+Data path (`data_path`, see `kvpool.client.engine_path`): "rpc" moves the bytes as above;
+"engine" through a `transfer.TransferEngine` (reserve / one-sided WRITE / commit, pin /
+one-sided READ); "auto" (default) uses the engine for nodes that share rdma with it, else rpc.
+
 Misses: `get` returns None, `get_into` raises `KeyNotFound`. Errors are `kvpool.errors` types.
 Master failover (address `etcd://...`): calls that fail with `Unavailable` / `NotLeader` find
 the new leader in etcd and retry until `timeout`; a put restarts from `PutStart`.
@@ -22,6 +26,7 @@ import time
 from typing import Any, Callable, Sequence, TypeVar
 
 from kvpool.api import check_key
+from kvpool.client.engine_path import EnginePath
 from kvpool.client.nodes import TOO_SMALL, NodeConn
 from kvpool.errors import (InvalidArgument, KeyNotFound, KVPoolError, NotLeader, ObjectTooLarge, Unavailable,
                            error_from_code)
@@ -36,7 +41,12 @@ T = TypeVar("T")
 
 class Client:
     def __init__(self, address: str = "127.0.0.1:7600", *, timeout: float = 10.0, replicas: int | None = None,
-                 use_shm: bool = True, writer_node: str = ""):
+                 use_shm: bool = True, writer_node: str = "", data_path: str = "auto", transfer_engine: Any = None,
+                 transports: Sequence[str] | None = None):
+        """`data_path`: "auto" | "rpc" | "engine"; `transfer_engine`: a started TransferEngine to
+        move bytes with (the caller keeps owning it), else one is opened when first needed, with
+        `transports` (default: all the engine knows)."""
+        self._path = EnginePath(data_path, transfer_engine, transports, timeout)
         self.timeout = timeout
         self.replicas = replicas
         self.use_shm = use_shm
@@ -83,7 +93,8 @@ class Client:
             n = hello.node
             self._drop_node(n.address)
             self._nodes[n.address] = NodeConn(n.address, rpc, use_shm=self.use_shm, shm_path=n.shm_path,
-                                              hostname=n.hostname, arena_size=n.capacity.get("dram"))
+                                              hostname=n.hostname, arena_size=n.capacity.get("dram"),
+                                              segment=n.transfer_segment)
         self._master = rpc
         return rpc
 
@@ -138,6 +149,7 @@ class Client:
                 self._master.close()
             if self._etcd is not None:
                 self._etcd.close()
+            self._path.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -196,9 +208,19 @@ class Client:
     def _get_many_into(self, keys: list[str], views: list[memoryview]) -> list[int]:
         with self._lock:
             if self.embedded:
-                return self._with_master(lambda m: self._nodes[m.address].get_many_into(keys, views))
+                return self._with_master(lambda m: self._read_embedded(m, keys, views, -1))
             return self._from_replicas(keys, lambda conn, idx: conn.get_many_into([keys[i] for i in idx],
-                                                                                 [views[i] for i in idx]), -1)
+                                                                                 [views[i] for i in idx]), -1, views)
+
+    def _read_embedded(self, master: RpcClient, keys: list[str], views: list[memoryview] | None, miss: Any) -> list:
+        conn = self._nodes[master.address]
+        if not self._path.uses(conn):
+            return conn.get_many(keys) if views is None else conn.get_many_into(keys, views)
+        out: list[Any] = [miss] * len(keys)
+        retry, _ = self._path.read([(conn, list(range(len(keys))))], keys, views, out)
+        if retry:
+            raise Unavailable(f"reading {len(retry)} object(s) from {conn.address} through the transfer engine failed")
+        return out
 
     def _lookup(self, keys: list[str]):
         def call(m: RpcClient):
@@ -210,12 +232,14 @@ class Client:
     def _get_many(self, keys: list[str]) -> list[bytes | None]:
         with self._lock:
             if self.embedded:
-                return self._with_master(lambda m: self._nodes[m.address].get_many(keys))
-            return self._from_replicas(keys, lambda conn, idx: conn.get_many([keys[i] for i in idx]), None)
+                return self._with_master(lambda m: self._read_embedded(m, keys, None, None))
+            return self._from_replicas(keys, lambda conn, idx: conn.get_many([keys[i] for i in idx]), None, None)
 
-    def _from_replicas(self, keys: list[str], read: Callable[[NodeConn, list[int]], list], miss: Any) -> list:
-        """Cluster read: one `Lookup` for all keys, then `read(node, indexes)` per node; a key whose
-        node is gone is retried on its next replica. Lock held by the caller."""
+    def _from_replicas(self, keys: list[str], read: Callable[[NodeConn, list[int]], list], miss: Any,
+                       views: list[memoryview] | None) -> list:
+        """Cluster read: one `Lookup` for all keys, then `read(node, indexes)` per rpc-path node and
+        one engine batch for all engine-path nodes; a key whose node is gone (or whose transfer
+        failed) is retried on its next replica. Lock held by the caller."""
         lease_id, entries = self._lookup(keys)
         if lease_id:
             self._release.append(lease_id)
@@ -229,15 +253,25 @@ class Client:
                 if attempt < len(locs):
                     by_node.setdefault(locs[attempt].address, []).append(i)
             todo = []
+            engine_work = []
             for address, idx in by_node.items():
                 try:
-                    values = read(self._node(address), idx)
+                    conn = self._node(address)
+                    if self._path.uses(conn):
+                        engine_work.append((conn, idx))
+                        continue
+                    values = read(conn, idx)
                 except Unavailable:  # that replica's node is gone: try the next replica
                     self._drop_node(address)
                     todo.extend(idx)
                     continue
                 for i, v in zip(idx, values):
                     out[i] = v
+            if engine_work:
+                retry, dead = self._path.read(engine_work, keys, views, out)
+                for address in dead:
+                    self._drop_node(address)
+                todo.extend(retry)
             attempt += 1
         return out
 
@@ -313,10 +347,16 @@ class Client:
                 sizes = [views[i].nbytes for i in ok]
 
                 def call(m: RpcClient):
-                    return self._nodes[m.address].write(sub, sizes, [0] * len(sub), [views[i] for i in ok], want)
+                    conn = self._nodes[m.address]
+                    if not self._path.uses(conn):
+                        return conn.write(sub, sizes, [0] * len(sub), [views[i] for i in ok], want)
+                    got = self._path.write([(conn, list(range(len(sub))))], sub, [0] * len(sub),
+                                           [views[i] for i in ok], want)
+                    return [got[(conn.address, j)] for j in range(len(sub))]
 
                 for i, res in zip(ok, self._with_master(call)):
-                    out[i] = error_from_code(res.code, res.message) if isinstance(res, Err) else None
+                    out[i] = (error_from_code(res.code, res.message) if isinstance(res, Err)
+                              else res if isinstance(res, Exception) else None)
                 return out
             results = self._with_master(lambda m: self._put_cluster([keys[i] for i in ok], [views[i] for i in ok],
                                                                      want, m))
@@ -337,13 +377,27 @@ class Client:
                 for t in plan.targets:
                     by_node.setdefault(t.address, []).append(i)
         sent: list[tuple[str, list[int]]] = []
+        engine_work = []
         for address, idx in by_node.items():  # send to every node first: replica writes overlap
             try:
-                self._node(address).start_write([keys[i] for i in idx], [views[i].nbytes for i in idx],
-                                                [plans[i].put_id for i in idx], [views[i] for i in idx])
+                conn = self._node(address)
+                if self._path.uses(conn):
+                    engine_work.append((conn, idx))
+                    continue
+                conn.start_write([keys[i] for i in idx], [views[i].nbytes for i in idx],
+                                 [plans[i].put_id for i in idx], [views[i] for i in idx])
                 sent.append((address, idx))
             except Unavailable as exc:  # that node died mid-put: the other replicas may still land
                 self._write_failed(address, idx, exc, out)
+        if engine_work:
+            put_ids = [0 if isinstance(p, Err) else p.put_id for p in plans]
+            for (address, i), res in self._path.write(engine_work, keys, put_ids, views).items():
+                if isinstance(res, Placed):
+                    written[i].append(res)
+                elif isinstance(res, Unavailable):
+                    self._write_failed(address, [i], res, out)
+                elif isinstance(res, Exception) and out[i] is None:
+                    out[i] = res
         for address, idx in sent:
             try:
                 results = self._nodes[address].finish_write()
@@ -380,11 +434,32 @@ class Client:
         keys = list(keys)
         valid = [i for i, k in enumerate(keys) if _valid(k)]
         with self._lock:
+            if valid:
+                self._release_pins()
             got = self._with_master(lambda m: m.call(Remove([keys[i] for i in valid])).values) if valid else []
         out = [False] * len(keys)
         for i, v in zip(valid, got):
             out[i] = v
         return out
+
+    def data_paths(self) -> dict[str, str]:
+        """How bytes move to each node this client is connected to: "engine" or "rpc"."""
+        with self._lock:
+            return {address: "engine" if self._path.uses(conn) else "rpc" for address, conn in self._nodes.items()}
+
+    def _release_pins(self) -> None:
+        """Let go of what we read before removing: our own pin or lease would otherwise keep the
+        old object alive, and a put of the same key right after the remove would be refused."""
+        for address, conn in list(self._nodes.items()):
+            try:
+                conn.release_pins()
+            except KVPoolError:
+                self._drop_node(address)
+        if self._release and self._master is not None:
+            try:  # one-way, ahead of the Remove on the same connection: the master sees it first
+                self._master.send_oneway(Release(self._take_release()))
+            except KVPoolError:
+                pass
 
     # ------------------------------------------------------------------ admin over RPC
 

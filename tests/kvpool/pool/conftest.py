@@ -21,9 +21,14 @@ def pool(pool_settings):
     p.stop()
 
 
-@pytest.fixture(params=["shm", "tcp"])
+@pytest.fixture(params=["shm", "tcp", "engine"])
 def client(request, pool):
-    c = kvpool.connect(pool.address, use_shm=request.param == "shm")
+    """shm / tcp: the node-RPC data path; engine: bytes through the transfer engine over tcp."""
+    if request.param == "engine":
+        c = kvpool.connect(pool.address, use_shm=False, data_path="engine", transports=("tcp",))
+        assert c.data_paths() == {pool.address: "engine"}
+    else:
+        c = kvpool.connect(pool.address, use_shm=request.param == "shm", data_path="rpc")
     assert c.embedded
     yield c
     c.close()

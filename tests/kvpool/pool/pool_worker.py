@@ -1,4 +1,6 @@
-"""A client process for the multi-process tests: `python pool_worker.py ADDRESS put|get SEED COUNT`.
+"""A client process for the multi-process tests:
+`python pool_worker.py ADDRESS put|get SEED COUNT [DATA_PATH]` (DATA_PATH: auto, rpc or engine;
+engine moves the bytes through the transfer engine over tcp).
 
 Chunks are generated from SEED (keys: 32 hex characters; values: 1..64 KiB of random bytes), so
 another process can verify every byte without sharing memory. Exit 0 = all good; the last stdout
@@ -24,7 +26,10 @@ def chunks(seed: int, count: int):
 
 def main() -> int:
     address, mode, seed, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    client = kvpool.connect(address, timeout=20)
+    data_path = sys.argv[5] if len(sys.argv) > 5 else "auto"
+    client = kvpool.connect(address, timeout=20, data_path=data_path, transports=("tcp",))
+    if data_path != "auto":
+        client.get_batch(["warm-up: connects every node"])
     bad, missing, done = 0, 0, 0
     try:
         items = list(chunks(seed, count))
@@ -43,9 +48,10 @@ def main() -> int:
                     bad += 1
                 else:
                     done += 1
+        paths = sorted(set(client.data_paths().values()))
     finally:
         client.close()
-    print(json.dumps({"mode": mode, "seed": seed, "ok": done, "bad": bad, "missing": missing}))
+    print(json.dumps({"mode": mode, "seed": seed, "ok": done, "bad": bad, "missing": missing, "paths": paths}))
     return 0 if bad == 0 and missing == 0 else 1
 
 

@@ -41,10 +41,10 @@ def cluster():
     master.stop()
 
 
-@pytest.mark.parametrize("use_shm", [True, False])
-def test_put_get_across_nodes_and_placement_by_free_space(cluster, use_shm):
+@pytest.mark.parametrize("use_shm,data_path", [(True, "rpc"), (False, "rpc"), (False, "engine")])
+def test_put_get_across_nodes_and_placement_by_free_space(cluster, use_shm, data_path):
     master, nodes = cluster
-    with kvpool.connect(master.address, use_shm=use_shm) as c:
+    with kvpool.connect(master.address, use_shm=use_shm, data_path=data_path, transports=("tcp",)) as c:
         assert not c.embedded
         values = {f"k{i}": os.urandom(1000 + 3000 * i) for i in range(30)}  # inline and pinned sizes
         for k, v in values.items():
@@ -55,6 +55,7 @@ def test_put_get_across_nodes_and_placement_by_free_space(cluster, use_shm):
             buf = bytearray(len(v))
             assert c.get_into(k, buf) == len(v) and buf == v
         assert all(conn.shm == use_shm for conn in c._nodes.values())
+        assert set(c.data_paths().values()) == {data_path}
         bufs = [bytearray(len(v)) for v in values.values()]
         assert c.get_batch_into(list(values), bufs) == [len(v) for v in values.values()]
         assert bufs == list(values.values())
@@ -72,9 +73,10 @@ def test_local_first_placement_for_a_writer_that_is_a_node(cluster):
     assert [r["node_id"] for r in info["replicas"]][0] == "n0" and len(info["replicas"]) == 2
 
 
-def test_replicas_survive_the_loss_of_a_node(cluster):
+@pytest.mark.parametrize("data_path", ["rpc", "engine"])
+def test_replicas_survive_the_loss_of_a_node(cluster, data_path):
     master, nodes = cluster
-    with kvpool.connect(master.address, replicas=2) as c:
+    with kvpool.connect(master.address, replicas=2, data_path=data_path, transports=("tcp",)) as c:
         values = {f"r{i}": os.urandom(5000) for i in range(20)}
         assert c.put_batch(list(values.items())) == [None] * 20
         for k in values:

@@ -15,7 +15,7 @@ import pytest
 
 import kvpool
 from kvpool.cluster.etcd_testing import spawn
-from kvpool.messages import NodeWrite, PutStart
+from kvpool.messages import NodeReserve, NodeWrite, PutStart
 from kvpool.rpc import RpcClient, _frame
 
 WORKER = Path(__file__).with_name("pool_worker.py")
@@ -40,7 +40,8 @@ def pool3():
         procs.append(master)
         with ThreadPoolExecutor(3) as ex:
             futures = [ex.submit(spawn, ["node", "--port", "0", "--master", master.address, "--node-id", f"node{i}",
-                                         "--dram-capacity", "96MiB", "--heartbeat-s", "0.2"]) for i in range(3)]
+                                         "--dram-capacity", "96MiB", "--heartbeat-s", "0.2", "--admin-port", "0"])
+                       for i in range(3)]
             procs += [f.result() for f in futures]
         with kvpool.connect(master.address) as c:
             assert wait_for(lambda: len(c.admin("nodes")) == 3)
@@ -54,9 +55,10 @@ def pool3():
                 os.unlink(path)
 
 
-def run_workers(address: str, mode: str, seeds: list[int], count: int) -> list[dict]:
+def run_workers(address: str, mode: str, seeds: list[int], count: int, data_path: str = "auto") -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), address, mode, str(s), str(count)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(WORKER), address, mode, str(s), str(count), data_path],
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for s in seeds]
     out = []
     for p in procs:
@@ -66,22 +68,25 @@ def run_workers(address: str, mode: str, seeds: list[int], count: int) -> list[d
     return out
 
 
-def test_two_client_processes_put_and_get_1000_chunks_through_three_nodes(pool3):
+@pytest.mark.parametrize("data_path", ["rpc", "engine"])
+def test_two_client_processes_put_and_get_1000_chunks_through_three_nodes(pool3, data_path):
     master, nodes = pool3
-    puts = run_workers(master.address, "put", [11, 22], 500)
+    puts = run_workers(master.address, "put", [11, 22], 500, data_path)
     assert [r["ok"] for r in puts] == [500, 500]
     # Each client reads back the other's chunks (and its own): every byte must match.
-    gets = run_workers(master.address, "get", [22, 11], 500)
+    gets = run_workers(master.address, "get", [22, 11], 500, data_path)
     assert [r["ok"] for r in gets] == [500, 500]
+    assert all(r["paths"] == [data_path] for r in puts + gets)  # every node was reached that way
     with kvpool.connect(master.address) as c:
         nodes_info = c.admin("nodes")
         assert all(n["objects"] > 0 for n in nodes_info)  # spread over all three nodes
         assert sum(n["objects"] for n in nodes_info) == 1000
 
 
-def test_replicas_2_and_a_node_killed_with_sigkill(pool3):
+@pytest.mark.parametrize("data_path", ["rpc", "engine"])
+def test_replicas_2_and_a_node_killed_with_sigkill(pool3, data_path):
     master, nodes = pool3
-    with kvpool.connect(master.address, replicas=2) as c:
+    with kvpool.connect(master.address, replicas=2, data_path=data_path, transports=("tcp",)) as c:
         values = {f"{i:032x}": os.urandom(2048 + i) for i in range(300)}
         assert c.put_batch(list(values.items())) == [None] * 300
         nodes[0].kill()
@@ -92,6 +97,7 @@ def test_replicas_2_and_a_node_killed_with_sigkill(pool3):
         buf = bytearray(5000)
         for k, v in list(values.items())[:20]:
             assert c.get_into(k, buf) == len(v) and bytes(buf[: len(v)]) == v
+        assert set(c.data_paths().values()) == {data_path}
 
 
 def test_a_node_killed_mid_put_leaves_no_visible_object(pool3):
@@ -134,6 +140,52 @@ def test_a_client_dying_mid_put_leaves_no_visible_object(pool3):
         # The put is reclaimed after put_timeout_s; meanwhile the node serves other writes.
         c.put("other", b"fine")
         assert c.get("other") == b"fine"
+        assert c.get("dropped") is None
+
+
+def _reserve_and_write_half(address: str, key: str, size: int, put_id: int, fill: bytes) -> RpcClient:
+    """The first half of an engine-path put: reserve at the node, WRITE half of the bytes."""
+    from transfer import SegmentDescriptor, TransferEngine
+
+    node_rpc = RpcClient(address)
+    slots = node_rpc.call(NodeReserve([key], [size], [put_id]))
+    desc = SegmentDescriptor.from_bytes(slots.segment)
+    with TransferEngine(transports=("tcp",)) as eng:
+        eng.write(desc, slots.results[0].offset, fill * (size // 2))
+    return node_rpc
+
+
+def test_a_node_killed_mid_engine_put_leaves_no_visible_object(pool3):
+    master, nodes = pool3
+    size = 8 << 20
+    rpc = RpcClient(master.address)
+    plan = rpc.call(PutStart(["half"], [size], 1)).plans[0]
+    target = next(n for n in nodes if n.name == plan.targets[0].node_id)
+    node_rpc = _reserve_and_write_half(plan.targets[0].address, "half", size, plan.put_id, b"h")
+    target.kill()
+    with kvpool.connect(master.address, data_path="engine", transports=("tcp",)) as c:
+        assert c.get("half") is None and not c.exists("half")
+        assert wait_for(lambda: len(c.admin("nodes")) == 2)
+        assert c.get("half") is None
+        c.put("half", b"a complete object" * 4000)  # the key is free again
+        assert c.get("half") == b"a complete object" * 4000
+        assert set(c.data_paths().values()) == {"engine"}
+    node_rpc.close()
+    rpc.close()
+
+
+def test_a_client_dying_mid_engine_put_leaves_no_visible_object(pool3):
+    master, nodes = pool3
+    with kvpool.connect(master.address, data_path="engine", transports=("tcp",)) as c:
+        plan_rpc = RpcClient(master.address)
+        size = 4 << 20
+        plan = plan_rpc.call(PutStart(["dropped"], [size], 1)).plans[0]
+        node_rpc = _reserve_and_write_half(plan.targets[0].address, "dropped", size, plan.put_id, b"d")
+        node_rpc.close()  # the writer is gone before its commit; the node aborts its reservation
+        plan_rpc.close()
+        assert c.get("dropped") is None
+        c.put("other", b"fine" * 20000)
+        assert c.get("other") == b"fine" * 20000
         assert c.get("dropped") is None
 
 

@@ -1,0 +1,31 @@
+"""`kvpool node` serves Prometheus /metrics on --admin-port, and accepts --eviction arc."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+
+from kvpool.cluster.etcd_testing import spawn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_node_serves_metrics_with_its_store_stats():
+    master = spawn(["master", "--port", "0", "--admin-port", "0", "--heartbeat-s", "0.2"])
+    try:
+        port = free_port()
+        node = spawn(["node", "--port", "0", "--master", master.address, "--node-id", "metrics-node",
+                      "--dram-capacity", "8MiB", "--eviction", "arc", "--admin-port", str(port)])
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            assert 'kvpool_up{node="metrics-node",service="node"} 1.0' in text
+            assert "kvpool_stats_up" in text and "8.388608e+06" in text  # the DRAM capacity, from store.stats
+        finally:
+            node.stop()
+    finally:
+        master.stop()
