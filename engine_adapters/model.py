@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import xxhash
 
-from kvpool.errors import InvalidArgument, Unavailable
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.keys import Namespace
 from kvpool.layout import KVLayout
 
@@ -186,6 +186,17 @@ class ReferenceModel:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
 
+def is_cached(cache_dir: str | os.PathLike | None = None, fingerprint: str | None = None) -> bool:
+    """True when the reference model was converted already (a load then takes seconds, not ~40 s)."""
+    root = Path(cache_dir) if cache_dir else default_cache_root()
+    if fingerprint is None:
+        try:
+            fingerprint = weights_fingerprint(None, root)
+        except (KVPoolError, OSError):  # no GGUF package, unreadable cache: not cached
+            return False
+    return (root / fingerprint / _CACHE_MARK).is_file()
+
+
 def load_reference_model(cache_dir: str | os.PathLike | None = None, dtype: str = "float32",
                          gguf: str | os.PathLike | None = None) -> ReferenceModel:
     """Load SmolLM2-135M-Instruct on CPU in `dtype` ("float32" default, "bfloat16", "float16").
@@ -203,7 +214,7 @@ def load_reference_model(cache_dir: str | os.PathLike | None = None, dtype: str 
     root = Path(cache_dir) if cache_dir else default_cache_root()
     fingerprint = weights_fingerprint(source, root)
     folder = root / fingerprint
-    if not (folder / _CACHE_MARK).is_file():
+    if not is_cached(root, fingerprint):
         _convert_into_cache(source, folder, fingerprint)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     model.eval()

@@ -216,10 +216,6 @@ def _reap(popen: subprocess.Popen, grace_s: float) -> None:
 
 def model_is_cached(model_cache: str | None = None) -> bool:
     """True when the reference model was converted already (workers then start in seconds)."""
-    from engine_adapters import model
+    from engine_adapters.model import is_cached
 
-    try:
-        root = Path(model_cache) if model_cache else model.default_cache_root()
-        return (root / model.weights_fingerprint(None, root) / model._CACHE_MARK).is_file()
-    except Exception:  # no package, unreadable cache: assume the slow path
-        return False
+    return is_cached(model_cache)

@@ -75,6 +75,8 @@ class EnginePath:
             return False
         if "rdma" not in self.engine().transports:
             self._rdma_missing = True  # no device here: never ask again
+            if self._own:
+                self.close()
             return False
         return True
 
