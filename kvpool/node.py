@@ -32,7 +32,7 @@ from typing import Any
 
 from kvpool.api import check_key
 from kvpool.config import Settings
-from kvpool.errors import InvalidArgument, KVPoolError
+from kvpool.errors import CapacityError, InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import (Bools, Err, Held, Info, NodeCommit, NodeCopy, NodeData, NodeGet, NodeInfo, NodePin,
                              NodeRemove, NodeReserve, NodeStats, NodeUnpin, NodeWrite, Pins, Placed, WriteReply)
 from kvpool.node_engine import EngineWrites
@@ -79,9 +79,19 @@ class StoreNode(EngineWrites):
         return self._store
 
     def handlers(self) -> dict[type, Any]:
-        return {NodeGet: self._on_get, NodePin: self._on_pin, NodeUnpin: self._on_unpin, NodeWrite: self._on_write,
-                NodeRemove: self._on_remove, NodeCopy: self._on_copy, NodeStats: self._on_stats,
-                NodeReserve: self._on_reserve, NodeCommit: self._on_commit}
+        table = {NodeGet: self._on_get, NodePin: self._on_pin, NodeUnpin: self._on_unpin, NodeWrite: self._on_write,
+                 NodeRemove: self._on_remove, NodeCopy: self._on_copy, NodeStats: self._on_stats,
+                 NodeReserve: self._on_reserve, NodeCommit: self._on_commit}
+        return {kind: self._while_open(handler) for kind, handler in table.items()}
+
+    def _while_open(self, handler: Any) -> Any:
+        """A request still in flight when `stop` closed the store gets `Unavailable`, not a crash."""
+        def guarded(msg: Any, payload: Payload, conn: ServerConn) -> Any:
+            if self._store is None:
+                raise Unavailable(f"node {self.node_id} is stopping")
+            return handler(msg, payload, conn)
+
+        return guarded
 
     def start(self) -> "StoreNode":
         try:
@@ -209,28 +219,44 @@ class StoreNode(EngineWrites):
 
     # ------------------------------------------------------------------ pins
 
-    def _pin_batch(self, keys: list[str]) -> tuple[list[str], list[int], list[int]]:
+    def _pin_batch(self, keys: list[str]) -> tuple[list[str], list[int], list[int], dict[int, bytes]]:
+        """Pin each key in DRAM: (pinned keys, offsets, sizes (-1: miss), copies).
+
+        A batch larger than free DRAM cannot have all its SSD objects promoted and pinned at
+        once; those (CapacityError) are read straight from SSD into `copies[i]` instead of
+        being reported as misses."""
         pinned, offsets, sizes = [], [], []
-        for key in keys:
+        copies: dict[int, bytes] = {}
+        for i, key in enumerate(keys):
             if self.master is not None and not self.master.touch(key):
                 offsets.append(0)
                 sizes.append(-1)
                 continue
             try:
                 loc = self._store.pin(key)
-            except (KVPoolError, ValueError):  # absent, being removed, no room to promote: a miss
+            except CapacityError:  # DRAM all pinned: serve this one from SSD without promoting
+                data = self._store.get(key)
+                offsets.append(-1)
+                sizes.append(-1 if data is None else len(data))
+                if data is not None:
+                    copies[i] = data
+                continue
+            except (KVPoolError, ValueError):  # absent, being removed: a miss
                 offsets.append(0)
                 sizes.append(-1)
                 continue
             pinned.append(key)
             offsets.append(loc.offset)
             sizes.append(loc.length)
-        return pinned, offsets, sizes
+        return pinned, offsets, sizes, copies
 
     def _unpin_keys(self, keys: list[str]) -> None:
+        store = self._store
+        if store is None:  # stopped: the pins went with the store
+            return
         for key in keys:
             try:
-                self._store.unpin(key)
+                store.unpin(key)
             except KVPoolError:
                 log.debug("unpin of %r: not pinned", key)
 
@@ -260,10 +286,11 @@ class StoreNode(EngineWrites):
     def _on_get(self, msg: NodeGet, payload: Payload, conn: ServerConn) -> None:
         if msg.unpin:
             self._unpin_ids(msg.unpin, conn)
-        pinned, offsets, sizes = self._pin_batch(msg.keys)
+        pinned, offsets, sizes, copies = self._pin_batch(msg.keys)
         try:
             arena = self._store.arena.buffer
-            views = [arena[o:o + n] for o, n in zip(offsets, sizes) if n >= 0]
+            views = [memoryview(copies[i]) if i in copies else arena[o:o + n]
+                     for i, (o, n) in enumerate(zip(offsets, sizes)) if n >= 0]
             conn.reply(NodeData(sizes), views)
         finally:
             self._unpin_keys(pinned)
@@ -271,13 +298,15 @@ class StoreNode(EngineWrites):
     def _on_pin(self, msg: NodePin, payload: Payload, conn: ServerConn) -> None:
         if msg.unpin:
             self._unpin_ids(msg.unpin, conn)
-        _, offsets, sizes = self._pin_batch(msg.keys)
-        hits = [i for i, n in enumerate(sizes) if n >= 0]
-        # Small objects ride inline in the reply (a pin + memcpy costs more than the bytes).
+        _, offsets, sizes, copies = self._pin_batch(msg.keys)
+        hits = [i for i, n in enumerate(sizes) if n >= 0 and i not in copies]
+        # Small objects ride inline in the reply (a pin + memcpy costs more than the bytes), and
+        # so do the unpinnable ones read from SSD (`copies`).
         inline = [i for i in hits if msg.inline and sizes[i] <= INLINE_MAX]
         kept = [msg.keys[i] for i in hits if not msg.inline or sizes[i] > INLINE_MAX]
         arena = self._store.arena.buffer
-        views = [arena[offsets[i]:offsets[i] + sizes[i]] for i in inline]
+        views = [memoryview(copies[i]) if i in copies else arena[offsets[i]:offsets[i] + sizes[i]]
+                 for i in sorted([*inline, *copies])]
         for i in inline:
             offsets[i] = -1
         pin_id = 0

@@ -92,6 +92,20 @@ class DictPoolForConnectorTests:
         self._count("get_batch")
         return [self._data.get(key) if isinstance(key, str) else None for key in keys]
 
+    def get_batch_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        out = []
+        for key, buf in zip(keys, buffers):
+            data = self._data.get(key) if isinstance(key, str) else None
+            if data is None:
+                out.append(-1)
+                continue
+            view = memoryview(buf).cast("B")
+            if len(view) < len(data):
+                raise InvalidArgument(f"buffer holds {len(view)} bytes, {key!r} needs {len(data)}")
+            view[:len(data)] = data
+            out.append(len(data))
+        return out
+
     def exists_batch(self, keys: Sequence[str]) -> list[bool]:
         return [isinstance(key, str) and key in self._data for key in keys]
 

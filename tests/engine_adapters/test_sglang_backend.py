@@ -1,7 +1,7 @@
 """The SGLang HiCache storage backend against the pool, with a FAKE host KV pool (SGLang needs CUDA).
 
 Real parts: the backend, CPU torch host buffers in SGLang's three MHA host layouts, kvpool chunk
-objects, and the pool (the real embedded pool on loopback when importable, else the dict fake).
+objects, and the pool (the real embedded pool on loopback; the dict fake only for simulated outages).
 The calls follow HiCacheController's: `batch_exists` on a page-hash chain for prefetch, then
 `batch_get_v1` (zero-copy) or `batch_get` (generic); backup with `batch_set_v1` or `batch_set`.
 """
@@ -18,6 +18,9 @@ from engine_adapters import sglang as backend_mod
 from engine_adapters._fakes.dict_pool import DictPoolForConnectorTests
 from engine_adapters._fakes.sglang_api import FakeHiCacheStorageConfig
 from engine_adapters._fakes.sglang_host import FakeMHATokenToKVPoolHost
+from kvpool.client import connect
+from kvpool.config import load_settings
+from kvpool.server import EmbeddedPool
 from kvpool.errors import AlreadyExists, InvalidArgument, Unavailable
 from kvpool.layout import KVLayout, decode_chunk
 
@@ -27,28 +30,13 @@ LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
 @pytest.fixture
 def pool():
-    """The real embedded pool on loopback when importable, else the dict-backed fake."""
-    server = _embedded_server()
-    if server is None:
-        yield DictPoolForConnectorTests()
-        return
-    from kvpool.client import connect
-
+    """The real embedded pool on loopback."""
+    server = EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="64MiB")).start()
     client = connect(server.address)
     client.server_address = server.address
     yield client
     client.close()
     server.stop()
-
-
-def _embedded_server():
-    try:
-        from kvpool.client import connect  # noqa: F401
-        from kvpool.config import load_settings
-        from kvpool.server import EmbeddedPool
-    except ImportError:
-        return None
-    return EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="64MiB")).start()
 
 
 def make_host(layout="page_first", dtype=torch.float16, seed=0) -> FakeMHATokenToKVPoolHost:

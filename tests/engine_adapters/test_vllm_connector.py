@@ -2,8 +2,8 @@
 and the adapter conformance suite on paged KV caches (`engine_adapters.vllm_paged`).
 
 Real parts: the connector, CPU torch paged KV tensors with random block tables, kvpool chunk keys
-and chunk objects, and the pool (the real embedded pool when it is available, else the
-dict-backed `DictPoolForConnectorTests`).
+and chunk objects, and the pool (the real embedded pool on loopback; the dict-backed
+`DictPoolForConnectorTests` only for simulated outages).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from engine_adapters._fakes.vllm_api import (
 )
 from engine_adapters._fakes.vllm_engine import FakeRequest, FakeVllmEngine, fake_model_kv
 from engine_adapters.vllm_paged import PagedAdapter, PagedKV
+from kvpool.client import connect
+from kvpool.config import load_settings
+from kvpool.server import EmbeddedPool
 from kvpool.errors import AlreadyExists, InvalidArgument, LayoutMismatch, Unavailable
 from kvpool.keys import Namespace, chunk_keys_hex
 from kvpool.layout import KVLayout, decode_chunk
@@ -62,27 +65,14 @@ class CountingClient:
         return counted
 
 
-def _real_pool():
-    try:
-        from kvpool.client import connect
-        from kvpool.config import load_settings
-        from kvpool.server import EmbeddedPool
-    except ImportError:
-        return None, None
-    server = EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="64MiB")).start()
-    return server, connect(server.address)
-
-
 @pytest.fixture
 def pool():
-    """The pool client the connector talks to: the real embedded pool on loopback when it is
-    importable, else the dict-backed fake."""
-    server, client = _real_pool()
-    client = CountingClient(client if client is not None else DictPoolForConnectorTests())
+    """The pool client the connector talks to: the real embedded pool on loopback."""
+    server = EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="64MiB")).start()
+    client = CountingClient(connect(server.address))
     yield client
     client.close()
-    if server is not None:
-        server.stop()
+    server.stop()
 
 
 def engine_for(pool, paged_layout="nhd", dtype="float16", **kw) -> FakeVllmEngine:
@@ -388,9 +378,8 @@ def test_detect_paged_layout():
 
 def test_connects_to_the_pool_by_address():
     """The deployment path: no injected client, `kvpool_address` from the extra config."""
-    server, client = _real_pool()
-    if server is None:
-        pytest.skip("the embedded pool is not available")
+    server = EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="64MiB")).start()
+    client = connect(server.address)
     try:
         cfg = make_config(kvpool_address=server.address)
         eng = FakeVllmEngine(cfg, conn.KVPoolConnector, client=None)

@@ -32,7 +32,7 @@ def cluster(etcd):
     try:
         with ThreadPoolExecutor(4) as ex:  # nodes wait for a leader by themselves
             started = [ex.submit(spawn, ["master", *common, "--admin-port", "0"]) for _ in range(2)]
-            started += [ex.submit(spawn, ["node", *common, "--node-id", f"n{i}", "--dram-capacity", "32MiB"])
+            started += [ex.submit(spawn, ["node", *common, "--node-id", f"n{i}", "--dram-capacity", "32MiB", "--admin-port", "0"])
                         for i in range(2)]
             procs += [f.result() for f in started]
         masters, nodes = procs[:2], procs[2:]

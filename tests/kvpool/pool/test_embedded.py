@@ -296,3 +296,27 @@ def test_a_forgotten_shm_pin_expires_after_the_lease(tmp_path):
         assert pins.pin_id and _pinned(pool) == 1
         assert wait_until(lambda: _pinned(pool) == 0, timeout=5)  # the connection is still open
         assert c.get("forgotten") is not None
+
+
+@pytest.mark.parametrize("mode", ["shm", "tcp", "engine"])
+def test_a_batch_larger_than_dram_is_served_from_ssd_not_missed(tmp_path, mode):
+    """A batch cannot pin more objects in DRAM than fit: the rest are read straight from SSD.
+    (Regression: they used to come back as misses while single gets found them.)"""
+    from kvpool.config import load_settings
+    from kvpool.server import EmbeddedPool
+
+    settings = load_settings(port=0, admin_port=0, dram_capacity="4MiB", ssd_path=str(tmp_path / "ssd"),
+                             ssd_capacity="64MiB", heartbeat_s=0.2)
+    with EmbeddedPool(settings) as pool:
+        kwargs = {"use_shm": mode == "shm", "data_path": "engine" if mode == "engine" else "rpc"}
+        if mode == "engine":
+            kwargs["transports"] = ("tcp",)
+        with kvpool.connect(pool.address, **kwargs) as c:
+            values = {f"b{i}": os.urandom(1 << 20) for i in range(12)}  # 12 MiB through 4 MiB of DRAM
+            for k, v in values.items():
+                c.put(k, v)
+            assert pool.node.store.stats()["tiers"]["ssd"]["objects"] > 0
+            assert c.get_batch(list(values)) == list(values.values())
+            outs = [bytearray(1 << 20) for _ in values]
+            assert c.get_batch_into(list(values), outs) == [1 << 20] * len(values)
+            assert [bytes(o) for o in outs] == list(values.values())
