@@ -16,7 +16,7 @@ import click
 from kvpool.errors import InvalidArgument
 
 DEFAULT_CONFIG = {
-    "pool": {"dram_capacity": "1GiB", "ssd_capacity": "8GiB", "eviction": "s3fifo"},
+    "pool": {"dram_capacity": "1GiB", "ssd_capacity": "8GiB", "eviction": "arc"},
     "workers": [{"role": "prefill", "local_cache": "512MiB"}, {"role": "decode", "local_cache": "512MiB"}],
 }
 
