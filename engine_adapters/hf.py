@@ -18,14 +18,14 @@ Invariants beyond the contract (`engine_adapters.base`):
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Iterable, Sequence
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from engine_adapters.base import ChunkStore, KVEvent, LoadResult, PlannedObject, SaveResult
+from engine_adapters.base import (BackgroundLayerwiseLoad, ChunkStore, ChunkStoreAdapter, KVEvent, LoadResult,
+                                  PlannedLayerwiseSave, PlannedObject, SaveResult)
 from engine_adapters.handle import KVHandle
 from kvpool.api import PoolClient
 from kvpool.errors import InvalidArgument
@@ -81,30 +81,22 @@ def cache_from_layers(layers: Sequence[torch.Tensor], config: Any = None) -> Dyn
     return cache
 
 
-class HFLayerwiseSave:
+class HFLayerwiseSave(PlannedLayerwiseSave):
     """Copies each layer's K/V into the planned objects' payloads as the layer is handed over; `finish`
     seals and puts them. Planned at construction (one exists_batch), so only missing chunks are copied."""
 
     def __init__(self, adapter: "HFAdapter", token_ids: Sequence[int], request_id: str | None, start_token: int):
         self._adapter = adapter
-        self._store = adapter.store
-        self.num_tokens = len(token_ids)
-        self.keys, self.planned, self.tail = self._store.plan_save(token_ids, request_id=request_id,
-                                                                   start_token=start_token)
-        layout = adapter.layout
-        self._payloads = [_payload_tensor(obj, layout, adapter.torch_dtype) for obj in self.planned]
-        self._done = [False] * layout.num_layers
-        self._finished = False
+        super().__init__(adapter.store, token_ids, request_id, start_token)
 
-    def save_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        layout = self._adapter.layout
-        if not 0 <= i < layout.num_layers:
-            raise InvalidArgument(f"layer {i} out of range 0..{layout.num_layers - 1}")
+    def _payload(self, obj: PlannedObject) -> torch.Tensor:
+        return _payload_tensor(obj, self._adapter.layout, self._adapter.torch_dtype)
+
+    def _copy_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = self._adapter.check_layer_kv(k, self.num_tokens), self._adapter.check_layer_kv(v, self.num_tokens)
         for obj, payload in zip(self.planned, self._payloads):
             payload[i, 0].copy_(k[:, obj.start:obj.start + obj.tokens, :])
             payload[i, 1].copy_(v[:, obj.start:obj.start + obj.tokens, :])
-        self._done[i] = True
 
     def attach(self, cache: DynamicCache) -> DynamicCache:
         """Save each layer of `cache` the moment the forward pass appends it, so nothing is left to
@@ -126,15 +118,6 @@ class HFLayerwiseSave:
             return keys, values
 
         return saving_update
-
-    def finish(self) -> SaveResult:
-        if self._finished:
-            raise InvalidArgument("this save has already finished")
-        missing = [i for i, done in enumerate(self._done) if not done]
-        if missing and self.planned:
-            raise InvalidArgument(f"layers {missing[:5]}... were never saved")
-        self._finished = True
-        return self._store.store(self.keys, self.planned, self.tail, self.num_tokens)
 
 
 class _PendingLayer(DynamicLayer):
@@ -162,64 +145,37 @@ class _PendingLayer(DynamicLayer):
         return self._pending_tokens if self._load is not None else super().get_seq_length()
 
 
-class HFLayerwiseLoad:
+class HFLayerwiseLoad(BackgroundLayerwiseLoad):
     """Fetches and verifies the cached prefix in a background thread, then scatters it into one
     `[L, 2, H, T, D]` tensor layer by layer; `wait_layer(i)` returns as soon as layer i is in place."""
 
     def __init__(self, adapter: "HFAdapter", token_ids: Sequence[int], max_tokens: int | None):
         self._adapter = adapter
-        layers = adapter.layout.num_layers
-        self._fetched = threading.Event()
-        self._layer_ready = [threading.Event() for _ in range(layers)]
-        self._error: BaseException | None = None
-        self._num_tokens = 0
         self._kv: torch.Tensor | None = None  # host assembly buffer [L, 2, H, T, D]
+        self._sources: list[torch.Tensor] = []  # the fetched chunks, [L, 2, H, tokens, D] each
         self._layers: list[torch.Tensor] = []  # layer i on the model's device, once ready
-        ids = list(token_ids)
-        self._thread = threading.Thread(target=self._run, args=(ids, max_tokens), daemon=True,
-                                        name="kvpool-hf-load")
-        self._thread.start()
+        super().__init__(adapter.store, token_ids, max_tokens, thread_name="kvpool-hf-load")
 
-    def _run(self, ids: list[int], max_tokens: int | None) -> None:
-        try:
-            views = self._adapter.store.fetch_prefix(ids, max_tokens)
-            self._num_tokens = sum(v.tokens for v in views)
-            if views:
-                self._kv = self._adapter.empty_kv(self._num_tokens)
-            self._fetched.set()
-            sources = [v.as_torch() for v in views]
-            device = self._adapter.device
-            for i, ready in enumerate(self._layer_ready):
-                start = 0
-                for src in sources:
-                    self._kv[i, :, :, start:start + src.shape[3]].copy_(src[i])
-                    start += src.shape[3]
-                self._layers.append(self._kv[i] if device.type == "cpu" else self._kv[i].to(device))
-                ready.set()
-        except BaseException as exc:  # handed to the waiting thread, which re-raises it
-            self._error = exc
-            self._fetched.set()
-            for ready in self._layer_ready:
-                ready.set()
+    def _prepare(self, views: list[ChunkView]) -> int:
+        num_tokens = sum(v.tokens for v in views)
+        self._kv = self._adapter.empty_kv(num_tokens)
+        self._sources = [v.as_torch() for v in views]
+        return num_tokens
 
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
+    def _fill_layer(self, i: int, views: list[ChunkView]) -> None:
+        start = 0
+        for src in self._sources:
+            self._kv[i, :, :, start:start + src.shape[3]].copy_(src[i])
+            start += src.shape[3]
+        device = self._adapter.device
+        self._layers.append(self._kv[i] if device.type == "cpu" else self._kv[i].to(device))
 
-    def num_tokens(self) -> int:
-        self._fetched.wait()
-        self._check()
-        return self._num_tokens
-
-    def wait_layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= i < len(self._layer_ready):
-            raise InvalidArgument(f"layer {i} out of range 0..{len(self._layer_ready) - 1}")
-        self._layer_ready[i].wait()
-        self._check()
-        if self._kv is None:
-            raise InvalidArgument("nothing was loaded (num_tokens() == 0): there is no layer KV to wait for")
+    def _layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self._layers[i]
         return layer[0].unsqueeze(0), layer[1].unsqueeze(0)
+
+    def _result(self) -> DynamicCache:
+        return cache_from_layers(self._layers, self._adapter.model.config)
 
     def cache(self) -> DynamicCache:
         """A DynamicCache of the loaded prefix to run the model on right away: the model's first use
@@ -228,18 +184,11 @@ class HFLayerwiseLoad:
         n = self.num_tokens()
         cache = DynamicCache(config=self._adapter.model.config)
         if n:
-            cache.layers = [_PendingLayer(self, i, n) for i in range(len(self._layer_ready))]
+            cache.layers = [_PendingLayer(self, i, n) for i in range(len(self._ready))]
         return cache
 
-    def wait(self) -> LoadResult:
-        self._thread.join()
-        self._check()
-        if self._kv is None:
-            return LoadResult(0, None)
-        return LoadResult(self._num_tokens, cache_from_layers(self._layers, self._adapter.model.config))
 
-
-class HFAdapter:
+class HFAdapter(ChunkStoreAdapter):
     """The adapter contract (`engine_adapters.base.EngineAdapter`) for a transformers causal LM.
 
     `namespace.layout` must equal the model's own layout with the namespace's chunk size
@@ -294,12 +243,6 @@ class HFAdapter:
 
     # -- the contract ------------------------------------------------------------------------
 
-    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
-        return self.store.chunk_keys(token_ids)
-
-    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
-        return self.store.lookup(token_ids, max_tokens)
-
     def load(self, token_ids: Sequence[int], max_tokens: int | None = None) -> LoadResult:
         views = self.store.fetch_prefix(token_ids, max_tokens)
         if not views:
@@ -325,26 +268,11 @@ class HFAdapter:
             saver.save_layer(i, k, v)
         return saver.finish()
 
-    def make_handle(self, token_ids: Sequence[int], saved: SaveResult) -> KVHandle:
-        return self.store.make_handle(token_ids, saved)
-
     def load_handle(self, handle: KVHandle) -> DynamicCache:
         views = self.store.fetch_handle(handle)
         if not views:
             raise InvalidArgument("KV handle names no objects (0 tokens)")
         return self._cache_from_views(views)
-
-    def release_handle(self, handle: KVHandle) -> None:
-        self.store.release_handle(handle)
-
-    def remove(self, keys: Sequence[str]) -> list[bool]:
-        return self.store.remove(keys)
-
-    def add_listener(self, callback) -> None:
-        self.store.add_listener(callback)
-
-    def remove_listener(self, callback) -> None:
-        self.store.remove_listener(callback)
 
 
 # -- running the model on a cache (used by the reference workers and the tests) ------------------

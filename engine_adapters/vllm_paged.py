@@ -18,13 +18,13 @@ read each other's chunks under one namespace.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from engine_adapters.base import ChunkStore, KVEvent, LoadResult, PlannedObject, SaveResult
+from engine_adapters.base import (BackgroundLayerwiseLoad, ChunkStore, ChunkStoreAdapter, LoadResult,
+                                  PlannedLayerwiseSave, PlannedObject, SaveResult)
 from engine_adapters.handle import KVHandle
 from engine_adapters.vllm_layout import PAGED_LAYOUTS, TORCH_DTYPES, paged_kv_views
 from kvpool.api import PoolClient
@@ -85,93 +85,48 @@ def _payload(obj: PlannedObject, layout: KVLayout) -> torch.Tensor:
                             offset=HEADER_SIZE).view(layout.shape(obj.tokens))
 
 
-class PagedLayerwiseSave:
+class PagedLayerwiseSave(PlannedLayerwiseSave):
     """Copies each layer into the planned objects as it is handed over; `finish` seals and puts."""
 
     def __init__(self, adapter: PagedAdapter, token_ids: Sequence[int], request_id: str | None, start_token: int):
-        self._adapter, self.num_tokens = adapter, len(token_ids)
-        self.keys, self.planned, self.tail = adapter.store.plan_save(token_ids, request_id=request_id,
-                                                                     start_token=start_token)
-        self._payloads = [_payload(obj, adapter.layout) for obj in self.planned]
-        self._done = [False] * adapter.layout.num_layers
-        self._finished = False
+        self._adapter = adapter
+        super().__init__(adapter.store, token_ids, request_id, start_token)
 
-    def save_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        layout = self._adapter.layout
-        if not 0 <= i < layout.num_layers:
-            raise InvalidArgument(f"layer {i} out of range 0..{layout.num_layers - 1}")
+    def _payload(self, obj: PlannedObject) -> torch.Tensor:
+        return _payload(obj, self._adapter.layout)
+
+    def _copy_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for t in (k, v):
             self._adapter.check_layer(t, self.num_tokens)
         for obj, payload in zip(self.planned, self._payloads):
             payload[i, 0].copy_(k[obj.start:obj.start + obj.tokens].transpose(0, 1))
             payload[i, 1].copy_(v[obj.start:obj.start + obj.tokens].transpose(0, 1))
-        self._done[i] = True
-
-    def finish(self) -> SaveResult:
-        if self._finished:
-            raise InvalidArgument("this save has already finished")
-        missing = [i for i, done in enumerate(self._done) if not done]
-        if missing and self.planned:
-            raise InvalidArgument(f"layers {missing[:5]} were never saved")
-        self._finished = True
-        return self._adapter.store.store(self.keys, self.planned, self.tail, self.num_tokens)
 
 
-class PagedLayerwiseLoad:
+class PagedLayerwiseLoad(BackgroundLayerwiseLoad):
     """Fetches and verifies in a background thread, then fills the paged cache layer by layer."""
 
     def __init__(self, adapter: PagedAdapter, token_ids: Sequence[int], max_tokens: int | None,
                  into: PagedKV | None = None):
         self._adapter, self._into = adapter, into
-        self._fetched = threading.Event()
-        self._ready = [threading.Event() for _ in range(adapter.layout.num_layers)]
-        self._error: BaseException | None = None
         self._kv: PagedKV | None = None
-        self._thread = threading.Thread(target=self._run, args=(list(token_ids), max_tokens), daemon=True,
-                                        name="kvpool-paged-load")
-        self._thread.start()
+        super().__init__(adapter.store, token_ids, max_tokens, thread_name="kvpool-paged-load")
 
-    def _run(self, ids: list[int], max_tokens: int | None) -> None:
-        try:
-            views = self._adapter.store.fetch_prefix(ids, max_tokens)
-            if views:
-                self._kv = self._adapter.prepare(sum(v.tokens for v in views), self._into)
-            self._fetched.set()
-            for i, ready in enumerate(self._ready):
-                if self._kv is not None:
-                    self._adapter.fill_layer(self._kv, i, views)
-                ready.set()
-        except BaseException as exc:  # handed to the waiting thread, which re-raises it
-            self._error = exc
-            self._fetched.set()
-            for ready in self._ready:
-                ready.set()
+    def _prepare(self, views: list[ChunkView]) -> int:
+        self._kv = self._adapter.prepare(sum(v.tokens for v in views), self._into)
+        return self._kv.num_tokens
 
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
+    def _fill_layer(self, i: int, views: list[ChunkView]) -> None:
+        self._adapter.fill_layer(self._kv, i, views)
 
-    def num_tokens(self) -> int:
-        self._fetched.wait()
-        self._check()
-        return self._kv.num_tokens if self._kv is not None else 0
-
-    def wait_layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= i < len(self._ready):
-            raise InvalidArgument(f"layer {i} out of range 0..{len(self._ready) - 1}")
-        self._ready[i].wait()
-        self._check()
-        if self._kv is None:
-            raise InvalidArgument("nothing was loaded (num_tokens() == 0): there is no layer KV to wait for")
+    def _layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._kv.layer_tokens(i)
 
-    def wait(self) -> LoadResult:
-        self._thread.join()
-        self._check()
-        return LoadResult(0, None) if self._kv is None else LoadResult(self._kv.num_tokens, self._kv)
+    def _result(self) -> PagedKV:
+        return self._kv
 
 
-class PagedAdapter:
+class PagedAdapter(ChunkStoreAdapter):
     """`EngineAdapter` over paged KV caches (see the module docstring for the engine format)."""
 
     def __init__(self, pool: PoolClient, namespace: Namespace, *, block_size: int = 16, paged_layout: str = "nhd"):
@@ -216,12 +171,6 @@ class PagedAdapter:
 
     # -- the contract ----------------------------------------------------------------------
 
-    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
-        return self.store.chunk_keys(token_ids)
-
-    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
-        return self.store.lookup(token_ids, max_tokens)
-
     def load(self, token_ids: Sequence[int], max_tokens: int | None = None, *, into: PagedKV | None = None) -> LoadResult:
         """The longest verified cached prefix, in fresh blocks or in `into`'s blocks."""
         views = self.store.fetch_prefix(token_ids, max_tokens)
@@ -246,21 +195,6 @@ class PagedAdapter:
                    start_token: int = 0) -> PagedLayerwiseSave:
         return PagedLayerwiseSave(self, token_ids, request_id, start_token)
 
-    def make_handle(self, token_ids: Sequence[int], saved: SaveResult) -> KVHandle:
-        return self.store.make_handle(token_ids, saved)
-
     def load_handle(self, handle: KVHandle, *, into: PagedKV | None = None) -> PagedKV:
         """Every object of the handle (all or nothing) as paged KV of `handle.num_tokens` tokens."""
         return self._fill(self.store.fetch_handle(handle), into)
-
-    def release_handle(self, handle: KVHandle) -> None:
-        self.store.release_handle(handle)
-
-    def remove(self, keys: Sequence[str]) -> list[bool]:
-        return self.store.remove(keys)
-
-    def add_listener(self, callback: Callable[[KVEvent], None]) -> None:
-        self.store.add_listener(callback)
-
-    def remove_listener(self, callback: Callable[[KVEvent], None]) -> None:
-        self.store.remove_listener(callback)

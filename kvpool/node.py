@@ -35,7 +35,7 @@ from kvpool.config import Settings
 from kvpool.errors import CapacityError, InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import (Bools, Err, Held, Info, NodeCommit, NodeCopy, NodeData, NodeGet, NodeInfo, NodePin,
                              NodeRemove, NodeReserve, NodeStats, NodeUnpin, NodeWrite, Pins, Placed, WriteReply)
-from kvpool.node_engine import EngineWrites
+from kvpool.node_engine import EngineWrites, per_key_or_err
 from kvpool.node_link import MasterChannel
 from kvpool.rpc import Payload, RpcClient, RpcServer, ServerConn
 
@@ -330,31 +330,18 @@ class StoreNode(EngineWrites):
             raise InvalidArgument("NodeWrite: keys, sizes and put_ids must have the same length")
         if any(not isinstance(s, int) or s <= 0 for s in msg.sizes) or sum(msg.sizes) != payload.length:
             raise InvalidArgument(f"NodeWrite: sizes must be positive and add up to the payload ({payload.length})")
-        results: list[Placed | Err] = []
-        for key, size, put_id in zip(msg.keys, msg.sizes, msg.put_ids):
-            try:
-                results.append(self._write_one(key, size, put_id, msg.replicas, payload))
-            except KVPoolError as exc:
-                results.append(Err(exc.code, str(exc)))
-        return WriteReply(results)
+        return WriteReply(per_key_or_err(lambda k, s, p: self._write_one(k, s, p, msg.replicas, payload),
+                                         msg.keys, msg.sizes, msg.put_ids))
 
     def _write_one(self, key: str, size: int, put_id: int, replicas: int, payload: Payload) -> Placed:
         local = False
         try:
             check_key(key)
-            if put_id == 0:
-                if self.master is None:
-                    raise InvalidArgument("this node has no master in process; start the put at the master")
-                plan = self.master.put_start(key, size, replicas or None, writer_node=self.node_id)
-                if plan.exists:
-                    payload.skip(size)
-                    return Placed(self.node_id, "", "", -1)
-                if [t.node_id for t in plan.targets] != [self.node_id]:
-                    self.master.put_abort(key, plan.put_id)
-                    raise InvalidArgument("a one-round-trip put needs a single-node plan; use put_start")
-                put_id, local = plan.put_id, True
-            elif self.master is not None and not self.master.expects_write(key, put_id, self.node_id):
-                raise InvalidArgument(f"no pending put {put_id} of {key!r} on this node")
+            planned = self._plan_write(key, size, put_id, replicas)
+            if planned is None:
+                payload.skip(size)
+                return Placed(self.node_id, "", "", -1)
+            put_id, local = planned
             res = self._reserve(key, size, put_id)
         except BaseException:
             payload.skip(size)
@@ -368,12 +355,36 @@ class StoreNode(EngineWrites):
             if local:
                 self.master.put_abort(key, put_id)
             raise
+        return self._publish(key, put_id, res.offset, local)
+
+    def _plan_write(self, key: str, size: int, put_id: int, replicas: int) -> tuple[int, bool] | None:
+        """(put id, local) of a write of `key` to this node; None when the object already exists.
+
+        put_id 0 is a one-round-trip put: planned here at the in-process master, which must place
+        it on this node alone (local: the caller publishes or aborts it there). Any other put id
+        must be a put the master expects on this node."""
+        if put_id == 0:
+            if self.master is None:
+                raise InvalidArgument("this node has no master in process; start the put at the master")
+            plan = self.master.put_start(key, size, replicas or None, writer_node=self.node_id)
+            if plan.exists:
+                return None
+            if [t.node_id for t in plan.targets] != [self.node_id]:
+                self.master.put_abort(key, plan.put_id)
+                raise InvalidArgument("a one-round-trip put needs a single-node plan; use put_start")
+            return plan.put_id, True
+        if self.master is not None and not self.master.expects_write(key, put_id, self.node_id):
+            raise InvalidArgument(f"no pending put {put_id} of {key!r} on this node")
+        return put_id, False
+
+    def _publish(self, key: str, put_id: int, offset: int, local: bool) -> Placed:
+        """Make the written reservation of `key` visible (and, for a local put, end it at the master)."""
         with self._lock:
             self._put_ids[key] = put_id
         self._store.commit(key)
-        placed = Placed(self.node_id, "dram", self.segment, res.offset)
+        placed = Placed(self.node_id, "dram", self.segment, offset)
         if local:
-            self.master.put_end(key, put_id, [placed])
+            self.master.put_end(key, put_id, [placed])  # raises if reclaimed meanwhile
         return placed
 
     def _reserve(self, key: str, size: int, put_id: int):
@@ -420,10 +431,7 @@ class StoreNode(EngineWrites):
                 except BaseException:
                     self._store.abort(key)
                     raise
-                with self._lock:
-                    self._put_ids[key] = put_id
-                self._store.commit(key)
-                results.append(Placed(self.node_id, "dram", self.segment, res.offset))
+                results.append(self._publish(key, put_id, res.offset, local=False))
             return WriteReply(results)
         finally:
             source.close()

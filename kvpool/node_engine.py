@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from kvpool.api import check_key
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
@@ -42,6 +43,17 @@ class _Write:
     conn: object = None
 
 
+def per_key_or_err(one: Callable[..., Any], *columns: Sequence[Any]) -> list[Any]:
+    """`one(*row)` for each row of the parallel `columns`; a `KVPoolError` becomes that row's `Err`."""
+    results: list[Any] = []
+    for row in zip(*columns):
+        try:
+            results.append(one(*row))
+        except KVPoolError as exc:
+            results.append(Err(exc.code, str(exc)))
+    return results
+
+
 class EngineWrites:
     """Handlers of `NodeReserve` / `NodeCommit`; expects StoreNode's attributes."""
 
@@ -53,31 +65,18 @@ class EngineWrites:
             self._unpin_ids(msg.unpin, conn)
         if self.transfer_segment is None:
             raise Unavailable(f"node {self.node_id} has no transfer engine; write over the pool RPC")
-        results: list[Slot | Err] = []
-        for key, size, put_id in zip(msg.keys, msg.sizes, msg.put_ids):
-            try:
-                results.append(self._reserve_one(key, size, put_id, msg.replicas, conn))
-            except KVPoolError as exc:
-                results.append(Err(exc.code, str(exc)))
+        results = per_key_or_err(lambda key, size, put_id: self._reserve_one(key, size, put_id, msg.replicas, conn),
+                                 msg.keys, msg.sizes, msg.put_ids)
         return Slots(results, self.transfer_segment)
 
     def _reserve_one(self, key: str, size: int, put_id: int, replicas: int, conn) -> Slot:
         check_key(key)
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidArgument(f"NodeReserve: size must be a positive integer, got {size!r}")
-        local = False
-        if put_id == 0:
-            if self.master is None:
-                raise InvalidArgument("this node has no master in process; start the put at the master")
-            plan = self.master.put_start(key, size, replicas or None, writer_node=self.node_id)
-            if plan.exists:
-                return Slot(0, -1)
-            if [t.node_id for t in plan.targets] != [self.node_id]:
-                self.master.put_abort(key, plan.put_id)
-                raise InvalidArgument("a one-round-trip put needs a single-node plan; use put_start")
-            put_id, local = plan.put_id, True
-        elif self.master is not None and not self.master.expects_write(key, put_id, self.node_id):
-            raise InvalidArgument(f"no pending put {put_id} of {key!r} on this node")
+        planned = self._plan_write(key, size, put_id, replicas)
+        if planned is None:
+            return Slot(0, -1)
+        put_id, local = planned
         try:
             res = self._reserve(key, size, put_id)
         except BaseException:
@@ -108,19 +107,10 @@ class EngineWrites:
                 results.append(Err(Unavailable.code, f"put {put_id} of {key!r} aborted by its writer"))
                 continue
             try:
-                results.append(self._commit_write(key, write))
+                results.append(self._publish(key, write.put_id, write.offset, write.local))
             except KVPoolError as exc:
                 results.append(Err(exc.code, str(exc)))
         return WriteReply(results)
-
-    def _commit_write(self, key: str, write: _Write) -> Placed:
-        with self._lock:
-            self._put_ids[key] = write.put_id
-        self._store.commit(key)
-        placed = Placed(self.node_id, "dram", self.segment, write.offset)
-        if write.local:
-            self.master.put_end(key, write.put_id, [placed])  # raises if reclaimed meanwhile
-        return placed
 
     def _take_write(self, key: str, put_id: int) -> _Write | None:
         with self._lock:

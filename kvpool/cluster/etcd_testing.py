@@ -4,6 +4,7 @@
         master = spawn(["master", "--port", "0", "--meta", etcd.meta])
         ...
         master.kill()                          # SIGKILL; .stop() is SIGTERM + wait
+        assert wait_for(lambda: ..., timeout=10)   # poll a condition (every 0.05 s by default)
 
 Every process started here is killed by `stop()` / the context manager, and `spawn` waits for the
 service's "ready" line, so a test never races a half-started service.
@@ -20,9 +21,20 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import httpx
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 10.0, step: float = 0.05) -> bool:
+    """Poll `pred()` every `step` seconds until it is true (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
 
 
 def free_port() -> int:
@@ -150,3 +162,29 @@ def spawn(args: Sequence[str], *, env: dict[str, str] | None = None, timeout: fl
     proc.kill()
     proc.wait()
     raise RuntimeError(f"kvpool {' '.join(args)} did not start:\n{''.join(lines)}")
+
+
+@contextmanager
+def serve_process(log: str | os.PathLike, dram_capacity: str,
+                  env: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+    """`kvpool serve` in its own process with its admin API on a free port; yields (pool address,
+    admin url) once it is serving and terminates it on exit. Its environment is this one without
+    any KVPOOL_* variable, plus `env`; its stderr goes to the file `log`."""
+    log = Path(log)
+    admin_port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}, **(env or {})}
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("kvpool")), "--log-level", "WARNING", "serve", "--port", "0",
+         "--admin-port", str(admin_port), "--dram-capacity", dram_capacity],
+        stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("kvpool serving at "), (line, log.read_text()[-2000:])
+        yield line.rsplit(" ", 1)[1], f"http://127.0.0.1:{admin_port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

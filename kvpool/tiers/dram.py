@@ -15,16 +15,16 @@ Not thread-safe by itself: `TieredStore` serializes calls and handles pins.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 from kvpool.api import check_key
 from kvpool.errors import AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.allocator import PageAllocator
 from kvpool.tiers.arena import SharedArena
-from kvpool.tiers.base import Location, Reservation, readable_view, writable_view
+from kvpool.tiers.base import Location, PagedEntries, Reservation, readable_view, writable_view
 
 
-class DramTier:
+class DramTier(PagedEntries):
     """Objects in a shared-memory arena of `capacity` bytes."""
 
     name = "dram"
@@ -34,17 +34,6 @@ class DramTier:
         self.allocator = PageAllocator(capacity)
         self._entries: dict[str, tuple[int, int]] = {}  # visible key -> (offset, length)
         self._pending: dict[str, tuple[int, int]] = {}  # reserved, not yet committed
-
-    @property
-    def capacity(self) -> int:
-        return self.allocator.capacity
-
-    @property
-    def used(self) -> int:
-        return self.allocator.used
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     # -- two-phase write -------------------------------------------------------------------
     def try_reserve(self, key: str, size: int) -> Reservation | None:
@@ -109,29 +98,9 @@ class DramTier:
         return bytes(self.arena.buffer[entry[0] : entry[0] + entry[1]])
 
     def get_into(self, key: str, buffer: Any) -> int:
-        entry = self._entries.get(check_key(key))
-        if entry is None:
-            raise KeyNotFound(key)
-        offset, length = entry
+        offset, length = self._entry_or_miss(key)
         writable_view(buffer, length)[:length] = self.arena.buffer[offset : offset + length]
         return length
-
-    def contains(self, key: str) -> bool:
-        return check_key(key) in self._entries
-
-    def size_of(self, key: str) -> int | None:
-        entry = self._entries.get(check_key(key))
-        return None if entry is None else entry[1]
-
-    def remove(self, key: str) -> bool:
-        entry = self._entries.pop(check_key(key), None)
-        if entry is None:
-            return False
-        self.allocator.free(entry[0])
-        return True
-
-    def keys(self) -> Iterator[tuple[str, int]]:
-        return iter([(k, n) for k, (_, n) in self._entries.items()])
 
     def close(self) -> None:
         self._entries.clear()

@@ -10,12 +10,12 @@ through `torch` tensor views of the caller's buffer, without an intermediate hos
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 from kvpool.api import check_key
-from kvpool.errors import CapacityError, KeyNotFound, ObjectTooLarge, Unavailable
+from kvpool.errors import CapacityError, ObjectTooLarge, Unavailable
 from kvpool.tiers.allocator import PageAllocator
-from kvpool.tiers.base import readable_view, writable_view
+from kvpool.tiers.base import PagedEntries, readable_view, writable_view
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -39,7 +39,7 @@ def _host_tensor(view: memoryview):
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
-class HbmTier:
+class HbmTier(PagedEntries):
     """Objects in a `capacity`-byte uint8 tensor on `device`."""
 
     name = "hbm"
@@ -55,17 +55,6 @@ class HbmTier:
         self.allocator = PageAllocator(capacity)
         self.arena = torch.empty(self.allocator.capacity, dtype=torch.uint8, device=self.device)
         self._entries: dict[str, tuple[int, int]] = {}
-
-    @property
-    def capacity(self) -> int:
-        return self.allocator.capacity
-
-    @property
-    def used(self) -> int:
-        return self.allocator.used
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def tensor(self, key: str):
         """The device slice holding `key` (a view; valid until the object is removed)."""
@@ -93,30 +82,10 @@ class HbmTier:
         return bytes(out)
 
     def get_into(self, key: str, buffer: Any) -> int:
-        entry = self._entries.get(check_key(key))
-        if entry is None:
-            raise KeyNotFound(key)
-        offset, length = entry
+        offset, length = self._entry_or_miss(key)
         dst = writable_view(buffer, length)[:length]
         _host_tensor(dst).copy_(self.arena[offset : offset + length])
         return length
-
-    def contains(self, key: str) -> bool:
-        return check_key(key) in self._entries
-
-    def size_of(self, key: str) -> int | None:
-        entry = self._entries.get(check_key(key))
-        return None if entry is None else entry[1]
-
-    def remove(self, key: str) -> bool:
-        entry = self._entries.pop(check_key(key), None)
-        if entry is None:
-            return False
-        self.allocator.free(entry[0])
-        return True
-
-    def keys(self) -> Iterator[tuple[str, int]]:
-        return iter([(k, n) for k, (_, n) in self._entries.items()])
 
     def close(self) -> None:
         self._entries.clear()

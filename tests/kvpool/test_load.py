@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import random
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import xxhash
+
+from kvpool.cluster.etcd_testing import serve_process
 
 PROCESSES = 4
 THREADS = 4  # per process: 16 clients in all
@@ -154,32 +151,11 @@ def _worker(address: str, worker: int, duration: float, queue) -> None:
     queue.put(results)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def pool_process(tmp_path):
     """`kvpool serve` in its own process, with its admin API; yields (pool address, admin url)."""
-    admin_port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("kvpool")), "--log-level", "WARNING", "serve", "--port", "0",
-         "--admin-port", str(admin_port), "--dram-capacity", "768MiB"],
-        stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.log", "w"), text=True, env=env)
-    try:
-        line = proc.stdout.readline().strip()
-        assert line.startswith("kvpool serving at "), (line, (tmp_path / "serve.log").read_text()[-2000:])
-        yield line.rsplit(" ", 1)[1], f"http://127.0.0.1:{admin_port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    with serve_process(tmp_path / "serve.log", "768MiB") as served:
+        yield served
 
 
 def _percentiles(values: list[float]) -> tuple[float, float]:

@@ -5,7 +5,6 @@ typed error or a 4xx, and the pool keeps serving after each."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,39 +13,18 @@ import httpx
 import pytest
 
 import kvpool
+from kvpool.cluster.etcd_testing import serve_process
 from kvpool.errors import InvalidArgument, KeyNotFound, ObjectTooLarge
 
 TOKEN = "e2e-token"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(pool address, admin url) of a `kvpool serve` process with a 32 MiB DRAM tier."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    admin_port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
-    env["KVPOOL_ADMIN_TOKEN"] = TOKEN
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("kvpool")), "--log-level", "WARNING", "serve", "--port", "0",
-         "--admin-port", str(admin_port), "--dram-capacity", "32MiB"],
-        stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env)
-    try:
-        line = proc.stdout.readline().strip()
-        assert line.startswith("kvpool serving at "), (line, log.read_text()[-2000:])
-        yield line.rsplit(" ", 1)[1], f"http://127.0.0.1:{admin_port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    with serve_process(tmp_path_factory.mktemp("serve") / "serve.log", "32MiB",
+                       env={"KVPOOL_ADMIN_TOKEN": TOKEN}) as served:
+        yield served
 
 
 @pytest.fixture

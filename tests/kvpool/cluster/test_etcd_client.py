@@ -5,15 +5,7 @@ from __future__ import annotations
 import time
 
 from kvpool.cluster import LEADER_KEY, EtcdClient, LeaderElection, Registration
-
-
-def wait_for(pred, timeout=10.0, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
+from kvpool.cluster.etcd_testing import wait_for
 
 
 def test_create_is_exclusive_and_leases_expire(etcd):

@@ -5,26 +5,17 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import pytest
 
 import kvpool
+from kvpool.cluster.etcd_testing import wait_for
 from kvpool.config import load_settings
 from kvpool.errors import InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.master.server import MasterServer
 from kvpool.messages import NodeWrite, PutEnd, PutStart
 from kvpool.node import StoreNode
 from kvpool.rpc import RpcClient
-
-
-def wait_for(pred, timeout=10.0, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
 
 
 @pytest.fixture

@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import kvpool
+from kvpool.cluster.etcd_testing import wait_for
 from kvpool.config import load_settings
 from kvpool.errors import InvalidArgument
 from kvpool.master.server import MasterServer
@@ -35,15 +35,6 @@ def fake_verbs():
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
-
-
-def wait_for(pred, timeout=10.0, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
 
 
 def settings(**kw):

@@ -14,20 +14,11 @@ from pathlib import Path
 import pytest
 
 import kvpool
-from kvpool.cluster.etcd_testing import spawn
+from kvpool.cluster.etcd_testing import spawn, wait_for
 from kvpool.messages import NodeReserve, NodeWrite, PutStart
 from kvpool.rpc import RpcClient, _frame
 
 WORKER = Path(__file__).with_name("pool_worker.py")
-
-
-def wait_for(pred, timeout=10.0, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
 
 
 @pytest.fixture
