@@ -58,6 +58,10 @@ class PoolClient(Protocol):
 
 def check_key(key: Any) -> str:
     """Validate a key: a non-empty str of at most 512 UTF-8 bytes with no NUL."""
+    # Fast path (every put and get checks its key several times on the way): for an ASCII str,
+    # len() is the UTF-8 length and isascii() is O(1).
+    if type(key) is str and key.isascii() and 0 < len(key) <= MAX_KEY_BYTES and "\x00" not in key:
+        return key
     from kvpool.errors import InvalidArgument
 
     if not isinstance(key, str):
