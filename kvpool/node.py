@@ -35,7 +35,7 @@ from kvpool.config import Settings
 from kvpool.errors import CapacityError, InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import (Bools, Err, Held, Info, NodeCommit, NodeCopy, NodeData, NodeGet, NodeInfo, NodePin,
                              NodeRemove, NodeReserve, NodeStats, NodeUnpin, NodeWrite, Pins, Placed, WriteReply)
-from kvpool.node_engine import EngineWrites, per_key_or_err
+from kvpool.node_engine import EngineWrites
 from kvpool.node_link import MasterChannel
 from kvpool.rpc import Payload, RpcClient, RpcServer, ServerConn
 
@@ -330,8 +330,13 @@ class StoreNode(EngineWrites):
             raise InvalidArgument("NodeWrite: keys, sizes and put_ids must have the same length")
         if any(not isinstance(s, int) or s <= 0 for s in msg.sizes) or sum(msg.sizes) != payload.length:
             raise InvalidArgument(f"NodeWrite: sizes must be positive and add up to the payload ({payload.length})")
-        return WriteReply(per_key_or_err(lambda k, s, p: self._write_one(k, s, p, msg.replicas, payload),
-                                         msg.keys, msg.sizes, msg.put_ids))
+        replicas, results = msg.replicas, []
+        for key, size, put_id in zip(msg.keys, msg.sizes, msg.put_ids):  # per_key_or_err, inlined
+            try:
+                results.append(self._write_one(key, size, put_id, replicas, payload))
+            except KVPoolError as exc:
+                results.append(Err(exc.code, str(exc)))
+        return WriteReply(results)
 
     def _write_one(self, key: str, size: int, put_id: int, replicas: int, payload: Payload) -> Placed:
         local = False
@@ -369,7 +374,8 @@ class StoreNode(EngineWrites):
             plan = self.master.put_start(key, size, replicas or None, writer_node=self.node_id)
             if plan.exists:
                 return None
-            if [t.node_id for t in plan.targets] != [self.node_id]:
+            targets = plan.targets
+            if len(targets) != 1 or targets[0].node_id != self.node_id:
                 self.master.put_abort(key, plan.put_id)
                 raise InvalidArgument("a one-round-trip put needs a single-node plan; use put_start")
             return plan.put_id, True

@@ -13,6 +13,9 @@ from kvpool.master.tables import NODE_UP, NodeEntry
 
 def choose_nodes(nodes: list[NodeEntry], size: int, count: int, writer_node: str = "") -> list[NodeEntry]:
     """Up to `count` distinct nodes with room for `size` bytes, best first (may be fewer)."""
+    if len(nodes) == 1:  # the embedded pool: no sorting or filtering lists
+        n = nodes[0]
+        return [n] if count > 0 and n.state == NODE_UP and n.free >= size else []
     fits = [n for n in nodes if n.state == NODE_UP and n.free >= size]
     fits.sort(key=lambda n: n.free, reverse=True)
     if writer_node:

@@ -420,6 +420,9 @@ class MasterService(AdminOps, Housekeeping, Migration):
     def _max_object_locked(self) -> int:
         if not self._nodes:
             raise Unavailable("no store node is registered with the master")
+        if len(self._nodes) == 1:  # the embedded pool: every put asks
+            for n in self._nodes.values():
+                return min(MAX_OBJECT_BYTES, n.capacity.get("dram", 0) or sum(n.capacity.values()))
         dram = max((n.capacity.get("dram", 0) for n in self._nodes.values()), default=0)
         return min(MAX_OBJECT_BYTES, dram or max(n.total_capacity for n in self._nodes.values()))
 

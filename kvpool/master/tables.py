@@ -85,7 +85,8 @@ class NodeEntry:
 
     @property
     def free(self) -> int:
-        return max(0, self.total_capacity - self.used)
+        free = sum(self.capacity.values()) - self.used
+        return free if free > 0 else 0
 
     def to_dict(self, now: float) -> dict:
         return {

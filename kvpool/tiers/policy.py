@@ -180,13 +180,14 @@ class ARCPolicy:
         self._b1: OrderedDict[str, int] = OrderedDict()
         self._b2: OrderedDict[str, int] = OrderedDict()
         self._bytes = {"t1": 0, "t2": 0, "b1": 0, "b2": 0}
+        self._queues = {"t1": self._t1, "t2": self._t2, "b1": self._b1, "b2": self._b2}
 
     def _push(self, name: str, key: str, size: int) -> None:
-        getattr(self, f"_{name}")[key] = size
+        self._queues[name][key] = size
         self._bytes[name] += size
 
     def _pop(self, name: str, key: str | None = None) -> tuple[str, int] | None:
-        queue: OrderedDict[str, int] = getattr(self, f"_{name}")
+        queue: OrderedDict[str, int] = self._queues[name]
         if key is None:
             if not queue:
                 return None
@@ -225,7 +226,7 @@ class ARCPolicy:
     def evict(self, evictable: Evictable) -> str | None:
         prefer_t1 = self._t1 and (self._bytes["t1"] > self.p or not self._t2)
         for name in ("t1", "t2") if prefer_t1 else ("t2", "t1"):
-            queue: OrderedDict[str, int] = getattr(self, f"_{name}")
+            queue: OrderedDict[str, int] = self._queues[name]
             victim = next((k for k in queue if evictable(k)), None)
             if victim is None:
                 continue

@@ -102,3 +102,47 @@ def test_addresses_and_unreachable_servers():
         port = s.getsockname()[1]
     with pytest.raises(Unavailable):
         RpcClient(f"127.0.0.1:{port}", timeout=1).call(Exists([]))
+
+
+def test_frames_sent_back_to_back_and_large_messages_stay_in_frame(server):
+    # The server reads ahead into a buffer: a one-way frame, a request with a payload bigger than
+    # that buffer and a request with a message bigger than it, all in one send, must each be
+    # served in order, with the payload bytes (buffered part first) intact.
+    from kvpool.rpc import _encoder
+
+    def frame(msg, payload=b"", flags=0):
+        body = _encoder.encode(msg)
+        return HEADER.pack(PROTOCOL_VERSION, flags, len(body), len(payload)) + body + payload
+
+    blob = bytes(range(256)) * 300  # 76,800 bytes
+    keys = [f"key-{i:05d}" for i in range(3000)]  # a message of ~30 KB
+    wire = frame(Release([7]), flags=1) + frame(NodeGet([]), blob) + frame(Exists(keys)) + frame(Exists(["yes"]))
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(wire)
+        s.settimeout(5)
+        f = s.makefile("rb")
+        from kvpool.rpc import _reply_decoder
+        replies = []
+        for _ in range(3):
+            _, _, msg_len, payload_len = HEADER.unpack(f.read(HEADER.size))
+            replies.append((_reply_decoder.decode(f.read(msg_len)), f.read(payload_len)))
+    assert replies[0][0].sizes == [len(blob)] and replies[0][1] == blob
+    assert replies[1][0].values == [False] * len(keys)
+    assert replies[2][0].values == [True]
+    assert server.seen == [[7]]
+
+
+def test_a_client_of_a_server_in_this_process_does_not_poll(server, monkeypatch):
+    import kvpool.rpc
+
+    monkeypatch.setattr(kvpool.rpc, "_SPIN_POLLS", 64)  # opted in (KVPOOL_RPC_SPIN=64)
+    c = RpcClient(server.address)
+    assert c.call(Exists(["yes"])).values == [True]
+    assert c._spin == 0  # the server needs this process's GIL to answer: block, do not poll
+    c.close()
+    # the same opt-in spins against a server that is not in this process
+    monkeypatch.setattr(kvpool.rpc, "_local_servers", set())
+    c = RpcClient(server.address)
+    assert c.call(Exists(["yes"])).values == [True]
+    assert c._spin == 64
+    c.close()
