@@ -41,14 +41,44 @@ MAX_PAYLOAD = 1 << 36
 _IOV_MAX = 512  # stay well under the kernel's IOV_MAX per sendmsg
 _SOCKBUF = 0  # 0: leave the kernel autotuning alone
 _RBUF = 16 << 10  # a server connection's receive buffer (header, message, payload start)
-# Opt-in (KVPOOL_RPC_SPIN=N): waiting for the next request (server) or for a reply (client), a
-# connection first polls N times without blocking (about a microsecond each): on loopback the
-# other side often answers within tens of microseconds, and waking a thread that slept (an idle
-# CPU; in a VM, a halted vCPU) costs more than that. Never when the other side is in this
-# process: there it needs our GIL to answer. Off by default because it trades CPU for latency:
-# measured here (2 cores, 64 KiB put/get), N=64 gave one client 1.3x the ops/s, but 4 clients a
-# 4.7x worse p99 and 16 clients 0.71x the ops/s (spinning threads fight for the GIL and cores).
+# Waiting for the next request (server) or for a reply (client), a connection may first poll up
+# to N times without blocking (about a microsecond each): on loopback the other side often
+# answers within tens of microseconds, and waking a thread that slept (an idle CPU; in a VM, a
+# halted vCPU) costs more than that. Adaptive (`_Spin`): a spin that found nothing turns spinning
+# off for that connection, and it is tried again only every `_SPIN_RETRY` blocking waits. Never
+# when the other side is in this process: there it needs our GIL to answer.
+# Opt-in (KVPOOL_RPC_SPIN=64): measured here (2 cores, 64 KiB put/get, BENCHMARKS.md) it gave one
+# client 1.8x the ops/s, but 4 clients 0.85x with a worse p99, so it is off by default.
 _SPIN_POLLS = int(os.environ.get("KVPOOL_RPC_SPIN", "0"))
+_SPIN_RETRY = 64
+
+
+class _Spin:
+    """How many non-blocking polls the next wait on one connection may make (0: block at once).
+
+    Invariant: `polls` is either the cap (the last spin found data, or a retry is due) or 0
+    (the last spin found nothing); at most one spin in `_SPIN_RETRY` waits is wasted when spins
+    keep failing."""
+
+    __slots__ = ("cap", "polls", "blocked")
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.polls = cap
+        self.blocked = 0
+
+    def won(self) -> None:
+        self.polls = self.cap
+
+    def lost(self) -> None:
+        """The spin found nothing (or was off): count a blocking wait, retry spinning now and then."""
+        if self.polls:
+            self.polls = 0
+            self.blocked = 0
+        elif self.cap:
+            self.blocked += 1
+            if self.blocked >= _SPIN_RETRY:
+                self.polls = self.cap
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _local_clients: set[tuple[str, int]] = set()  # local (host, port) of this process's RpcClient sockets
 _local_servers: set[tuple[str, int]] = set()  # (host, port) this process's RpcServers listen on
@@ -131,9 +161,9 @@ class _Reader:
         self.start = 0
         self.end = 0
 
-    def fill(self, need: int, spin: int = 0) -> None:
-        """Have at least `need` (<= the buffer's size) unread bytes buffered; `spin`: first poll
-        that many times without blocking (see `_SPIN_POLLS`)."""
+    def fill(self, need: int, spin: "_Spin | None" = None) -> None:
+        """Have at least `need` (<= the buffer's size) unread bytes buffered; with `spin`, first
+        poll without blocking as it allows (see `_Spin`)."""
         if self.end - self.start >= need:
             return
         if self.start:
@@ -144,14 +174,23 @@ class _Reader:
                 self.buf[:n] = bytes(self.view[self.start:self.end])
                 self.start, self.end = 0, n
         view, sock = self.view, self.sock
+        polls = spin.polls if spin is not None else 0
         while self.end - self.start < need:
-            if spin:
+            if polls:
                 try:
                     k = sock.recv_into(view[self.end:], 0, _DONTWAIT)
+                    spin.won()
+                    polls = 0
                 except BlockingIOError:
-                    spin -= 1
+                    polls -= 1
+                    if not polls:
+                        spin.lost()
+                        spin = None  # this wait is counted: block from here on
                     continue
             else:
+                if spin is not None and not spin.polls:
+                    spin.lost()
+                    spin = None
                 k = sock.recv_into(view[self.end:])
             if k == 0:
                 raise ConnectionError("peer closed the connection")
@@ -306,13 +345,14 @@ class RpcServer:
     def _serve(self, sock: socket.socket, peer: str, peer_addr: tuple = ()) -> None:
         conn = ServerConn(sock, peer)
         reader = _Reader(sock)
+        spin = _Spin(0 if peer_addr in _local_clients else _SPIN_POLLS)
         hsize = HEADER.size
         unpack_from = HEADER.unpack_from
         decode = _request_decoder.decode
         try:
             while True:
                 try:
-                    reader.fill(hsize, 0 if peer_addr in _local_clients else _SPIN_POLLS)
+                    reader.fill(hsize, spin)
                 except (ConnectionError, OSError):
                     return
                 version, flags, msg_len, payload_len = unpack_from(reader.buf, reader.start)
@@ -393,7 +433,7 @@ class RpcClient:
         self._header = bytearray(HEADER.size)
         self.payload_left = 0
         self._local: tuple | None = None  # this connection's address, while in `_local_clients`
-        self._spin = 0  # polls before a blocking wait for a reply (`_SPIN_POLLS`; 0 to a local server)
+        self._spin = _Spin(0)  # polls before a blocking wait for a reply (cap 0 to a local server)
 
     def _connect(self) -> socket.socket:
         try:
@@ -410,9 +450,9 @@ class RpcClient:
         try:
             self._local = tuple(sock.getsockname()[:2])
             _local_clients.add(self._local)
-            self._spin = 0 if _serves_locally(tuple(sock.getpeername()[:2])) else _SPIN_POLLS
+            self._spin = _Spin(0 if _serves_locally(tuple(sock.getpeername()[:2])) else _SPIN_POLLS)
         except OSError:
-            self._spin = 0
+            self._spin = _Spin(0)
         self._sock = sock
         return sock
 
@@ -463,12 +503,16 @@ class RpcClient:
         try:
             header = memoryview(self._header)
             got, spin = -1, self._spin
-            while spin:  # a quick reply is read without sleeping (see `_SPIN_POLLS`)
+            polls = spin.polls
+            while polls:  # a quick reply is read without sleeping (see `_Spin`)
                 try:
                     got = sock.recv_into(header, 0, _DONTWAIT)
+                    spin.won()
                     break
                 except BlockingIOError:
-                    spin -= 1
+                    polls -= 1
+            if got < 0:
+                spin.lost()
             if got == 0:
                 raise ConnectionError("peer closed the connection")
             if got < len(header):

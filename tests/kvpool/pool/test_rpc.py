@@ -138,11 +138,31 @@ def test_a_client_of_a_server_in_this_process_does_not_poll(server, monkeypatch)
     monkeypatch.setattr(kvpool.rpc, "_SPIN_POLLS", 64)  # opted in (KVPOOL_RPC_SPIN=64)
     c = RpcClient(server.address)
     assert c.call(Exists(["yes"])).values == [True]
-    assert c._spin == 0  # the server needs this process's GIL to answer: block, do not poll
+    assert c._spin.cap == 0  # the server needs this process's GIL to answer: block, do not poll
     c.close()
     # the same opt-in spins against a server that is not in this process
     monkeypatch.setattr(kvpool.rpc, "_local_servers", set())
     c = RpcClient(server.address)
     assert c.call(Exists(["yes"])).values == [True]
-    assert c._spin == 64
+    assert c._spin.cap == 64
     c.close()
+
+
+def test_adaptive_spin_stops_after_a_miss_and_retries_now_and_then():
+    from kvpool.rpc import _SPIN_RETRY, _Spin
+
+    spin = _Spin(64)
+    assert spin.polls == 64
+    spin.won()
+    assert spin.polls == 64  # data came while spinning: keep spinning
+    spin.lost()
+    assert spin.polls == 0  # a spin found nothing: block from now on
+    for _ in range(_SPIN_RETRY - 1):
+        spin.lost()
+        assert spin.polls == 0
+    spin.lost()
+    assert spin.polls == 64  # ... but try again every _SPIN_RETRY blocking waits
+    off = _Spin(0)
+    for _ in range(2 * _SPIN_RETRY):
+        off.lost()
+    assert off.polls == 0  # opted out: never spins
