@@ -65,6 +65,7 @@ class Settings(BaseSettings):
     ssd_path: str | None = None  # None: no SSD tier
     ssd_capacity: int = 8 << 30
     hbm_capacity: int = 0  # bytes of device memory; 0 = no HBM tier
+    shm_index_slots: int = Field(-1, ge=-1)  # same-host readers' DRAM index: -1 sized from DRAM, 0 off
     # ARC beat LRU at every cache size on the conversation trace; S3-FIFO only at 2% (BENCHMARKS.md).
     eviction: str = "arc"  # "lru" | "s3fifo" | "arc"
 
@@ -86,6 +87,13 @@ class Settings(BaseSettings):
     @classmethod
     def _size(cls, value: Any) -> int:
         return parse_size(value)
+
+    @field_validator("shm_index_slots")
+    @classmethod
+    def _slots(cls, value: int) -> int:
+        if value > 0 and value & (value - 1):
+            raise ValueError(f"shm_index_slots must be -1 (auto), 0 (off) or a power of two, got {value}")
+        return value
 
     @field_validator("transports", mode="before")
     @classmethod

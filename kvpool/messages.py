@@ -60,6 +60,7 @@ class NodeInfo(Msg):
     shm_path: Union[str, None]
     capacity: dict[str, int]  # tier -> bytes
     transfer_segment: Union[bytes, None] = None  # transfer engine SegmentDescriptor.to_bytes()
+    index_path: Union[str, None] = None  # the DRAM index same-host readers map (kvpool.tiers.shm_index)
 
 
 class Held(Msg):
@@ -224,9 +225,11 @@ class Pins(Msg):
 
 
 class NodeUnpin(Msg):
-    """One-way."""
+    """One-way. `touched`: keys a same-host reader read through the shm index since its last
+    report (counted as hits; recency for eviction)."""
 
     pin_ids: list[int]
+    touched: list[str] = []
 
 
 class NodeWrite(Msg):

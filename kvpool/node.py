@@ -3,8 +3,11 @@
 Data path (all on the node's RPC port, one round trip each):
 - `NodeGet`: pin each object (promoting it from SSD if needed), send its bytes straight from the
   arena with `sendmsg`, unpin. A pinned object is never evicted mid-send.
-- `NodePin` / `NodeUnpin`: a same-host reader pins, copies from its own mapping of the arena
-  (the shm file), and unpins with its next request (piggy-backed) or a one-way `NodeUnpin`.
+- Same-host readers first look the key up in the node's DRAM index in shared memory
+  (`kvpool.tiers.shm_index`) and copy from their own mapping of the arena: no round trip at all.
+  They report those reads in batches (`NodeUnpin.touched`: hits, recency for eviction).
+- `NodePin` / `NodeUnpin`: otherwise a same-host reader pins, copies from its mapping of the
+  arena (the shm file), and unpins with its next request (piggy-backed) or a one-way `NodeUnpin`.
   Pins held by a connection are dropped when it closes, and any pin older than the lease expires.
 - `NodeWrite`: reserve in the arena, `recv_into` the reservation, commit. A write that dies
   half-way is aborted, so a half-written object is never visible. With `put_id == 0` and a master
@@ -105,9 +108,7 @@ class StoreNode(EngineWrites):
         if self._store is None:
             from kvpool.tiers import TieredStore
 
-            self._store = TieredStore(s.dram_capacity, ssd_path=s.ssd_path,
-                                      ssd_capacity=s.ssd_capacity if s.ssd_path else 0,
-                                      policy=s.eviction, hbm_capacity=s.hbm_capacity)
+            self._store = TieredStore.from_settings(s)
         self._store.on_evict = self._on_store_event
         if self.rpc is None:
             self.rpc = RpcServer(self.handlers(), s.host, s.port, name="node", on_close=self._on_conn_close).start()
@@ -172,7 +173,11 @@ class StoreNode(EngineWrites):
             capacity["ssd"] = s.ssd_capacity
         return NodeInfo(node_id=self.node_id, address=self.rpc.address, hostname=socket.gethostname(),
                         segments=[self.segment], shm_path=self._store.arena.path, capacity=capacity,
-                        transfer_segment=self.transfer_segment)
+                        transfer_segment=self.transfer_segment, index_path=self._index_path())
+
+    def _index_path(self) -> str | None:
+        index = getattr(getattr(self._store, "dram", None), "index", None)
+        return None if index is None else index.path
 
     def held(self) -> list[Held]:
         return [Held(k, size, tier, self._put_ids.get(k, 0)) for k, size, tier in self._store.keys()]
@@ -323,6 +328,11 @@ class StoreNode(EngineWrites):
 
     def _on_unpin(self, msg: NodeUnpin, payload: Payload, conn: ServerConn) -> None:
         self._unpin_ids(msg.pin_ids, conn)
+        if msg.touched:
+            if self.master is not None:
+                for key in msg.touched:
+                    self.master.touch(key)
+            self._store.touch(msg.touched)
 
     def _on_write(self, msg: NodeWrite, payload: Payload, conn: ServerConn) -> WriteReply:
         n = len(msg.keys)
@@ -446,11 +456,22 @@ class StoreNode(EngineWrites):
         arena = self._store.arena
         return Info({"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
                      "shm_path": arena.path, "arena_size": arena.size, "transfer_segment": self.transfer_segment,
+                     "index_path": self._index_path(),
                      **self._store.stats()})
 
     # In-process link for the embedded master (same semantics as NodeRemove, no socket).
     def remove(self, keys: list[str], put_ids: list[int]) -> None:
         self._on_remove(NodeRemove(list(keys), list(put_ids)), None, None)  # type: ignore[arg-type]
+
+    def hide(self, keys: list[str], put_ids: list[int]) -> None:
+        """Stop same-host readers finding these copies through the shm index (the embedded
+        master dropped them; their removal follows). Only copies still written by that put."""
+        store = self._store
+        if store is None:
+            return
+        for key, put_id in zip(keys, put_ids):
+            if self._put_ids.get(key) == put_id:
+                store.hide(key)
 
     def copy(self, keys: list[str], put_ids: list[int], source: str) -> list:
         return self._on_copy(NodeCopy(list(keys), list(put_ids), source), None, None).results  # type: ignore[arg-type]

@@ -1,9 +1,13 @@
 """A client's connection to one store node: reads over TCP or, on the same host, through shm.
 
-Same-host reads map the node's arena file read-only once; a get is then one round trip to pin
-(`NodePin`; objects up to 32 KiB come back inline instead), one memcpy out of the mapping, and an
-unpin that rides on the next request to that node (or a one-way `NodeUnpin` from `flush`), so it
-costs no extra round trip. Other reads are one `NodeGet` round trip whose reply payload is
+Same-host reads map the node's arena file and its DRAM index (`kvpool.tiers.shm_index`)
+read-only once. A get first looks each key up in the index and copies it out of the mapping,
+validated after the copy: no round trip at all; such reads are reported to the node in batches
+(`NodeUnpin.touched`, one-way) so hits and eviction recency stay right. Keys the index does not
+serve (absent, in SSD, just changed) cost one round trip to pin (`NodePin`; objects up to
+32 KiB come back inline instead), one memcpy out of the mapping, and an unpin that rides on the
+next request to that node (or a one-way `NodeUnpin` from `flush`), so it costs no extra round
+trip. Other reads are one `NodeGet` round trip whose reply payload is
 received straight into the result (`recv` into a new `bytes`, or `recv_into` the caller's buffer).
 
 The node's transfer segment (for the engine data path, `kvpool.client.engine_path`) is learned
@@ -23,11 +27,13 @@ from typing import Any, Sequence
 from kvpool.errors import InvalidArgument
 from kvpool.messages import Err, NodeGet, NodePin, NodeStats, NodeUnpin, NodeWrite, Placed
 from kvpool.rpc import RpcClient, parse_address
+from kvpool.tiers import shm_index
 
 log = logging.getLogger(__name__)
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MAX_PENDING_UNPINS = 256
+MAX_PENDING_TOUCHES = 64  # index reads reported to the node per one-way message
 TOO_SMALL = -2  # get_many_into: the caller's buffer cannot hold the object
 BATCH_SLURP_MAX = 256 * 1024  # a batch reply up to this size is received in one piece
 _UNKNOWN = object()  # transfer segment not learned yet
@@ -36,12 +42,14 @@ _UNKNOWN = object()  # transfer segment not learned yet
 class NodeConn:
     def __init__(self, address: str, rpc: RpcClient | None = None, *, timeout: float = 10.0, use_shm: bool = True,
                  shm_path: str | None = None, hostname: str | None = None, arena_size: int | None = None,
-                 segment: bytes | None = None):
+                 segment: bytes | None = None, index_path: str | None = None):
         self.address = address
         self.rpc = rpc or RpcClient(address, timeout=timeout)
         self.unpins: list[int] = []
+        self.touched: list[str] = []
         self._mmap: mmap.mmap | None = None
         self.arena: memoryview | None = None
+        self.index: shm_index.ShmIndexReader | None = None
         self._segment: Any = _UNKNOWN
         if segment is not None or shm_path is not None:  # the hello told us
             self.remember_segment(segment)
@@ -49,8 +57,14 @@ class NodeConn:
             if shm_path is None:
                 info = self.rpc.call(NodeStats()).doc
                 shm_path, hostname, arena_size = info.get("shm_path"), info.get("hostname"), info.get("arena_size")
+                index_path = info.get("index_path")
                 self.remember_segment(info.get("transfer_segment"))
             self._map(shm_path, hostname, arena_size)
+            if self.arena is not None and index_path and shm_index.supported():
+                try:
+                    self.index = shm_index.ShmIndexReader(index_path)
+                except (OSError, InvalidArgument) as exc:
+                    log.info("node %s: not using its shm index %s (%s)", self.address, index_path, exc)
 
     def transfer_segment(self):
         """The node's arena as a `transfer.SegmentDescriptor`, or None when it has no engine."""
@@ -104,11 +118,58 @@ class NodeConn:
             self.rpc.call(NodePin([], self._take_unpins()))
 
     def flush(self) -> None:
-        """Send pending unpins now (one-way)."""
-        if self.unpins:
-            self.rpc.send_oneway(NodeUnpin(self._take_unpins()))
+        """Send pending unpins and index-read reports now (one-way)."""
+        if self.unpins or self.touched:
+            touched, self.touched = self.touched, []
+            self.rpc.send_oneway(NodeUnpin(self._take_unpins(), touched))
+
+    def _from_index(self, keys: Sequence[str], views: Sequence[memoryview] | None, out: list) -> list[int]:
+        """Serve what the shm index can into out[i] (bytes, or the size copied into views[i],
+        or TOO_SMALL); returns the indexes left for the node. See `kvpool.tiers.shm_index`."""
+        index, arena = self.index, self.arena
+        assert index is not None and arena is not None
+        limit = len(arena)
+        todo: list[int] = []
+        served: list[str] = []
+        for i, key in enumerate(keys):
+            hit = index.find(key)
+            if hit is None:
+                todo.append(i)
+                continue
+            slot, seq, offset, n = hit
+            if offset + n > limit:  # a torn read of an entry being changed
+                todo.append(i)
+                continue
+            if views is None:
+                value: Any = bytes(arena[offset:offset + n])
+            elif n > len(views[i]):
+                value = TOO_SMALL
+            else:
+                views[i][:n] = arena[offset:offset + n]
+                value = n
+            if not index.still(slot, seq):  # changed during the copy: what we copied may be anything
+                todo.append(i)
+                continue
+            out[i] = value
+            if value is not TOO_SMALL:
+                served.append(key)
+        if served:
+            self.touched += served
+            if len(self.touched) >= MAX_PENDING_TOUCHES:
+                self.flush()
+        return todo
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if self.index is not None:
+            out: list[bytes | None] = [None] * len(keys)
+            todo = self._from_index(keys, None, out)
+            if todo:
+                for i, value in zip(todo, self._get_many([keys[i] for i in todo])):
+                    out[i] = value
+            return out
+        return self._get_many(keys)
+
+    def _get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if self.arena is not None:
             pins = self.rpc.call(NodePin(list(keys), self._take_unpins()))
             arena, cur = self.arena, _Cursor(self.rpc, sum(1 for o in pins.offsets if o < 0))
@@ -129,6 +190,16 @@ class NodeConn:
 
     def get_many_into(self, keys: Sequence[str], views: Sequence[memoryview]) -> list[int]:
         """Copy each object into its view: its size, -1 on a miss, TOO_SMALL if the view is."""
+        if self.index is not None:
+            got = [-1] * len(keys)
+            todo = self._from_index(keys, views, got)
+            if todo:
+                for i, n in zip(todo, self._get_many_into([keys[i] for i in todo], [views[i] for i in todo])):
+                    got[i] = n
+            return got
+        return self._get_many_into(keys, views)
+
+    def _get_many_into(self, keys: Sequence[str], views: Sequence[memoryview]) -> list[int]:
         out: list[int] = []
         if self.arena is not None:
             pins = self.rpc.call(NodePin(list(keys), self._take_unpins()))
@@ -188,6 +259,9 @@ class NodeConn:
         except Exception:  # the node may be gone; its pins expire by themselves
             pass
         self.rpc.close()
+        if self.index is not None:
+            self.index.close()
+            self.index = None
         if self.arena is not None:
             self.arena.release()
             self.arena = None

@@ -1,8 +1,9 @@
 """`Client`: the synchronous pool SDK (satisfies `kvpool.api.PoolClient`). Thread-safe (one lock).
 
 Round trips (loopback, embedded mode: the server is master and node at once):
-- get / get_into / get_batch / get_batch_into: 1 (`NodePin` + shm copy on the same host, else
-  `NodeGet`);
+- get / get_into / get_batch / get_batch_into: 0 on the same host when the node's shm index
+  has the key (copy from the mapping, validated after), else 1 (`NodePin` + shm copy on the
+  same host, `NodeGet` from another);
 - put / put_from / put_batch: 1 (`NodeWrite` with put_id 0: the server plans and publishes).
 Cluster mode: a get is `Lookup` at the master (replicas + a lease; the previous leases are
 released on the same message) then one read from a node; a put is `PutStart`, one `NodeWrite`
@@ -94,7 +95,7 @@ class Client:
             self._drop_node(n.address)
             self._nodes[n.address] = NodeConn(n.address, rpc, use_shm=self.use_shm, shm_path=n.shm_path,
                                               hostname=n.hostname, arena_size=n.capacity.get("dram"),
-                                              segment=n.transfer_segment)
+                                              segment=n.transfer_segment, index_path=n.index_path)
         self._master = rpc
         return rpc
 

@@ -403,6 +403,8 @@ class MasterService(AdminOps, Housekeeping, Migration):
                     self._reclaim_locked(obj)
                 elif obj.leased(now):
                     obj.removing = True
+                    for node_id in obj.replicas:
+                        self._hide_local_locked(node_id, obj)
                 else:
                     self._delete_locked(obj)
                 self.counters["removes"] += 1
@@ -445,13 +447,24 @@ class MasterService(AdminOps, Housekeeping, Migration):
         del self._objects[obj.key]
         for node_id in obj.replicas:
             self._release_space_locked(node_id, obj.size)
+            self._hide_local_locked(node_id, obj)
             self._outbox.put((node_id, [obj.key], [obj.put_id]))
+
+    def _hide_local_locked(self, node_id: str, obj: ObjectEntry) -> None:
+        """An in-process node's same-host readers find objects through its shm index without
+        asking us: hide a dropped object there now, before the call that dropped it returns
+        (its bytes go later, with the queued removal)."""
+        if node_id in self._local:
+            hide = getattr(self._link(node_id), "hide", None)
+            if hide is not None:
+                hide([obj.key], [obj.put_id])
 
     def _reclaim_locked(self, obj: ObjectEntry) -> None:
         """Drop a pending put; its nodes may have committed bytes, which must go."""
         del self._objects[obj.key]
         for node_id in obj.replicas:
             self._release_space_locked(node_id, obj.size, count=False)
+            self._hide_local_locked(node_id, obj)
             self._outbox.put((node_id, [obj.key], [obj.put_id]))
         self.counters["reclaimed"] += 1
 

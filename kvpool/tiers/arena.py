@@ -78,6 +78,10 @@ class SharedArena:
                 log.warning("removed stale shared-memory arena %s (its node died without closing it)", path)
             except FileNotFoundError:
                 pass
+            try:  # and its DRAM index (kvpool.tiers.shm_index)
+                os.unlink(path + ".idx")
+            except FileNotFoundError:
+                pass
         return removed
 
     @classmethod

@@ -10,6 +10,8 @@ Invariants:
   is ever placed there.
 - `used` is the page-rounded sum of live allocations (visible or reserved) and never exceeds
   `capacity`.
+- With an index (`kvpool.tiers.shm_index`), every visible object is published there at
+  `commit` and unpublished before its space is freed (`remove`), or earlier (`unpublish`).
 Not thread-safe by itself: `TieredStore` serializes calls and handles pins.
 """
 
@@ -22,6 +24,7 @@ from kvpool.errors import AlreadyExists, CapacityError, InvalidArgument, KeyNotF
 from kvpool.tiers.allocator import PageAllocator
 from kvpool.tiers.arena import SharedArena
 from kvpool.tiers.base import Location, PagedEntries, Reservation, readable_view, writable_view
+from kvpool.tiers.shm_index import ShmIndex, auto_slots, index_path, supported
 
 
 class DramTier(PagedEntries):
@@ -29,11 +32,21 @@ class DramTier(PagedEntries):
 
     name = "dram"
 
-    def __init__(self, capacity: int, shm_name: str | None = None, prefault: bool = True):
+    def __init__(self, capacity: int, shm_name: str | None = None, prefault: bool = True, index_slots: int = -1):
+        """`index_slots`: size of the shared-memory index for same-host readers (-1: sized from
+        `capacity`, 0: none; never on CPUs where its readers would not be sound)."""
         self.arena = SharedArena.create(capacity, shm_name, prefault=prefault)
         self.allocator = PageAllocator(capacity)
         self._entries: dict[str, tuple[int, int]] = {}  # visible key -> (offset, length)
         self._pending: dict[str, tuple[int, int]] = {}  # reserved, not yet committed
+        self.index: ShmIndex | None = None
+        if index_slots and supported():
+            try:
+                self.index = ShmIndex(index_path(self.arena.path),
+                                      auto_slots(capacity) if index_slots < 0 else index_slots)
+            except BaseException:
+                self.arena.close()
+                raise
 
     # -- two-phase write -------------------------------------------------------------------
     def try_reserve(self, key: str, size: int) -> Reservation | None:
@@ -59,9 +72,20 @@ class DramTier(PagedEntries):
 
     def commit(self, key: str) -> None:
         try:
-            self._entries[key] = self._pending.pop(key)
+            entry = self._entries[key] = self._pending.pop(key)
         except KeyError:
             raise KeyNotFound(f"no reservation for {key!r}") from None
+        if self.index is not None:
+            self.index.publish(key, *entry)
+
+    def unpublish(self, key: str) -> None:
+        """Hide `key` from same-host index readers now (its space stays held until `remove`)."""
+        if self.index is not None:
+            self.index.unpublish(key)
+
+    def remove(self, key: str) -> bool:
+        self.unpublish(key)  # first: an index reader must never find space that is being freed
+        return super().remove(key)
 
     def abort(self, key: str) -> bool:
         entry = self._pending.pop(key, None)
@@ -105,4 +129,6 @@ class DramTier(PagedEntries):
     def close(self) -> None:
         self._entries.clear()
         self._pending.clear()
+        if self.index is not None:
+            self.index.close()
         self.arena.close()

@@ -69,14 +69,15 @@ class TieredStore:
 
     def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
                  policy: str = "s3fifo", shm_name: str | None = None, hbm_capacity: int = 0, *,
-                 on_event: EventHook | None = None, prefault: bool = True, ssd_durable: bool = False):
+                 on_event: EventHook | None = None, prefault: bool = True, ssd_durable: bool = False,
+                 index_slots: int = -1):
         if ssd_path is not None and ssd_capacity <= 0:
             raise InvalidArgument("an SSD tier needs ssd_capacity > 0")
         self._lock = threading.Lock()
         self._promoted = threading.Condition(self._lock)  # notified when a promotion ends
         self._dram_policy = make_policy(policy, max(1, dram_capacity))  # validates the name first
         self.policy = policy
-        self.dram = DramTier(dram_capacity, shm_name, prefault=prefault)
+        self.dram = DramTier(dram_capacity, shm_name, prefault=prefault, index_slots=index_slots)
         self.ssd: SsdTier | None = None
         self.hbm = None
         try:
@@ -102,7 +103,8 @@ class TieredStore:
         """A store sized from `kvpool.config.Settings` (dram/ssd/hbm capacity, ssd_path, eviction)."""
         return cls(settings.dram_capacity, ssd_path=settings.ssd_path,
                    ssd_capacity=settings.ssd_capacity if settings.ssd_path else 0,
-                   policy=settings.eviction, hbm_capacity=settings.hbm_capacity, **kwargs)
+                   policy=settings.eviction, hbm_capacity=settings.hbm_capacity,
+                   index_slots=settings.shm_index_slots, **kwargs)
 
     @staticmethod
     def _open_hbm(capacity: int):
@@ -280,6 +282,8 @@ class TieredStore:
                 if entry.pins == 0:
                     self.dram.remove(key)
                     entry.dram = False
+                else:  # freed at the last unpin; index readers must stop finding it now
+                    self.dram.unpublish(key)
             entry.removing = entry.dram or entry.promoting
             if not entry.removing:
                 del self._entries[key]
@@ -412,6 +416,22 @@ class TieredStore:
                 continue
             return bytes(memoryview(out)[:n])
         return None
+
+    def hide(self, key: str) -> None:
+        """Keep `key` stored but out of the shm index: same-host readers must ask the node."""
+        with self._lock:
+            self.dram.unpublish(key)
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Count reads that same-host readers served themselves through the shm index (they
+        report them in batches): DRAM hits, and recency for the eviction policy."""
+        with self._lock:
+            stats = self._stats["dram"]
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.dram and entry.visible:
+                    self._dram_policy.access(key)
+                    stats.hit(entry.size)
 
     # -- pins ------------------------------------------------------------------------------
     def pin(self, key: str) -> Location:

@@ -21,14 +21,18 @@ def pool(pool_settings):
     p.stop()
 
 
-@pytest.fixture(params=["shm", "tcp", "engine"])
-def client(request, pool):
-    """shm / tcp: the node-RPC data path; engine: bytes through the transfer engine over tcp."""
+@pytest.fixture(params=["shm", "shm-pin", "tcp", "engine"])
+def client(request, pool, monkeypatch):
+    """shm: same-host reads through the node's shm index (no round trip), else pinned through
+    the node's RPC; shm-pin: the same without the index; tcp: the node-RPC data path; engine:
+    bytes through the transfer engine over tcp."""
+    if request.param == "shm-pin":
+        monkeypatch.setenv("KVPOOL_SHM_INDEX", "0")  # this client does not map the index
     if request.param == "engine":
         c = kvpool.connect(pool.address, use_shm=False, data_path="engine", transports=("tcp",))
         assert c.data_paths() == {pool.address: "engine"}
     else:
-        c = kvpool.connect(pool.address, use_shm=request.param == "shm", data_path="rpc")
+        c = kvpool.connect(pool.address, use_shm=request.param.startswith("shm"), data_path="rpc")
     assert c.embedded
     yield c
     c.close()
