@@ -61,6 +61,7 @@ class NodeInfo(Msg):
     capacity: dict[str, int]  # tier -> bytes
     transfer_segment: Union[bytes, None] = None  # transfer engine SegmentDescriptor.to_bytes()
     index_path: Union[str, None] = None  # the DRAM index same-host readers map (kvpool.tiers.shm_index)
+    unix: Union[str, None] = None  # the node RPC's unix socket, for same-host clients (kvpool.rpc)
 
 
 class Held(Msg):
@@ -118,6 +119,8 @@ class HelloReply(Msg):
     node: Union[NodeInfo, None]  # set when the server is (also) a node
     max_object_bytes: int
     replicas: int  # default replica count
+    hostname: str = ""  # the server's machine: same-host clients may move to `unix`
+    unix: Union[str, None] = None  # the server's unix socket (kvpool.rpc)
 
 
 class PutStart(Msg):

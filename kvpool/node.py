@@ -173,7 +173,8 @@ class StoreNode(EngineWrites):
             capacity["ssd"] = s.ssd_capacity
         return NodeInfo(node_id=self.node_id, address=self.rpc.address, hostname=socket.gethostname(),
                         segments=[self.segment], shm_path=self._store.arena.path, capacity=capacity,
-                        transfer_segment=self.transfer_segment, index_path=self._index_path())
+                        transfer_segment=self.transfer_segment, index_path=self._index_path(),
+                        unix=self.rpc.unix_address)
 
     def _index_path(self) -> str | None:
         index = getattr(getattr(self._store, "dram", None), "index", None)
@@ -456,7 +457,7 @@ class StoreNode(EngineWrites):
         arena = self._store.arena
         return Info({"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
                      "shm_path": arena.path, "arena_size": arena.size, "transfer_segment": self.transfer_segment,
-                     "index_path": self._index_path(),
+                     "index_path": self._index_path(), "unix": self.rpc.unix_address,
                      **self._store.stats()})
 
     # In-process link for the embedded master (same semantics as NodeRemove, no socket).

@@ -6,6 +6,12 @@ read straight into their destination (`recv_into` a store's arena or the caller'
 sent straight from their source (`sendmsg` of memoryviews), so bulk bytes are never copied into
 a Python `bytes` on the way.
 
+Same-host clients: on Linux a server also listens on an abstract unix socket
+(`RpcServer.unix_address`, "@kvpool-rpc-<port>-<random>", no file to clean up), which it
+advertises (hello, node info); a client told to (`RpcClient.use_unix`) moves its connection
+there: a 64 KiB round trip costs about half of loopback TCP's. The client keeps its TCP address
+as its identity and falls back to TCP if the unix socket cannot be reached.
+
 Server: one thread per connection (blocking sockets: on loopback this beats an event loop by
 tens of microseconds per call). A handler gets `(msg, payload, conn)` and returns a reply
 message, a `(reply, buffers)` pair, or None when it already called `conn.reply` itself (to send
@@ -22,9 +28,12 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import struct
+import sys
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import msgspec
@@ -47,9 +56,37 @@ _RBUF = 16 << 10  # a server connection's receive buffer (header, message, paylo
 # halted vCPU) costs more than that. Adaptive (`_Spin`): a spin that found nothing turns spinning
 # off for that connection, and it is tried again only every `_SPIN_RETRY` blocking waits. Never
 # when the other side is in this process: there it needs our GIL to answer.
-# Opt-in (KVPOOL_RPC_SPIN=64): measured here (2 cores, 64 KiB put/get, BENCHMARKS.md) it gave one
-# client 1.8x the ops/s, but 4 clients 0.85x with a worse p99, so it is off by default.
+# Server side (on by default, KVPOOL_SERVER_SPIN=0 turns it off): a connection thread spins for
+# the next request only while its client is the only active one: no other connection of this
+# process is handling a request or spinning (it stops as soon as one is), and requests of two
+# different connections did not follow each other within the last `_MIXED_NS`. With several
+# busy clients the server has work anyway, and the clients need the CPU a spin would take.
+# Measured here (2 cores, 64 KiB put/get): one client 1.4x the ops/s over TCP; 4 and 16 clients
+# unchanged within noise (BENCHMARKS.md).
+# Client side (opt-in, KVPOOL_RPC_SPIN=64): clients cannot see each other, and on 2 cores 4
+# spinning clients took 0.85x the throughput with a worse p99 (BENCHMARKS.md), so it is off.
 _SPIN_POLLS = int(os.environ.get("KVPOOL_RPC_SPIN", "0"))
+_SERVER_SPIN_POLLS = int(os.environ.get("KVPOOL_SERVER_SPIN", "64"))
+_busy: set[int] = set()  # server connection threads of this process handling a request
+_spinning: set[int] = set()  # ... or spinning for one (set.add/discard are atomic under the GIL)
+_MIXED_NS = 2_000_000
+_last = [0, 0, 0]  # thread of the last request, when it came, until when clients count as mixed
+
+
+def _alone(me: int) -> bool:
+    return not _busy and not (_spinning and (len(_spinning) > 1 or me not in _spinning))
+
+
+def _request_from(me: int) -> None:
+    now = time.monotonic_ns()
+    last = _last
+    if last[0] != me and now - last[1] < _MIXED_NS:
+        last[2] = now + _MIXED_NS
+    last[0], last[1] = me, now
+
+
+def _may_spin(me: int) -> bool:
+    return _alone(me) and time.monotonic_ns() > _last[2]
 _SPIN_RETRY = 64
 
 
@@ -80,9 +117,17 @@ class _Spin:
             if self.blocked >= _SPIN_RETRY:
                 self.polls = self.cap
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
-_local_clients: set[tuple[str, int]] = set()  # local (host, port) of this process's RpcClient sockets
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+_local_clients: set[tuple] = set()  # local (host, port) of this process's RpcClient sockets, ("unix", pid)
 _local_servers: set[tuple[str, int]] = set()  # (host, port) this process's RpcServers listen on
 _WILDCARD = ("0.0.0.0", "::", "")
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    try:
+        return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    except (OSError, AttributeError):
+        return 0
 
 
 def _serves_locally(peer: tuple[str, int]) -> bool:
@@ -108,7 +153,27 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), port_n
 
 
+_UNIX = sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX") \
+    and os.environ.get("KVPOOL_RPC_UNIX", "1") != "0"
+
+
+def _unix_name(address: str) -> str:
+    """"@name" (abstract) -> the sockaddr string bind/connect take."""
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+_UNIX_SNDBUF = 4 << 20  # the kernel caps it at net.core.wmem_max
+
+
 def _tune(sock: socket.socket) -> None:
+    if sock.family == socket.AF_UNIX:
+        # A unix stream's sender blocks once `SO_SNDBUF` (default ~208 KiB) is in flight: with
+        # the default, a 256 KiB value took several sleep/wake hand-offs between the two sides.
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _UNIX_SNDBUF)
+        except OSError:
+            pass
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if _SOCKBUF else ():
         try:
@@ -118,9 +183,11 @@ def _tune(sock: socket.socket) -> None:
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from a blocking socket. MSG_WAITALL: the kernel gathers the pieces (a unix
+    socket delivers 64 KiB as two or three) instead of a return to Python per piece."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got, _WAITALL)
         if k == 0:
             raise ConnectionError("peer closed the connection")
         got += k
@@ -161,9 +228,10 @@ class _Reader:
         self.start = 0
         self.end = 0
 
-    def fill(self, need: int, spin: "_Spin | None" = None) -> None:
+    def fill(self, need: int, spin: "_Spin | None" = None, me: int = 0) -> None:
         """Have at least `need` (<= the buffer's size) unread bytes buffered; with `spin`, first
-        poll without blocking as it allows (see `_Spin`)."""
+        poll without blocking as it allows (see `_Spin`); with `me` (a server thread), only
+        while `_alone(me)`."""
         if self.end - self.start >= need:
             return
         if self.start:
@@ -177,6 +245,9 @@ class _Reader:
         polls = spin.polls if spin is not None else 0
         while self.end - self.start < need:
             if polls:
+                if me and not _alone(me):  # another connection needs the CPU: not a miss, just block
+                    polls, spin = 0, None
+                    continue
                 try:
                     k = sock.recv_into(view[self.end:], 0, _DONTWAIT)
                     spin.won()
@@ -285,7 +356,8 @@ class RpcServer:
     """Serve `handlers` (message type -> handler) on host:port (0: a free port)."""
 
     def __init__(self, handlers: dict[type, Handler], host: str = "127.0.0.1", port: int = 0, name: str = "rpc",
-                 on_close: Callable[[ServerConn], None] | None = None):
+                 on_close: Callable[[ServerConn], None] | None = None, unix: bool = True):
+        """`unix`: also listen on an abstract unix socket for same-host clients (Linux)."""
         self.handlers = handlers
         self.name = name
         self.on_close = on_close
@@ -301,25 +373,43 @@ class RpcServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self.unix_address: str | None = None
+        self._unix_sock: socket.socket | None = None
+        if unix and _UNIX:
+            name = f"@kvpool-rpc-{self.port}-{secrets.token_hex(6)}"
+            try:
+                usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                usock.bind(_unix_name(name))
+                usock.listen(256)
+            except OSError as exc:  # optional: same-host clients use TCP then
+                log.info("%s: no unix socket (%s); same-host clients use TCP", name, exc)
+            else:
+                self._unix_sock, self.unix_address = usock, name
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def start(self) -> "RpcServer":
-        self._thread = threading.Thread(target=self._accept_loop, name=f"{self.name}-accept", daemon=True)
-        self._thread.start()
+        for sock in (self._sock, self._unix_sock):
+            if sock is not None:
+                t = threading.Thread(target=self._accept_loop, args=(sock,), name=f"{self.name}-accept", daemon=True)
+                t.start()
+                self._threads.append(t)
         return self
 
     def stop(self) -> None:
         self._closed = True
         _local_servers.discard(self._listen_addr)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        for listener in (self._sock, self._unix_sock):
+            if listener is None:
+                continue
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
         with self._lock:
             conns = list(self._conns)
         for s in conns:
@@ -327,34 +417,50 @@ class RpcServer:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5)
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._closed:
             try:
-                sock, peer = self._sock.accept()
+                sock, peer = listener.accept()
             except OSError:
                 return
             _tune(sock)
             with self._lock:
                 self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}", tuple(peer[:2])),
-                             name=f"{self.name}-conn", daemon=True).start()
+            if sock.family == socket.AF_UNIX:
+                pid = _peer_pid(sock)
+                # a client in this process needs our GIL to answer: never spin for it
+                args = (sock, f"unix:pid {pid}", ("unix", os.getpid()) if pid == os.getpid() else ())
+            else:
+                args = (sock, f"{peer[0]}:{peer[1]}", tuple(peer[:2]))
+            threading.Thread(target=self._serve, args=args, name=f"{self.name}-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: str, peer_addr: tuple = ()) -> None:
         conn = ServerConn(sock, peer)
         reader = _Reader(sock)
-        spin = _Spin(0 if peer_addr in _local_clients else _SPIN_POLLS)
+        spin = _Spin(0 if peer_addr in _local_clients or peer_addr[:1] == ("unix",) else _SERVER_SPIN_POLLS)
         hsize = HEADER.size
         unpack_from = HEADER.unpack_from
         decode = _request_decoder.decode
+        me = threading.get_ident()
         try:
             while True:
+                _busy.discard(me)
                 try:
-                    reader.fill(hsize, spin)
+                    if spin.cap and reader.end - reader.start < hsize and _may_spin(me):
+                        _spinning.add(me)
+                        try:
+                            reader.fill(hsize, spin, me)
+                        finally:
+                            _spinning.discard(me)
+                    else:
+                        reader.fill(hsize)
                 except (ConnectionError, OSError):
                     return
+                _busy.add(me)
+                _request_from(me)
                 version, flags, msg_len, payload_len = unpack_from(reader.buf, reader.start)
                 reader.start += hsize
                 if version != PROTOCOL_VERSION or msg_len > MAX_MESSAGE or payload_len > MAX_PAYLOAD:
@@ -384,6 +490,7 @@ class RpcServer:
         except (ConnectionError, OSError) as exc:
             log.debug("%s: connection from %s ended: %s", self.name, peer, exc)
         finally:
+            _busy.discard(me)
             with self._lock:
                 self._conns.discard(sock)
             if self.on_close is not None:
@@ -428,6 +535,7 @@ class RpcClient:
     def __init__(self, address: str, timeout: float = 10.0):
         self.address = address
         self.host, self.port = parse_address(address)
+        self.unix: str | None = None  # connect here instead (same host), see `use_unix`
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._header = bytearray(HEADER.size)
@@ -435,11 +543,41 @@ class RpcClient:
         self._local: tuple | None = None  # this connection's address, while in `_local_clients`
         self._spin = _Spin(0)  # polls before a blocking wait for a reply (cap 0 to a local server)
 
-    def _connect(self) -> socket.socket:
+    def use_unix(self, unix_address: str | None) -> bool:
+        """Move this connection to the server's unix socket (same host); False (staying on TCP)
+        when there is none here or it cannot be reached. The address stays the TCP one."""
+        if not unix_address or not _UNIX:
+            return False
+        if self.unix == unix_address:
+            return True
+        old, self.unix = self._sock, unix_address
+        self._sock = None
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-        except OSError as exc:
-            raise Unavailable(f"cannot reach {self.address}: {exc.strerror or exc}") from None
+            self._connect()
+        except Unavailable:
+            self._sock = old
+            return False
+        if old is not None:
+            old.close()
+        return True
+
+    def _connect(self) -> socket.socket:
+        sock = None
+        if self.unix is not None:
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(self.timeout)
+                sock.connect(_unix_name(self.unix))
+            except OSError as exc:
+                sock.close()
+                sock = None
+                log.info("unix socket %s of %s unreachable (%s); using TCP", self.unix, self.address, exc)
+                self.unix = None
+        if sock is None:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            except OSError as exc:
+                raise Unavailable(f"cannot reach {self.address}: {exc.strerror or exc}") from None
         _tune(sock)
         # Blocking mode with kernel timeouts: a Python-level timeout makes the socket non-blocking,
         # and then MSG_WAITALL returns early and a large reply arrives in many pieces.
@@ -447,6 +585,10 @@ class RpcClient:
         tv = struct.pack("ll", int(self.timeout), int((self.timeout % 1) * 1e6))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        if sock.family == socket.AF_UNIX:
+            self._spin = _Spin(0 if _peer_pid(sock) == os.getpid() else _SPIN_POLLS)
+            self._sock = sock
+            return sock
         try:
             self._local = tuple(sock.getsockname()[:2])
             _local_clients.add(self._local)

@@ -48,6 +48,7 @@ class EmbeddedPool:
         self.node.rpc = self.node_rpc = self.rpc
         self.node._rpc_external = True
         self.master.address = self.master.leader_address = self.rpc.address
+        self.master.unix_address = self.rpc.unix_address
         handlers.update(master_handlers(self.master, self.node))
         handlers.update(self.node.handlers())
         self.master.start()

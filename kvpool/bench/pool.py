@@ -5,7 +5,9 @@ Setup: the pool runs as `kvpool serve` in a child process; this process is the S
 once with shared memory disabled (every byte crosses loopback TCP), once same-host (`shm`), and
 once with the transfer-engine data path over TCP (`tcp-engine`: reserve / one-sided WRITE /
 commit, pin / one-sided READ), whose rows are also compared with `ours_tcp` (the node-RPC path).
-Redis is a private `redis-server` (redis-py client); Mooncake Store runs in TCP mode with the
+Redis is a private `redis-server` (redis-py client) over loopback TCP, and another over its unix
+socket (`redis_unix`, the same-host baseline for `ours_shm`, whose requests go over the pool's
+unix socket and whose reads come from the shm arena); Mooncake Store runs in TCP mode with the
 segment in another process (see `pool_peers`). Every system does the same work per repetition
 (a short turn: 8 MiB by default, at least 16 ops; 21 turns each): `count` gets (or puts) of
 `size` bytes, one at a time, into a preallocated buffer where the API allows it (`get_into`;
@@ -46,7 +48,12 @@ GOALS = {  # (case, baseline, min size, max size) -> minimum ratio
     ("get_shm", "redis", 0, None): 1.0,
     ("get_batch_tcp", "redis", 0, None): 1.0,
     ("put_tcp", "redis", 0, None): 1.0,
+    # ours, not the issue's: same-host against Redis also on its fastest local path
+    ("put_shm", "redis", 0, None): 1.0,
+    ("put_shm", "redis_unix", 0, None): 1.0,
+    ("get_shm", "redis_unix", 0, None): 1.0,
 }
+SAME_HOST_PEERS = ("redis_unix",)  # compared with ours_shm only
 
 
 class PoolProcess:
@@ -75,7 +82,7 @@ SHARES_POOL = ("ours_shm", ENGINE)  # clients of ours_tcp's pool: nothing of the
 
 
 class Ours:
-    """The SDK client as a bench system; `use_shm=False` forces every read over TCP;
+    """The SDK client as a bench system; `use_shm=False` forces every request over TCP;
     `data_path="engine"` moves the bytes through the transfer engine (over TCP)."""
 
     def __init__(self, address: str, use_shm: bool, name: str, data_path: str = "rpc"):
@@ -212,8 +219,9 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
             closers.append(systems[-1].close)
         if "redis" in wanted:
             try:
-                systems.append(RedisPeer())
-                closers.append(systems[-1].close)
+                for unix in (False, True):
+                    systems.append(RedisPeer(unix=unix))
+                    closers.append(systems[-1].close)
             except RuntimeError as exc:
                 report.notes.append(f"Redis skipped: {exc}")
         if "mooncake" in wanted:
@@ -247,11 +255,10 @@ def _run(report: Report, systems: list[Any], workloads: list[Workload], reps: in
     ours = [s for s in systems if s.name.startswith("ours")]
     peers = [s for s in systems if not s.name.startswith("ours")]
     ops: list[tuple[str, Callable[[Any, Workload], float], list[Any]]] = [("get", _get, systems)]
-    ops.append(("get_batch", _get_batch, [s for s in systems if s.name != "ours_shm"]))
+    ops.append(("get_batch", _get_batch, systems))
     max_batch_bytes = 16 << 20  # a batch call of 16 x 8 MiB says nothing a single get does not
-    if not no_put:
-        # a put always goes over TCP in our SDK (shm is a read path), so one "ours" put row
-        ops.append(("put", _put, [s for s in systems if s.name != "ours_shm"]))
+    if not no_put:  # ours_shm puts over the pool's unix socket
+        ops.append(("put", _put, systems))
     total = sum(len(members) * (reps + 1) for op, _, members in ops for w in workloads
                 if op != "get_batch" or w.size * w.batch <= max_batch_bytes)
     bar, advance = progress(total, "bench pool")
@@ -279,7 +286,7 @@ def _add_rows(report: Report, op: str, w: Workload, figures: dict[str, list[floa
         if mine not in figures:
             continue
         case = f"{op}_{mine.removeprefix('ours_')}"
-        rows = [p for p in peers if p in figures] or [None]
+        rows = [p for p in peers if p in figures and (mine == "ours_shm" or p not in SAME_HOST_PEERS)] or [None]
         if mine == ENGINE and "ours_tcp" in figures:  # the two data paths, side by side
             rows.insert(0, "ours_tcp")
         for peer in rows:

@@ -59,11 +59,12 @@ def stop_process(proc: subprocess.Popen | None, timeout: float = 5.0) -> None:
 
 
 class RedisPeer:
-    """A private redis-server (no persistence) and a redis-py client of it."""
+    """A private redis-server (no persistence) and a redis-py client of it, over loopback TCP
+    or (`unix=True`, named "redis_unix") over its unix socket: the same-host baseline."""
 
     name = "redis"
 
-    def __init__(self, maxmemory: str = "2gb"):
+    def __init__(self, maxmemory: str = "2gb", unix: bool = False):
         import redis
 
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -71,13 +72,19 @@ class RedisPeer:
             raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
         self._dir = tempfile.mkdtemp(prefix="kvpool-bench-redis-")
         self.port = free_port()
+        sock = os.path.join(self._dir, "redis.sock")
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self._dir, "--maxmemory", maxmemory, "--protected-mode", "yes", "--loglevel", "warning"],
+             "--dir", self._dir, "--maxmemory", maxmemory, "--protected-mode", "yes", "--loglevel", "warning",
+             "--unixsocket", sock, "--unixsocketperm", "700"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_port(self.port, self.proc, what="redis-server")
-            self.client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=30)
+            if unix:
+                self.name = "redis_unix"
+                self.client = redis.Redis(unix_socket_path=sock, socket_timeout=30)
+            else:
+                self.client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=30)
             self.client.ping()
         except BaseException:
             self.close()

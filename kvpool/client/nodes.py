@@ -28,12 +28,14 @@ from kvpool.errors import InvalidArgument
 from kvpool.messages import Err, NodeGet, NodePin, NodeStats, NodeUnpin, NodeWrite, Placed
 from kvpool.rpc import RpcClient, parse_address
 from kvpool.tiers import shm_index
+from kvpool.tiers.arena import populate
 
 log = logging.getLogger(__name__)
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MAX_PENDING_UNPINS = 256
 MAX_PENDING_TOUCHES = 64  # index reads reported to the node per one-way message
+POPULATE_MAX = 16 << 30  # map a node's arena into our page tables up front up to this size
 TOO_SMALL = -2  # get_many_into: the caller's buffer cannot hold the object
 BATCH_SLURP_MAX = 256 * 1024  # a batch reply up to this size is received in one piece
 _UNKNOWN = object()  # transfer segment not learned yet
@@ -59,6 +61,8 @@ class NodeConn:
                 shm_path, hostname, arena_size = info.get("shm_path"), info.get("hostname"), info.get("arena_size")
                 index_path = info.get("index_path")
                 self.remember_segment(info.get("transfer_segment"))
+                if hostname == socket.gethostname():
+                    self.rpc.use_unix(info.get("unix"))  # same host: the node's unix socket
             self._map(shm_path, hostname, arena_size)
             if self.arena is not None and index_path and shm_index.supported():
                 try:
@@ -98,6 +102,8 @@ class NodeConn:
                 return
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             self.arena = memoryview(self._mmap)
+            if size <= POPULATE_MAX:  # its page tables cost 2 MiB per GiB of arena
+                populate(self._mmap, size, write=False)
             log.debug("reading node %s through shm %s", self.address, shm_path)
         finally:
             os.close(fd)

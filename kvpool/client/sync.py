@@ -22,6 +22,7 @@ the new leader in etcd and retry until `timeout`; a put restarts from `PutStart`
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
@@ -44,7 +45,10 @@ class Client:
     def __init__(self, address: str = "127.0.0.1:7600", *, timeout: float = 10.0, replicas: int | None = None,
                  use_shm: bool = True, writer_node: str = "", data_path: str = "auto", transfer_engine: Any = None,
                  transports: Sequence[str] | None = None):
-        """`data_path`: "auto" | "rpc" | "engine"; `transfer_engine`: a started TransferEngine to
+        """`use_shm`: take the same-host fast paths when the server is on this machine (reads
+        from the node's shm arena and index, requests over the servers' unix sockets); False:
+        loopback TCP only, as a client on another host would.
+        `data_path`: "auto" | "rpc" | "engine"; `transfer_engine`: a started TransferEngine to
         move bytes with (the caller keeps owning it), else one is opened when first needed, with
         `transports` (default: all the engine knows)."""
         self._path = EnginePath(data_path, transfer_engine, transports, timeout)
@@ -88,6 +92,8 @@ class Client:
         except BaseException:
             rpc.close()
             raise
+        if self.use_shm and hello.hostname == socket.gethostname():
+            rpc.use_unix(hello.unix)  # same host: the server's unix socket (falls back to TCP)
         self.embedded = "node" in hello.roles and hello.node is not None
         self.max_object_bytes = hello.max_object_bytes
         if self.embedded:

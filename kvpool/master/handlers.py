@@ -6,6 +6,7 @@ others. `Admin` exposes the read-only admin methods by name (a fixed allow-list)
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from kvpool.errors import InvalidArgument, KVPoolError
@@ -23,7 +24,8 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
     def hello(msg: Hello, payload, conn) -> HelloReply:
         return HelloReply(version=PROTOCOL_VERSION, roles=["master", "node"] if node is not None else ["master"],
                           leader=service.leader, node=node.info() if node is not None else None,
-                          max_object_bytes=service.max_object_bytes(), replicas=service.replicas)
+                          max_object_bytes=service.max_object_bytes(), replicas=service.replicas,
+                          hostname=socket.gethostname(), unix=service.unix_address)
 
     def put_start(msg: PutStart, payload, conn) -> PutPlans:
         if len(msg.sizes) != len(msg.keys):

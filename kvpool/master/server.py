@@ -26,6 +26,7 @@ class MasterServer:
         self.service = MasterService(settings)
         self.rpc = RpcServer(master_handlers(self.service), settings.host, settings.port, name="master")
         self.service.address = self.rpc.address
+        self.service.unix_address = self.rpc.unix_address
         self.address = self.rpc.address
         self._etcd = None
         self._election = None

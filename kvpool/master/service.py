@@ -76,6 +76,7 @@ class MasterService(AdminOps, Housekeeping, Migration):
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._leader = True
         self.leader_address: str | None = address or None
+        self.unix_address: str | None = None  # the RPC server's unix socket, told to clients in hello
         self._awaiting: set[str] = set()  # nodes a new leader waits for
         self._recovering_until = 0.0
         self.counters: dict[str, int] = dict.fromkeys(

@@ -6,7 +6,10 @@ the offsets the store hands out (`TieredStore.pin`), so a same-host get is one m
 Invariants: `size` never changes after creation; the creator unlinks the file on `close()`, an
 attacher never does; a default-named arena whose creator died is unlinked by the next
 `create` on the host (`reap_stale`: the creator holds a flock on it for its whole life). The pages are reserved up front (`posix_fallocate`) so a full tmpfs fails
-at start-up with a clear error instead of SIGBUS on a later write.
+at start-up with a clear error instead of SIGBUS on a later write. With `prefault`, a background
+thread then maps every page into the creator's page tables (`populate`): a first write to an
+unmapped page costs a page fault, which made a 64 KiB put into fresh arena space ~20 us slower
+(writes to fresh pages ran at 3 GB/s, to mapped ones at 22-25 GB/s, measured here).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import re
 import secrets
 import tempfile
+import threading
 import time
 
 from kvpool.errors import CapacityError, InvalidArgument
@@ -26,6 +30,26 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _DEFAULT_NAME = re.compile(r"kvpool-\d+-[0-9a-f]{8}")
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+
+_POPULATE_STEP = 8 << 20  # per madvise call, which holds the GIL (~2 ms)
+
+
+def populate(mapping: mmap.mmap, size: int, write: bool) -> threading.Thread:
+    """Map every page of `mapping` into this process's page tables, in a background thread,
+    so later accesses take no page fault. Best effort: stops quietly when the kernel lacks
+    MADV_POPULATE_* or the mapping is closed."""
+
+    def run() -> None:
+        advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+        try:
+            for off in range(0, size, _POPULATE_STEP):
+                mapping.madvise(advice, off, min(_POPULATE_STEP, size - off))
+        except (OSError, ValueError) as exc:  # old kernel, or closed meanwhile
+            log.debug("populating a %d-byte mapping stopped: %s", size, exc)
+
+    t = threading.Thread(target=run, name="kvpool-populate", daemon=True)
+    t.start()
+    return t
 
 
 def _shm_dir() -> str:
@@ -111,7 +135,10 @@ class SharedArena:
                     if exc.errno in (28,):  # ENOSPC: the host cannot back this arena
                         raise CapacityError(f"cannot reserve {size} bytes in {path}: {exc.strerror}") from None
                     log.debug("posix_fallocate unsupported on %s (%s); pages are allocated lazily", path, exc)
-            return cls(path, size, fd, owner=True)
+            arena = cls(path, size, fd, owner=True)
+            if prefault:
+                populate(arena._mmap, size, write=True)
+            return arena
         except BaseException as exc:
             os.close(fd)
             os.unlink(path)
