@@ -550,34 +550,39 @@ class RpcClient:
             return False
         if self.unix == unix_address:
             return True
-        old, self.unix = self._sock, unix_address
-        self._sock = None
-        try:
-            self._connect()
-        except Unavailable:
-            self._sock = old
+        sock = self._open_unix(unix_address)
+        if sock is None:
             return False
-        if old is not None:
-            old.close()
+        self.close()
+        self.unix = unix_address
+        self._setup(sock)
         return True
+
+    def _open_unix(self, unix_address: str) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(_unix_name(unix_address))
+            return sock
+        except OSError as exc:
+            sock.close()
+            log.info("unix socket %s of %s unreachable (%s); using TCP", unix_address, self.address, exc)
+            return None
 
     def _connect(self) -> socket.socket:
         sock = None
         if self.unix is not None:
-            try:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self.timeout)
-                sock.connect(_unix_name(self.unix))
-            except OSError as exc:
-                sock.close()
-                sock = None
-                log.info("unix socket %s of %s unreachable (%s); using TCP", self.unix, self.address, exc)
-                self.unix = None
+            sock = self._open_unix(self.unix)
+            if sock is None:
+                self.unix = None  # the server moved or restarted: TCP from now on
         if sock is None:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
             except OSError as exc:
                 raise Unavailable(f"cannot reach {self.address}: {exc.strerror or exc}") from None
+        return self._setup(sock)
+
+    def _setup(self, sock: socket.socket) -> socket.socket:
         _tune(sock)
         # Blocking mode with kernel timeouts: a Python-level timeout makes the socket non-blocking,
         # and then MSG_WAITALL returns early and a large reply arrives in many pieces.

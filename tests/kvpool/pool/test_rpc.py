@@ -7,6 +7,7 @@ import struct
 
 import pytest
 
+import kvpool.rpc
 from kvpool.errors import InvalidArgument, KeyNotFound, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Bools, Exists, Hello, NodeData, NodeGet, Ok, Release, Remove
 from kvpool.rpc import HEADER, RpcClient, RpcServer, parse_address
@@ -166,3 +167,79 @@ def test_adaptive_spin_stops_after_a_miss_and_retries_now_and_then():
     for _ in range(2 * _SPIN_RETRY):
         off.lost()
     assert off.polls == 0  # opted out: never spins
+
+
+# ---- same-host unix socket -------------------------------------------------------------------
+
+unix_only = pytest.mark.skipif(not kvpool.rpc._UNIX, reason="abstract unix sockets are Linux-only")
+
+
+@unix_only
+def test_a_client_moves_to_the_unix_socket_and_keeps_its_tcp_identity(server):
+    assert server.unix_address and server.unix_address.startswith("@")
+    c = RpcClient(server.address)
+    assert c.call(Exists(["yes"])).values == [True]
+    assert c.use_unix(server.unix_address)
+    assert c._sock.family == socket.AF_UNIX and c.address == server.address
+    blob = bytes(range(256)) * 1024
+    reply = c.call(NodeGet([]), [blob])
+    assert reply.sizes == [len(blob)] and c.read_payload(len(blob)) == blob
+    c.close()  # reconnects over the unix socket
+    assert c.call(Exists(["no"])).values == [False] and c._sock.family == socket.AF_UNIX
+    c.close()
+
+
+@unix_only
+def test_an_unreachable_unix_socket_leaves_the_client_on_tcp(server):
+    c = RpcClient(server.address)
+    assert c.call(Exists(["yes"])).values == [True]
+    assert not c.use_unix("@kvpool-rpc-no-such-socket")
+    assert c._sock.family != socket.AF_UNIX and c.unix is None
+    assert c.call(Exists(["yes"])).values == [True]
+    assert not c.use_unix(None)
+    c.close()
+
+
+@unix_only
+def test_the_sdk_uses_the_unix_socket_only_for_same_host_clients():
+    import kvpool
+    from kvpool.config import load_settings
+    from kvpool.server import EmbeddedPool
+
+    pool = EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="16MiB")).start()
+    try:
+        local = kvpool.connect(pool.address)
+        remote_like = kvpool.connect(pool.address, use_shm=False)
+        local.put("k", b"v" * 100)
+        assert remote_like.get("k") == b"v" * 100
+        assert local._master._sock.family == socket.AF_UNIX
+        assert remote_like._master._sock.family != socket.AF_UNIX
+        local.close()
+        remote_like.close()
+    finally:
+        pool.stop()
+
+
+def test_server_spin_only_while_one_client_is_active():
+    import threading
+
+    from kvpool import rpc
+
+    me, other = 1, 2
+    rpc._busy.clear(), rpc._spinning.clear()
+    rpc._last[:] = [0, 0, 0]
+    assert rpc._may_spin(me)
+    rpc._busy.add(other)  # another connection is handling a request
+    assert not rpc._may_spin(me)
+    rpc._busy.discard(other)
+    rpc._spinning.add(other)  # ... or spinning
+    assert not rpc._may_spin(me)
+    rpc._spinning.discard(other)
+    for tid in (me, me, me):  # one client's requests in a row: still alone
+        rpc._request_from(tid)
+    assert rpc._may_spin(me)
+    rpc._request_from(other)  # two clients interleaving: no spin for a while
+    assert not rpc._may_spin(me)
+    rpc._last[2] = 0
+    assert rpc._may_spin(me)
+    assert threading.get_ident() not in rpc._busy
