@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<HHIQ")
 FLAG_ONEWAY = 1
+FLAG_SPIN = 2  # in a reply: the server sees this client as its only active one (see `_Spin`)
 MAX_MESSAGE = 64 << 20
 MAX_PAYLOAD = 1 << 36
 _IOV_MAX = 512  # stay well under the kernel's IOV_MAX per sendmsg
@@ -54,8 +55,8 @@ _RBUF = 16 << 10  # a server connection's receive buffer (header, message, paylo
 # to N times without blocking (about a microsecond each): on loopback the other side often
 # answers within tens of microseconds, and waking a thread that slept (an idle CPU; in a VM, a
 # halted vCPU) costs more than that. Adaptive (`_Spin`): a spin that found nothing turns spinning
-# off for that connection, and it is tried again only every `_SPIN_RETRY` blocking waits. Never
-# when the other side is in this process: there it needs our GIL to answer.
+# off for that connection, a blocking wait short enough for a spin to have covered it turns it
+# back on. Never when the other side is in this process: there it needs our GIL to answer.
 # Server side (on by default, KVPOOL_SERVER_SPIN=0 turns it off): a connection thread spins for
 # the next request only while its client is the only active one: no other connection of this
 # process is handling a request or spinning (it stops as soon as one is), and requests of two
@@ -63,9 +64,11 @@ _RBUF = 16 << 10  # a server connection's receive buffer (header, message, paylo
 # busy clients the server has work anyway, and the clients need the CPU a spin would take.
 # Measured here (2 cores, 64 KiB put/get): one client 1.4x the ops/s over TCP; 4 and 16 clients
 # unchanged within noise (BENCHMARKS.md).
-# Client side (opt-in, KVPOOL_RPC_SPIN=64): clients cannot see each other, and on 2 cores 4
-# spinning clients took 0.85x the throughput with a worse p99 (BENCHMARKS.md), so it is off.
-_SPIN_POLLS = int(os.environ.get("KVPOOL_RPC_SPIN", "0"))
+# Client side (KVPOOL_RPC_SPIN, default 64, 0 turns it off): clients cannot see each other (on
+# 2 cores, 4 clients that all spun got 0.85x the throughput with a worse p99), so a client
+# spins for a reply only when the server's previous reply carried FLAG_SPIN: the server sets it
+# while this client is its only active one, and the same rules as its own spin apply.
+_SPIN_POLLS = int(os.environ.get("KVPOOL_RPC_SPIN", "64"))
 _SERVER_SPIN_POLLS = int(os.environ.get("KVPOOL_SERVER_SPIN", "64"))
 _busy: set[int] = set()  # server connection threads of this process handling a request
 _spinning: set[int] = set()  # ... or spinning for one (set.add/discard are atomic under the GIL)
@@ -87,35 +90,41 @@ def _request_from(me: int) -> None:
 
 def _may_spin(me: int) -> bool:
     return _alone(me) and time.monotonic_ns() > _last[2]
-_SPIN_RETRY = 64
+
+
+def _sole_client(me: int) -> bool:
+    """While handling a request: is this connection the only active one (no one else busy or
+    spinning, not mixed lately)? Then its client may spin for our reply (FLAG_SPIN)."""
+    return len(_busy) == 1 and not _spinning and time.monotonic_ns() > _last[2]
+_SPIN_WORTH_NS = 100_000
 
 
 class _Spin:
     """How many non-blocking polls the next wait on one connection may make (0: block at once).
 
-    Invariant: `polls` is either the cap (the last spin found data, or a retry is due) or 0
-    (the last spin found nothing); at most one spin in `_SPIN_RETRY` waits is wasted when spins
-    keep failing."""
+    Adaptive, one sample deep: spin on while spins find data (`won`); a spin that found nothing
+    (`lost`) turns it off; while off, each blocking wait is timed (`waited`) and a short one
+    (under `_SPIN_WORTH_NS`, which a spin would have covered) turns it back on. So a client
+    sending a burst of requests is spun for from its second request, and one that pauses
+    between requests longer than a spin costs at most every other wait's spin."""
 
-    __slots__ = ("cap", "polls", "blocked")
+    __slots__ = ("cap", "polls")
 
     def __init__(self, cap: int):
         self.cap = cap
         self.polls = cap
-        self.blocked = 0
 
     def won(self) -> None:
         self.polls = self.cap
 
     def lost(self) -> None:
-        """The spin found nothing (or was off): count a blocking wait, retry spinning now and then."""
-        if self.polls:
-            self.polls = 0
-            self.blocked = 0
-        elif self.cap:
-            self.blocked += 1
-            if self.blocked >= _SPIN_RETRY:
-                self.polls = self.cap
+        self.polls = 0
+
+    def waited(self, ns: int) -> None:
+        """A blocking wait (with spinning off) took `ns`."""
+        self.polls = self.cap if ns < _SPIN_WORTH_NS else 0
+
+
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _local_clients: set[tuple] = set()  # local (host, port) of this process's RpcClient sockets, ("unix", pid)
@@ -243,10 +252,11 @@ class _Reader:
                 self.start, self.end = 0, n
         view, sock = self.view, self.sock
         polls = spin.polls if spin is not None else 0
+        timed = spin is not None and not polls  # spinning is off: time this wait (`_Spin.waited`)
         while self.end - self.start < need:
             if polls:
                 if me and not _alone(me):  # another connection needs the CPU: not a miss, just block
-                    polls, spin = 0, None
+                    polls = 0
                     continue
                 try:
                     k = sock.recv_into(view[self.end:], 0, _DONTWAIT)
@@ -256,12 +266,13 @@ class _Reader:
                     polls -= 1
                     if not polls:
                         spin.lost()
-                        spin = None  # this wait is counted: block from here on
                     continue
+            elif timed:
+                timed = False
+                t0 = time.monotonic_ns()
+                k = sock.recv_into(view[self.end:])
+                spin.waited(time.monotonic_ns() - t0)
             else:
-                if spin is not None and not spin.polls:
-                    spin.lost()
-                    spin = None
                 k = sock.recv_into(view[self.end:])
             if k == 0:
                 raise ConnectionError("peer closed the connection")
@@ -335,6 +346,7 @@ class ServerConn:
         self.peer = peer
         self.replied = False
         self.oneway = False
+        self.flags = 0  # reply flags for the request being handled (FLAG_SPIN)
         self.state: dict[str, Any] = {}  # per-connection handler state (e.g. pins to drop on close)
 
     def reply(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
@@ -342,10 +354,10 @@ class ServerConn:
             return
         if not buffers:  # most replies: one small frame, one send
             body = _encoder.encode(msg)
-            self.sock.sendall(HEADER.pack(PROTOCOL_VERSION, 0, len(body), 0) + body)
+            self.sock.sendall(HEADER.pack(PROTOCOL_VERSION, self.flags, len(body), 0) + body)
         else:
             nbytes = sum(memoryview(b).nbytes for b in buffers)
-            send_all(self.sock, _frame(msg, nbytes) + list(buffers))
+            send_all(self.sock, _frame(msg, nbytes, self.flags) + list(buffers))
         self.replied = True
 
 
@@ -461,6 +473,7 @@ class RpcServer:
                     return
                 _busy.add(me)
                 _request_from(me)
+                conn.flags = FLAG_SPIN if spin.cap and _sole_client(me) else 0
                 version, flags, msg_len, payload_len = unpack_from(reader.buf, reader.start)
                 reader.start += hsize
                 if version != PROTOCOL_VERSION or msg_len > MAX_MESSAGE or payload_len > MAX_PAYLOAD:
@@ -542,6 +555,7 @@ class RpcClient:
         self.payload_left = 0
         self._local: tuple | None = None  # this connection's address, while in `_local_clients`
         self._spin = _Spin(0)  # polls before a blocking wait for a reply (cap 0 to a local server)
+        self._hinted = False  # the last reply carried FLAG_SPIN
 
     def use_unix(self, unix_address: str | None) -> bool:
         """Move this connection to the server's unix socket (same host); False (staying on TCP)
@@ -610,6 +624,7 @@ class RpcClient:
             finally:
                 self._sock = None
                 self.payload_left = 0
+                self._hinted = False
                 if self._local is not None:
                     _local_clients.discard(self._local)
                     self._local = None
@@ -649,8 +664,9 @@ class RpcClient:
             raise Unavailable(f"connection to {self.address} is closed")
         try:
             header = memoryview(self._header)
-            got, spin = -1, self._spin
-            polls = spin.polls
+            got, spin, hinted = -1, self._spin, self._hinted
+            polls = spin.polls if hinted else 0  # spin only when the server said we are its only client
+            spun = polls > 0
             while polls:  # a quick reply is read without sleeping (see `_Spin`)
                 try:
                     got = sock.recv_into(header, 0, _DONTWAIT)
@@ -658,13 +674,21 @@ class RpcClient:
                     break
                 except BlockingIOError:
                     polls -= 1
-            if got < 0:
-                spin.lost()
             if got == 0:
                 raise ConnectionError("peer closed the connection")
-            if got < len(header):
-                recv_exact_into(sock, header[got:] if got > 0 else header)
-            version, _flags, msg_len, payload_len = HEADER.unpack(self._header)
+            if got < 0:
+                if hinted and spin.cap and not spun:  # spinning is off for now: time the wait
+                    t0 = time.monotonic_ns()
+                    recv_exact_into(sock, header)
+                    spin.waited(time.monotonic_ns() - t0)
+                else:
+                    if spun:
+                        spin.lost()
+                    recv_exact_into(sock, header)
+            elif got < len(header):
+                recv_exact_into(sock, header[got:])
+            version, flags, msg_len, payload_len = HEADER.unpack(self._header)
+            self._hinted = bool(flags & FLAG_SPIN)
             if version != PROTOCOL_VERSION:
                 raise ConnectionError(f"server speaks protocol {version}, this client {PROTOCOL_VERSION}")
             body = sock.recv(msg_len, socket.MSG_WAITALL) if msg_len else b""

@@ -149,8 +149,8 @@ def test_a_client_of_a_server_in_this_process_does_not_poll(server, monkeypatch)
     c.close()
 
 
-def test_adaptive_spin_stops_after_a_miss_and_retries_now_and_then():
-    from kvpool.rpc import _SPIN_RETRY, _Spin
+def test_adaptive_spin_stops_after_a_miss_and_resumes_after_a_short_wait():
+    from kvpool.rpc import _SPIN_WORTH_NS, _Spin
 
     spin = _Spin(64)
     assert spin.polls == 64
@@ -158,15 +158,43 @@ def test_adaptive_spin_stops_after_a_miss_and_retries_now_and_then():
     assert spin.polls == 64  # data came while spinning: keep spinning
     spin.lost()
     assert spin.polls == 0  # a spin found nothing: block from now on
-    for _ in range(_SPIN_RETRY - 1):
-        spin.lost()
-        assert spin.polls == 0
-    spin.lost()
-    assert spin.polls == 64  # ... but try again every _SPIN_RETRY blocking waits
+    spin.waited(10 * _SPIN_WORTH_NS)
+    assert spin.polls == 0  # a long pause between requests: spinning would only burn CPU
+    spin.waited(_SPIN_WORTH_NS // 2)
+    assert spin.polls == 64  # a burst (a wait a spin would have covered): spin again
     off = _Spin(0)
-    for _ in range(2 * _SPIN_RETRY):
-        off.lost()
+    off.waited(1)
+    off.lost()
     assert off.polls == 0  # opted out: never spins
+
+
+def test_a_spinning_server_answers_a_burst_and_a_slow_client(monkeypatch):
+    """Spinning on or off, requests are answered in order and a client pausing longer than a
+    spin loses nothing (a real server thread, a client in another process)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from kvpool import rpc
+
+    monkeypatch.setattr(rpc, "_SERVER_SPIN_POLLS", 64)
+    srv = RpcServer({Exists: lambda m, p, c: Bools([k == "yes" for k in m.keys])}, name="spin").start()
+    code = textwrap.dedent(f"""
+        import time
+        from kvpool.messages import Exists
+        from kvpool.rpc import RpcClient
+        c = RpcClient({srv.address!r})
+        for i in range(300):
+            assert c.call(Exists(["yes", "no"])).values == [True, False]
+            if i % 50 == 0:
+                time.sleep(0.01)
+        print("ok")
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "ok", out.stderr
+    finally:
+        srv.stop()
 
 
 # ---- same-host unix socket -------------------------------------------------------------------
