@@ -127,6 +127,13 @@ class _Spin:
 
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
+# Payloads of at least this size are received polling (`_recv_polling`) by a server for its sole
+# active client, and by a client told so (FLAG_SPIN): measured here, puts of 1 MiB 1.4x and
+# 8 MiB 1.36x the GB/s of sleeping in MSG_WAITALL; at 256 KiB no difference. Client side, from
+# 2 MiB: 8 MiB get_into 1.2-1.5x, while at 1 MiB it did not help.
+_STREAM_SPIN_MIN = 256 << 10
+_STREAM_SPIN_MIN_CLIENT = 2 << 20
+_SPIN_POLLS_STREAM = 256
 _local_clients: set[tuple] = set()  # local (host, port) of this process's RpcClient sockets, ("unix", pid)
 _local_servers: set[tuple[str, int]] = set()  # (host, port) this process's RpcServers listen on
 _WILDCARD = ("0.0.0.0", "::", "")
@@ -200,6 +207,26 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ConnectionError("peer closed the connection")
         got += k
+
+
+def _recv_polling(sock: socket.socket, view: memoryview) -> None:
+    """`recv_exact_into`, polling while the bytes stream in: a large payload arrives in many
+    pieces, and taking each as it lands (the sender copying on one core, us on the other) beats
+    sleeping until MSG_WAITALL is satisfied, which wakes us per piece anyway. Blocks after
+    `_SPIN_POLLS_STREAM` empty polls in a row."""
+    got, n, misses = 0, len(view), 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got, _DONTWAIT)
+        except BlockingIOError:
+            misses += 1
+            if misses < _SPIN_POLLS_STREAM:
+                continue
+            k = sock.recv_into(view[got:], n - got, _WAITALL)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+        misses = 0
 
 
 def send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
@@ -296,13 +323,14 @@ class _Reader:
 class Payload:
     """The payload of the frame being handled; read it once, in order, or leave it to be drained."""
 
-    __slots__ = ("_sock", "length", "remaining", "_reader")
+    __slots__ = ("_sock", "length", "remaining", "_reader", "spin")
 
-    def __init__(self, sock: socket.socket, length: int, reader: _Reader | None = None):
+    def __init__(self, sock: socket.socket, length: int, reader: _Reader | None = None, spin: bool = False):
         self._sock = sock
         self.length = length
         self.remaining = length
         self._reader = reader  # its buffered bytes come first
+        self.spin = spin  # the sole active client's: poll for large payloads instead of sleeping
 
     def read_into(self, view: memoryview) -> None:
         n = len(view)
@@ -310,7 +338,11 @@ class Payload:
             raise InvalidArgument(f"payload is shorter than announced ({self.remaining} < {n})")
         got = self._reader.take_into(view) if self._reader is not None else 0
         if got < n:
-            recv_exact_into(self._sock, view[got:] if got else view)
+            rest = view[got:] if got else view
+            if self.spin and len(rest) >= _STREAM_SPIN_MIN:
+                _recv_polling(self._sock, rest)
+            else:
+                recv_exact_into(self._sock, rest)
         self.remaining -= n
 
     def read(self, n: int | None = None) -> bytearray:
@@ -489,7 +521,7 @@ class RpcServer:
                     body = bytearray(msg_len)
                     got = reader.take_into(memoryview(body))
                     recv_exact_into(sock, memoryview(body)[got:])
-                payload = Payload(sock, payload_len, reader)
+                payload = Payload(sock, payload_len, reader, spin=bool(conn.flags & FLAG_SPIN))
                 conn.oneway = bool(flags & FLAG_ONEWAY)
                 conn.replied = False
                 try:
@@ -717,7 +749,10 @@ class RpcClient:
         if n > self.payload_left:
             raise InvalidArgument(f"reply payload has {self.payload_left} bytes left, asked for {n}")
         try:
-            recv_exact_into(self._sock, view)
+            if self._hinted and n >= _STREAM_SPIN_MIN_CLIENT and self._spin.cap:
+                _recv_polling(self._sock, view)
+            else:
+                recv_exact_into(self._sock, view)
         except (OSError, ConnectionError) as exc:
             raise self._broken(exc) from None
         self.payload_left -= n

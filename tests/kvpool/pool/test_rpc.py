@@ -271,3 +271,31 @@ def test_server_spin_only_while_one_client_is_active():
     rpc._last[2] = 0
     assert rpc._may_spin(me)
     assert threading.get_ident() not in rpc._busy
+
+
+def test_polling_receive_gets_every_byte_of_a_slow_stream_and_sees_a_close():
+    import threading
+    import time
+
+    from kvpool.rpc import _recv_polling
+
+    a, b = socket.socketpair()
+    data = bytes(range(256)) * 4096 * 2  # 2 MiB
+    try:
+        def send():
+            for i in range(0, len(data), 300_000):  # pieces with pauses: polls miss, then it blocks
+                a.sendall(data[i:i + 300_000])
+                time.sleep(0.005)
+
+        t = threading.Thread(target=send)
+        t.start()
+        buf = bytearray(len(data))
+        _recv_polling(b, memoryview(buf))
+        t.join()
+        assert buf == data
+        a.sendall(b"abc")
+        a.close()
+        with pytest.raises(ConnectionError):
+            _recv_polling(b, memoryview(bytearray(10)))
+    finally:
+        b.close()
