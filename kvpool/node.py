@@ -471,7 +471,7 @@ class StoreNode(EngineWrites):
         if store is None:
             return
         for key, put_id in zip(keys, put_ids):
-            if self._put_ids.get(key) == put_id:
+            if self._put_ids.get(key, 0) == put_id:  # 0: held since before a restart (`held`)
                 store.hide(key)
 
     def copy(self, keys: list[str], put_ids: list[int], source: str) -> list:

@@ -62,8 +62,9 @@ _RBUF = 16 << 10  # a server connection's receive buffer (header, message, paylo
 # process is handling a request or spinning (it stops as soon as one is), and requests of two
 # different connections did not follow each other within the last `_MIXED_NS`. With several
 # busy clients the server has work anyway, and the clients need the CPU a spin would take.
-# Measured here (2 cores, 64 KiB put/get): one client 1.4x the ops/s over TCP; 4 and 16 clients
-# unchanged within noise (BENCHMARKS.md).
+# Measured here (2 cores, 64 KiB put/get, benchmarks/spin_load.py): one client 2-3x the ops/s
+# over TCP and 1.4-1.6x same-host (with the client side below); 4 clients 1.0-1.16x; 16 clients
+# 0.79-1.04x (mean 0.95x) with p99 within noise (BENCHMARKS.md).
 # Client side (KVPOOL_RPC_SPIN, default 64, 0 turns it off): clients cannot see each other (on
 # 2 cores, 4 clients that all spun got 0.85x the throughput with a worse p99), so a client
 # spins for a reply only when the server's previous reply carried FLAG_SPIN: the server sets it
@@ -73,6 +74,7 @@ _SERVER_SPIN_POLLS = int(os.environ.get("KVPOOL_SERVER_SPIN", "64"))
 _busy: set[int] = set()  # server connection threads of this process handling a request
 _spinning: set[int] = set()  # ... or spinning for one (set.add/discard are atomic under the GIL)
 _MIXED_NS = 2_000_000
+_SPIN_WORTH_NS = 100_000  # a blocking wait shorter than this turns spinning back on (`_Spin`)
 _last = [0, 0, 0]  # thread of the last request, when it came, until when clients count as mixed
 
 
@@ -96,7 +98,6 @@ def _sole_client(me: int) -> bool:
     """While handling a request: is this connection the only active one (no one else busy or
     spinning, not mixed lately)? Then its client may spin for our reply (FLAG_SPIN)."""
     return len(_busy) == 1 and not _spinning and time.monotonic_ns() > _last[2]
-_SPIN_WORTH_NS = 100_000
 
 
 class _Spin:

@@ -17,6 +17,11 @@ miss into a hit of other data. This relies on the writer's stores and the reader
 seen in program order, which x86-64 (TSO) guarantees; elsewhere `supported()` is False and
 readers use the RPC.
 
+Visibility: an object is findable from the moment the node commits it to DRAM, which for a put
+is just before the master lists it and the put's reply goes out; the embedded master hides a
+removed or evicted object (`StoreNode.hide`) before the call that dropped it returns. In
+cluster mode a reader only looks here for objects the master has just said are on this node.
+
 Layout: a 64-byte header (magic, version, slot count, probe length) and `slots + probe` slots
 of 40 bytes `<seq, h1, h2, offset, length>` (u64 little-endian), where h1/h2 are the two halves
 of the key's xxh3-128. Linear probing, at most `probe` slots from `h1 % slots`, no wrap-around.
