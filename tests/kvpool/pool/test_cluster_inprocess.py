@@ -211,3 +211,27 @@ def test_a_restarted_master_relearns_every_object_from_the_nodes(cluster):
             assert c.get_batch(list(values)) == list(values.values())  # the client reconnected by itself
         finally:
             fresh.stop()
+
+
+def test_same_host_cluster_reads_use_the_node_index_after_the_masters_lookup(cluster):
+    """Cluster mode: a get is the master's Lookup, then a copy through the named node's shm
+    index (no request to the node); a removed object is a miss, as the master says."""
+    from kvpool.tiers.shm_index import supported
+
+    if not supported():
+        pytest.skip("the shm index is used on x86-64 only")
+    master, nodes = cluster
+    with kvpool.connect(master.address) as c:
+        value = os.urandom(100_000)
+        c.put("idx", value)
+        assert c.get("idx") == value  # connects to the holder node
+        conn = next(iter(c._nodes.values()))
+        assert conn.index is not None and conn.rpc._sock.family == socket.AF_UNIX
+        sent = []
+        send = conn.rpc.send_request
+        conn.rpc.send_request = lambda *a, **kw: (sent.append(a[0]), send(*a, **kw))[1]
+        buf = bytearray(len(value))
+        assert c.get_into("idx", buf) == len(value) and buf == value
+        assert sent == []  # no NodePin: the index served it
+        assert c.remove("idx") is True
+        assert c.get("idx") is None
