@@ -79,25 +79,29 @@ _last = [0, 0, 0]  # thread of the last request, when it came, until when client
 
 
 def _alone(me: int) -> bool:
-    return not _busy and not (_spinning and (len(_spinning) > 1 or me not in _spinning))
+    """No connection thread but `me` is handling a request or spinning."""
+    return not _busy and _spinning.issubset((me,))
 
 
-def _request_from(me: int) -> None:
+def _request_from(me: int) -> int:
+    """Note a request arriving on `me`'s connection; returns the time (ns)."""
     now = time.monotonic_ns()
     last = _last
     if last[0] != me and now - last[1] < _MIXED_NS:
         last[2] = now + _MIXED_NS
     last[0], last[1] = me, now
+    return now
 
 
 def _may_spin(me: int) -> bool:
     return _alone(me) and time.monotonic_ns() > _last[2]
 
 
-def _sole_client(me: int) -> bool:
-    """While handling a request: is this connection the only active one (no one else busy or
-    spinning, not mixed lately)? Then its client may spin for our reply (FLAG_SPIN)."""
-    return len(_busy) == 1 and not _spinning and time.monotonic_ns() > _last[2]
+def _sole_client(now: int) -> bool:
+    """While handling a request that came at `now`: is this connection the only active one (no
+    one else busy or spinning, not mixed lately)? Then its client may spin for our reply
+    (FLAG_SPIN)."""
+    return len(_busy) == 1 and not _spinning and now > _last[2]
 
 
 class _Spin:
@@ -141,6 +145,13 @@ _SPIN_POLLS_STREAM = 256
 _local_clients: set[tuple] = set()  # local (host, port) of this process's RpcClient sockets, ("unix", pid)
 _local_servers: set[tuple[str, int]] = set()  # (host, port) this process's RpcServers listen on
 _WILDCARD = ("0.0.0.0", "::", "")
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _peer_pid(sock: socket.socket) -> int:
@@ -453,20 +464,13 @@ class RpcServer:
         self._closed = True
         _local_servers.discard(self._listen_addr)
         for listener in (self._sock, self._unix_sock):
-            if listener is None:
-                continue
-            try:
-                listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            listener.close()
+            if listener is not None:
+                _shutdown(listener)
+                listener.close()
         with self._lock:
             conns = list(self._conns)
         for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shutdown(s)  # wakes its thread, which closes it
         for t in self._threads:
             t.join(timeout=5)
 
@@ -510,8 +514,8 @@ class RpcServer:
                 except (ConnectionError, OSError):
                     return
                 _busy.add(me)
-                _request_from(me)
-                conn.flags = FLAG_SPIN if spin.cap and _sole_client(me) else 0
+                now = _request_from(me)
+                conn.flags = FLAG_SPIN if spin.cap and _sole_client(now) else 0
                 version, flags, msg_len, payload_len = unpack_from(reader.buf, reader.start)
                 reader.start += hsize
                 if version != PROTOCOL_VERSION or msg_len > MAX_MESSAGE or payload_len > MAX_PAYLOAD:
