@@ -1,0 +1,264 @@
+"""The router's HTTP face (FastAPI): the OpenAI API, health, metrics and worker admin. Thin:
+parse, call `Router`, shape the answer (see `openai_api.py`).
+
+    POST /v1/chat/completions   POST /v1/completions   (stream or not)
+    GET  /v1/models             GET  /health            GET /metrics
+    GET  /admin/workers         POST /admin/workers {"url"}   (a worker joins; idempotent)
+    POST /admin/workers/drain {"url"}  (no new requests; it leaves once idle)
+    DELETE /admin/workers?url=URL      (forget it now)
+    GET  /admin/route?prompt=...       (the decision for a prompt, without running it)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvpool import worker_api as wire
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.router import openai_api as oa
+from kvpool.router.service import Outcome, Rejected, Router
+
+log = logging.getLogger(__name__)
+
+
+def _error_response(exc: Exception) -> JSONResponse:
+    return JSONResponse(_as_openai(exc).body(), status_code=_as_openai(exc).http_status)
+
+
+def _as_openai(exc: Exception) -> oa.OpenAIError:
+    if isinstance(exc, oa.OpenAIError):
+        return exc
+    if isinstance(exc, Rejected):
+        d = exc.decision
+        return oa.OpenAIError(429, f"{exc} (estimated TTFT {d.est_ttft_s * 1e3:.0f} ms, time between tokens "
+                              f"{d.est_tbt_s * 1e3:.0f} ms); retry later", type_="requests",
+                              code="rate_limit_exceeded")
+    if isinstance(exc, InvalidArgument):
+        return oa.bad_request(str(exc))
+    if isinstance(exc, Unavailable):
+        return oa.OpenAIError(503, str(exc), type_="service_unavailable", code="service_unavailable")
+    if isinstance(exc, KVPoolError):
+        return oa.OpenAIError(exc.http_status if exc.http_status >= 400 else 500, str(exc),
+                              type_="server_error", code=exc.code)
+    return oa.OpenAIError(500, "internal error (see the router's log)", type_="server_error", code="internal")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def create_app(router: Router) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="kvpool router", lifespan=lifespan)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if not isinstance(exc, KVPoolError):
+            log.exception("%s %s failed", request.method, request.url.path)
+        return _error_response(exc)
+
+    async def _body(request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise oa.bad_request(f"the request body is not valid JSON: {exc}") from None
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = router.ready()
+        workers = router.workers.by_url.values() if router.workers else []
+        return JSONResponse({"status": "ok" if ok else "waiting for workers",
+                             "workers": {s.name: s.status for s in workers}}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        name = router.model_name
+        data = [] if name is None else [{"id": name, "object": "model", "created": 0, "owned_by": "kvpool"}]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = oa.parse(oa.ChatRequest, await _body(request))
+        _check_model(router, req.model)
+        try:
+            ids = router.tokenizer.encode_chat(req.chat())
+        except ValueError as exc:
+            raise oa.bad_request(str(exc), param="messages") from None
+        return await _complete(router, "chat", req, ids, req.token_budget(), router.config.default_max_tokens)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = oa.parse(oa.CompletionRequest, await _body(request))
+        _check_model(router, req.model)
+        if isinstance(req.prompt, str):
+            ids = router.tokenizer.encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+            if any(t < 0 for t in ids):
+                raise oa.bad_request("prompt token ids must not be negative", param="prompt")
+        return await _complete(router, "completions", req, ids, req.token_budget(), 16)
+
+    @app.get("/admin/workers")
+    async def list_workers() -> dict:
+        return {"policy": router.policy.name, "workers": [s.summary() for s in router.workers.by_url.values()],
+                "cost": router.cost.params().__dict__, "cost_samples": router.cost.samples}
+
+    @app.post("/admin/workers")
+    async def add_worker(request: Request) -> dict:
+        url = _url_of(await _body(request))
+        return (await router.workers.register(url)).summary()
+
+    @app.post("/admin/workers/drain")
+    async def drain_worker(request: Request) -> dict:
+        return router.workers.drain(_url_of(await _body(request))).summary()
+
+    @app.delete("/admin/workers")
+    async def remove_worker(url: str) -> dict:
+        return router.workers.remove(url).summary()
+
+    @app.get("/admin/route")
+    async def explain(prompt: str, max_tokens: int = 16) -> dict:
+        if router.tokenizer is None:
+            raise Unavailable("no worker has registered yet")
+        decision, req, _ = await router.route(router.tokenizer.encode(prompt), max_tokens)
+        return {"decision": decision.__dict__, "request": req.__dict__}
+
+    return app
+
+
+def _url_of(body: Any) -> str:
+    if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+        raise oa.bad_request('expected {"url": "http://HOST:PORT"}')
+    return body["url"]
+
+
+def _check_model(router: Router, model: str) -> None:
+    if router.tokenizer is None:
+        raise Unavailable("no worker has registered with this router yet")
+    if model != router.model_name and model != router.workers.model_id:
+        raise oa.OpenAIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+
+
+async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], budget: int | None,
+                    default_budget: int) -> Response:
+    arrived = time.perf_counter()
+    context = router.max_positions
+    if not ids:
+        raise oa.bad_request("the prompt has no tokens", param="prompt")
+    if len(ids) >= context or (budget is not None and len(ids) + budget > context):
+        raise oa.bad_request(f"This model's maximum context length is {context} tokens. However, you requested "
+                             f"{len(ids) + (budget or 0)} tokens ({len(ids)} in the prompt, {budget or 0} for the "
+                             "completion). Please reduce the length of the prompt or completion.",
+                             param="messages" if endpoint == "chat" else "prompt", code="context_length_exceeded")
+    max_tokens = budget if budget is not None else min(default_budget, context - len(ids))
+    temperature = 1.0 if req.temperature is None else req.temperature
+    sampling = wire.SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                                   seed=req.seed if req.seed is not None else uuid.uuid4().int & 0x7FFFFFFF)
+    shape = oa.Shape(endpoint == "chat", req.model, include_usage=bool(req.stream_options
+                                                                       and req.stream_options.include_usage))
+    out = Outcome()
+    pieces = router.generate(ids, max_tokens, sampling, out, shape.id)
+    stops = oa.StopMatcher(req.stop)
+    if not req.stream:
+        text, finish = "", "stop"
+        try:
+            async for piece in pieces:
+                text += stops.push(piece.text)
+                if stops.hit:
+                    break
+                if piece.finish:
+                    finish = piece.finish
+        except Exception as exc:
+            router.metrics.done(endpoint, _as_openai(exc).http_status)
+            raise
+        finally:
+            await pieces.aclose()
+        text += stops.flush()
+        _account(router, endpoint, out, arrived, ttft=None)
+        return JSONResponse(shape.whole(text, "stop" if stops.hit else finish, _usage(out)))
+    # Streaming: pull the first piece before answering, so errors before it get a status code.
+    try:
+        first = await anext(pieces)
+    except StopAsyncIteration:
+        first = oa_piece_done()
+    except Exception as exc:
+        await pieces.aclose()
+        router.metrics.done(endpoint, _as_openai(exc).http_status)
+        raise
+    return StreamingResponse(_sse_stream(router, endpoint, shape, first, pieces, stops, out, arrived),
+                             media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+def oa_piece_done() -> Any:
+    from kvpool.router.service import Piece
+
+    return Piece(finish="stop")
+
+
+async def _sse_stream(router: Router, endpoint: str, shape: oa.Shape, first: Any, pieces: AsyncIterator,
+                      stops: oa.StopMatcher, out: Outcome, arrived: float) -> AsyncIterator[bytes]:
+    ttft = time.perf_counter() - arrived
+    status = 200
+    try:
+        piece, opened = first, False
+        while True:
+            text = stops.push(piece.text)
+            finish = "stop" if stops.hit else piece.finish
+            if finish is not None:
+                text += stops.flush()
+            if text or not opened:
+                yield _sse(shape.chunk(text, first=not opened))
+                opened = True
+            if finish is not None:
+                yield _sse(shape.chunk(None if shape.chat else "", finish=finish))
+                break
+            piece = await anext(pieces)
+        if shape.include_usage:
+            yield _sse(shape.usage_chunk(_usage(out)))
+    except StopAsyncIteration:
+        yield _sse(shape.chunk(None if shape.chat else "", finish="stop"))
+    except Exception as exc:  # the status line is sent: end the stream with an error event
+        err = _as_openai(exc)
+        status = err.http_status
+        if not isinstance(exc, KVPoolError):
+            log.exception("stream %s failed", shape.id)
+        else:
+            log.warning("stream %s failed: %s", shape.id, exc)
+        yield _sse(err.body())
+    finally:
+        await pieces.aclose()
+        router.metrics.done(endpoint, status)
+        if status == 200:
+            _account(router, endpoint, out, arrived, ttft)
+    yield b"data: [DONE]\n\n"
+
+
+def _usage(out: Outcome) -> dict[str, Any]:
+    return oa.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+
+
+def _account(router: Router, endpoint: str, out: Outcome, arrived: float, ttft: float | None) -> None:
+    if ttft is None:
+        router.metrics.done(endpoint, 200)
+    router.metrics.ttft.observe(ttft) if ttft is not None else None
+    router.metrics.e2e.observe(time.perf_counter() - arrived)
+    router.metrics.completion_tokens.inc(out.completion_tokens)

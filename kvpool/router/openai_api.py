@@ -1,0 +1,257 @@
+"""The OpenAI wire format the router speaks: request models, response and stream-chunk builders,
+and error bodies, shaped as OpenAI's own API sends them (the official `openai` client is the
+test). Pure data in, JSON-ready dicts out; no I/O.
+
+Errors are `{"error": {"message", "type", "param", "code"}}` with OpenAI's statuses: 400 for a
+malformed request or a prompt over the context length, 404 for an unknown model, 429 when
+admission refuses, 503 when no worker serves.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvpool.errors import KVPoolError
+
+
+class OpenAIError(KVPoolError):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.http_status = status
+        self.type = type_
+        self.param = param
+        self.code = code or type_
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI's clients expect
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("max_tokens must be at least 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else list(v)
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        return stops or None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported (text only)")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _positive_mct(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("max_completion_tokens must be at least 1")
+        return v
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (n=1, no batches)")
+            return v[0]
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """Validate a request body; any problem is a 400 naming the field, never a traceback."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        raise bad_request(f"{param}: {msg}" if param else msg, param=param) from None
+    if isinstance(req, CompletionRequest):
+        for name in ("echo", "logprobs", "suffix"):
+            if getattr(req, name):
+                raise bad_request(f"{name} is not supported", param=name)
+    return req
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class Shape:
+    """Builds one request's response objects (chat or completion), with a fixed id and time."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool = False):
+        self.chat = chat
+        self.model = model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, u: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": u}
+
+    def whole(self, text: str, finish: str, u: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                      "logprobs": None, "finish_reason": finish}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": u}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": u}
+
+
+class StopMatcher:
+    """Cuts the output at the first stop string (excluded, as OpenAI does). Text that could still
+    be the start of a stop string is held back until the next token decides."""
+
+    def __init__(self, stops: list[str] | None):
+        self.stops = stops or []
+        self.text = ""
+        self.sent = 0
+        self.hit = False
+
+    def push(self, delta: str) -> str:
+        """New text that is safe to send now; sets `hit` when a stop string appeared."""
+        if not self.stops:
+            return delta
+        self.text += delta
+        start = max(0, self.sent - max(len(s) for s in self.stops) + 1)
+        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if found:
+            cut = min(found)
+            self.hit = True
+            out, self.sent = self.text[self.sent:cut], cut
+            return out
+        hold = 0
+        for s in self.stops:  # the longest tail that is a proper prefix of a stop string
+            for n in range(min(len(s) - 1, len(self.text) - self.sent), 0, -1):
+                if self.text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        safe = len(self.text) - hold
+        out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
+        return out
+
+    def flush(self) -> str:
+        if not self.stops or self.hit:
+            return ""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out

@@ -1,0 +1,239 @@
+"""Routing policies: which worker prefills a request and which decodes it.
+
+A policy is a pure function of a `RouteRequest` and a `Snapshot` (worker load, what each worker
+already holds of this prompt, the fitted cost model, the targets). It keeps no state and does no
+I/O, so the router and the simulator (`kvpool/sim/`) run the very same code; what changes
+between calls lives in the snapshot (round robin reads the request's arrival number).
+
+Invariants of every `Decision`:
+- `reject` is set exactly when no choice meets the targets; then `prefill`/`decode` are None and
+  the estimates are the best ones found (the router answers 429 with them).
+- otherwise `decode` names a worker that can decode (role decode or both, not draining), and
+  `prefill` names a worker that can prefill (role prefill or both), or is None: the decode
+  worker prefills the prompt itself (conditional disaggregation, or a colocated worker).
+- the estimates are in seconds and never negative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from kvpool.router.cost import CostParams
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as a policy sees it, for one request."""
+
+    name: str
+    role: str  # prefill | decode | both
+    queue_tokens: int = 0  # prompt tokens queued on it still to be computed
+    active_sequences: int = 0  # decode batch now, plus decodes sent to it not yet reported
+    kv_tokens: int = 0
+    max_batch: int = 32
+    local_prefix_chunks: int = 0  # leading chunks of this prompt in its own prefix cache
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("decode", "both")
+
+
+@dataclass(frozen=True)
+class Targets:
+    ttft_s: float | None = None  # refuse (429) when the best estimated TTFT is above this
+    tbt_s: float | None = None  # a decode worker must keep its time between tokens under this
+    local_prefill_tokens: int = 0  # uncached work at most this small is prefilled by the decode worker
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    seq: int  # arrival number (round robin's only input)
+    prompt_tokens: int
+    max_tokens: int
+    chunk_tokens: int
+    pool_prefix_chunks: int  # leading chunks of the prompt present in the pool (one match_prefix)
+    bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    workers: tuple[WorkerView, ...]
+    cost: CostParams = field(default_factory=CostParams)
+    targets: Targets = field(default_factory=Targets)
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: str | None
+    decode: str | None
+    est_ttft_s: float = 0.0
+    est_tbt_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the chosen prefiller will not compute
+    kind: str = "disaggregated"  # disaggregated | local_prefill | colocated | rejected
+    reject: str | None = None
+
+
+class Policy(Protocol):
+    """`choose` must be pure: same request and snapshot, same decision."""
+
+    name: str
+
+    def choose(self, req: RouteRequest, snap: Snapshot) -> Decision: ...
+
+
+# -- estimates shared by the policies -------------------------------------------------------------
+
+
+def cached_tokens(req: RouteRequest, w: WorkerView) -> int:
+    """Prompt tokens `w` would not compute: the longer of its local run and the pool's run. At
+    least one token is always computed (its logits give the first token)."""
+    chunks = max(w.local_prefix_chunks, req.pool_prefix_chunks)
+    return min(chunks * req.chunk_tokens, req.prompt_tokens - 1)
+
+
+def prefill_estimate(req: RouteRequest, w: WorkerView, cost: CostParams) -> float:
+    """Queue wait + computing the uncached tokens + fetching from the pool what `w` lacks locally.
+
+    On a worker that also decodes, each prefill chunk waits for one decode step of its batch."""
+    cached = cached_tokens(req, w)
+    computed = req.prompt_tokens - cached
+    fetch_chunks = max(0, req.pool_prefix_chunks - w.local_prefix_chunks)
+    fetch_tokens = min(fetch_chunks * req.chunk_tokens, cached)
+    wait = cost.prefill_s(w.queue_tokens, 0) if w.queue_tokens else 0.0
+    total = wait + cost.prefill_s(computed, cached) + cost.fetch_s(fetch_tokens * req.bytes_per_token)
+    if w.decodes and w.active_sequences:
+        steps = -(-(w.queue_tokens + computed) // max(1, cost.interleave_tokens))
+        total += steps * w.active_sequences * cost.decode_token_s
+    return total
+
+
+def tbt_estimate(w: WorkerView, cost: CostParams) -> float:
+    """Time between tokens once one more sequence joins `w`'s batch (sequences step in turn)."""
+    return (min(w.active_sequences, w.max_batch) + 1) * cost.decode_token_s
+
+
+def _decoders(snap: Snapshot) -> list[WorkerView]:
+    return [w for w in snap.workers if w.decodes]
+
+
+def _prefillers(snap: Snapshot) -> list[WorkerView]:
+    """Dedicated prefill workers if there are any, else colocated ones."""
+    dedicated = [w for w in snap.workers if w.role == "prefill"]
+    return dedicated or [w for w in snap.workers if w.role == "both"]
+
+
+def _finish(req: RouteRequest, snap: Snapshot, p: WorkerView | None, d: WorkerView) -> Decision:
+    """Estimates for a fixed choice; `p` None: `d` prefills too."""
+    pre = p or d
+    ttft = prefill_estimate(req, pre, snap.cost)
+    kind = "colocated" if d.role == "both" and (p is None or p.name == d.name) else (
+        "local_prefill" if p is None else "disaggregated")
+    if kind == "disaggregated":
+        ttft += snap.cost.handoff_s
+    return Decision(prefill=p.name if p is not None and p.name != d.name else None, decode=d.name,
+                    est_ttft_s=ttft, est_tbt_s=tbt_estimate(d, snap.cost),
+                    cached_tokens=cached_tokens(req, pre), kind=kind)
+
+
+def _no_workers(snap: Snapshot) -> Decision | None:
+    if not _decoders(snap):
+        return Decision(None, None, kind="rejected", reject="no decode-capable worker is serving")
+    if not _prefillers(snap) and not any(w.decodes for w in snap.workers):
+        return Decision(None, None, kind="rejected", reject="no prefill-capable worker is serving")
+    return None
+
+
+# -- the policies ---------------------------------------------------------------------------------
+
+
+class RoundRobin:
+    """Take turns, ignoring load and cache: the baseline."""
+
+    name = "round_robin"
+
+    def choose(self, req: RouteRequest, snap: Snapshot) -> Decision:
+        if (none := _no_workers(snap)) is not None:
+            return none
+        decoders = _decoders(snap)
+        d = decoders[req.seq % len(decoders)]
+        prefillers = _prefillers(snap)
+        if d.role == "both" or not prefillers:
+            return _finish(req, snap, None, d)
+        return _finish(req, snap, prefillers[req.seq % len(prefillers)], d)
+
+
+class LeastLoaded:
+    """Fewest queued prompt tokens for prefill, fewest running sequences for decode; no cache."""
+
+    name = "least_loaded"
+
+    def choose(self, req: RouteRequest, snap: Snapshot) -> Decision:
+        if (none := _no_workers(snap)) is not None:
+            return none
+        d = min(_decoders(snap), key=lambda w: (w.active_sequences + (w.queue_tokens > 0), w.kv_tokens, w.name))
+        prefillers = _prefillers(snap)
+        if d.role == "both" or not prefillers:
+            return _finish(req, snap, None, d)
+        return _finish(req, snap, min(prefillers, key=lambda w: (w.queue_tokens, w.name)), d)
+
+
+class CacheAware:
+    """Mooncake's Conductor: the prefill worker with the least estimated TTFT (queue wait,
+    compute of the uncached tokens, fetch of the pool-cached bytes; a prefix in the worker's own
+    cache costs no fetch), the least loaded decode worker that meets the TBT target, the decode
+    worker itself when the uncached work is small, and an early refusal when nothing meets the
+    targets."""
+
+    name = "cache_aware"
+
+    def choose(self, req: RouteRequest, snap: Snapshot) -> Decision:
+        if (none := _no_workers(snap)) is not None:
+            return none
+        cost, targets = snap.cost, snap.targets
+        decoders = _decoders(snap)
+        tbt_ok = [w for w in decoders if targets.tbt_s is None or tbt_estimate(w, cost) <= targets.tbt_s]
+        pool = tbt_ok or decoders
+        candidates: list[Decision] = []
+        colocated = [w for w in pool if w.role == "both"]
+        for w in colocated:  # a colocated worker prefills and decodes: TTFT decides
+            candidates.append(_finish(req, snap, None, w))
+        dedicated = [w for w in pool if w.role == "decode"]
+        if dedicated:
+            d = min(dedicated, key=lambda w: (w.active_sequences, w.kv_tokens, w.name))
+            prefillers = [w for w in snap.workers if w.role == "prefill"]
+            uncached_on_d = req.prompt_tokens - cached_tokens(req, d)
+            if not prefillers or uncached_on_d <= targets.local_prefill_tokens:
+                candidates.append(_finish(req, snap, None, d))
+            for p in prefillers:
+                candidates.append(_finish(req, snap, p, d))
+        best = min(candidates, key=lambda c: (c.est_ttft_s, c.est_tbt_s, c.prefill or "", c.decode or ""))
+        too_slow = targets.ttft_s is not None and best.est_ttft_s > targets.ttft_s
+        if not tbt_ok or too_slow:
+            why = (f"estimated TTFT {best.est_ttft_s * 1e3:.0f} ms exceeds the {targets.ttft_s * 1e3:.0f} ms target"
+                   if too_slow else f"every decode worker would exceed the {targets.tbt_s * 1e3:.0f} ms "
+                   f"time-between-tokens target (best {best.est_tbt_s * 1e3:.0f} ms)")
+            return Decision(None, None, est_ttft_s=best.est_ttft_s, est_tbt_s=best.est_tbt_s,
+                            kind="rejected", reject=why)
+        return best
+
+
+POLICIES: dict[str, type] = {p.name: p for p in (RoundRobin, LeastLoaded, CacheAware)}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        from kvpool.errors import InvalidArgument
+
+        raise InvalidArgument(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
+
+
+def without_workers(snap: Snapshot, names: Sequence[str]) -> Snapshot:
+    """The snapshot without the named workers (a retry avoids the one that just failed)."""
+    return Snapshot(tuple(w for w in snap.workers if w.name not in names), snap.cost, snap.targets)

@@ -1,0 +1,403 @@
+"""The router: one request from token ids to a stream of text pieces, through the chosen workers.
+
+    route:    chunk keys of the prompt -> one match_prefix to the pool -> a snapshot of the
+              workers (load, what each holds locally) -> the policy's decision
+    execute:  disaggregated: POST /v1/prefill on the prefill worker (first token + KV handle),
+              then POST /v1/decode on the decode worker with the handle (it pulls the KV from
+              the pool); otherwise POST /v1/generate on the one worker that does both
+    retry:    a worker that cannot be reached, or fails before anything was streamed, is taken
+              out of rotation and the step is tried once more elsewhere: a prefill on another
+              prefill worker, a decode (same handle: the KV is in the pool) on another decode
+              worker. After the first token is sent, a failure ends the stream with an error.
+
+Invariants: the router never holds KV bytes (handles name pool objects); every request it
+counts in flight on a worker (`inflight_*`) is uncounted exactly once, however it ends; the
+cost model only learns from successful prefills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import httpx
+
+from kvpool import worker_api as wire
+from kvpool.errors import (CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable,
+                           error_from_code)
+from kvpool.keys import chunk_keys_hex, parse_namespace_hex
+from kvpool.router.cost import CostModel
+from kvpool.router.metrics import RouterMetrics
+from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, make_policy, prefill_estimate,
+                                  tbt_estimate, without_workers)
+from kvpool.router.tokenizer import RouterTokenizer
+from kvpool.router.workers import DOWN, DRAINING, UP, Workers, WorkerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterConfig:
+    pool: str | None = None  # pool address for match_prefix; None: only the workers' own caches count
+    policy: str = "cache_aware"
+    ttft_slo_s: float | None = None  # admission: refuse when the best estimate is above it
+    tbt_slo_s: float | None = None
+    local_prefill_tokens: int = 256  # uncached work this small is prefilled on the decode worker
+    default_max_tokens: int = 1024  # chat requests without max_tokens (completions: 16, as OpenAI)
+    model_name: str | None = None  # the name /v1/models lists; default: the workers' model id
+    poll_s: float = 0.25
+    fail_after: int = 3
+    request_timeout_s: float = 600.0
+    workers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Piece:
+    text: str = ""
+    finish: str | None = None  # "stop" | "length" on the last piece
+
+
+@dataclass
+class Outcome:
+    """What one request did, filled in while it streams."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    decision: Decision | None = None
+    route_s: float = 0.0
+
+
+class Router:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.policy = make_policy(config.policy)
+        self.cost = CostModel()
+        self.targets = Targets(ttft_s=config.ttft_slo_s, tbt_s=config.tbt_slo_s,
+                               local_prefill_tokens=config.local_prefill_tokens)
+        self.tokenizer: RouterTokenizer | None = None
+        self.max_positions = 0
+        self.chunk_tokens = 0
+        self.bytes_per_token = 0
+        self.eos_ids: list[int] = []
+        self._namespace: bytes | None = None
+        self._seq = 0
+        self.pool: Any = None
+        self.http: httpx.AsyncClient | None = None
+        self.workers: Workers | None = None
+        self.metrics = RouterMetrics(self.policy.name, self._pressure, self._worker_counts)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> "Router":
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout_s, connect=5.0),
+                                      limits=limits)
+        self.workers = Workers(self.http, poll_s=self.config.poll_s, fail_after=self.config.fail_after,
+                               on_join=self._on_join, on_load=self._on_load)
+        if self.config.pool:
+            from kvpool.client import connect_async
+
+            self.pool = await connect_async(self.config.pool)
+        for url in self.config.workers:
+            try:
+                await self.workers.register(url)
+            except KVPoolError as exc:
+                log.warning("worker %s not registered yet: %s (it can register itself later)", url, exc)
+        self.workers.start()
+        return self
+
+    async def stop(self) -> None:
+        if self.workers is not None:
+            await self.workers.stop()
+        if self.http is not None:
+            await self.http.aclose()
+        if self.pool is not None:
+            with contextlib.suppress(Exception):
+                await self.pool.close()
+
+    async def _on_join(self, url: str, info: wire.WorkerInfo) -> None:
+        """The first worker teaches the router the model: tokenizer, context, chunking."""
+        if self.tokenizer is not None:
+            return
+        resp = await self.http.get(url + "/v1/tokenizer", timeout=30.0)
+        if resp.status_code != 200:
+            raise Unavailable(f"worker {url} did not give its tokenizer ({resp.status_code})")
+        tok = wire.decode(resp.content, wire.TokenizerInfo)
+        self.tokenizer = await asyncio.to_thread(RouterTokenizer.from_info, tok)
+        self.max_positions = info.max_positions or 8192
+        self.chunk_tokens = info.chunk_tokens
+        self.bytes_per_token = info.bytes_per_token
+        self.eos_ids = list(info.eos_token_ids)
+        self._namespace = parse_namespace_hex(info.namespace)
+        log.info("router serves %s (context %d, chunks of %d tokens)", info.model_id, self.max_positions,
+                 self.chunk_tokens)
+
+    def _on_load(self, state: WorkerState) -> None:
+        if state.load is not None and state.load.decode_token_ms > 0:
+            self.cost.observe_decode_token(state.load.decode_token_ms / 1e3)
+
+    @property
+    def model_name(self) -> str | None:
+        return self.config.model_name or (self.workers.model_id if self.workers else None)
+
+    def ready(self) -> bool:
+        return self.tokenizer is not None and any(s.role in ("decode", "both") for s in self.workers.serving())
+
+    # -- routing -------------------------------------------------------------------------------
+    def snapshot(self, keys: list[str], exclude: tuple[str, ...] = ()) -> Snapshot:
+        views = tuple(s.view(keys) for s in self.workers.serving())
+        snap = Snapshot(views, self.cost.params(), self.targets)
+        return without_workers(snap, exclude) if exclude else snap
+
+    async def route(self, ids: list[int], max_tokens: int) -> tuple[Decision, RouteRequest, list[str]]:
+        keys = chunk_keys_hex(self._namespace, ids, self.chunk_tokens) if self._namespace else []
+        pool_chunks = 0
+        if keys and self.pool is not None:
+            try:
+                pool_chunks = await self.pool.match_prefix(keys)
+            except KVPoolError as exc:  # a pool outage costs reuse, not the request
+                log.warning("match_prefix failed, routing as if nothing were cached: %s", exc)
+        self._seq += 1
+        req = RouteRequest(seq=self._seq, prompt_tokens=len(ids), max_tokens=max_tokens,
+                           chunk_tokens=self.chunk_tokens or 1, pool_prefix_chunks=pool_chunks,
+                           bytes_per_token=self.bytes_per_token)
+        return self.policy.choose(req, self.snapshot(keys)), req, keys
+
+    # -- execution -----------------------------------------------------------------------------
+    async def generate(self, ids: list[int], max_tokens: int, sampling: wire.SamplingParams,
+                       out: Outcome, request_id: str) -> AsyncIterator[Piece]:
+        """Route and run one request; yields text pieces, the last with its finish reason.
+
+        Raises `OpenAIError`-mappable `KVPoolError`s before the first piece (429 reject, 503 no
+        worker); after it, a failure raises too and the HTTP layer ends the stream with an error."""
+        started = time.perf_counter()
+        decision, req, keys = await self.route(ids, max_tokens)
+        out.route_s = time.perf_counter() - started
+        self.metrics.route.observe(out.route_s)
+        out.prompt_tokens, out.decision = len(ids), decision
+        self.metrics.decisions.labels(policy=self.policy.name, kind=decision.kind).inc()
+        if decision.reject is not None:
+            if decision.decode is None and decision.est_ttft_s == 0 and decision.est_tbt_s == 0:
+                raise Unavailable(decision.reject)
+            self.metrics.rejected.inc()
+            raise Rejected(decision.reject, decision)
+        excluded: list[str] = []
+        for attempt in range(2):
+            try:
+                if decision.prefill is None:
+                    stream = self._colocated(decision, ids, max_tokens, sampling, out, request_id)
+                else:
+                    stream = self._disaggregated(decision, keys, req, ids, max_tokens, sampling, out, request_id)
+                async for piece in stream:
+                    yield piece
+                return
+            except _BeforeFirst as exc:  # nothing reached the client yet: try once elsewhere
+                excluded.append(exc.worker)
+                if attempt == 1:
+                    raise exc.error from None
+                self.metrics.retries.labels(stage="route").inc()
+                decision = self.policy.choose(req, self.snapshot(keys, tuple(excluded)))
+                out.decision = decision
+                if decision.reject is not None or decision.decode is None:
+                    raise exc.error from None
+                log.warning("request %s: retrying on %s after %s", request_id, decision.decode, exc.error)
+
+    async def _colocated(self, d: Decision, ids: list[int], max_tokens: int, sampling: wire.SamplingParams,
+                         out: Outcome, rid: str) -> AsyncIterator[Piece]:
+        worker = self.workers.by_name(d.decode)
+        msg = wire.GenerateRequest(token_ids=ids, max_tokens=max_tokens, request_id=rid, sampling=sampling)
+        worker.inflight_prefill_tokens += len(ids) - d.cached_tokens
+        worker.inflight_prefills += 1
+        worker.inflight_decodes += 1
+        prefilled = True
+        try:
+            first = True
+            async for event in self._stream(worker, "/v1/generate", msg, before_first=True):
+                if event.prefill is not None:
+                    self._learn(event.prefill, worker, time.perf_counter())
+                    prefilled = False
+                    worker.inflight_prefill_tokens -= len(ids) - d.cached_tokens
+                    worker.inflight_prefills -= 1
+                    out.cached_tokens = event.prefill.cached_tokens
+                if event.done:
+                    yield Piece(finish=event.finish_reason or "stop")
+                    return
+                out.completion_tokens += 1
+                if first:
+                    first = False
+                yield Piece(event.text)
+        finally:
+            worker.served += 1
+            worker.inflight_decodes -= 1
+            if prefilled:
+                worker.inflight_prefill_tokens -= len(ids) - d.cached_tokens
+                worker.inflight_prefills -= 1
+
+    async def _disaggregated(self, d: Decision, keys: list[str], req: RouteRequest, ids: list[int],
+                             max_tokens: int, sampling: wire.SamplingParams, out: Outcome,
+                             rid: str) -> AsyncIterator[Piece]:
+        p = self.workers.by_name(d.prefill)
+        head = await self._prefill(p, ids, d, sampling, rid)
+        out.cached_tokens = head.cached_tokens
+        out.completion_tokens = 1
+        yield Piece(head.text)
+        msg = wire.DecodeRequest(handle=head.handle, first_token=head.first_token, max_tokens=max_tokens,
+                                 sampling=sampling)
+        tried: list[str] = [p.name] if p.role == "prefill" else []
+        decoder = self.workers.by_name(d.decode)
+        for attempt in range(2):
+            decoder.inflight_decodes += 1
+            try:
+                async for event in self._stream(decoder, "/v1/decode", msg, before_first=True):
+                    if event.done:
+                        yield Piece(finish=event.finish_reason or "stop")
+                        return
+                    out.completion_tokens += 1
+                    yield Piece(event.text)
+                return
+            except _BeforeFirst as exc:  # the handle still names the KV in the pool: another decoder
+                tried.append(decoder.name)
+                if attempt == 1 or isinstance(exc.error, (KeyNotFound, CorruptObject, InvalidArgument)):
+                    raise exc.error from None
+                snap = self.snapshot(keys, tuple(tried))
+                alt = [w for w in snap.workers if w.decodes]
+                if not alt:
+                    raise exc.error from None
+                best = min(alt, key=lambda w: (tbt_estimate(w, snap.cost), w.name))
+                self.metrics.retries.labels(stage="decode").inc()
+                log.warning("request %s: decode retried on %s after %s", rid, best.name, exc.error)
+                decoder = self.workers.by_name(best.name)
+            finally:
+                decoder.served += 1
+                decoder.inflight_decodes -= 1
+
+    async def _prefill(self, p: WorkerState, ids: list[int], d: Decision, sampling: wire.SamplingParams,
+                       rid: str) -> wire.PrefillResponse:
+        uncached = len(ids) - d.cached_tokens
+        p.inflight_prefill_tokens += uncached
+        p.inflight_prefills += 1
+        sent = time.perf_counter()
+        try:
+            resp = await self._post(p, "/v1/prefill", wire.PrefillRequest(token_ids=ids, request_id=rid,
+                                                                          sampling=sampling))
+            head = wire.decode(resp.content, wire.PrefillResponse)
+        finally:
+            p.inflight_prefill_tokens -= uncached
+            p.inflight_prefills -= 1
+        self._learn(head, p, sent)
+        return head
+
+    def _learn(self, head: wire.PrefillResponse, worker: WorkerState, sent: float) -> None:
+        fetched = head.pool_cached_tokens * (worker.info.bytes_per_token or self.bytes_per_token)
+        self.cost.observe_prefill(head.computed_tokens, head.cached_tokens, head.compute_ms / 1e3,
+                                  fetched, head.fetch_ms / 1e3)
+        overhead = (time.perf_counter() - sent) - (head.compute_ms + head.fetch_ms) / 1e3
+        if worker.role == "prefill":
+            self.cost.observe_handoff(max(0.0, overhead))
+        self.metrics.prompt_tokens.labels(source="cached").inc(head.cached_tokens)
+        self.metrics.prompt_tokens.labels(source="computed").inc(head.computed_tokens)
+
+    async def _post(self, worker: WorkerState, path: str, msg: Any) -> httpx.Response:
+        try:
+            resp = await self.http.post(worker.url + path, content=wire.encode(msg),
+                                        headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            self._failed(worker, path, exc)
+            raise _BeforeFirst(worker.name, Unavailable(f"worker {worker.name} failed: {type(exc).__name__}"))
+        if resp.status_code >= 400:
+            raise self._error_of(worker, path, resp)
+        return resp
+
+    async def _stream(self, worker: WorkerState, path: str, msg: Any, before_first: bool) -> AsyncIterator[wire.TokenEvent]:
+        got_any = False
+        try:
+            async with self.http.stream("POST", worker.url + path, content=wire.encode(msg),
+                                        headers={"content-type": "application/json"}) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise self._error_of(worker, path, resp)
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = wire.decode(line, wire.TokenEvent)
+                    if event.error is not None:
+                        err = error_from_code(event.error.code, event.error.message)
+                        if not got_any and before_first:
+                            raise _BeforeFirst(worker.name, err)
+                        raise err
+                    got_any = True
+                    yield event
+        except httpx.HTTPError as exc:
+            self._failed(worker, path, exc)
+            err = Unavailable(f"worker {worker.name} failed mid-request: {type(exc).__name__}")
+            if not got_any and before_first:
+                raise _BeforeFirst(worker.name, err) from None
+            raise err from None
+
+    def _error_of(self, worker: WorkerState, path: str, resp: httpx.Response) -> Exception:
+        try:
+            body = resp.json()
+            err = error_from_code(body["code"], body["message"])
+        except Exception:
+            err = Unavailable(f"worker {worker.name} answered {resp.status_code} to {path}")
+        if resp.status_code >= 500 or isinstance(err, Unavailable):  # down or draining: try elsewhere
+            self.metrics.worker_failures.labels(stage=path.rsplit("/", 1)[-1]).inc()
+            if resp.status_code == 503 and worker.status == UP:
+                worker.status = DRAINING if "drain" in str(err) else worker.status
+            return _BeforeFirst(worker.name, err)
+        return err
+
+    def _failed(self, worker: WorkerState, path: str, exc: Exception) -> None:
+        self.metrics.worker_failures.labels(stage=path.rsplit("/", 1)[-1]).inc()
+        self.workers.mark_down(worker, f"{path}: {type(exc).__name__}: {exc}")
+
+    # -- introspection -------------------------------------------------------------------------
+    def _pressure(self) -> dict[str, float]:
+        if self.workers is None:
+            return {}
+        snap = self.snapshot([])
+        probe = RouteRequest(seq=0, prompt_tokens=1, max_tokens=1, chunk_tokens=max(1, self.chunk_tokens),
+                             pool_prefix_chunks=0, bytes_per_token=self.bytes_per_token)
+        prefillers = [w for w in snap.workers if w.prefills]
+        decoders = [w for w in snap.workers if w.decodes]
+        out = {}
+        if prefillers:
+            wait = min(prefill_estimate(probe, w, snap.cost) for w in prefillers)
+            out["prefill"] = wait / (self.targets.ttft_s or 2.0)
+        if decoders:
+            tbt = min(tbt_estimate(w, snap.cost) for w in decoders)
+            out["decode"] = tbt / (self.targets.tbt_s or 0.2)
+        return out
+
+    def _worker_counts(self) -> dict[tuple[str, str], int]:
+        counts: dict[tuple[str, str], int] = {}
+        for s in (self.workers.by_url.values() if self.workers else ()):
+            counts[(s.role, s.status)] = counts.get((s.role, s.status), 0) + 1
+        return counts
+
+
+class Rejected(KVPoolError):
+    """Admission refused the request: no choice meets the targets (HTTP 429)."""
+
+    code = "rejected"
+    http_status = 429
+
+    def __init__(self, message: str, decision: Decision):
+        super().__init__(message)
+        self.decision = decision
+
+
+class _BeforeFirst(Exception):
+    """A worker failed before this step streamed anything: the step may be retried elsewhere."""
+
+    def __init__(self, worker: str, error: Exception):
+        super().__init__(str(error))
+        self.worker = worker
+        self.error = error
+
+
+__all__ = ["Router", "RouterConfig", "Piece", "Outcome", "Rejected", "DOWN", "DRAINING", "UP"]

@@ -1,0 +1,235 @@
+"""The router's view of its workers: who is serving, how loaded, what each holds in its own
+prefix cache, and who is leaving.
+
+Workers join by `POST /admin/workers` (a worker started with `--router` does it itself, and
+repeats it every few seconds, so a restarted router relearns its workers) or from the command
+line (`kvpool router --worker URL`). A poll loop reads each worker's `/load` and its KV events
+(`/v1/events`, tier "local": what entered and left its prefix cache) every `poll_s`.
+
+States: `up` (in rotation) -> `draining` (no new requests; forgotten once its load shows no
+work and the router has nothing in flight there) ; `up` -> `down` on a refused connection or
+`fail_after` failed polls in a row, or a failed request (out of rotation at once; back to `up`
+when a poll succeeds again; forgotten after `forget_s` down).
+
+Invariants: only the event loop thread mutates this registry; a worker whose model or namespace
+differs from the router's is refused at registration (409), so every worker in rotation shares
+the key space the router hashes prompts into.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from kvpool import worker_api as wire
+from kvpool.errors import AlreadyExists, InvalidArgument, Unavailable
+from kvpool.router.policy import WorkerView
+
+log = logging.getLogger(__name__)
+
+UP, DRAINING, DOWN = "up", "draining", "down"
+
+
+@dataclass
+class WorkerState:
+    url: str
+    name: str
+    info: wire.WorkerInfo
+    status: str = UP
+    load: wire.LoadReport | None = None
+    local_keys: set[str] = field(default_factory=set)
+    events_since: int = 0
+    failures: int = 0
+    down_since: float = 0.0
+    last_ok: float = 0.0
+    # What the router sent and has not seen finish: load reports lag by one poll.
+    inflight_prefill_tokens: int = 0
+    inflight_prefills: int = 0
+    inflight_decodes: int = 0
+    served: int = 0
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+    def view(self, keys: list[str]) -> WorkerView:
+        local = 0
+        for key in keys:
+            if key not in self.local_keys:
+                break
+            local += 1
+        load = self.load
+        queue = max(load.prefill_queue_tokens if load else 0, self.inflight_prefill_tokens)
+        active = (load.active_sequences if load else 0) + self.inflight_decodes
+        return WorkerView(name=self.name, role=self.role, queue_tokens=queue, active_sequences=active,
+                          kv_tokens=load.kv_tokens if load else 0, max_batch=load.max_batch if load else 32,
+                          local_prefix_chunks=local)
+
+    def summary(self) -> dict[str, Any]:
+        load = self.load
+        return {"name": self.name, "url": self.url, "role": self.role, "status": self.status,
+                "served": self.served, "inflight_prefills": self.inflight_prefills,
+                "inflight_decodes": self.inflight_decodes, "local_cache_chunks": len(self.local_keys),
+                "load": None if load is None else {
+                    "queue_length": load.queue_length, "prefill_queue_tokens": load.prefill_queue_tokens,
+                    "active_sequences": load.active_sequences, "kv_tokens": load.kv_tokens,
+                    "open_streams": load.open_streams, "decode_token_ms": load.decode_token_ms,
+                    "max_batch": load.max_batch}}
+
+
+class Workers:
+    def __init__(self, http: httpx.AsyncClient, *, poll_s: float = 0.25, fail_after: int = 3,
+                 forget_s: float = 30.0, on_join: Callable[[WorkerState], Any] | None = None,
+                 on_load: Callable[[WorkerState], None] | None = None):
+        self.http = http
+        self.poll_s = poll_s
+        self.fail_after = fail_after
+        self.forget_s = forget_s
+        self._on_join = on_join
+        self._on_load = on_load
+        self.by_url: dict[str, WorkerState] = {}
+        self.namespace: str | None = None
+        self.model_id: str | None = None
+        self._names = 0
+        self._task: asyncio.Task | None = None
+
+    # -- membership ----------------------------------------------------------------------------
+    async def register(self, url: str) -> WorkerState:
+        url = _normalize(url)
+        known = self.by_url.get(url)
+        if known is not None and known.status != DOWN:
+            return known
+        info = await self._get(url, "/v1/info", wire.WorkerInfo, timeout=5.0)
+        if self.namespace is not None and (info.namespace != self.namespace or info.model_id != self.model_id):
+            raise AlreadyExists(f"worker {url} serves {info.model_id} (namespace {info.namespace[:8]}...), this "
+                                f"router {self.model_id} (namespace {self.namespace[:8]}...): refused")
+        if self._on_join is not None:
+            await self._on_join(url, info)
+        if self.namespace is None:
+            self.namespace, self.model_id = info.namespace, info.model_id
+        if known is not None:  # a worker that came back (restarted on the same address)
+            known.info, known.status, known.failures, known.local_keys, known.events_since = info, UP, 0, set(), 0
+            log.info("worker %s (%s) is back at %s", known.name, info.role, url)
+            return known
+        self._names += 1
+        state = WorkerState(url=url, name=f"{info.role}-{self._names}", info=info, last_ok=time.monotonic())
+        self.by_url[url] = state
+        log.info("worker %s (%s) joined at %s", state.name, info.role, url)
+        await self._poll_one(state)
+        return state
+
+    def drain(self, url: str) -> WorkerState:
+        state = self._find(url)
+        if state.status == UP:
+            state.status = DRAINING
+            log.info("worker %s is draining: no new requests", state.name)
+        return state
+
+    def remove(self, url: str) -> WorkerState:
+        state = self._find(url)
+        del self.by_url[state.url]
+        log.info("worker %s removed", state.name)
+        return state
+
+    def mark_down(self, state: WorkerState, why: str) -> None:
+        if state.status == DRAINING:
+            self.by_url.pop(state.url, None)
+            log.info("draining worker %s is gone (%s)", state.name, why)
+        elif state.status != DOWN:
+            state.status, state.down_since = DOWN, time.monotonic()
+            log.warning("worker %s out of rotation: %s", state.name, why)
+
+    def _find(self, url_or_name: str) -> WorkerState:
+        state = self.by_url.get(_normalize(url_or_name))
+        if state is None:
+            state = next((s for s in self.by_url.values() if s.name == url_or_name), None)
+        if state is None:
+            raise InvalidArgument(f"no worker {url_or_name!r} is registered")
+        return state
+
+    def serving(self) -> list[WorkerState]:
+        return [s for s in self.by_url.values() if s.status == UP]
+
+    def by_name(self, name: str) -> WorkerState:
+        return next(s for s in self.by_url.values() if s.name == name)
+
+    # -- polling -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="worker-poll")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _loop(self) -> None:
+        while True:
+            states = list(self.by_url.values())
+            if states:
+                await asyncio.gather(*(self._poll_one(s) for s in states), return_exceptions=True)
+            await asyncio.sleep(self.poll_s)
+
+    async def _poll_one(self, state: WorkerState) -> None:
+        try:
+            load = await self._get(state.url, "/load", wire.LoadReport, timeout=max(1.0, 4 * self.poll_s))
+            events = await self._get(state.url, f"/v1/events?since={state.events_since}", wire.EventsResponse,
+                                     timeout=max(1.0, 4 * self.poll_s))
+        except Unavailable as exc:
+            state.failures += 1
+            refused = isinstance(exc.__cause__, httpx.ConnectError)
+            if refused or state.failures >= self.fail_after:
+                self.mark_down(state, str(exc))
+            if state.status == DOWN and time.monotonic() - state.down_since > self.forget_s:
+                self.by_url.pop(state.url, None)
+                log.info("forgot worker %s (down for %.0f s)", state.name, self.forget_s)
+            return
+        state.failures, state.last_ok, state.load = 0, time.monotonic(), load
+        if state.status == DOWN and not load.draining:
+            state.status = UP
+            log.info("worker %s is back in rotation", state.name)
+        elif state.status == UP and load.draining:
+            state.status = DRAINING
+        self._apply_events(state, events)
+        if self._on_load is not None:
+            self._on_load(state)
+        if (state.status == DRAINING and load.open_streams == 0 and load.queue_length == 0
+                and load.active_sequences == 0 and state.inflight_prefills == 0 and state.inflight_decodes == 0):
+            self.by_url.pop(state.url, None)
+            log.info("worker %s drained and left", state.name)
+
+    @staticmethod
+    def _apply_events(state: WorkerState, resp: wire.EventsResponse) -> None:
+        if resp.dropped:  # events were lost: forget what we thought it held (a miss, not a wrong guess)
+            state.local_keys.clear()
+        for ev in resp.events:
+            if ev.tier != "local":
+                continue
+            if ev.kind == "stored":
+                state.local_keys.update(ev.keys)
+            elif ev.kind == "removed":
+                state.local_keys.difference_update(ev.keys)
+        state.events_since = resp.next
+
+    async def _get(self, url: str, path: str, type_: type, timeout: float) -> Any:
+        try:
+            resp = await self.http.get(url + path, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"worker {url} unreachable: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            raise Unavailable(f"worker {url} answered {resp.status_code} to {path}: {resp.text[:200]}")
+        return wire.decode(resp.content, type_)
+
+
+def _normalize(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise InvalidArgument(f"worker URL must start with http:// or https://, got {url!r}")
+    return url
