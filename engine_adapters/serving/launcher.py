@@ -62,6 +62,12 @@ class PoolSpec:
 
 
 @dataclass
+class RouterSpec:
+    port: int = 0
+    args: list[str] = field(default_factory=list)  # extra `kvpool router` flags
+
+
+@dataclass
 class Proc:
     name: str
     popen: subprocess.Popen
@@ -77,7 +83,7 @@ class Proc:
 
 class LocalCluster:
     def __init__(self, workdir: str | os.PathLike, workers: list[WorkerSpec], pool: PoolSpec | None = None,
-                 env: dict[str, str] | None = None, timeout_s: float = 600.0):
+                 env: dict[str, str] | None = None, timeout_s: float = 600.0, router: RouterSpec | None = None):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pool_spec = pool or PoolSpec()
@@ -89,6 +95,12 @@ class LocalCluster:
         self.pool_address = self.pool_spec.address or ""
         self.pool_proc: Proc | None = None
         self.workers: dict[str, Proc] = {}
+        self.router_spec = router
+        self.router_proc: Proc | None = None
+
+    @property
+    def router_url(self) -> str:
+        return self.router_proc.url if self.router_proc is not None else ""
 
     # -- public --------------------------------------------------------------------------------
     def url(self, name_or_role: str) -> str:
@@ -108,6 +120,9 @@ class LocalCluster:
                                                       "--admin-port", "0", *self.pool_spec.args])
                 self.pool_address = self._wait_pool(self.pool_proc)
                 say(f"pool serving at {self.pool_address}")
+            if self.router_spec is not None:
+                self.router_proc = self._start_router(self.router_spec)
+                say(f"router serving at {self.router_proc.url}")
             if sequential is None:
                 sequential = not model_is_cached()
             pending = []
@@ -121,10 +136,20 @@ class LocalCluster:
             for proc in pending:
                 say(f"waiting for {proc.name}")
                 self._wait_worker(proc, say)
+            if self.router_proc is not None:
+                self._wait_registered(say)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def add_worker(self, spec: WorkerSpec) -> Proc:
+        """Start one more worker on the running cluster (it joins the router by itself)."""
+        spec.name = spec.name or f"{spec.role}-{len(self.workers) + len(self.specs)}"
+        self.specs.append(spec)
+        proc = self._spawn_worker(spec)
+        self._wait_worker(proc, lambda msg: log.info("%s", msg))
+        return proc
 
     def stop(self, grace_s: float = 10.0) -> None:
         procs = list(self.workers.values())
@@ -133,6 +158,10 @@ class LocalCluster:
         for proc in procs:
             _reap(proc.popen, grace_s)
         self.workers.clear()
+        if self.router_proc is not None:
+            _terminate(self.router_proc.popen)
+            _reap(self.router_proc.popen, grace_s)
+            self.router_proc = None
         if self.pool_proc is not None:
             _terminate(self.pool_proc.popen)
             _reap(self.pool_proc.popen, grace_s)
@@ -159,10 +188,42 @@ class LocalCluster:
     def _spawn_worker(self, spec: WorkerSpec) -> Proc:
         ready = self.workdir / f"{spec.name}.ready"
         ready.unlink(missing_ok=True)
+        router = ["--router", self.router_url] if self.router_proc is not None else []
         proc = self._spawn(spec.name, ["worker", "--role", spec.role, "--host", "127.0.0.1", "--port", "0",
-                                       "--pool", self.pool_address, "--ready-file", str(ready), *spec.args])
+                                       "--pool", self.pool_address, "--ready-file", str(ready), *router,
+                                       *spec.args])
         self.workers[spec.name] = proc
         return proc
+
+    def _start_router(self, spec: RouterSpec) -> Proc:
+        ready = self.workdir / "router.ready"
+        ready.unlink(missing_ok=True)
+        proc = self._spawn("router", ["router", "--host", "127.0.0.1", "--port", str(spec.port),
+                                      "--pool", self.pool_address, "--ready-file", str(ready), *spec.args])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if ready.exists():
+                proc.url = json.loads(ready.read_text())["url"]
+                return proc
+            self._check_alive(proc)
+            time.sleep(0.05)
+        raise Unavailable(f"the router did not start within 60 s:\n{proc.log_tail()}")
+
+    def _wait_registered(self, say: Callable[[str], None]) -> None:
+        """Every worker we started is in the router's rotation."""
+        want = {proc.url for proc in self.workers.values()}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                listed = httpx.get(f"{self.router_url}/admin/workers", timeout=5).json()["workers"]
+                if want <= {w["url"] for w in listed if w["status"] == "up"}:
+                    say(f"router has {len(want)} workers")
+                    return
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            self._check_alive(self.router_proc)
+            time.sleep(0.1)
+        raise Unavailable(f"workers did not join the router within 60 s:\n{self.router_proc.log_tail()}")
 
     def _wait_pool(self, proc: Proc) -> str:
         deadline = time.monotonic() + self.timeout_s

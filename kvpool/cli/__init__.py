@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "worker": "kvpool.cli.worker:worker",
     "generate": "kvpool.cli.generate:generate",
     "up": "kvpool.cli.up:up",
+    "router": "kvpool.cli.router:router",
 }
 
 

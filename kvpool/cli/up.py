@@ -57,15 +57,32 @@ def _load_config(path: str | None) -> dict:
 @click.command()
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
               help="Cluster file (see deploy/local.toml); default: one prefill and one decode worker.")
-@click.option("--demo", is_flag=True, help="Send two chat requests sharing a long prefix, print, stop.")
+@click.option("--port", type=int, default=8000, show_default=True,
+              help="Port of the router's OpenAI API (0: any free port).")
+@click.option("--prefill", "n_prefill", type=int, help="Prefill workers (with --decode; overrides the file).")
+@click.option("--decode", "n_decode", type=int, help="Decode workers (with --prefill).")
+@click.option("--colocated", "n_colocated", type=int, help="Workers that prefill and decode (--role both) "
+                                                              "instead of separate ones.")
+@click.option("--policy", type=click.Choice(["cache_aware", "least_loaded", "round_robin"]), default="cache_aware",
+              show_default=True, help="The router's placement policy.")
+@click.option("--router-arg", "router_args", multiple=True, metavar="FLAG",
+              help="Extra `kvpool router` flag, e.g. --router-arg=--ttft-slo-ms=5000 (repeatable).")
+@click.option("--worker-arg", "worker_args", multiple=True, metavar="FLAG",
+              help="Extra `kvpool worker` flag for every worker, e.g. --worker-arg=--threads=1 (repeatable).")
+@click.option("--demo", is_flag=True, help="Send two chat requests sharing a long prefix through the router "
+                                           "(OpenAI API), print them with TTFT and cached tokens, stop.")
 @click.option("--max-tokens", type=int, default=32, show_default=True, help="Tokens per demo answer.")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Logs and ready files (default: a temp dir).")
 @click.option("--ssd-path", type=click.Path(file_okay=False), help="Give the pool an SSD tier here.")
-def up(config_file, demo, max_tokens, workdir, ssd_path) -> None:
-    """Start the embedded pool + reference workers as separate processes on free loopback ports."""
+def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args, worker_args, demo, max_tokens,
+       workdir, ssd_path) -> None:
+    """Start the pool, the reference workers and the router as separate processes on loopback.
+
+    The router's OpenAI-compatible API is at http://127.0.0.1:PORT/v1; Ctrl-C stops everything.
+    """
     from rich.console import Console
 
-    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, WorkerSpec
+    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
 
@@ -73,13 +90,13 @@ def up(config_file, demo, max_tokens, workdir, ssd_path) -> None:
     pool_table = dict(config["pool"])
     if ssd_path:
         pool_table["ssd_path"] = ssd_path
-    workers = [WorkerSpec(role=w["role"], name=w.get("name", ""), args=_flags(w)) for w in config["workers"]]
-    roles = {w.role for w in workers}
-    if demo and not ({"prefill", "decode"} <= roles):
-        raise click.UsageError("--demo needs a prefill and a decode worker in the cluster file")
+    tables = _worker_tables(config["workers"], n_prefill, n_decode, n_colocated)
+    workers = [WorkerSpec(role=w["role"], name=w.get("name", ""), args=_flags(w) + list(worker_args))
+               for w in tables]
     workdir = workdir or tempfile.mkdtemp(prefix="kvpool-up-")
     console = Console(stderr=True)
-    cluster = LocalCluster(workdir, workers, PoolSpec(args=_flags(pool_table)))
+    cluster = LocalCluster(workdir, workers, PoolSpec(args=_flags(pool_table)),
+                           router=RouterSpec(port=port, args=["--policy", policy, *router_args]))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends the cluster as cleanly as Ctrl-C does
     try:
         with console.status("starting the local cluster") as status:
@@ -88,18 +105,18 @@ def up(config_file, demo, max_tokens, workdir, ssd_path) -> None:
                 console.log(msg)
 
             cluster.start(progress)
-        prefill_url = cluster.url("prefill") if "prefill" in roles else ""
-        decode_url = cluster.url("decode") if "decode" in roles else ""
+        base = f"{cluster.router_url}/v1"
         click.echo(f"pool     {cluster.pool_address}")
         for name, proc in cluster.workers.items():
-            click.echo(f"{name:<8} {proc.url}")
+            click.echo(f"{name:<10} {proc.url}")
         click.echo(f"logs     {workdir}")
+        click.echo(f"\nOpenAI API: {base}   (policy {policy}; workers: {cluster.router_url}/admin/workers)")
+        click.echo(f"try: curl -s {base}/chat/completions -H 'content-type: application/json' "
+                   f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+                   f"\"What is a KV cache?\"}}], \"max_tokens\": 32}}'\n")
         if demo:
-            _demo(prefill_url, decode_url, max_tokens)
+            _demo(base, max_tokens)
             return
-        if prefill_url and decode_url:
-            click.echo(f"\ntry: kvpool generate --prefill {prefill_url} --decode {decode_url} "
-                       f"--message 'What is a KV cache?'\n")
         click.echo("serving; Ctrl-C stops the cluster")
         while True:
             signal.pause()
@@ -110,22 +127,51 @@ def up(config_file, demo, max_tokens, workdir, ssd_path) -> None:
         click.echo("stopped", err=True)
 
 
-def _demo(prefill_url: str, decode_url: str, max_tokens: int) -> None:
-    from engine_adapters.serving.client import WorkerClient, generate
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-    with WorkerClient(prefill_url) as prefill, WorkerClient(decode_url) as decode:
-        for i, question in enumerate(DEMO_QUESTIONS, 1):
-            ids = prefill.tokenize(messages=[{"role": "system", "content": HANDBOOK},
-                                             {"role": "user", "content": question}])
-            if i > 1:
-                # Otherwise the prefill worker's own prefix cache (its "HBM" tier) would answer;
-                # emptying it shows the shared prefix coming back from the pool.
-                prefill.clear_cache()
-                click.echo("\n(prefill worker's local prefix cache cleared: the shared prefix must come "
-                           "from the pool)")
-            click.echo(f"\n[{i}] {question}\n    ", nl=False)
-            gen = generate(prefill, decode, ids, max_tokens,
-                           on_text=lambda t: (sys.stdout.write(t.replace("\n", "\n    ")), sys.stdout.flush()))
-            click.echo(f"\n    TTFT {gen.ttft_ms:.0f} ms | prompt {gen.prompt_tokens} tokens: "
-                       f"{gen.cached_tokens} from the cache ({gen.pool_cached_tokens} pool, "
-                       f"{gen.local_cached_tokens} worker-local), {gen.computed_tokens} computed")
+
+def _worker_tables(tables: list[dict], n_prefill: int | None, n_decode: int | None,
+                   n_colocated: int | None) -> list[dict]:
+    if n_colocated is not None:
+        if n_prefill is not None or n_decode is not None:
+            raise click.UsageError("--colocated excludes --prefill/--decode")
+        if n_colocated < 1:
+            raise click.UsageError("--colocated needs at least 1 worker")
+        return [{"role": "both", "local_cache": "512MiB"} for _ in range(n_colocated)]
+    if n_prefill is not None or n_decode is not None:
+        if (n_prefill or 0) < 1 or (n_decode or 0) < 1:
+            raise click.UsageError("--prefill and --decode each need at least 1 worker")
+        return ([{"role": "prefill", "local_cache": "512MiB"} for _ in range(n_prefill)]
+                + [{"role": "decode", "local_cache": "512MiB"} for _ in range(n_decode)])
+    return list(tables)
+
+
+def _demo(base_url: str, max_tokens: int) -> None:
+    """Two chat requests sharing a long system prompt, through the router with the OpenAI client."""
+    import time
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused")
+    model = client.models.list().data[0].id
+    for i, question in enumerate(DEMO_QUESTIONS, 1):
+        click.echo(f"\n[{i}] {question}\n    ", nl=False)
+        started = time.perf_counter()
+        ttft = None
+        usage = None
+        stream = client.chat.completions.create(
+            model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
+            messages=[{"role": "system", "content": HANDBOOK}, {"role": "user", "content": question}])
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text = choice.delta.content or ""
+                if text and ttft is None:
+                    ttft = time.perf_counter() - started
+                sys.stdout.write(text.replace("\n", "\n    "))
+                sys.stdout.flush()
+        cached = usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else 0
+        prompt = usage.prompt_tokens if usage else 0
+        click.echo(f"\n    TTFT {1e3 * (ttft or 0):.0f} ms | prompt {prompt} tokens, {cached} from the cache, "
+                   f"{prompt - cached} computed")

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def _error_response(exc: Exception) -> JSONResponse:
-    return JSONResponse(_as_openai(exc).body(), status_code=_as_openai(exc).http_status)
+    err = _as_openai(exc)
+    return JSONResponse(err.body(), status_code=err.http_status)
 
 
 def _as_openai(exc: Exception) -> oa.OpenAIError:
@@ -66,10 +67,15 @@ def create_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="kvpool router", lifespan=lifespan)
 
+    # KVPoolError (OpenAIError included) is an answer, not a crash: handled inside the app. A
+    # handler for Exception runs in Starlette's outermost middleware, which re-raises afterwards.
+    @app.exception_handler(KVPoolError)
+    async def _expected(request: Request, exc: KVPoolError) -> JSONResponse:
+        return _error_response(exc)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        if not isinstance(exc, KVPoolError):
-            log.exception("%s %s failed", request.method, request.url.path)
+        log.exception("%s %s failed", request.method, request.url.path)
         return _error_response(exc)
 
     async def _body(request: Request) -> Any:

@@ -1,6 +1,6 @@
 """End-to-end fixtures: a real local cluster (embedded pool + reference workers as separate
-processes on free loopback ports) started once per session, and the reference model in this
-process to compute what a single-process `model.generate` says.
+processes on free loopback ports, with the router in front: `openai_client` talks to it) started
+once per session, and the reference model in this process to compute what a single-process `model.generate` says.
 
 The pool has a small DRAM tier (64 MiB, five chunks of float32 KV) over an SSD tier, so longer
 tests push chunks down to SSD the way a loaded node does.
@@ -29,14 +29,14 @@ def rm():
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, WorkerSpec
+    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
     workdir = tmp_path_factory.mktemp("cluster")
     pool = PoolSpec(args=["--dram-capacity", POOL_DRAM, "--ssd-path", str(workdir / "ssd"),
                           "--ssd-capacity", "2GiB"])
     workers = [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode"),
                WorkerSpec("both", "both", ["--max-batch", "8"])]
-    c = LocalCluster(workdir, workers, pool, env={"KVPOOL_LOG_LEVEL": "INFO"})
+    c = LocalCluster(workdir, workers, pool, env={"KVPOOL_LOG_LEVEL": "INFO"}, router=RouterSpec())
     c.start()
     try:
         yield c
@@ -60,6 +60,16 @@ def decode(cluster):
 def both(cluster):
     with WorkerClient(cluster.url("both")) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def openai_client(cluster):
+    """The official OpenAI client against the router in front of the cluster's workers."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{cluster.router_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")
