@@ -1,0 +1,193 @@
+"""`kvpool bench router`: what the router costs.
+
+- `route_cold` / `route_warm`: the time to route one 8,192-token chat prompt (chat template,
+  tokenize, chunk keys, one `match_prefix` to a real embedded pool holding 100,000 chunks,
+  snapshot of 16 workers with their local caches, the cache-aware choice). Cold prompts are new
+  text every time; warm ones share a long system prompt and earlier turns with previous requests
+  and differ in the last user message (multi-round chat). Baseline: tokenizing the same rendered
+  text in one call of the Rust tokenizer, without the router's sentence cache (the floor a router
+  that tokenizes has to beat). Goal: under 5 ms p99.
+- `ttft_via_router`: TTFT through the router's OpenAI API (streaming, first content chunk) vs
+  calling the same prefill worker directly with the token ids (first token in hand), on a real
+  local cluster (pool, router, one prefill and one decode worker), alternating. The difference
+  is what the router adds (goal: under 2 ms at the median).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+
+import click
+
+from kvpool.bench.report import Report, progress
+
+WORDS = ("harbour ship pilot morning evening channel buoy north south river bridge market tower garden winter "
+         "summer lantern engine signal anchor island coast letter number seven cargo tide keeper").split()
+
+
+def _sentences(rng: random.Random, n_words: int) -> str:
+    out, count = [], 0
+    while count < n_words:
+        k = rng.randint(8, 16)
+        out.append(" ".join(rng.choice(WORDS) for _ in range(k)).capitalize() + ".")
+        count += k
+    return " ".join(out)
+
+
+def _tokenizer():
+    """The reference model's tokenizer files, as a worker would serve them (CLI face: imports on use)."""
+    from engine_adapters.model import load_reference_model
+    from kvpool.router.tokenizer import RouterTokenizer
+
+    rm = load_reference_model()
+    tok = rm.tokenizer
+    return RouterTokenizer(tok.backend_tokenizer.to_str(), tok.chat_template, bos_token=tok.bos_token,
+                           eos_token=tok.eos_token), rm
+
+
+async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
+    import kvpool
+    from kvpool import worker_api as wire
+    from kvpool.config import load_settings
+    from kvpool.keys import chunk_keys_hex
+    from kvpool.router.service import Router, RouterConfig
+    from kvpool.router.workers import Workers, WorkerState
+    from kvpool.server import EmbeddedPool
+
+    tok, rm = _tokenizer()
+    ns = rm.namespace(256)
+    settings = load_settings(port=0, admin_port=0, dram_capacity=256 << 20)
+    rng = random.Random(7)
+    with EmbeddedPool(settings) as server:
+        sync = kvpool.connect(server.address)
+        bar, step = progress(chunks_indexed // 1000, f"indexing {chunks_indexed} chunks")
+        with bar:
+            for start in range(0, chunks_indexed, 1000):  # tiny objects: the index is what counts here
+                sync.put_batch([(f"{rng.getrandbits(128):032x}", b"x") for _ in range(1000)])
+                step()
+        router = Router(RouterConfig(pool=server.address))
+        router.pool = await kvpool.connect_async(server.address)
+        router.tokenizer, router.chunk_tokens, router.max_positions = tok, 256, 8192
+        router._namespace, router.bytes_per_token = ns.digest(), ns.layout.bytes_per_token
+        router.workers = Workers(http=None)
+        system = _sentences(rng, 7000)
+        sys_keys = chunk_keys_hex(ns.digest(), tok.encode_chat([{"role": "system", "content": system}]), 256)
+        sync.put_batch([(k, b"x") for k in sys_keys])  # the shared prefix is in the pool
+        for i in range(16):
+            role = "prefill" if i < 8 else "decode"
+            info = wire.WorkerInfo(role=role, model_id="m", namespace=ns.hex(), chunk_tokens=256, dtype="float32",
+                                   pool=server.address, eos_token_ids=[2])
+            state = WorkerState(url=f"http://127.0.0.1:{9000 + i}", name=f"{role}-{i}", info=info)
+            state.local_keys = {f"{rng.getrandbits(128):032x}" for _ in range(6000)} | set(sys_keys[: i * 2])
+            router.workers.by_url[state.url] = state
+
+        def prompt(warm: bool) -> list[dict]:
+            user = _sentences(rng, 60)
+            if warm:
+                return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            return [{"role": "system", "content": _sentences(rng, 7000)}, {"role": "user", "content": user}]
+
+        async def route_once(messages) -> tuple[float, int]:
+            started = time.perf_counter()
+            ids = tok.encode_chat(messages)
+            decision, _, _ = await router.route(ids, 16)
+            assert decision.decode is not None
+            return (time.perf_counter() - started) * 1e3, len(ids)
+
+        for case, warm in (("route_cold", False), ("route_warm", True)):
+            for _ in range(3):
+                await route_once(prompt(warm))
+            ours, base, lengths = [], [], []
+            bar, step = progress(reps, case)
+            with bar:
+                for _ in range(reps):
+                    messages = prompt(warm)
+                    ms, n = await route_once(messages)
+                    ours.append(ms)
+                    lengths.append(n)
+                    text = tok.render_chat(messages)
+                    started = time.perf_counter()
+                    tok.encode_uncached(text, add_special_tokens=False)
+                    base.append((time.perf_counter() - started) * 1e3)
+                    step()
+            p99 = statistics.quantiles(ours, n=100)[98]
+            report.add(case, ours, "ms", baseline="tokenize_whole_text", baseline_values=base,
+                       extra={"p99_ms": round(p99, 3), "p50_ms": round(statistics.median(ours), 3),
+                              "prompt_tokens": int(statistics.median(lengths)), "chunks_indexed": chunks_indexed,
+                              "workers": 16, "goal_p99_ms": 5.0, "goal_met": p99 < 5.0})
+        await router.pool.close()
+        sync.close()
+
+
+def _overhead_case(report: Report, reps: int) -> None:
+    import tempfile
+
+    import httpx
+
+    from engine_adapters.serving.client import WorkerClient
+    from engine_adapters.serving.launcher import LocalCluster, RouterSpec, WorkerSpec
+
+    workdir = tempfile.mkdtemp(prefix="kvpool-bench-router-")
+    cluster = LocalCluster(workdir, [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode")],
+                           router=RouterSpec(args=["--local-prefill-tokens", "0"]))
+    with cluster:
+        messages = [{"role": "user", "content": "In one word, what colour is the sea?"}]
+        body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 2,
+                "temperature": 0, "stream": True}
+        prefill, decode = WorkerClient(cluster.url("prefill")), WorkerClient(cluster.url("decode"))
+        ids = prefill.tokenize(messages=messages)
+        http = httpx.Client(timeout=60)
+
+        def via_router() -> float:
+            started = time.perf_counter()
+            first = None
+            with http.stream("POST", f"{cluster.router_url}/v1/chat/completions", json=body) as resp:
+                for line in resp.iter_lines():
+                    if first is None and line.startswith("data: {") and '"content":"' in line \
+                            and '"content":""' not in line:
+                        first = time.perf_counter() - started
+            return first * 1e3
+
+        def direct() -> float:
+            started = time.perf_counter()
+            head = prefill.prefill(ids)
+            ttft = time.perf_counter() - started
+            for _ in decode.decode(head.handle, head.first_token, 2):
+                pass
+            return ttft * 1e3
+
+        for _ in range(3):
+            via_router(), direct()
+        ours, base = [], []
+        bar, step = progress(reps, "ttft via router vs direct")
+        with bar:
+            for _ in range(reps):
+                ours.append(via_router())
+                base.append(direct())
+                step()
+        added = statistics.median(ours) - statistics.median(base)
+        report.add("ttft_via_router", ours, "ms", baseline="workers_called_directly", baseline_values=base,
+                   extra={"added_p50_ms": round(added, 3), "goal_added_p50_ms": 2.0, "goal_met": added < 2.0,
+                          "prompt_tokens": len(ids)})
+        http.close()
+        prefill.close()
+        decode.close()
+
+
+@click.command()
+@click.option("--reps", type=int, default=200, show_default=True, help="Routes per case.")
+@click.option("--chunks", "chunks_indexed", type=int, default=100_000, show_default=True,
+              help="Chunks indexed in the pool while routing.")
+@click.option("--ttft-reps", type=int, default=40, show_default=True,
+              help="Requests each way for the TTFT overhead (0 skips the cluster case).")
+@click.option("--json", "as_json", is_flag=True, help="End with one JSON line.")
+def router(reps: int, chunks_indexed: int, ttft_reps: int, as_json: bool) -> None:
+    """Time to route an 8k-token chat prompt, and what the router adds to TTFT."""
+    report = Report("router")
+    asyncio.run(_route_cases(report, reps, chunks_indexed))
+    if ttft_reps > 0:
+        _overhead_case(report, ttft_reps)
+    report.emit(as_json)

@@ -1,0 +1,121 @@
+"""Elastic membership with real processes: a worker added to a running router takes requests
+within seconds, a killed decode worker fails only its own requests (cleanly) and leaves the
+rotation, and a drained worker finishes its streams and leaves."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and his cat."}]
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory):
+    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
+
+    workdir = tmp_path_factory.mktemp("elastic")
+    c = LocalCluster(workdir, [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode-a")],
+                     PoolSpec(args=["--dram-capacity", "256MiB"]),
+                     router=RouterSpec(args=["--policy", "round_robin", "--local-prefill-tokens", "0"]))
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _workers(cluster) -> dict[str, dict]:
+    return {w["url"]: w for w in httpx.get(f"{cluster.router_url}/admin/workers", timeout=5).json()["workers"]}
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _stream(client, max_tokens: int, on_first=None) -> tuple[str, str | None]:
+    text, finish = "", None
+    for chunk in client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=max_tokens,
+                                                temperature=0, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+            if on_first is not None and text:
+                on_first()
+                on_first = None
+    return text, finish
+
+
+def test_added_worker_takes_requests_within_seconds(elastic):
+    from engine_adapters.serving.launcher import WorkerSpec
+
+    proc = elastic.add_worker(WorkerSpec("decode", "decode-b"))
+    started = time.monotonic()
+    _wait(lambda: _workers(elastic).get(proc.url, {}).get("status") == "up", 10, "decode-b in rotation")
+    joined_s = time.monotonic() - started
+    client = _client(elastic)
+    for _ in range(4):
+        client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2, temperature=0)
+    assert _workers(elastic)[proc.url]["served"] >= 1, _workers(elastic)
+    assert joined_s < 10
+
+
+def test_killed_decode_worker_fails_only_its_requests(elastic):
+    from engine_adapters.serving.launcher import WorkerSpec
+
+    victim = elastic.add_worker(WorkerSpec("decode", "decode-victim"))
+    _wait(lambda: _workers(elastic).get(victim.url, {}).get("status") == "up", 10, "the victim in rotation")
+    client = _client(elastic)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(_stream, client, 48) for _ in range(6)]
+        _wait(lambda: _workers(elastic)[victim.url]["inflight_decodes"] > 0, 60, "a stream on the victim")
+        time.sleep(0.3)
+        victim.popen.send_signal(signal.SIGKILL)
+        ok, failed = 0, 0
+        for f in futures:
+            try:
+                text, finish = f.result(timeout=120)
+                ok += 1
+                assert finish in ("length", "stop") and text
+            except openai.APIError as exc:  # the clean error of a stream whose worker died
+                failed += 1
+                assert "failed" in str(exc) or "unavailable" in str(exc).lower(), exc
+    assert failed >= 1 and ok >= 1, (ok, failed)
+    assert failed <= 3  # round robin over 3 decoders: only the victim's share fails
+    _wait(lambda: _workers(elastic).get(victim.url, {}).get("status") in (None, "down"), 5, "the victim out")
+    for _ in range(4):  # the rest keeps serving
+        assert _stream(client, 4)[1] in ("length", "stop")
+
+
+def test_drained_worker_finishes_its_work_and_leaves(elastic):
+    from engine_adapters.serving.launcher import WorkerSpec
+
+    leaver = elastic.add_worker(WorkerSpec("decode", "decode-leaver"))
+    _wait(lambda: _workers(elastic).get(leaver.url, {}).get("status") == "up", 10, "the leaver in rotation")
+    client = _client(elastic)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_stream, client, 40) for _ in range(4)]
+        _wait(lambda: _workers(elastic)[leaver.url]["inflight_decodes"] > 0, 60, "a stream on the leaver")
+        leaver.popen.send_signal(signal.SIGTERM)
+        results = [f.result(timeout=120) for f in futures]
+    assert all(finish in ("length", "stop") and text for text, finish in results)
+    assert leaver.popen.wait(60) == 0
+    _wait(lambda: leaver.url not in _workers(elastic) or _workers(elastic)[leaver.url]["status"] != "up", 5,
+          "the leaver out of rotation")
+    assert _stream(client, 4)[1] in ("length", "stop")
