@@ -231,9 +231,12 @@ async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
     try:
         resp = await client.get(url)
         resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
+        models = resp.json()["data"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise Unavailable(f"cannot list models at {url}: {type(exc).__name__}: {exc}") from None
+    if not models:
+        raise Unavailable(f"{url} lists no model yet (is a worker serving?); or pass --model")
+    return models[0]["id"]
 
 
 @dataclass
