@@ -13,6 +13,8 @@ import click
 BENCHES: dict[str, str] = {
     "adapter": "kvpool.bench.adapter:adapter",
     "pool": "kvpool.bench.pool:pool",
+    "policies": "kvpool.bench.cluster:policies",
+    "disagg": "kvpool.bench.cluster:disagg",
     "router": "kvpool.bench.router:router",
     "serve": "kvpool.bench.serve:serve",
     "store": "kvpool.bench.store:store",

@@ -3,20 +3,18 @@ worker (`GET /v1/tokenizer`), so the router needs neither the model nor transfor
 token ids are the worker's (tests compare them).
 
 Speed: a long prompt costs ~1 us per token in the Rust tokenizer, too slow for a router that
-must decide in a few ms. Prompts repeat (system prompts, documents, earlier chat turns), so the
-text is cut into sentences at boundaries the byte-level pre-tokenizer never merges across (just
-before a space that follows a sentence end and precedes a letter) and each sentence's ids are
-cached (LRU). Only new sentences are encoded, in one parallel batch. Cutting there gives exactly
-the ids of the whole text because byte-level BPE never merges across pre-token boundaries, and
-special tokens (the chat template's markers) split the text before that; the tests check the
-equality on real prompts and on random text.
+must decide in a few ms. Prompts repeat (system prompts, documents, earlier chat turns), so ids
+are cached at two levels: each segment between special tokens (with a chat template, one
+message) and, inside a new segment, each sentence. Only new sentences are encoded, in one
+parallel batch. The cuts give exactly the ids of the whole text: special tokens split the text
+before BPE runs, and sentences are cut just before a space that follows a sentence end and
+precedes a letter, a pre-token boundary of the byte-level pre-tokenizer, which BPE never merges
+across. The tests check the equality on real prompts and random text.
 """
 
 from __future__ import annotations
 
-import collections
 import re
-import threading
 from typing import Any, Sequence
 
 from kvpool.errors import InvalidArgument
@@ -25,25 +23,28 @@ from kvpool.errors import InvalidArgument
 _CUT = re.compile(r"(?<=[.!?:;\n])(?= [A-Za-z])")
 
 
-class _LRU:
+class _Cache:
+    """Approximate LRU in two generations: hits move an entry to the young one; when the young
+    one is full it becomes the old one and the old one is dropped. A lookup is one or two dict
+    reads (no lock: each operation is a single dict call, atomic under the GIL)."""
+
     def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._data: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self.half = max(1, capacity // 2)
+        self._young: dict[str, list[int]] = {}
+        self._old: dict[str, list[int]] = {}
 
     def get(self, key: str) -> list[int] | None:
-        with self._lock:
-            value = self._data.get(key)
+        value = self._young.get(key)
+        if value is None:
+            value = self._old.get(key)
             if value is not None:
-                self._data.move_to_end(key)
-            return value
+                self.put(key, value)
+        return value
 
     def put(self, key: str, value: list[int]) -> None:
-        with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.capacity:
-                self._data.popitem(last=False)
+        if len(self._young) >= self.half:
+            self._old, self._young = self._young, {}
+        self._young[key] = value
 
 
 class RouterTokenizer:
@@ -60,7 +61,8 @@ class RouterTokenizer:
                           key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
         self._special_ids = {s: self._tok.token_to_id(s) for s in specials}
-        self._cache = _LRU(cache_entries)
+        self._sentences = _Cache(cache_entries)
+        self._segments = _Cache(cache_entries // 16)
         self._template = None
         if chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -86,23 +88,30 @@ class RouterTokenizer:
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        pieces = self._pieces(text)
-        missing = [p for p in dict.fromkeys(pieces) if p not in self._special_ids and self._cache.get(p) is None]
-        if missing:
-            for piece, enc in zip(missing, self._tok.encode_batch_fast(missing, add_special_tokens=False)):
-                self._cache.put(piece, enc.ids)
+        segments = [p for p in (self._split.split(text) if self._split is not None else [text]) if p]
+        found: dict[str, list[int]] = {}
+        new = [g for g in dict.fromkeys(segments)
+               if g not in self._special_ids and (found.setdefault(g, self._segments.get(g)) is None)]
+        if new:
+            sentences = {g: [p for p in _CUT.split(g) if p] for g in new}
+            have = {p: self._sentences.get(p) for ps in sentences.values() for p in ps}
+            missing = [p for p, v in have.items() if v is None]
+            if missing:
+                for piece, enc in zip(missing, self._tok.encode_batch_fast(missing, add_special_tokens=False)):
+                    have[piece] = enc.ids
+                    self._sentences.put(piece, enc.ids)
+            for g, ps in sentences.items():
+                found[g] = [t for p in ps for t in have[p]]
+                self._segments.put(g, found[g])
         ids: list[int] = []
         if add_special_tokens and self.add_bos_token and self.bos_token is not None:
             ids.append(self._tok.token_to_id(self.bos_token))
-        for piece in pieces:
-            special = self._special_ids.get(piece)
+        for g in segments:
+            special = self._special_ids.get(g)
             if special is not None:
                 ids.append(special)
-                continue
-            cached = self._cache.get(piece)
-            if cached is None:  # evicted between the batch and here: encode it alone
-                cached = self._tok.encode(piece, add_special_tokens=False).ids
-            ids.extend(cached)
+            else:
+                ids.extend(found[g])
         return ids
 
     def encode_uncached(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -111,18 +120,6 @@ class RouterTokenizer:
         if add_special_tokens and self.add_bos_token and self.bos_token is not None:
             ids = [self._tok.token_to_id(self.bos_token), *ids]
         return ids
-
-    def _pieces(self, text: str) -> list[str]:
-        parts = self._split.split(text) if self._split is not None else [text]
-        out: list[str] = []
-        for part in parts:
-            if not part:
-                continue
-            if part in self._special_ids:
-                out.append(part)
-            else:
-                out.extend(p for p in _CUT.split(part) if p)
-        return out
 
     # -- ids -> text ---------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:

