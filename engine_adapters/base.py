@@ -64,7 +64,7 @@ from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
 import msgspec
 import numpy as np
 
-from engine_adapters.handle import KVHandle
+from kvpool.handle import KVHandle
 from kvpool.api import PoolClient
 from kvpool.errors import (AlreadyExists, CorruptObject, InvalidArgument, KeyNotFound, KVPoolError,
                            LayoutMismatch)

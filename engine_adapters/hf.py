@@ -26,7 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 from engine_adapters.base import (BackgroundLayerwiseLoad, ChunkStore, ChunkStoreAdapter, KVEvent, LoadResult,
                                   PlannedLayerwiseSave, PlannedObject, SaveResult)
-from engine_adapters.handle import KVHandle
+from kvpool.handle import KVHandle
 from kvpool.api import PoolClient
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace

@@ -25,7 +25,7 @@ import torch
 
 from engine_adapters.base import (BackgroundLayerwiseLoad, ChunkStore, ChunkStoreAdapter, LoadResult,
                                   PlannedLayerwiseSave, PlannedObject, SaveResult)
-from engine_adapters.handle import KVHandle
+from kvpool.handle import KVHandle
 from engine_adapters.vllm_layout import PAGED_LAYOUTS, TORCH_DTYPES, paged_kv_views
 from kvpool.api import PoolClient
 from kvpool.errors import InvalidArgument

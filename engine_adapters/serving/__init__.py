@@ -6,8 +6,11 @@
     kvio                DynamicCache <-> chunk tensors; chunk-granular pool reads
     app / server        the HTTP control API (FastAPI + uvicorn) and the worker process
     client              WorkerClient and `generate(prefill, decode, ids)`: the disaggregated path
-    launcher            LocalCluster: pool + workers as real processes on free loopback ports
-    messages            the declared, versioned wire messages
+    sampling            greedy or seeded temperature/top-p sampling (same seed, same tokens on any worker)
+    admission           draining and in-flight counts (a draining worker finishes, then leaves)
+    launcher            LocalCluster: pool, router and workers as real processes on free loopback ports
+
+The wire messages are `kvpool.worker_api` (the router, in kvpool, speaks them too).
 
 Submodules are imported on use, so importing this package does not load torch.
 """

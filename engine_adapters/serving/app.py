@@ -1,16 +1,21 @@
 """The worker's HTTP control API (FastAPI). Thin: parse a declared message, call the worker,
-encode the answer. KV bytes never travel here (see `messages.py`).
+encode the answer. KV bytes never travel here (see `kvpool/worker_api.py`).
 
-    GET  /health            200 {"status": "ok", "role": ...} once the model is loaded
+    GET  /health            200 {"status": "ok", "role": ...} once the model is loaded;
+                            503 {"status": "draining", "role": ...} after SIGTERM (routers stop sending)
     GET  /metrics           Prometheus text
-    GET  /load              LoadReport: queue length, active sequences, KV tokens (for a router)
-    GET  /v1/info           WorkerInfo: model, namespace, chunk size, EOS ids
+    GET  /load              LoadReport: queues, KV tokens, decode step time, open streams, draining
+    GET  /v1/info           WorkerInfo: model, namespace, chunk size, EOS ids, context length, KV bytes/token
+    GET  /v1/tokenizer      TokenizerInfo: tokenizer JSON, chat template, special tokens (tokenize in a router)
     GET  /v1/events?since=N KV events (local prefix cache, pool writes) after N
     POST /v1/tokenize       TokenizeRequest -> TokenizeResponse
     POST /v1/prefill        PrefillRequest -> PrefillResponse          (prefill, both)
     POST /v1/decode         DecodeRequest -> NDJSON TokenEvent stream   (decode, both)
-    POST /v1/generate       GenerateRequest -> NDJSON TokenEvent stream (both)
+    POST /v1/generate       GenerateRequest -> NDJSON TokenEvent stream (decode, both)
     POST /v1/cache/clear    empty the local prefix cache (benchmarks, tests, operators)
+
+While draining, prefill/decode/generate answer 503 `unavailable` ("... draining ..."); streams
+already open run to their end.
 
 Errors are `{"code", "message"}` with the status of the `kvpool.errors` class; an unexpected
 exception is logged here and answered 500 `internal`, never a traceback to the client.
@@ -18,13 +23,14 @@ exception is logged here and answered 500 `internal`, never a traceback to the c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine_adapters.serving import messages as m
+from kvpool import worker_api as m
 from kvpool.errors import KVPoolError
 
 log = logging.getLogger(__name__)
@@ -65,8 +71,10 @@ def create_app(worker: Any) -> FastAPI:
         return JSONResponse({"code": "internal", "message": f"{type(exc).__name__}: {exc}"}, status_code=500)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "role": worker.config.role}
+    async def health() -> JSONResponse:
+        if worker.admission.draining:
+            return JSONResponse({"status": "draining", "role": worker.config.role}, status_code=503)
+        return JSONResponse({"status": "ok", "role": worker.config.role})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -79,6 +87,10 @@ def create_app(worker: Any) -> FastAPI:
     @app.get("/v1/info")
     async def info() -> Response:
         return _json(worker.info())
+
+    @app.get("/v1/tokenizer")
+    async def tokenizer() -> Response:
+        return _json(await asyncio.to_thread(worker.tokenizer_info))  # the first call builds it (~1.5 MB)
 
     @app.get("/v1/events")
     async def events(since: int = 0, limit: int = 1000) -> Response:

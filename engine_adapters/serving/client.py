@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import httpx
 
-from engine_adapters.handle import KVHandle
-from engine_adapters.serving import messages as m
+from kvpool.handle import KVHandle
+from kvpool import worker_api as m
 from kvpool.errors import CorruptObject, KeyNotFound, KVPoolError, Unavailable, error_from_code
 
 
@@ -63,6 +63,9 @@ class WorkerClient:
     def info(self) -> m.WorkerInfo:
         return m.decode(self._request("GET", "/v1/info").content, m.WorkerInfo)
 
+    def tokenizer_info(self) -> m.TokenizerInfo:
+        return m.decode(self._request("GET", "/v1/tokenizer").content, m.TokenizerInfo)
+
     def load(self) -> m.LoadReport:
         return m.decode(self._request("GET", "/load").content, m.LoadReport)
 
@@ -79,9 +82,10 @@ class WorkerClient:
         msgs = None if messages is None else [m.ChatMessage(role=x["role"], content=x["content"]) for x in messages]
         return self._post("/v1/tokenize", m.TokenizeRequest(prompt=prompt, messages=msgs), m.TokenizeResponse).token_ids
 
-    def prefill(self, token_ids: Sequence[int], request_id: str | None = None) -> m.PrefillResponse:
-        return self._post("/v1/prefill", m.PrefillRequest(token_ids=list(token_ids), request_id=request_id),
-                          m.PrefillResponse)
+    def prefill(self, token_ids: Sequence[int], request_id: str | None = None,
+                sampling: m.SamplingParams | None = None) -> m.PrefillResponse:
+        return self._post("/v1/prefill", m.PrefillRequest(token_ids=list(token_ids), request_id=request_id,
+                                                          sampling=sampling), m.PrefillResponse)
 
     def _stream(self, path: str, msg: Any) -> Iterator[m.TokenEvent]:
         try:
@@ -101,17 +105,18 @@ class WorkerClient:
             raise Unavailable(f"worker {self.url} stream failed: {exc}") from None
 
     def decode(self, handle: KVHandle, first_token: int, max_tokens: int = 16,
-               stop_token_ids: Sequence[int] | None = None, release: bool = True) -> Iterator[m.TokenEvent]:
+               stop_token_ids: Sequence[int] | None = None, release: bool = True,
+               sampling: m.SamplingParams | None = None) -> Iterator[m.TokenEvent]:
         req = m.DecodeRequest(handle=handle, first_token=first_token, max_tokens=max_tokens,
                               stop_token_ids=None if stop_token_ids is None else list(stop_token_ids),
-                              release=release)
+                              release=release, sampling=sampling)
         return self._stream("/v1/decode", req)
 
-    def generate(self, token_ids: Sequence[int], max_tokens: int = 16,
-                 request_id: str | None = None) -> Iterator[m.TokenEvent]:
-        """Prefill and decode on this one worker (role `both`)."""
+    def generate(self, token_ids: Sequence[int], max_tokens: int = 16, request_id: str | None = None,
+                 sampling: m.SamplingParams | None = None) -> Iterator[m.TokenEvent]:
+        """Prefill and decode on this one worker (role `both` or `decode`)."""
         return self._stream("/v1/generate", m.GenerateRequest(token_ids=list(token_ids), max_tokens=max_tokens,
-                                                             request_id=request_id))
+                                                             request_id=request_id, sampling=sampling))
 
 
 @dataclass
@@ -140,7 +145,7 @@ class Generation:
 
 def generate(prefill: WorkerClient, decode: WorkerClient, token_ids: Sequence[int], max_tokens: int = 16, *,
              request_id: str | None = None, on_text: Callable[[str], None] | None = None,
-             retries: int = 1) -> Generation:
+             retries: int = 1, sampling: m.SamplingParams | None = None) -> Generation:
     """Prefill on one worker, decode on another: the KV moves through the pool, by handle.
 
     If the decode worker cannot load the KV (evicted between the two calls, or damaged: the
@@ -151,14 +156,14 @@ def generate(prefill: WorkerClient, decode: WorkerClient, token_ids: Sequence[in
     base = request_id or uuid.uuid4().hex
     for attempt in range(retries + 1):
         rid = base if attempt == 0 else f"{base}-r{attempt}"
-        head = prefill.prefill(token_ids, request_id=rid)
+        head = prefill.prefill(token_ids, request_id=rid, sampling=sampling)
         gen = Generation(request_id=head.request_id, prompt_tokens=head.prompt_tokens,
                          token_ids=[head.first_token], text=head.text,
                          ttft_ms=(time.perf_counter() - started) * 1e3, cached_tokens=head.cached_tokens,
                          local_cached_tokens=head.local_cached_tokens, pool_cached_tokens=head.pool_cached_tokens,
                          computed_tokens=head.computed_tokens)
         try:
-            events = decode.decode(head.handle, head.first_token, max_tokens)
+            events = decode.decode(head.handle, head.first_token, max_tokens, sampling=sampling)
             first = next(events)
         except (KeyNotFound, CorruptObject):
             if attempt == retries:

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Iterable
 
-from engine_adapters.serving.messages import EventsResponse, KVEventMsg
+from kvpool.worker_api import EventsResponse, KVEventMsg
 
 
 class EventLog:

@@ -14,12 +14,15 @@ Each iteration of the loop:
 
 Within a decode step the sequences run one after another, each as a batch-1 forward (see
 `runner.py` for why: exact greedy equality with `model.generate`). The batch is still a real
-continuous batch at the request level: its membership changes every iteration.
+continuous batch at the request level: its membership changes every iteration. Each token is
+picked by `sampling.pick` (argmax, or the request's seeded draw for that position).
 
 Invariants:
 - Only the engine thread touches a submitted job's or sequence's cache.
 - Every submitted prefill job's future is resolved exactly once (result or exception), and every
   submitted sequence gets exactly one final emit (finish reason or error), including on stop().
+  A job whose future was cancelled before its first chunk (its caller went away) is dropped
+  uncomputed: the engine marks a future running before computing, so it cannot be cancelled later.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Callable
 
 from kvpool.errors import Unavailable
 
+from engine_adapters.serving import sampling
 from engine_adapters.serving.runner import ModelRunner
 from engine_adapters.serving.sequence import DecodeSequence, PrefillJob
 
@@ -111,6 +115,15 @@ class Scheduler:
         prefills = list(self._prefills)
         return sum(s.kv_tokens for s in running) + sum(len(j.token_ids) for j in prefills)
 
+    def prefill_tokens(self) -> int:
+        """Prompt tokens submitted and not yet computed (the job at the head counts what it has left)."""
+        return sum(j.remaining for j in list(self._prefills))
+
+    @property
+    def busy(self) -> bool:
+        """Work queued or running. Read without the lock: a drain polls it until it stays False."""
+        return bool(self._prefills or self._joining or self._running)
+
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         try:
@@ -147,12 +160,14 @@ class Scheduler:
         started = time.perf_counter()
         still: list[DecodeSequence] = []
         finals: list[tuple[DecodeSequence, int | None, str | None, BaseException | None]] = []
+        stepped = 0
         for seq in self._running:
             if seq.cancelled:
                 seq.finished = True
                 continue
+            stepped += 1
             try:
-                token = self.runner.greedy(self.runner.extend(seq.cache, [seq.next_token]))
+                token = sampling.pick(self.runner.extend(seq.cache, [seq.next_token]), seq.sampling, seq.next_index)
             except Exception as exc:
                 log.exception("decode step failed for request %s", seq.request_id)
                 finals.append((seq, None, None, exc))
@@ -168,17 +183,19 @@ class Scheduler:
                 still.append(seq)
             else:
                 finals.append((seq, token, reason, None))
-        n = len(self._running)
         self._running = still  # before the final emits, so a client that saw "done" sees the load without it
         for seq, token, reason, error in finals:
             seq.finished = True
             seq.emit(token, reason, error)
         self.steps += 1
-        if self._on_decode_step is not None:
-            self._on_decode_step(n, time.perf_counter() - started)
+        if self._on_decode_step is not None and stepped:  # a step of cancelled sequences ran no forward
+            self._on_decode_step(stepped, time.perf_counter() - started)
 
     def _prefill_chunk(self, job: PrefillJob) -> None:
         """One chunk of `job`; a finished or failed job leaves the queue before it is resolved."""
+        if not job.future.running() and not job.future.set_running_or_notify_cancel():
+            self._pop(job)  # its caller went away (the awaiting task was cancelled): nothing to compute
+            return
         started = time.perf_counter()
         budget = self.prefill_chunk_tokens or job.remaining
         end = min(len(job.token_ids), job.cursor + budget)
@@ -189,13 +206,20 @@ class Scheduler:
             self._pop(job)
             job.future.set_exception(exc)
             return
+        elapsed = time.perf_counter() - started
+        job.compute_s += elapsed
         tokens = end - job.cursor
         job.cursor = end
         if self._on_prefill_chunk is not None:
-            self._on_prefill_chunk(tokens, time.perf_counter() - started)
+            self._on_prefill_chunk(tokens, elapsed)
         if job.cursor == len(job.token_ids):
             self._pop(job)
-            job.future.set_result(self.runner.greedy(job.logits))
+            try:
+                first = sampling.pick(job.logits, job.sampling, 0)
+            except Exception as exc:  # the future is resolved whatever happens
+                job.future.set_exception(exc)
+                return
+            job.future.set_result(first)
 
     def _pop(self, job: PrefillJob) -> None:
         with self._cond:

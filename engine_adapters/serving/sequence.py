@@ -23,6 +23,8 @@ class PrefillJob:
     cursor: int
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     logits: Any = None
+    sampling: Any = None  # messages.SamplingParams; None: greedy. Picks token 0 of the request.
+    compute_s: float = 0.0  # forward time spent on this job's chunks (queue wait and decode steps excluded)
 
     @property
     def remaining(self) -> int:
@@ -44,7 +46,9 @@ Emit = Callable[[int | None, str | None, BaseException | None], None]
 
 @dataclass
 class DecodeSequence:
-    """Greedy decoding: feed `next_token`, pick the argmax, until a stop id or `remaining` is 0."""
+    """Feed `next_token`, pick the next (argmax, or sampled per `sampling`), until a stop id or
+    `remaining` is 0. The token a step picks is position `generated + 1` of the request (0 was
+    the prefill's), which is what seeds its draw."""
 
     request_id: str
     cache: Any
@@ -55,6 +59,11 @@ class DecodeSequence:
     cancelled: bool = False
     finished: bool = False
     generated: int = 0
+    sampling: Any = None  # messages.SamplingParams; None: greedy
+
+    @property
+    def next_index(self) -> int:
+        return self.generated + 1
 
     @property
     def kv_tokens(self) -> int:

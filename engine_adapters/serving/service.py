@@ -13,6 +13,9 @@ Decode of a handle: the chunks come from the local cache where it has them, the 
 from the pool (all or nothing); the sequence joins the running batch; the tail is released when
 the sequence ends.
 
+Draining (SIGTERM, see `server.py`): new prefill/decode/generate calls get `Unavailable`; the
+process exits once `idle()`: nothing accepted is in flight (`admission.py`), nothing in the scheduler.
+
 Invariants:
 - KV bytes never pass through the HTTP layer: a handle names pool objects only.
 - Only the scheduler's engine thread runs the model; fetches and pushes run in other threads and
@@ -29,12 +32,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from engine_adapters.handle import KVHandle
+from kvpool.handle import KVHandle
+from engine_adapters.serving import sampling
+from engine_adapters.serving.admission import Admission
 from engine_adapters.serving.events import EventLog
 from engine_adapters.serving.kvio import PoolKV, cache_from_chunks, chunks_from_cache
-from engine_adapters.serving.messages import (DecodeRequest, GenerateRequest, LoadReport, PrefillRequest,
-                                              PrefillResponse, TokenEvent, TokenizeRequest, WorkerInfo,
-                                              error_event)
+from kvpool.worker_api import (DecodeRequest, GenerateRequest, LoadReport, PrefillRequest,
+                                              PrefillResponse, SamplingParams, TokenEvent, TokenizeRequest,
+                                              TokenizerInfo, WorkerInfo, error_event)
 from engine_adapters.serving.metrics import WorkerMetrics
 from engine_adapters.serving.prefix_cache import LocalPrefixCache
 from engine_adapters.serving.runner import ModelRunner
@@ -45,6 +50,7 @@ from kvpool.errors import InvalidArgument, KVPoolError, LayoutMismatch
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
+DECODE_EWMA_ALPHA = 0.2  # weight of the newest step in `decode_token_ms`
 
 
 @dataclass
@@ -55,14 +61,15 @@ class WorkerConfig:
     local_cache_bytes: int = 512 << 20
     max_batch: int = 32
     max_kv_tokens: int | None = 65536  # KV the decode batch may hold (~3 GiB in float32 here)
-    # None: whole prompt in one pass. Defaults to 512 on `both` (decode priority needs gaps).
+    # None: whole prompt in one pass. Defaults to 512 where decode runs (`both`, and `decode`, which
+    # prefills the short prompts a router sends it): decode priority needs gaps.
     prefill_chunk_tokens: int | None = None
     tenant_salt: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise InvalidArgument(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.prefill_chunk_tokens is None and self.role == "both":
+        if self.prefill_chunk_tokens is None and self.role in ("both", "decode"):
             self.prefill_chunk_tokens = 512
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
             self.prefill_chunk_tokens = None
@@ -76,6 +83,7 @@ class _Prefix:
     chunks: list[Any]
     local_chunks: int
     pool_chunks: int
+    fetch_ms: float = 0.0  # matching and reading the pool's part of the prefix
 
 
 class _Detokenizer:
@@ -116,8 +124,12 @@ class Worker:
         self.runner = ModelRunner(model.model)
         self.scheduler = Scheduler(self.runner, max_batch=config.max_batch, max_kv_tokens=config.max_kv_tokens,
                                    prefill_chunk_tokens=config.prefill_chunk_tokens,
-                                   on_decode_step=self.metrics.decode_step,
+                                   on_decode_step=self._decode_step,
                                    on_prefill_chunk=self.metrics.prefill_chunk)
+        self.admission = Admission()
+        self._unsubmitted_tokens = 0  # prompt tokens accepted but not yet handed to the scheduler
+        self._decode_token_ms = 0.0
+        self._tokenizer_info: TokenizerInfo | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, warmup: bool = True) -> "Worker":
@@ -133,18 +145,65 @@ class Worker:
     def stop(self) -> None:
         self.scheduler.stop()
 
+    def start_drain(self) -> None:
+        """Refuse new prefill/decode/generate calls from now on; what was accepted runs to its end."""
+        self.admission.drain()
+        log.info("draining: %d requests and streams in flight", self.admission.in_flight)
+
+    def idle(self) -> bool:
+        return self.admission.in_flight == 0 and not self.scheduler.busy
+
+    def wait_idle(self, timeout: float, poll_s: float = 0.05) -> bool:
+        """Block (not on the event loop) until `idle()`, or `timeout` seconds; True when idle."""
+        deadline = time.monotonic() + timeout
+        while not self.idle():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
+    def _decode_step(self, batch: int, seconds: float) -> None:  # engine thread
+        self.metrics.decode_step(batch, seconds)
+        per_token_ms = seconds * 1e3 / batch
+        old = self._decode_token_ms
+        self._decode_token_ms = per_token_ms if old == 0.0 else old + DECODE_EWMA_ALPHA * (per_token_ms - old)
+
     # -- small queries -------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
         return WorkerInfo(role=self.config.role, model_id=self.rm.model_id, namespace=self.namespace.hex(),
                           chunk_tokens=self.layout.chunk_tokens, dtype=self.layout.dtype, pool=self.config.pool,
-                          eos_token_ids=sorted(self.eos))
+                          eos_token_ids=sorted(self.eos), max_positions=self.runner.max_positions,
+                          bytes_per_token=self.layout.bytes_per_token)
 
     def load(self) -> LoadReport:
         per_token = self.layout.bytes_per_token
         return LoadReport(role=self.config.role, queue_length=self.scheduler.queue_length,
                           active_sequences=self.scheduler.active_sequences, kv_tokens=self.scheduler.kv_tokens(),
                           cache_tokens=self.cache.tokens, cache_capacity_tokens=self.cache.capacity_bytes // per_token,
-                          max_batch=self.config.max_batch)
+                          max_batch=self.config.max_batch,
+                          prefill_queue_tokens=self._unsubmitted_tokens + self.scheduler.prefill_tokens(),
+                          decode_token_ms=round(self._decode_token_ms, 3),
+                          open_streams=self.admission.open_streams, draining=self.admission.draining)
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        """The tokenizer as data (see `TokenizerInfo` for how a router renders and encodes with it)."""
+        if self._tokenizer_info is None:
+            from tokenizers import Tokenizer
+
+            tok = self.rm.tokenizer
+            tokenizer_json = tok.backend_tokenizer.to_str()
+            # Plain encoding is `tokenizer(text)`; if it ever starts with a BOS that the JSON's own
+            # post-processor does not add, a router must prepend it: probe instead of trusting flags.
+            probe = "Hello, world"
+            plain, bare = self.rm.encode(probe), Tokenizer.from_str(tokenizer_json).encode(probe).ids
+            add_bos = tok.bos_token_id is not None and plain == [tok.bos_token_id, *bare]
+            if plain != bare and not add_bos:
+                log.warning("plain encoding differs from the tokenizer JSON's: %s vs %s", plain, bare)
+            self._tokenizer_info = TokenizerInfo(
+                model_id=self.rm.model_id, tokenizer_json=tokenizer_json, chat_template=tok.chat_template,
+                bos_token=tok.bos_token, eos_token=tok.eos_token, add_bos_token=add_bos,
+                special_tokens={k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)})
+        return self._tokenizer_info
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         if (req.prompt is None) == (req.messages is None):
@@ -176,21 +235,31 @@ class Worker:
         keys = self.adapter.chunk_keys(ids)
         local = self.cache.get_run(keys)
         fetched: list[Any] = []
+        fetch_ms = 0.0
         if len(local) < len(keys):
+            started = time.perf_counter()
             in_pool = self.kv.match(keys)
             if in_pool > len(local):
                 fetched = self.kv.fetch_run(keys[len(local):in_pool])
+            fetch_ms = (time.perf_counter() - started) * 1e3
+            if fetched:
                 self.cache.put_many(zip(keys[len(local):], fetched))
-        return _Prefix(keys, local + fetched, len(local), len(fetched))
+        return _Prefix(keys, local + fetched, len(local), len(fetched), fetch_ms)
 
-    async def run_prefill(self, ids: list[int], request_id: str) -> tuple[PrefillJob, _Prefix]:
-        """Find the cached prefix, compute the rest; the job holds the cache and last logits."""
-        prefix = await asyncio.to_thread(self._find_prefix, ids)
-        cached = len(prefix.chunks) * self.layout.chunk_tokens
-        usable = min(cached, len(ids) - 1)  # compute at least one token: its logits give the first token
-        cache = await asyncio.to_thread(cache_from_chunks, prefix.chunks, usable)
-        job = PrefillJob(request_id, ids, cache, usable)
-        self.scheduler.submit_prefill(job)
+    async def run_prefill(self, ids: list[int], request_id: str,
+                          params: SamplingParams | None = None) -> tuple[PrefillJob, _Prefix]:
+        """Find the cached prefix, compute the rest; the job holds the cache, the last logits and
+        the first token (picked per `params`)."""
+        self._unsubmitted_tokens += len(ids)  # event loop only: no lock
+        try:
+            prefix = await asyncio.to_thread(self._find_prefix, ids)
+            cached = len(prefix.chunks) * self.layout.chunk_tokens
+            usable = min(cached, len(ids) - 1)  # compute at least one token: its logits give the first token
+            cache = await asyncio.to_thread(cache_from_chunks, prefix.chunks, usable)
+            job = PrefillJob(request_id, ids, cache, usable, sampling=params)
+            self.scheduler.submit_prefill(job)
+        finally:
+            self._unsubmitted_tokens -= len(ids)
         await asyncio.wrap_future(job.future)
         return job, prefix
 
@@ -207,11 +276,13 @@ class Worker:
         self._require("prefill", "both")
         started = time.perf_counter()
         ids = self._check_tokens(list(req.token_ids))
+        params = sampling.check(req.sampling)
         rid = _unique(req.request_id)
-        job, prefix = await self.run_prefill(ids, rid)
-        saved = await asyncio.to_thread(self._publish, ids, job, prefix, rid)
-        handle = self.adapter.make_handle(ids, saved)
-        return self._prefill_response(rid, ids, job, prefix, handle, started)
+        with self.admission.request():
+            job, prefix = await self.run_prefill(ids, rid, params)
+            saved = await asyncio.to_thread(self._publish, ids, job, prefix, rid)
+            handle = self.adapter.make_handle(ids, saved)
+            return self._prefill_response(rid, ids, job, prefix, handle, started)
 
     def _prefill_response(self, rid: str, ids: list[int], job: PrefillJob, prefix: _Prefix,
                           handle: KVHandle | None, started: float) -> PrefillResponse:
@@ -236,7 +307,8 @@ class Worker:
         return PrefillResponse(request_id=rid, first_token=first, handle=dummy, prompt_tokens=len(ids),
                                cached_tokens=local_tokens + pool_tokens, local_cached_tokens=local_tokens,
                                pool_cached_tokens=pool_tokens, computed_tokens=computed,
-                               prefill_ms=round(elapsed_ms, 3), text=self.rm.decode([first]))
+                               prefill_ms=round(elapsed_ms, 3), text=self.rm.decode([first]),
+                               fetch_ms=round(prefix.fetch_ms, 3), compute_ms=round(job.compute_s * 1e3, 3))
 
     # -- decode --------------------------------------------------------------------------------
     def _load_handle(self, handle: KVHandle) -> Any:
@@ -273,31 +345,40 @@ class Worker:
         self._check_tokens([req.first_token])
         if req.max_tokens < 1:
             raise InvalidArgument("max_tokens must be >= 1")
+        params = sampling.check(req.sampling)
         rid = handle.request_id or uuid.uuid4().hex
         stop = frozenset(req.stop_token_ids) if req.stop_token_ids is not None else self.eos
-        if req.first_token in stop or req.max_tokens == 1:
-            if req.release:
-                await asyncio.to_thread(self._release, handle)
-            reason = "stop" if req.first_token in stop else "length"
-            return _single(TokenEvent(request_id=rid, done=True, finish_reason=reason))
+        # Before any side effect: a draining worker refuses and leaves the tail for another decoder.
+        slot = self.admission.open_stream()
         try:
-            cache = await asyncio.to_thread(self._load_handle, handle)
+            if req.first_token in stop or req.max_tokens == 1:
+                if req.release:
+                    await asyncio.to_thread(self._release, handle)
+                reason = "stop" if req.first_token in stop else "length"
+                done = TokenEvent(request_id=rid, done=True, finish_reason=reason)
+                return self.admission.watch(_single(done), slot)
+            try:
+                cache = await asyncio.to_thread(self._load_handle, handle)
+            except BaseException:
+                if req.release:
+                    await asyncio.to_thread(self._release, handle)
+                raise
         except BaseException:
-            if req.release:
-                await asyncio.to_thread(self._release, handle)
+            slot.release()
             raise
         on_done = (lambda: self._release(handle)) if req.release else None
-        return self._stream(rid, cache, req.first_token, req.max_tokens - 1, stop, on_done)
+        events = self._stream(rid, cache, req.first_token, req.max_tokens - 1, stop, params, on_done)
+        return self.admission.watch(events, slot)
 
     async def _stream(self, rid: str, cache: Any, first: int, budget: int, stop: frozenset[int],
-                      on_done: Any = None) -> AsyncIterator[TokenEvent]:
+                      params: SamplingParams | None, on_done: Any = None) -> AsyncIterator[TokenEvent]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def emit(token, reason, error):  # engine thread -> event loop
             loop.call_soon_threadsafe(queue.put_nowait, (token, reason, error))
 
-        seq = DecodeSequence(rid, cache, first, budget, stop, emit)
+        seq = DecodeSequence(rid, cache, first, budget, stop, emit, sampling=params)
         detok = _Detokenizer(self.rm.tokenizer, [first])
         started = last = time.perf_counter()
         index = 0
@@ -328,30 +409,42 @@ class Worker:
             if on_done is not None:
                 await asyncio.to_thread(on_done)
 
-    # -- both: prefill and decode here, no pool round trip --------------------------------------
+    # -- generate: prefill and decode here, no pool round trip ----------------------------------
     async def open_generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        self._require("both")
+        """Role `both`, and `decode` (a router's short uncached prompts). The stream counts as open
+        from acceptance, its prefill included."""
+        self._require("decode", "both")
         started = time.perf_counter()
         ids = self._check_tokens(list(req.token_ids))
         if req.max_tokens < 1:
             raise InvalidArgument("max_tokens must be >= 1")
+        params = sampling.check(req.sampling)
         rid = _unique(req.request_id)
-        job, prefix = await self.run_prefill(ids, rid)
-        # Full chunks still go to the local cache and the pool (prefix reuse); no tail, no handle.
-        await asyncio.to_thread(self._publish, ids, job, prefix, None)
-        head = self._prefill_response(rid, ids, job, prefix, None, started)
+        slot = self.admission.open_stream()
+        try:
+            job, prefix = await self.run_prefill(ids, rid, params)
+            # Full chunks still go to the local cache and the pool (prefix reuse); no tail, no handle.
+            await asyncio.to_thread(self._publish, ids, job, prefix, None)
+            head = self._prefill_response(rid, ids, job, prefix, None, started)
+        except BaseException:
+            slot.release()
+            raise
         stop = frozenset(req.stop_token_ids) if req.stop_token_ids is not None else self.eos
-        return self._generate_stream(head, job, req.max_tokens, stop)
+        return self.admission.watch(self._generate_stream(head, job, req.max_tokens, stop, params), slot)
 
     async def _generate_stream(self, head: PrefillResponse, job: PrefillJob, max_tokens: int,
-                               stop: frozenset[int]) -> AsyncIterator[TokenEvent]:
+                               stop: frozenset[int], params: SamplingParams | None) -> AsyncIterator[TokenEvent]:
         rid, first = head.request_id, head.first_token
         yield TokenEvent(request_id=rid, index=0, token_id=first, text=head.text, prefill=head)
         if first in stop or max_tokens == 1:
             yield TokenEvent(request_id=rid, done=True, finish_reason="stop" if first in stop else "length")
             return
-        async for event in self._stream(rid, job.cache, first, max_tokens - 1, stop):
-            yield event
+        events = self._stream(rid, job.cache, first, max_tokens - 1, stop, params)
+        try:
+            async for event in events:
+                yield event
+        finally:  # closing this stream closes the decode under it now, not at garbage collection
+            await events.aclose()
 
 
 def _unique(request_id: str | None) -> str:

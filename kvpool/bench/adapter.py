@@ -36,7 +36,7 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, as_json: bool) -> None:
 
     import kvpool
     from engine_adapters.model import load_reference_model
-    from engine_adapters.serving.messages import PrefillRequest
+    from kvpool.worker_api import PrefillRequest
     from engine_adapters.serving.service import Worker, WorkerConfig
     from kvpool.config import load_settings
     from kvpool.server import EmbeddedPool

@@ -24,18 +24,29 @@ from kvpool.config import load_settings, parse_size
 @click.option("--max-kv-tokens", type=int, default=65536, show_default=True,
               help="Most KV tokens the decode batch may hold; later sequences wait to join.")
 @click.option("--prefill-chunk-tokens", type=int,
-              help="Prefill at most this many tokens between decode steps (default: whole prompt; 512 on 'both').")
+              help="Prefill at most this many tokens between decode steps (default: whole prompt on 'prefill'; "
+                   "512 on 'both' and 'decode').")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--tenant-salt", default="", help="Keeps this tenant's KV apart from others'.")
 @click.option("--model-cache", type=click.Path(file_okay=False), envvar="KVPOOL_MODEL_CACHE",
               help="Where the converted model is cached (default ~/.cache/kvpool/models).")
 @click.option("--ready-file", type=click.Path(dir_okay=False),
               help="Write {url, port, pid, role} here (JSON) once serving: for launchers.")
+@click.option("--router", "router_url", metavar="URL",
+              help="Register with this router (POST URL/admin/workers, repeated every 5 s) and tell it on drain.")
+@click.option("--drain-timeout", type=float, default=60.0, show_default=True, metavar="SECONDS",
+              help="On SIGTERM/SIGINT: refuse new work, wait at most this long for open streams, then exit.")
+@click.option("--threads", type=click.IntRange(min=1), metavar="N",
+              help="torch intra-op threads (default: torch's own choice).")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="KVPOOL_CONFIG",
               help="Settings file (JSON or TOML).")
 def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch, max_kv_tokens,
-           prefill_chunk_tokens, dtype, tenant_salt, model_cache, ready_file, config_file) -> None:
-    """Serve a reference worker's HTTP API (/v1/prefill, /v1/decode, /v1/generate, /load, /metrics)."""
+           prefill_chunk_tokens, dtype, tenant_salt, model_cache, ready_file, router_url, drain_timeout, threads,
+           config_file) -> None:
+    """Serve a reference worker's HTTP API (/v1/prefill, /v1/decode, /v1/generate, /load, /metrics).
+
+    SIGTERM or SIGINT drains first (503 to new requests, open streams finish), then exits 0.
+    """
     from engine_adapters.serving.server import serve
     from engine_adapters.serving.service import WorkerConfig
 
@@ -45,4 +56,5 @@ def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch,
                           max_kv_tokens=max_kv_tokens or None,
                           prefill_chunk_tokens=prefill_chunk_tokens, tenant_salt=tenant_salt)
     serve(config, host=settings.host, port=port, ready_file=ready_file, model_cache=model_cache, dtype=dtype,
-          on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"))
+          on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"), router=router_url,
+          drain_timeout=drain_timeout, threads=threads)

@@ -49,7 +49,8 @@ class _Cache:
 
 class RouterTokenizer:
     def __init__(self, tokenizer_json: str, chat_template: str | None, *, bos_token: str | None = None,
-                 eos_token: str | None = None, add_bos_token: bool = False, cache_entries: int = 200_000):
+                 eos_token: str | None = None, add_bos_token: bool = False,
+                 special_tokens: dict[str, str] | None = None, cache_entries: int = 200_000):
         import jinja2.sandbox
         import tokenizers
 
@@ -63,24 +64,29 @@ class RouterTokenizer:
         self._special_ids = {s: self._tok.token_to_id(s) for s in specials}
         self._sentences = _Cache(cache_entries)
         self._segments = _Cache(cache_entries // 16)
+        # The template sees the special tokens by name (bos_token, eos_token, ...), as in transformers.
+        self._template_vars = {"bos_token": bos_token or "", "eos_token": eos_token or "", **(special_tokens or {})}
         self._template = None
-        if chat_template:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        if chat_template:  # compiled as transformers' apply_chat_template compiles it
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                               extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(chat_template)
 
     @classmethod
     def from_info(cls, info: Any) -> "RouterTokenizer":
         """From a worker's `TokenizerInfo`."""
         return cls(info.tokenizer_json, info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token,
-                   add_bos_token=info.add_bos_token)
+                   add_bos_token=info.add_bos_token, special_tokens=info.special_tokens)
 
     # -- text -> ids ---------------------------------------------------------------------------
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise InvalidArgument("this model has no chat template; use /v1/completions")
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                     **self._template_vars)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Ids of the conversation rendered with the chat template (no extra special tokens: the
@@ -127,6 +133,20 @@ class RouterTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' `tojson`: plain json.dumps (jinja's own escapes <, >, & and ', changing the text)."""
+    import json
+
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
 
 
 def _raise_exception(message: str) -> None:

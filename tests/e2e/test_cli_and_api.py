@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from e2e_support import reference
-from engine_adapters.handle import KVHandle
+from kvpool.handle import KVHandle
 from kvpool.errors import InvalidArgument, KeyNotFound, LayoutMismatch
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]

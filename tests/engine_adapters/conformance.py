@@ -26,7 +26,7 @@ from typing import Any, Callable
 import pytest
 
 from engine_adapters.base import EngineAdapter, KVEvent, LayerwiseLoad, LayerwiseSave
-from engine_adapters.handle import KVHandle
+from kvpool.handle import KVHandle
 from kvpool.api import PoolClient
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, LayoutMismatch
 from kvpool.keys import Namespace

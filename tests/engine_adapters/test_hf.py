@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from engine_adapters.handle import KVHandle
+from kvpool.handle import KVHandle
 from engine_adapters.hf import HFAdapter, forward, greedy_continue
 from kvpool.errors import InvalidArgument
 

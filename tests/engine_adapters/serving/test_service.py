@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine_adapters.handle import KVHandle
-from engine_adapters.serving import messages as m
+from kvpool.handle import KVHandle
+from kvpool import worker_api as m
 from engine_adapters.serving.runner import ModelRunner
 from engine_adapters.serving.scheduler import Scheduler
 from engine_adapters.serving.sequence import DecodeSequence, PrefillJob

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_adapters.base import KVEvent
-from engine_adapters.handle import KVHandle
+from kvpool.handle import KVHandle
 from kvpool.errors import InvalidArgument
 
 NS = "ab" * 16

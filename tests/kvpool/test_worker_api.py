@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapters.handle import KVHandle
-from engine_adapters.serving import messages as m
+from kvpool.handle import KVHandle
+from kvpool import worker_api as m
 from kvpool.errors import InvalidArgument
 
 
