@@ -198,6 +198,9 @@ def disagg(n_workers, configs, num_requests, input_len, output_len, range_ratio,
                     row = {"rate": rate, **_row(res), "busy": busy, "busy_mean": statistics.fmean(busy.values())}
                     table.setdefault(name, []).append(row)
                     step()
+            fitted = httpx.get(f"{cluster.router_url}/admin/workers", timeout=10).json()
+            report.notes.append(f"{name}: router's fitted cost model after the runs ({fitted['cost_samples']} "
+                                f"prefills): " + ", ".join(f"{k}={v:.3g}" for k, v in fitted["cost"].items()))
         finally:
             cluster.stop()
     for name, rows in table.items():

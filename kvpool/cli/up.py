@@ -1,6 +1,7 @@
-"""`kvpool up`: a local cluster of real processes (embedded pool, prefill and decode workers on
-the reference model), serving until Ctrl-C. `--demo` sends two chat requests that share a long
-prefix through it, prints the answers with their TTFT and cache use, and stops."""
+"""`kvpool up`: a local cluster of real processes (embedded pool, reference workers on the
+reference model, the router with its OpenAI API in front), serving until Ctrl-C. `--demo` sends
+two chat requests that share a long prefix through the router with the OpenAI client, prints the
+answers with their TTFT and cached tokens, and stops."""
 
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ def _load_config(path: str | None) -> dict:
 @click.command()
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
               help="Cluster file (see deploy/local.toml); default: one prefill and one decode worker.")
-@click.option("--port", type=int, default=8000, show_default=True,
-              help="Port of the router's OpenAI API (0: any free port).")
+@click.option("--port", type=int, help="Port of the router's OpenAI API (default 8000; with --demo any free "
+                                      "port; 0: any free port).")
 @click.option("--prefill", "n_prefill", type=int, help="Prefill workers (with --decode; overrides the file).")
 @click.option("--decode", "n_decode", type=int, help="Decode workers (with --prefill).")
 @click.option("--colocated", "n_colocated", type=int, help="Workers that prefill and decode (--role both) "
@@ -84,7 +85,10 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
 
     from engine_adapters.serving.launcher import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
+    for name in ("httpx", "httpx2"):  # one line per request is noise here (httpx2: the openai client's)
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if port is None:  # the demo needs no fixed port; a server keeps the usual one
+        port = 0 if demo else 8000
 
     config = _load_config(config_file)
     pool_table = dict(config["pool"])

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvpool import worker_api as wire
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.router import openai_api as oa
-from kvpool.router.service import Outcome, Rejected, Router
+from kvpool.router.service import Outcome, Piece, Rejected, Router
 
 log = logging.getLogger(__name__)
 
@@ -199,25 +199,20 @@ async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], bud
         finally:
             await pieces.aclose()
         text += stops.flush()
-        _account(router, endpoint, out, arrived, ttft=None)
+        router.metrics.done(endpoint, 200)
+        _account(router, out, arrived, ttft=None)
         return JSONResponse(shape.whole(text, "stop" if stops.hit else finish, _usage(out)))
     # Streaming: pull the first piece before answering, so errors before it get a status code.
     try:
         first = await anext(pieces)
     except StopAsyncIteration:
-        first = oa_piece_done()
+        first = Piece(finish="stop")
     except Exception as exc:
         await pieces.aclose()
         router.metrics.done(endpoint, _as_openai(exc).http_status)
         raise
     return StreamingResponse(_sse_stream(router, endpoint, shape, first, pieces, stops, out, arrived),
                              media_type="text/event-stream", headers={"cache-control": "no-cache"})
-
-
-def oa_piece_done() -> Any:
-    from kvpool.router.service import Piece
-
-    return Piece(finish="stop")
 
 
 async def _sse_stream(router: Router, endpoint: str, shape: oa.Shape, first: Any, pieces: AsyncIterator,
@@ -254,7 +249,7 @@ async def _sse_stream(router: Router, endpoint: str, shape: oa.Shape, first: Any
         await pieces.aclose()
         router.metrics.done(endpoint, status)
         if status == 200:
-            _account(router, endpoint, out, arrived, ttft)
+            _account(router, out, arrived, ttft)
     yield b"data: [DONE]\n\n"
 
 
@@ -262,9 +257,8 @@ def _usage(out: Outcome) -> dict[str, Any]:
     return oa.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
 
 
-def _account(router: Router, endpoint: str, out: Outcome, arrived: float, ttft: float | None) -> None:
-    if ttft is None:
-        router.metrics.done(endpoint, 200)
-    router.metrics.ttft.observe(ttft) if ttft is not None else None
+def _account(router: Router, out: Outcome, arrived: float, ttft: float | None) -> None:
+    if ttft is not None:
+        router.metrics.ttft.observe(ttft)
     router.metrics.e2e.observe(time.perf_counter() - arrived)
     router.metrics.completion_tokens.inc(out.completion_tokens)

@@ -8,7 +8,7 @@ the bottleneck (`kvpool_router_bottleneck{side}` is 1 for the more pressed side)
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -60,10 +60,5 @@ class RouterMetrics:
             count.labels(role=role, status=status).set(n)
         return generate_latest(self.registry)
 
-    def done(self, endpoint: str, status: int, ttft_s: float | None = None, e2e_s: float | None = None,
-             **tokens: Any) -> None:
+    def done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s)
-        if e2e_s is not None:
-            self.e2e.observe(e2e_s)

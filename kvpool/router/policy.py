@@ -6,8 +6,9 @@ I/O, so the router and the simulator (`kvpool/sim/`) run the very same code; wha
 between calls lives in the snapshot (round robin reads the request's arrival number).
 
 Invariants of every `Decision`:
-- `reject` is set exactly when no choice meets the targets; then `prefill`/`decode` are None and
-  the estimates are the best ones found (the router answers 429 with them).
+- `reject` is set exactly when there is no choice: `kind` "unavailable" when no worker can decode
+  (the router answers 503), "rejected" when none meets the targets (429, with the best estimates
+  found); then `prefill`/`decode` are None.
 - otherwise `decode` names a worker that can decode (role decode or both, not draining), and
   `prefill` names a worker that can prefill (role prefill or both), or is None: the decode
   worker prefills the prompt itself (conditional disaggregation, or a colocated worker).
@@ -74,7 +75,7 @@ class Decision:
     est_ttft_s: float = 0.0
     est_tbt_s: float = 0.0
     cached_tokens: int = 0  # prompt tokens the chosen prefiller will not compute
-    kind: str = "disaggregated"  # disaggregated | local_prefill | colocated | rejected
+    kind: str = "disaggregated"  # disaggregated | local_prefill | colocated | rejected | unavailable
     reject: str | None = None
 
 
@@ -142,9 +143,7 @@ def _finish(req: RouteRequest, snap: Snapshot, p: WorkerView | None, d: WorkerVi
 
 def _no_workers(snap: Snapshot) -> Decision | None:
     if not _decoders(snap):
-        return Decision(None, None, kind="rejected", reject="no decode-capable worker is serving")
-    if not _prefillers(snap) and not any(w.decodes for w in snap.workers):
-        return Decision(None, None, kind="rejected", reject="no prefill-capable worker is serving")
+        return Decision(None, None, kind="unavailable", reject="no decode-capable worker is serving")
     return None
 
 

@@ -27,8 +27,7 @@ from typing import Any, AsyncIterator
 import httpx
 
 from kvpool import worker_api as wire
-from kvpool.errors import (CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable,
-                           error_from_code)
+from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable, error_from_code
 from kvpool.keys import chunk_keys_hex, parse_namespace_hex
 from kvpool.router.cost import CostModel
 from kvpool.router.metrics import RouterMetrics
@@ -180,9 +179,9 @@ class Router:
         self.metrics.route.observe(out.route_s)
         out.prompt_tokens, out.decision = len(ids), decision
         self.metrics.decisions.labels(policy=self.policy.name, kind=decision.kind).inc()
+        if decision.kind == "unavailable":
+            raise Unavailable(decision.reject)
         if decision.reject is not None:
-            if decision.decode is None and decision.est_ttft_s == 0 and decision.est_tbt_s == 0:
-                raise Unavailable(decision.reject)
             self.metrics.rejected.inc()
             raise Rejected(decision.reject, decision)
         excluded: list[str] = []
@@ -215,7 +214,6 @@ class Router:
         worker.inflight_decodes += 1
         prefilled = True
         try:
-            first = True
             async for event in self._stream(worker, "/v1/generate", msg, before_first=True):
                 if event.prefill is not None:
                     self._learn(event.prefill, worker, time.perf_counter())
@@ -227,8 +225,6 @@ class Router:
                     yield Piece(finish=event.finish_reason or "stop")
                     return
                 out.completion_tokens += 1
-                if first:
-                    first = False
                 yield Piece(event.text)
         finally:
             worker.served += 1
@@ -346,8 +342,8 @@ class Router:
             err = Unavailable(f"worker {worker.name} answered {resp.status_code} to {path}")
         if resp.status_code >= 500 or isinstance(err, Unavailable):  # down or draining: try elsewhere
             self.metrics.worker_failures.labels(stage=path.rsplit("/", 1)[-1]).inc()
-            if resp.status_code == 503 and worker.status == UP:
-                worker.status = DRAINING if "drain" in str(err) else worker.status
+            if resp.status_code == 503 and worker.status == UP:  # a worker answers 503 only when leaving
+                worker.status = DRAINING
             return _BeforeFirst(worker.name, err)
         return err
 
