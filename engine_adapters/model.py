@@ -197,6 +197,20 @@ def is_cached(cache_dir: str | os.PathLike | None = None, fingerprint: str | Non
     return (root / fingerprint / _CACHE_MARK).is_file()
 
 
+def reference_model_path(cache_dir: str | os.PathLike | None = None, gguf: str | os.PathLike | None = None) -> Path:
+    """The converted transformers folder of the reference model (converted on first use), named by
+    its weights fingerprint: what another engine (e.g. vLLM) loads from disk. Nothing is loaded here."""
+    source = Path(gguf) if gguf else gguf_path()
+    if not source.is_file():
+        raise Unavailable(f"GGUF file {source} does not exist")
+    root = Path(cache_dir) if cache_dir else default_cache_root()
+    fingerprint = weights_fingerprint(source, root)
+    folder = root / fingerprint
+    if not is_cached(root, fingerprint):
+        _convert_into_cache(source, folder, fingerprint)
+    return folder
+
+
 def load_reference_model(cache_dir: str | os.PathLike | None = None, dtype: str = "float32",
                          gguf: str | os.PathLike | None = None) -> ReferenceModel:
     """Load SmolLM2-135M-Instruct on CPU in `dtype` ("float32" default, "bfloat16", "float16").
@@ -208,14 +222,8 @@ def load_reference_model(cache_dir: str | os.PathLike | None = None, dtype: str 
     torch_dtype = _torch_dtype(dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = Path(gguf) if gguf else gguf_path()
-    if not source.is_file():
-        raise Unavailable(f"GGUF file {source} does not exist")
-    root = Path(cache_dir) if cache_dir else default_cache_root()
-    fingerprint = weights_fingerprint(source, root)
-    folder = root / fingerprint
-    if not is_cached(root, fingerprint):
-        _convert_into_cache(source, folder, fingerprint)
+    folder = reference_model_path(cache_dir, gguf)
+    fingerprint = folder.name
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)

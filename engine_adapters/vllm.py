@@ -2,7 +2,7 @@
 
 Enable it in vLLM (see docs/vllm.md):
 
-    vllm serve MODEL --block-size 16 --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+    vllm serve MODEL --block-size 32 --kv-transfer-config '{"kv_connector": "KVPoolConnector",
         "kv_connector_module_path": "engine_adapters.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"kvpool_address": "127.0.0.1:7600", "chunk_tokens": 256}}'
 
@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 from engine_adapters.base import ChunkStore, PlannedObject
-from engine_adapters.vllm_layout import TORCH_DTYPES, ConnectorSettings, detect_paged_layout, paged_kv_views
+from engine_adapters.vllm_layout import (TORCH_DTYPES, ConnectorSettings, backend_paged_layout, kernel_block_ids,
+                                         layer_attention_backends, paged_kv_views)
 from kvpool.api import PoolClient
 from kvpool.errors import CorruptObject, FormatError, InvalidArgument, KVPoolError, LayoutMismatch
 from kvpool.keys import chunk_keys_hex
@@ -154,6 +155,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._layers: dict[str, int] = {}  # layer name -> index into the chunk payload
         self._kv_caches: dict[str, Any] = {}
         self._paged_layout = self.settings.paged_layout
+        self._kernel_ratio = 1  # vLLM kernel blocks per block (the registered tensors are kernel-block granular)
         self._step_meta: KVPoolConnectorMetadata | None = None
         self._active_loads: list[_ActiveLoad] = []
         self._active_saves: list[_ActiveSave] = []
@@ -281,28 +283,48 @@ class KVPoolConnector(KVConnectorBase_V1):
     # ==================== worker side ====================
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Record the layers (in model order) and check their paged layout against the config."""
+        """Record the layers (in model order) and their paged layout, as vLLM's attention backend
+        declares it (`paged_layout` in the extra config overrides), checked against the config."""
         layout, block = self.settings.layout, self.settings.block_size
         if len(kv_caches) != layout.num_layers:
             raise LayoutMismatch(f"vLLM registered {len(kv_caches)} KV layers, the model config says {layout.num_layers}")
         names = list(kv_caches)
         if all(re.search(r"\d+", n) for n in names):  # "model.layers.7.attn": order by layer number
             names.sort(key=lambda n: [int(x) for x in re.findall(r"\d+", n)])
+        backend = self._attention_backend(names)
+        pairs = all(isinstance(kv, (tuple, list)) for kv in kv_caches.values())
+        if self._paged_layout == "auto" and not pairs:
+            if backend is None:
+                raise LayoutMismatch("vLLM did not say which attention backend its layers use (no layer in the static "
+                                     "forward context): set paged_layout in kv_connector_extra_config")
+            self._paged_layout = backend_paged_layout(backend, block, layout.kv_heads, layout.head_dim)
+        backend_name = backend.get_name() if backend is not None else "unknown"
         for i, name in enumerate(names):
             kv = kv_caches[name]
             first = kv[0] if isinstance(kv, (tuple, list)) else kv
             if first.dtype != TORCH_DTYPES[layout.dtype]:
                 raise LayoutMismatch(f"layer {name} KV dtype {first.dtype} differs from the configured {layout.dtype}")
-            if not isinstance(kv, (tuple, list)) and self._paged_layout == "auto":
-                self._paged_layout = detect_paged_layout(kv.shape, block, layout.kv_heads, layout.head_dim)
             k, _ = paged_kv_views(kv, self._paged_layout)
-            if tuple(k.shape[1:]) != (block, layout.kv_heads, layout.head_dim):
-                raise LayoutMismatch(f"layer {name}: paged K view {tuple(k.shape)} does not match block_size={block}, "
-                                     f"kv_heads={layout.kv_heads}, head_dim={layout.head_dim}")
+            kernel_block = k.shape[1] if k.dim() == 4 else 0
+            if k.dim() != 4 or tuple(k.shape[2:]) != (layout.kv_heads, layout.head_dim) or not kernel_block or block % kernel_block:
+                raise LayoutMismatch(f"layer {name} (attention backend {backend_name}, paged layout {self._paged_layout}): "
+                                     f"KV cache of shape {tuple(first.shape)} gives K pages {tuple(k.shape)}, not "
+                                     f"[blocks, a divisor of block_size={block}, kv_heads={layout.kv_heads}, "
+                                     f"head_dim={layout.head_dim}]")
+            self._kernel_ratio = block // kernel_block
             self._layers[name] = i
         self._kv_caches = dict(kv_caches)
-        logger.info("kvpool connector: %d layers, paged layout %s, chunk %d tokens, tp rank %d/%d",
-                    len(names), self._paged_layout, layout.chunk_tokens, self._tp_rank, self.settings.tp_size)
+        logger.info("kvpool connector: %d layers, attention backend %s, paged layout %s, %d kernel block(s) per block, "
+                    "chunk %d tokens, tp rank %d/%d", len(names), backend_name, self._paged_layout, self._kernel_ratio,
+                    layout.chunk_tokens, self._tp_rank, self.settings.tp_size)
+
+    def _attention_backend(self, names: list[str]) -> Any:
+        """The one attention backend class vLLM uses for these layers, or None if it says nothing."""
+        backends = {b.get_name(): b for b in layer_attention_backends(self._vllm_config, names).values()}
+        if len(backends) > 1:
+            raise LayoutMismatch(f"the KV layers use several attention backends ({', '.join(sorted(backends))}): "
+                                 "KVPoolConnector supports one KV cache group")
+        return next(iter(backends.values()), None)
 
     def _begin_step(self) -> KVPoolConnectorMetadata:
         """Per-step worker state; chunk objects to save are allocated here and filled in place."""
@@ -383,8 +405,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             for c in range(load.spec.start // chunk, -(-load.end // chunk)):
                 t0, t1 = max(c * chunk, load.spec.start), min((c + 1) * chunk, load.end)
                 src = load.chunks[c][index, :, :, t0 - c * chunk: t1 - c * chunk]  # [2, heads, T, dim]
-                vals = src.permute(0, 2, 1, 3).reshape(2, -1, block, layout.kv_heads, layout.head_dim)
-                idx = torch.tensor(load.spec.block_ids[t0 // block: t1 // block], dtype=torch.long, device=k_cache.device)
+                vals = src.permute(0, 2, 1, 3).reshape(2, -1, k_cache.shape[1], layout.kv_heads, layout.head_dim)
+                ids = kernel_block_ids(load.spec.block_ids[t0 // block: t1 // block], self._kernel_ratio)
+                idx = torch.tensor(ids, dtype=torch.long, device=k_cache.device)
                 k_cache[idx] = vals[0].to(k_cache.device)
                 v_cache[idx] = vals[1].to(v_cache.device)
 
@@ -397,7 +420,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         k_cache, v_cache = paged_kv_views(kv_layer, self._paged_layout)
         for save in self._active_saves:
             for obj, payload in zip(save.planned, save.payloads):
-                ids = save.spec.block_ids[obj.start // block: (obj.start + chunk) // block]
+                ids = kernel_block_ids(save.spec.block_ids[obj.start // block: (obj.start + chunk) // block], self._kernel_ratio)
                 idx = torch.tensor(ids, dtype=torch.long, device=k_cache.device)
                 for kv_index, cache in ((0, k_cache), (1, v_cache)):
                     gathered = cache[idx].reshape(chunk, *cache.shape[2:])  # [chunk, heads, dim]

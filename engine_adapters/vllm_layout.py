@@ -1,8 +1,9 @@
 """How the vLLM connector sees vLLM: its settings and its paged KV cache geometry.
 
 `ConnectorSettings` maps vLLM's config (model, cache, parallel, `--kv-transfer-config`) onto a
-kvpool `KVLayout` and `Namespace`; `detect_paged_layout` / `paged_kv_views` map one layer's paged
-KV tensor (whatever the attention backend) onto K and V views of shape
+kvpool `KVLayout` and `Namespace`. `backend_paged_layout` names the paged layout of one layer's
+KV tensor from what vLLM's attention backend declares about it (never from the tensor's shape
+or device alone), and `paged_kv_views` maps that tensor onto K and V views of shape
 `[num_blocks, block_size, kv_heads, head_dim]`, so the connector has one code path for all.
 """
 
@@ -10,23 +11,36 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
-from kvpool.errors import InvalidArgument
+from kvpool.errors import InvalidArgument, LayoutMismatch
 from kvpool.keys import Namespace
 from kvpool.layout import KVLayout
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-# Paged layouts of one layer's KV cache, by attention backend (logical shapes):
-#   "nhd"        [2, num_blocks, block_size, kv_heads, head_dim]   FlashAttention (also with
-#                the HND physical layout: vLLM permutes strides, the logical shape stays)
+
+# Paged layouts of one layer's KV cache (logical shapes; the physical stride order may differ,
+# the views below follow the strides):
+# vLLM 0.32 (run in tests/engine_adapters/vllm_real): every backend gets the logical page
+# `[num_blocks, kv_heads, block_size, C]` of `vllm.v1.kv_cache_layout` with C = 2 * head_dim, and
+# the backend decides what C holds:
+#   "kv_last"    K = [..., :head_dim], V = [..., head_dim:]  (FLASH_ATTN, FLASHINFER, TRITON_ATTN,
+#                FLEX_ATTENTION split the page this way)
+#   "kv_rows"    each (block, head) page read as [2 * block_size, head_dim]: all K rows, then all
+#                V rows (CPU_ATTN); needs [block_size, C] contiguous, which its LBHNC layout gives
+# Older vLLM, whose backends declare `get_kv_cache_shape(num_blocks, block_size, heads, dim)`:
+#   "nhd"        [2, num_blocks, block_size, kv_heads, head_dim]   FlashAttention
 #   "flashinfer" [num_blocks, 2, block_size, kv_heads, head_dim]   FlashInfer
-#   "hnd"        [2, num_blocks, kv_heads, block_size, head_dim]   CPU / TPU-style head-major
+#   "hnd"        [2, num_blocks, kv_heads, block_size, head_dim]   head-major, where a backend declares it
 # A (K, V) pair of [num_blocks, block_size, kv_heads, head_dim] tensors is accepted as well.
-PAGED_LAYOUTS = ("nhd", "flashinfer", "hnd")
+PAGED_LAYOUTS = ("kv_last", "kv_rows", "nhd", "flashinfer", "hnd")
+# How the vLLM 0.32 backends that the connector knows split the content axis of their page.
+PAGE_CONTENT_SPLIT = {"CPU_ATTN": "kv_rows", "FLASH_ATTN": "kv_last", "FLASHINFER": "kv_last",
+                      "TRITON_ATTN": "kv_last", "FLEX_ATTENTION": "kv_last"}
+_PROBE_BLOCKS = 1009  # a num_blocks no real dimension equals: finds the block axis in a declared shape
 
 
 def _dtype_name(value: Any) -> str:
@@ -110,30 +124,57 @@ class ConnectorSettings:
         return Namespace(self.model_id, self.weights_fingerprint, self.layout, tp_rank, self.tp_size, self.tenant_salt)
 
 
-def detect_paged_layout(shape: Sequence[int], block_size: int, kv_heads: int, head_dim: int) -> str:
-    """Name the paged layout of a layer's KV tensor from its logical shape (see PAGED_LAYOUTS)."""
-    s = tuple(shape)
-    found = [
-        name
-        for name, expect in (
-            ("nhd", (2, None, block_size, kv_heads, head_dim)),
-            ("flashinfer", (None, 2, block_size, kv_heads, head_dim)),
-            ("hnd", (2, None, kv_heads, block_size, head_dim)),
-        )
-        if len(s) == 5 and all(e is None or e == v for e, v in zip(expect, s))
-    ]
-    if not found:
-        raise InvalidArgument(
-            f"KV cache of shape {s} matches no supported paged layout for block_size={block_size}, "
-            f"kv_heads={kv_heads}, head_dim={head_dim} (MLA caches are not supported)"
-        )
-    return found[0]  # ambiguous only if block_size == kv_heads: set paged_layout explicitly
+def layer_attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, Any]:
+    """Attention backend class of each named layer, as vLLM registered the layer (its static
+    forward context, filled when the model is built); layers vLLM says nothing about are left out."""
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    found = {}
+    for name in layer_names:
+        layer = ctx.get(name)
+        getter = getattr(layer, "get_attn_backend", None)
+        backend = getter() if callable(getter) else getattr(layer, "attn_backend", None)
+        if backend is not None:
+            found[name] = backend
+    return found
+
+
+def backend_paged_layout(backend: Any, block_size: int, kv_heads: int, head_dim: int) -> str:
+    """The paged layout (see PAGED_LAYOUTS) of a vLLM attention backend's KV cache.
+
+    A backend that declares its shape (`get_kv_cache_shape`, older vLLM) is asked for it with a
+    num_blocks and a head count no other dimension equals, which pins every axis; a backend of
+    vLLM's logical [blocks, heads, block_size, 2 * head_dim] page (no such method) is looked up
+    in PAGE_CONTENT_SPLIT. Anything else is refused with the backend's name.
+    """
+    name = str(backend.get_name())
+    declare = getattr(backend, "get_kv_cache_shape", None)
+    if declare is None:
+        if name not in PAGE_CONTENT_SPLIT:
+            raise InvalidArgument(f"KVPoolConnector does not know how vLLM's attention backend {name} lays out K and V "
+                                  f"in its KV cache page (known: {', '.join(sorted(PAGE_CONTENT_SPLIT))}); "
+                                  "MLA and quantized KV caches are not supported")
+        return PAGE_CONTENT_SPLIT[name]
+    heads = next(h for h in (3, 5, 7, 11, 13) if h not in (block_size, head_dim))
+    try:
+        shape = tuple(int(x) for x in declare(_PROBE_BLOCKS, block_size, heads, head_dim))
+    except Exception as exc:  # noqa: BLE001 - the backend's own check, reported with its name
+        raise InvalidArgument(f"vLLM attention backend {name} refused get_kv_cache_shape: {exc}") from exc
+    nb = _PROBE_BLOCKS
+    for layout, expect in (("nhd", (2, nb, block_size, heads, head_dim)), ("flashinfer", (nb, 2, block_size, heads, head_dim)),
+                           ("hnd", (2, nb, heads, block_size, head_dim))):
+        if shape == expect:
+            return layout
+    raise InvalidArgument(f"vLLM attention backend {name} declares a KV cache of shape {shape} for num_blocks={nb}, "
+                          f"block_size={block_size}, kv_heads={heads}, head_dim={head_dim}: not a layout KVPoolConnector "
+                          "supports (MLA caches are not)")
 
 
 def paged_kv_views(kv_layer: Any, layout_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one layer as views of shape [num_blocks, block_size, kv_heads, head_dim].
 
-    Views, not copies: indexed assignment into them writes vLLM's paged buffer in place.
+    Views, not copies: indexed assignment into them writes vLLM's paged buffer in place. With
+    kernel blocks (vLLM splits a block into `ratio` kernel blocks) the leading two axes are
+    [num_blocks * ratio, block_size // ratio].
     """
     if isinstance(kv_layer, (tuple, list)):
         return kv_layer[0], kv_layer[1]
@@ -143,4 +184,23 @@ def paged_kv_views(kv_layer: Any, layout_name: str) -> tuple[torch.Tensor, torch
         return kv_layer[:, 0], kv_layer[:, 1]
     if layout_name == "hnd":
         return kv_layer[0].transpose(1, 2), kv_layer[1].transpose(1, 2)
+    if layout_name in ("kv_last", "kv_rows"):
+        if kv_layer.dim() != 4 or kv_layer.shape[-1] % 2:
+            raise LayoutMismatch(f"a {layout_name} KV cache is [blocks, heads, block_size, 2 * head_dim], got {tuple(kv_layer.shape)}")
+        blocks, heads, tokens, content = kv_layer.shape
+        if layout_name == "kv_last":
+            pages = kv_layer.transpose(1, 2)
+            return pages[..., : content // 2], pages[..., content // 2:]
+        if kv_layer.stride(-1) != 1 or kv_layer.stride(-2) != content:
+            raise LayoutMismatch(f"a kv_rows KV cache needs each [block_size, 2 * head_dim] page contiguous, got strides "
+                                 f"{kv_layer.stride()} for shape {tuple(kv_layer.shape)}")
+        rows = kv_layer.view(blocks, heads, 2, tokens, content // 2)
+        return rows[:, :, 0].transpose(1, 2), rows[:, :, 1].transpose(1, 2)
     raise InvalidArgument(f"unknown paged layout {layout_name!r}")
+
+
+def kernel_block_ids(block_ids: Sequence[int], ratio: int) -> list[int]:
+    """The kernel blocks of vLLM blocks when each block is `ratio` kernel blocks (ratio 1: the same)."""
+    if ratio == 1:
+        return list(block_ids)
+    return [b * ratio + j for b in block_ids for j in range(ratio)]

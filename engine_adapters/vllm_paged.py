@@ -41,7 +41,7 @@ class PagedKV:
     block_ids: list[int]
     num_tokens: int
     block_size: int
-    paged_layout: str = "nhd"
+    paged_layout: str = "kv_last"
 
     def _slots(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= start <= end <= self.num_tokens:
@@ -64,7 +64,7 @@ class PagedKV:
         vc[blocks, offs] = v.to(vc.device)
 
 
-def new_paged_kv(layout: KVLayout, num_tokens: int, block_size: int, paged_layout: str = "nhd",
+def new_paged_kv(layout: KVLayout, num_tokens: int, block_size: int, paged_layout: str = "kv_last",
                  block_ids: Sequence[int] | None = None, device: str = "cpu") -> PagedKV:
     """A zeroed paged cache just big enough for `block_ids` (default: blocks 0, 1, ...)."""
     need = -(-num_tokens // block_size)
@@ -72,7 +72,8 @@ def new_paged_kv(layout: KVLayout, num_tokens: int, block_size: int, paged_layou
     if len(ids) < need:
         raise InvalidArgument(f"{num_tokens} tokens need {need} blocks, got {len(ids)}")
     nb, h, d = (max(ids) + 1 if ids else 0), layout.kv_heads, layout.head_dim
-    shape = {"nhd": (2, nb, block_size, h, d), "flashinfer": (nb, 2, block_size, h, d),
+    shape = {"kv_last": (nb, h, block_size, 2 * d), "kv_rows": (nb, h, block_size, 2 * d),
+             "nhd": (2, nb, block_size, h, d), "flashinfer": (nb, 2, block_size, h, d),
              "hnd": (2, nb, h, block_size, d)}[paged_layout]
     layers = [torch.zeros(shape, dtype=TORCH_DTYPES[layout.dtype], device=device) for _ in range(layout.num_layers)]
     return PagedKV(layers, ids, num_tokens, block_size, paged_layout)
@@ -129,7 +130,7 @@ class PagedLayerwiseLoad(BackgroundLayerwiseLoad):
 class PagedAdapter(ChunkStoreAdapter):
     """`EngineAdapter` over paged KV caches (see the module docstring for the engine format)."""
 
-    def __init__(self, pool: PoolClient, namespace: Namespace, *, block_size: int = 16, paged_layout: str = "nhd"):
+    def __init__(self, pool: PoolClient, namespace: Namespace, *, block_size: int = 16, paged_layout: str = "kv_last"):
         if paged_layout not in PAGED_LAYOUTS:
             raise InvalidArgument(f"paged_layout must be one of {PAGED_LAYOUTS}, got {paged_layout!r}")
         if block_size <= 0 or namespace.layout.chunk_tokens % block_size:

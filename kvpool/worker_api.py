@@ -72,6 +72,7 @@ class PrefillResponse(Message):
     text: str = ""  # the first token as text
     fetch_ms: float = 0.0  # of prefill_ms: reading the cached prefix from the pool
     compute_ms: float = 0.0  # of prefill_ms: the forward passes over the computed tokens
+    push_ms: float = 0.0  # of prefill_ms: writing the new chunks and the tail to the pool (the hand-off)
 
 
 class DecodeRequest(Message):

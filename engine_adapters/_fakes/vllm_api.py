@@ -1,9 +1,11 @@
 """FAKE minimal stand-ins for the parts of vLLM's v1 KV-connector API our connector touches.
 
-Used only where vLLM is not installed (it needs CUDA). They mirror the documented interface of
-`vllm.distributed.kv_transfer.kv_connector.v1.base` (KVConnectorBase_V1, KVConnectorRole,
-KVConnectorMetadata) and the few config / scheduler objects the connector reads, no more. When
-vLLM is installed, `engine_adapters.vllm` subclasses the real base class instead.
+They mirror vLLM 0.32 (`MIRRORS_VLLM`): `vllm.distributed.kv_transfer.kv_connector.v1.base`
+(KVConnectorBase_V1, KVConnectorRole, KVConnectorMetadata), the few config objects the connector
+reads, and the attention backends as far as the connector asks them (`get_name`; the older
+`get_kv_cache_shape`). The real vLLM 0.32 CPU build runs in tests/engine_adapters/vllm_real; these
+stand in for what cannot run here (the CUDA backends) and where vLLM is not installed, and
+`engine_adapters.vllm` subclasses the real base class wherever vLLM is installed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
+
+MIRRORS_VLLM = "0.32.0"  # the vLLM release whose API and KV layouts these stand-ins copy
 
 
 class FakeKVConnectorRole(enum.Enum):
@@ -163,6 +167,86 @@ class FakeModelConfig:
         return self.head_size
 
 
+# ---- FAKE attention backends: what each declares about its KV cache (see vllm_layout.PAGED_LAYOUTS) ----
+
+
+class FakeCpuAttnBackend:
+    """FAKE vLLM 0.32 CPU_ATTN: the logical [blocks, heads, block_size, 2*head_dim] page, read as K rows then V rows."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+
+class FakeFlashAttnBackend:
+    """FAKE vLLM 0.32 FLASH_ATTN: the same page, K and V side by side on the last axis."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN"
+
+
+class FakeLegacyFlashAttnBackend:
+    """FAKE FLASH_ATTN of vLLM releases that declared a 5-D shape: [2, blocks, block_size, heads, dim]."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN"
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+class FakeLegacyFlashInferBackend:
+    """FAKE FLASHINFER of those releases: [blocks, 2, block_size, heads, dim]."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER"
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+class FakeLegacyHeadMajorBackend:
+    """FAKE head-major backend of those releases: [2, blocks, heads, block_size, dim]."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FAKE_HEAD_MAJOR"
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
+
+
+# the backend each paged layout comes from (what the fake engine registers for its layers)
+FAKE_BACKENDS = {"kv_rows": FakeCpuAttnBackend, "kv_last": FakeFlashAttnBackend, "nhd": FakeLegacyFlashAttnBackend,
+                 "flashinfer": FakeLegacyFlashInferBackend, "hnd": FakeLegacyHeadMajorBackend}
+
+
+@dataclass
+class FakeAttentionLayer:
+    """FAKE vLLM Attention layer, as registered in the static forward context."""
+
+    backend: type
+
+    def get_attn_backend(self) -> type:
+        return self.backend
+
+
+@dataclass
+class FakeCompilationConfig:
+    """FAKE stand-in for vLLM's CompilationConfig: the model's layers register here by name."""
+
+    static_forward_context: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class FakeVllmConfig:
     """FAKE stand-in for vLLM's VllmConfig (only the sub-configs the connector reads)."""
@@ -170,4 +254,5 @@ class FakeVllmConfig:
     model_config: FakeModelConfig = field(default_factory=FakeModelConfig)
     cache_config: FakeCacheConfig = field(default_factory=FakeCacheConfig)
     parallel_config: FakeParallelConfig = field(default_factory=FakeParallelConfig)
+    compilation_config: FakeCompilationConfig = field(default_factory=FakeCompilationConfig)
     kv_transfer_config: FakeKVTransferConfig | None = field(default_factory=FakeKVTransferConfig)

@@ -1,7 +1,9 @@
 """FAKE vLLM v1 engine: plays vLLM's scheduler and worker call sequence against a KV connector.
 
-vLLM needs CUDA, so the connector is tested against this driver instead. Per `step()` it makes
-the calls a real engine step makes, in the same order and with the same kinds of arguments:
+It mirrors vLLM 0.32 (`vllm_api.MIRRORS_VLLM`). The real vLLM CPU build drives the connector in
+tests/engine_adapters/vllm_real; this fake covers what cannot run here: the CUDA backends' layouts
+(and the older 5-D ones), kernel blocks, preemption, chunked prefill, outages. Per `step()` it
+makes the calls a real engine step makes, in the same order and with the same kinds of arguments:
 
     scheduler: get_num_new_matched_tokens -> allocate blocks -> update_state_after_alloc
                -> build_connector_meta(scheduler_output)
@@ -13,11 +15,13 @@ the calls a real engine step makes, in the same order and with the same kinds of
                finished requests -> request_finished; blocks of delayed requests are freed only
                when the worker's get_finished reports them.
 
-The paged KV cache is a real torch tensor per layer (CPU, or CUDA with `device="cuda"`) in one of vLLM's layouts, with blocks
-handed out in random order. The "model" is FAKE: the KV of token p in each layer is a
+The paged KV cache is a real torch tensor per layer (CPU, or CUDA with `device="cuda"`) in the
+layout of the attention backend the engine plays (`vllm_api.FAKE_BACKENDS`, registered in the
+config's static forward context as vLLM's model does), with blocks handed out in random order and
+optionally split into kernel blocks. The "model" is FAKE: the KV of token p in each layer is a
 pseudo-random function of tokens[0..p] (as in a causal model), so equal prefixes have equal KV.
-The engine indexes its paged tensors itself (not through the connector's views), so a layout
-mistake in the connector shows up as a mismatch.
+The engine indexes its paged tensors itself, the way each backend's kernel reads them (not
+through the connector's views), so a layout mistake in the connector shows up as a mismatch.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 import xxhash
 
-from engine_adapters._fakes.vllm_api import FakeKVConnectorRole
+from engine_adapters._fakes.vllm_api import FAKE_BACKENDS, FakeAttentionLayer, FakeKVConnectorRole
 
 
 def fake_model_kv(tokens: list[int], num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -129,34 +133,42 @@ class FakeStepResult:
 
 def alloc_paged(paged_layout: str, num_blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype,
                 device: str = "cpu") -> torch.Tensor:
-    shape = {"nhd": (2, num_blocks, block_size, heads, dim), "flashinfer": (num_blocks, 2, block_size, heads, dim),
+    shape = {"kv_last": (num_blocks, heads, block_size, 2 * dim), "kv_rows": (num_blocks, heads, block_size, 2 * dim),
+             "nhd": (2, num_blocks, block_size, heads, dim), "flashinfer": (num_blocks, 2, block_size, heads, dim),
              "hnd": (2, num_blocks, heads, block_size, dim)}[paged_layout]
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _kernel_view(t: torch.Tensor, paged_layout: str, kv: int) -> torch.Tensor:
+    """K (kv=0) or V (kv=1) as vLLM's kernels read it, indexed [block, offset, head, dim]."""
+    if paged_layout == "kv_last":  # FLASH_ATTN: kv_cache.transpose(1, 2).split(head_size, dim=-1)
+        dim = t.shape[-1] // 2
+        return t.transpose(1, 2)[..., kv * dim:(kv + 1) * dim]
+    if paged_layout == "kv_rows":  # CPU_ATTN: kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        blocks, heads, size, content = t.shape
+        return t.view(blocks, heads, 2 * size, content // 2).chunk(2, dim=2)[kv].transpose(1, 2)
+    if paged_layout == "nhd":
+        return t[kv]
+    if paged_layout == "flashinfer":
+        return t[:, kv]
+    return t[kv].transpose(1, 2)
+
+
 def write_slots(t: torch.Tensor, paged_layout: str, kv: int, blocks: torch.Tensor, offs: torch.Tensor, vals: torch.Tensor) -> None:
     """vals [n, heads, dim] -> slots (blocks[i], offs[i]) of K (kv=0) or V (kv=1)."""
-    if paged_layout == "nhd":
-        t[kv][blocks, offs] = vals
-    elif paged_layout == "flashinfer":
-        t[blocks, kv, offs] = vals
-    else:
-        t[kv][blocks, :, offs] = vals
+    _kernel_view(t, paged_layout, kv)[blocks, offs] = vals
 
 
 def read_slots(t: torch.Tensor, paged_layout: str, kv: int, blocks: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if paged_layout == "nhd":
-        return t[kv][blocks, offs]
-    if paged_layout == "flashinfer":
-        return t[blocks, kv, offs]
-    return t[kv][blocks, :, offs]
+    return _kernel_view(t, paged_layout, kv)[blocks, offs]
 
 
 class FakeVllmEngine:
     """FAKE vLLM v1 engine (scheduler + one worker + CPU paged KV cache) driving a KV connector."""
 
     def __init__(self, vllm_config: Any, connector_cls: type, *, client: Any, num_blocks: int = 64,
-                 paged_layout: str = "nhd", token_budget: int | None = None, seed: int = 0, device: str = "cpu"):
+                 paged_layout: str = "kv_last", token_budget: int | None = None, seed: int = 0, device: str = "cpu",
+                 kernel_block_size: int | None = None):
         self.config = vllm_config
         model = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
@@ -170,8 +182,13 @@ class FakeVllmEngine:
         self.scheduler = connector_cls(vllm_config, FakeKVConnectorRole.SCHEDULER, None, client=client)
         self.worker = connector_cls(vllm_config, FakeKVConnectorRole.WORKER, None, client=client)
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.num_layers)]
-        self.kv_caches = {name: alloc_paged(paged_layout, num_blocks, self.block_size, self.kv_heads, self.head_dim,
-                                            self.dtype, device) for name in self.layer_names}
+        for name in self.layer_names:  # as vLLM's Attention layers register themselves
+            vllm_config.compilation_config.static_forward_context[name] = FakeAttentionLayer(FAKE_BACKENDS[paged_layout])
+        # vLLM splits a block into kernel blocks when the backend's kernels need smaller ones
+        self.kernel_block_size = kernel_block_size or self.block_size
+        ratio = self.block_size // self.kernel_block_size
+        self.kv_caches = {name: alloc_paged(paged_layout, num_blocks * ratio, self.kernel_block_size, self.kv_heads,
+                                            self.head_dim, self.dtype, device) for name in self.layer_names}
         self.worker.register_kv_caches(self.kv_caches)
         self.rng = random.Random(seed)
         self.free_blocks = list(range(num_blocks))
@@ -201,14 +218,19 @@ class FakeVllmEngine:
     def read_kv(self, req_id: str, start: int, end: int) -> torch.Tensor:
         """What the paged cache holds for tokens [start, end) of a request: [T, layers, 2, heads, dim]."""
         req = self.requests[req_id]
-        pos = torch.arange(start, end, device=self.device)
-        blocks = torch.tensor(req.block_ids, dtype=torch.long, device=self.device)[pos // self.block_size]
-        offs = pos % self.block_size
+        blocks, offs = self._slots(req, torch.arange(start, end))
         out = torch.empty((end - start, self.num_layers, 2, self.kv_heads, self.head_dim), dtype=self.dtype)
         for li, name in enumerate(self.layer_names):
             for kv in (0, 1):
                 out[:, li, kv] = read_slots(self.kv_caches[name], self.paged_layout, kv, blocks, offs).cpu()
         return out
+
+    def _slots(self, req: FakeRequest, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel block, offset) of each token position: vLLM's slot mapping, kernel-block granular."""
+        ratio = self.block_size // self.kernel_block_size
+        blocks = torch.tensor(req.block_ids, dtype=torch.long)[pos // self.block_size]
+        inner = pos % self.block_size
+        return (blocks * ratio + inner // self.kernel_block_size).to(self.device), (inner % self.kernel_block_size).to(self.device)
 
     def _schedule(self) -> tuple[FakeSchedulerOutput, dict[str, int]]:
         budget = self.token_budget if self.token_budget is not None else 1 << 30
@@ -259,9 +281,7 @@ class FakeVllmEngine:
         """What vLLM's local prefix cache would hold in the request's first blocks."""
         if not local:
             return
-        pos = torch.arange(local)
-        blocks = torch.tensor(req.block_ids, dtype=torch.long)[pos // self.block_size].to(self.device)
-        offs = (pos % self.block_size).to(self.device)
+        blocks, offs = self._slots(req, torch.arange(local))
         for li, name in enumerate(self.layer_names):
             kv = self._model_kv[req.request_id][:local, li].to(self.device)
             if req.local_fill is not None:
@@ -281,11 +301,10 @@ class FakeVllmEngine:
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
             pos = torch.arange(req.num_computed_tokens, req.num_computed_tokens + n)
-            blocks = torch.tensor(req.block_ids, dtype=torch.long)[pos // self.block_size].to(self.device)
+            blocks, offs = self._slots(req, pos)
             kv = self._model_kv[req_id][pos, layer_index].to(self.device)  # [n, 2, heads, dim]
-            pos = pos.to(self.device)
             for which in (0, 1):
-                write_slots(self.kv_caches[name], self.paged_layout, which, blocks, pos % self.block_size, kv[:, which])
+                write_slots(self.kv_caches[name], self.paged_layout, which, blocks, offs, kv[:, which])
 
     def step(self) -> FakeStepResult:
         out, matched = self._schedule()

@@ -280,9 +280,12 @@ class Worker:
         rid = _unique(req.request_id)
         with self.admission.request():
             job, prefix = await self.run_prefill(ids, rid, params)
+            pushed = time.perf_counter()
             saved = await asyncio.to_thread(self._publish, ids, job, prefix, rid)
             handle = self.adapter.make_handle(ids, saved)
-            return self._prefill_response(rid, ids, job, prefix, handle, started)
+            head = self._prefill_response(rid, ids, job, prefix, handle, started)
+            head.push_ms = round((time.perf_counter() - pushed) * 1e3, 3)
+            return head
 
     def _prefill_response(self, rid: str, ids: list[int], job: PrefillJob, prefix: _Prefix,
                           handle: KVHandle | None, started: float) -> PrefillResponse:

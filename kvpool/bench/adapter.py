@@ -10,14 +10,19 @@ and measures, in rotating order:
 - `model_forward`: the bare model forward of the whole prompt, no pool, no worker (the
   baseline of `cold`: what the worker path adds on top of compute).
 
-TTFT is the prefill call from arrival to first token with the KV pushed to the pool. Like
-every `kvpool bench`, this is a CLI face: it imports `engine_adapters` on use only.
+TTFT is the prefill call from arrival to first token with the KV pushed to the pool.
+
+`--engine vllm` adds, in the same run and against the same pool, `vllm_cold` and `vllm_cached_90`:
+the same kind of prompts in a fresh real vLLM engine with the kvpool connector
+(`adapter_vllm.py`; run it where vLLM is installed, e.g. `.venv-vllm/bin/kvpool`). Like every
+`kvpool bench`, this is a CLI face: it imports `engine_adapters` on use only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 
 import click
@@ -29,9 +34,17 @@ from kvpool.bench.report import Report, progress
 @click.option("--tokens", type=int, default=2048, show_default=True, help="Prompt length.")
 @click.option("--reps", type=int, default=3, show_default=True, help="Measured repetitions (after 1 warm-up).")
 @click.option("--chunk-tokens", type=int, default=256, show_default=True)
+@click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
+              help="vllm: also a fresh real vLLM engine with the kvpool connector (needs vllm installed).")
+@click.option("--vllm-dtype", default="float32", show_default=True, help="dtype of the vLLM engine.")
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON line.")
-def adapter(tokens: int, reps: int, chunk_tokens: int, as_json: bool) -> None:
+def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: str, as_json: bool) -> None:
     """TTFT of a long prompt: cold vs 50% and 90% cached (fetched from the pool)."""
+    if engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise click.UsageError("--engine vllm needs vLLM in this environment (e.g. .venv-vllm/bin/kvpool, see `make test`)")
     import torch
 
     import kvpool
@@ -89,6 +102,13 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, as_json: bool) -> None:
         finally:
             worker.stop()
             client.close()
+        vllm = None
+        if engine == "vllm":
+            from kvpool.bench.adapter_vllm import vllm_ttft
+
+            print(f"vLLM: a producer and a fresh consumer engine, {reps} + 1 pairs", file=sys.stderr)
+            vllm = vllm_ttft(pool_server.address, str(rm.path), rm.fingerprint, rm.model_id, fresh_prompt, tokens, reps,
+                             chunk_tokens, vllm_dtype)
 
     report = Report("adapter")
     for name in ("cached_50", "cached_90"):
@@ -98,6 +118,16 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, as_json: bool) -> None:
                           "ttft_fraction_of_cold": round(_median(samples[name]) / _median(samples["cold"]), 3)})
     report.add("ttft_cold", samples["cold"], "ms", baseline="model_forward", baseline_values=samples["model_forward"],
                extra={"prompt_tokens": tokens, "cached_tokens": 0, "computed_tokens": tokens})
+    if vllm is not None:
+        report.add("vllm_ttft_cached_90", vllm["cached_90"], "ms", baseline="vllm_ttft_cold", baseline_values=vllm["cold"],
+                   extra={"prompt_tokens": tokens, "cached_tokens": vllm["cached_tokens"], "dtype": vllm_dtype,
+                          "computed_tokens": tokens - vllm["cached_tokens"], "connector": vllm["stats"],
+                          "ttft_fraction_of_cold": round(_median(vllm["cached_90"]) / _median(vllm["cold"]), 3)})
+        report.add("vllm_ttft_cold", vllm["cold"], "ms", baseline="ttft_cold", baseline_values=samples["cold"],
+                   extra={"prompt_tokens": tokens, "cached_tokens": vllm["cold_cached_tokens"], "dtype": vllm_dtype,
+                          "engine_startup_s": round(vllm["startup_s"], 1)})
+        report.notes.append("vllm_*: a fresh vLLM engine (CPU build, in-process, kv_consumer, local prefix cache off) "
+                            "loading what a kv_producer engine stored; vllm_ttft_cold's baseline is the HF worker's cold TTFT")
     report.notes.append("cached tokens are whole chunks fetched from the pool (worker-local cache off), so "
                         f"'90%' is {cached_tokens['cached_90']} of {tokens} tokens; goal: ttft_cached_90 under "
                         "0.2x cold, i.e. ratio above 5")

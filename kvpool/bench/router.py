@@ -49,27 +49,32 @@ def _tokenizer():
 
 
 async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
+    import tempfile
+
     import kvpool
+    from engine_adapters.serving.launcher import LocalCluster, PoolSpec
     from kvpool import worker_api as wire
-    from kvpool.config import load_settings
     from kvpool.keys import chunk_keys_hex
     from kvpool.router.service import Router, RouterConfig
     from kvpool.router.workers import Workers, WorkerState
-    from kvpool.server import EmbeddedPool
 
     tok, rm = _tokenizer()
     ns = rm.namespace(256)
-    settings = load_settings(port=0, admin_port=0, dram_capacity=256 << 20)
     rng = random.Random(7)
-    with EmbeddedPool(settings) as server:
-        sync = kvpool.connect(server.address)
+    # The pool in its own process, as deployed: in this one its threads would take the GIL from
+    # the routing being timed.
+    pool_proc = LocalCluster(tempfile.mkdtemp(prefix="kvpool-bench-router-pool-"), [],
+                             PoolSpec(args=["--dram-capacity", "256MiB"]))
+    with pool_proc:
+        address = pool_proc.pool_address
+        sync = kvpool.connect(address)
         bar, step = progress(chunks_indexed // 1000, f"indexing {chunks_indexed} chunks")
         with bar:
             for start in range(0, chunks_indexed, 1000):  # tiny objects: the index is what counts here
                 sync.put_batch([(f"{rng.getrandbits(128):032x}", b"x") for _ in range(1000)])
                 step()
-        router = Router(RouterConfig(pool=server.address))
-        router.pool = await kvpool.connect_async(server.address)
+        router = Router(RouterConfig(pool=address))
+        router.pool = await kvpool.connect_async(address)
         router.tokenizer, router.chunk_tokens, router.max_positions = tok, 256, 8192
         router._namespace, router.bytes_per_token = ns.digest(), ns.layout.bytes_per_token
         router.workers = Workers(http=None)
@@ -79,7 +84,7 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
         for i in range(16):
             role = "prefill" if i < 8 else "decode"
             info = wire.WorkerInfo(role=role, model_id="m", namespace=ns.hex(), chunk_tokens=256, dtype="float32",
-                                   pool=server.address, eos_token_ids=[2])
+                                   pool=address, eos_token_ids=[2])
             state = WorkerState(url=f"http://127.0.0.1:{9000 + i}", name=f"{role}-{i}", info=info)
             state.local_keys = {f"{rng.getrandbits(128):032x}" for _ in range(6000)} | set(sys_keys[: i * 2])
             router.workers.by_url[state.url] = state

@@ -75,7 +75,7 @@ class CostModel:
                 self._dirty = True
 
     def observe_handoff(self, seconds: float) -> None:
-        """Measured disaggregation overhead: TTFT through two workers minus the prefill itself."""
+        """Measured disaggregation overhead: pushing the KV to the pool plus the extra HTTP call."""
         if seconds >= 0:
             with self._lock:
                 prev = self._handoff_s

@@ -291,9 +291,9 @@ class Router:
         fetched = head.pool_cached_tokens * (worker.info.bytes_per_token or self.bytes_per_token)
         self.cost.observe_prefill(head.computed_tokens, head.cached_tokens, head.compute_ms / 1e3,
                                   fetched, head.fetch_ms / 1e3)
-        overhead = (time.perf_counter() - sent) - (head.compute_ms + head.fetch_ms) / 1e3
-        if worker.role == "prefill":
-            self.cost.observe_handoff(max(0.0, overhead))
+        if worker.role == "prefill":  # the push plus the HTTP round trip; queue wait is not hand-off
+            http = (time.perf_counter() - sent) - head.prefill_ms / 1e3
+            self.cost.observe_handoff(max(0.0, head.push_ms / 1e3 + http))
         self.metrics.prompt_tokens.labels(source="cached").inc(head.cached_tokens)
         self.metrics.prompt_tokens.labels(source="computed").inc(head.computed_tokens)
 

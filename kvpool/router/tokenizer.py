@@ -26,14 +26,16 @@ _CUT = re.compile(r"(?<=[.!?:;\n])(?= [A-Za-z])")
 class _Cache:
     """Approximate LRU in two generations: hits move an entry to the young one; when the young
     one is full it becomes the old one and the old one is dropped. A lookup is one or two dict
-    reads (no lock: each operation is a single dict call, atomic under the GIL)."""
+    reads (no lock: each operation is a single dict call, atomic under the GIL). Values are
+    tuples of ints, which the garbage collector stops tracking: hundreds of thousands of cached
+    lists would make every full collection a pause of many ms in the routing path."""
 
     def __init__(self, capacity: int):
         self.half = max(1, capacity // 2)
-        self._young: dict[str, list[int]] = {}
-        self._old: dict[str, list[int]] = {}
+        self._young: dict[str, tuple[int, ...]] = {}
+        self._old: dict[str, tuple[int, ...]] = {}
 
-    def get(self, key: str) -> list[int] | None:
+    def get(self, key: str) -> tuple[int, ...] | None:
         value = self._young.get(key)
         if value is None:
             value = self._old.get(key)
@@ -41,7 +43,7 @@ class _Cache:
                 self.put(key, value)
         return value
 
-    def put(self, key: str, value: list[int]) -> None:
+    def put(self, key: str, value: tuple[int, ...]) -> None:
         if len(self._young) >= self.half:
             self._old, self._young = self._young, {}
         self._young[key] = value
@@ -95,7 +97,7 @@ class RouterTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         segments = [p for p in (self._split.split(text) if self._split is not None else [text]) if p]
-        found: dict[str, list[int]] = {}
+        found: dict[str, tuple[int, ...] | None] = {}
         new = [g for g in dict.fromkeys(segments)
                if g not in self._special_ids and (found.setdefault(g, self._segments.get(g)) is None)]
         if new:
@@ -104,10 +106,10 @@ class RouterTokenizer:
             missing = [p for p, v in have.items() if v is None]
             if missing:
                 for piece, enc in zip(missing, self._tok.encode_batch_fast(missing, add_special_tokens=False)):
-                    have[piece] = enc.ids
-                    self._sentences.put(piece, enc.ids)
+                    have[piece] = tuple(enc.ids)
+                    self._sentences.put(piece, have[piece])
             for g, ps in sentences.items():
-                found[g] = [t for p in ps for t in have[p]]
+                found[g] = tuple(t for p in ps for t in have[p])
                 self._segments.put(g, found[g])
         ids: list[int] = []
         if add_special_tokens and self.add_bos_token and self.bos_token is not None:
