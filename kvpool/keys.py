@@ -18,7 +18,9 @@ pool never hands one model's KV to another.
 
 from __future__ import annotations
 
+import array
 import json
+import sys
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -90,13 +92,31 @@ def chunk_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, chunk_token
         raise InvalidArgument(f"namespace must be {KEY_BYTES} bytes")
     if not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
         raise InvalidArgument(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-    arr = _tokens_array(tokens)
+    raw = _tokens_bytes(tokens)
+    step = 4 * chunk_tokens
     keys: list[bytes] = []
     prev = bytes(namespace)
-    for start in range(0, arr.size - chunk_tokens + 1, chunk_tokens):
-        prev = xxhash.xxh3_128_digest(prev + arr[start : start + chunk_tokens].tobytes())
+    for start in range(0, len(raw) - step + 1, step):
+        prev = xxhash.xxh3_128_digest(prev + raw[start : start + step])
         keys.append(prev)
     return keys
+
+
+def _tokens_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian u32 bytes. A list goes through `array` (~3x faster than numpy for
+    a Python list: the router hashes every prompt); anything else through `_tokens_array`."""
+    if isinstance(tokens, (list, tuple)) and _ARRAY_U32:
+        try:
+            arr = array.array("I", tokens)
+        except (OverflowError, TypeError):  # negative, too large, or not an int: say which below
+            return _tokens_array(tokens).tobytes()
+        if sys.byteorder != "little":
+            arr.byteswap()
+        return arr.tobytes()
+    return _tokens_array(tokens).tobytes()
+
+
+_ARRAY_U32 = array.array("I").itemsize == 4
 
 
 def chunk_keys_hex(namespace: bytes, tokens: Sequence[int] | np.ndarray, chunk_tokens: int) -> list[str]:

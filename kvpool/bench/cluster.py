@@ -169,9 +169,10 @@ CONFIGS = {
 @click.option("--rate", "rates", default="0.2,0.4,0.8", show_default=True, help="Request rates.")
 @click.option("--goodput", multiple=True, default=("ttft:3000", "tpot:150"), show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the table as a PNG here.")
 @click.option("--json", "as_json", is_flag=True)
 def disagg(n_workers, configs, num_requests, input_len, output_len, range_ratio, rates, goodput, workdir,
-           as_json) -> None:
+           plot_path, as_json) -> None:
     """Colocated vs disaggregated at the same number of workers (the seed's table)."""
     from kvpool.bench.workloads import random_requests
 
@@ -218,4 +219,39 @@ def disagg(n_workers, configs, num_requests, input_len, output_len, range_ratio,
     report.notes.append(f"{n_workers} workers per config, 1 torch thread each; {num_requests} requests per rate, "
                         f"prompt {input_len}±{int(range_ratio * 100)}% words, answer {output_len}±"
                         f"{int(range_ratio * 100)}% tokens; goodput SLOs {slos}")
+    if plot_path:
+        report.notes.append(plot_table(report.document(), Path(plot_path)))
     report.emit(as_json)
+
+
+def plot_table(doc: dict[str, Any], path: Path) -> str:
+    """One panel per metric of `kvpool bench disagg`'s JSON, one line per config, against rate."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for r in doc["results"]:
+        metric, rest = r["case"].split("/")
+        config, rate = rest.rsplit("@", 1)
+        series.setdefault(metric, {}).setdefault(config, []).append((float(rate), r["value"]))
+    fig, axes = plt.subplots(2, (len(series) + 1) // 2, figsize=(4 * ((len(series) + 1) // 2), 7))
+    for ax, (metric, by_config) in zip(axes.flat, series.items()):
+        for config, points in by_config.items():
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, marker="o", label=config)
+        ax.set_title(metric)
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    for ax in list(axes.flat)[len(series):]:
+        ax.axis("off")
+    fig.suptitle("colocated vs disaggregated (kvpool bench disagg)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return f"plot written to {path}"
