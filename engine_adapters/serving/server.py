@@ -19,34 +19,17 @@ every 1 s until the router answers, then again every 5 s, so a restarted router 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from engine_adapters.serving.service import Worker, WorkerConfig
+from kvpool.listen import bind, url_of, write_ready
 
 log = logging.getLogger(__name__)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
-
-
-def _write_ready(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path)
 
 
 class RouterRegistration:
@@ -209,7 +192,7 @@ def serve(config: WorkerConfig, *, host: str = "127.0.0.1", port: int = 0, ready
         torch.set_num_threads(threads)
     worker = build_worker(config, model_cache=model_cache, dtype=dtype).start()
     actual = sock.getsockname()[1]
-    url = f"http://{host}:{actual}"
+    url = url_of(host, sock)
     server = _make_server(uvicorn.Config(create_app(worker), log_level="warning", access_log=False,
                                          timeout_graceful_shutdown=5))
     registration = RouterRegistration(router, url) if router else None
@@ -222,7 +205,7 @@ def serve(config: WorkerConfig, *, host: str = "127.0.0.1", port: int = 0, ready
             time.sleep(0.02)
         if server.started:
             if ready_file:
-                _write_ready(Path(ready_file), {"url": url, "port": actual, "pid": os.getpid(), "role": config.role})
+                write_ready(ready_file, {"url": url, "port": actual, "pid": os.getpid(), "role": config.role})
             log.info("%s worker serving at %s (pool %s)", config.role, url, config.pool)
             if on_ready is not None:
                 on_ready(url)

@@ -4,28 +4,17 @@ rename of `{"url", "port", "pid"}`), and stop on SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
+from kvpool.listen import bind, url_of, write_ready
 from kvpool.router.app import create_app
 from kvpool.router.service import Router, RouterConfig
 
 log = logging.getLogger(__name__)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.set_inheritable(True)
-    return sock
 
 
 def serve(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0, ready_file: str | None = None,
@@ -34,7 +23,7 @@ def serve(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0, ready
 
     sock = bind(host, port)
     actual = sock.getsockname()[1]
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{actual}"
+    url = url_of(host, sock)
     loop = "uvloop" if _has("uvloop") else "asyncio"
     server = uvicorn.Server(uvicorn.Config(create_app(Router(config)), log_level="warning", access_log=False,
                                            loop=loop, http="httptools" if _has("httptools") else "h11",
@@ -45,9 +34,7 @@ def serve(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0, ready
             time.sleep(0.02)
         if server.started:
             if ready_file:
-                tmp = Path(ready_file).with_name(f".{Path(ready_file).name}.{os.getpid()}")
-                tmp.write_text(json.dumps({"url": url, "port": actual, "pid": os.getpid()}))
-                os.replace(tmp, ready_file)
+                write_ready(ready_file, {"url": url, "port": actual, "pid": os.getpid()})
             log.info("router (%s) serving at %s, pool %s", config.policy, url, config.pool or "none")
             if on_ready is not None:
                 on_ready(url)

@@ -45,6 +45,17 @@ def _wait(predicate, timeout: float, what: str):
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def _add(cluster, name: str):
+    """Start one more decode worker; returns its process once the router has it in rotation, and
+    how long that took after the worker was healthy."""
+    from engine_adapters.serving.launcher import WorkerSpec
+
+    proc = cluster.add_worker(WorkerSpec("decode", name))
+    started = time.monotonic()
+    _wait(lambda: _workers(cluster).get(proc.url, {}).get("status") == "up", 10, f"{name} in rotation")
+    return proc, time.monotonic() - started
+
+
 def _client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.router_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -63,12 +74,7 @@ def _stream(client, max_tokens: int, on_first=None) -> tuple[str, str | None]:
 
 
 def test_added_worker_takes_requests_within_seconds(elastic):
-    from engine_adapters.serving.launcher import WorkerSpec
-
-    proc = elastic.add_worker(WorkerSpec("decode", "decode-b"))
-    started = time.monotonic()
-    _wait(lambda: _workers(elastic).get(proc.url, {}).get("status") == "up", 10, "decode-b in rotation")
-    joined_s = time.monotonic() - started
+    proc, joined_s = _add(elastic, "decode-b")
     client = _client(elastic)
     for _ in range(4):
         client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2, temperature=0)
@@ -77,10 +83,7 @@ def test_added_worker_takes_requests_within_seconds(elastic):
 
 
 def test_killed_decode_worker_fails_only_its_requests(elastic):
-    from engine_adapters.serving.launcher import WorkerSpec
-
-    victim = elastic.add_worker(WorkerSpec("decode", "decode-victim"))
-    _wait(lambda: _workers(elastic).get(victim.url, {}).get("status") == "up", 10, "the victim in rotation")
+    victim, _ = _add(elastic, "decode-victim")
     client = _client(elastic)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_stream, client, 48) for _ in range(6)]
@@ -104,10 +107,7 @@ def test_killed_decode_worker_fails_only_its_requests(elastic):
 
 
 def test_drained_worker_finishes_its_work_and_leaves(elastic):
-    from engine_adapters.serving.launcher import WorkerSpec
-
-    leaver = elastic.add_worker(WorkerSpec("decode", "decode-leaver"))
-    _wait(lambda: _workers(elastic).get(leaver.url, {}).get("status") == "up", 10, "the leaver in rotation")
+    leaver, _ = _add(elastic, "decode-leaver")
     client = _client(elastic)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(_stream, client, 40) for _ in range(4)]
