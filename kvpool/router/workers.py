@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import httpx
+import aiohttp
 
 from kvpool import worker_api as wire
 from kvpool.errors import AlreadyExists, InvalidArgument, Unavailable
@@ -83,7 +83,7 @@ class WorkerState:
 
 
 class Workers:
-    def __init__(self, http: httpx.AsyncClient, *, poll_s: float = 0.25, fail_after: int = 3,
+    def __init__(self, http: aiohttp.ClientSession, *, poll_s: float = 0.25, fail_after: int = 3,
                  forget_s: float = 30.0, on_join: Callable[[WorkerState], Any] | None = None,
                  on_load: Callable[[WorkerState], None] | None = None):
         self.http = http
@@ -184,7 +184,7 @@ class Workers:
                                      timeout=max(1.0, 4 * self.poll_s))
         except Unavailable as exc:
             state.failures += 1
-            refused = isinstance(exc.__cause__, httpx.ConnectError)
+            refused = isinstance(exc.__cause__, aiohttp.ClientConnectorError)
             if refused or state.failures >= self.fail_after:
                 self.mark_down(state, str(exc))
             if state.status == DOWN and time.monotonic() - state.down_since > self.forget_s:
@@ -220,12 +220,14 @@ class Workers:
 
     async def _get(self, url: str, path: str, type_: type, timeout: float) -> Any:
         try:
-            resp = await self.http.get(url + path, timeout=timeout)
-        except httpx.HTTPError as exc:
+            async with self.http.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                body = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise Unavailable(f"worker {url} unreachable: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise Unavailable(f"worker {url} answered {resp.status_code} to {path}: {resp.text[:200]}")
-        return wire.decode(resp.content, type_)
+        if status != 200:
+            raise Unavailable(f"worker {url} answered {status} to {path}: {body[:200]!r}")
+        return wire.decode(body, type_)
 
 
 def _normalize(url: str) -> str:
