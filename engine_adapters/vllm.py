@@ -4,6 +4,7 @@ Enable it in vLLM (see docs/vllm.md):
 
     vllm serve MODEL --block-size 32 --kv-transfer-config '{"kv_connector": "KVPoolConnector",
         "kv_connector_module_path": "engine_adapters.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"kvpool_address": "127.0.0.1:7600", "chunk_tokens": 256}}'
 
 How it maps vLLM onto the pool:
@@ -25,7 +26,8 @@ How it maps vLLM onto the pool:
 Invariants:
 - A chunk that is missing, fails its checksum or has another layout is a miss: nothing of it or
   of later chunks is written to the paged cache, and every block of the request's load range
-  from that chunk on is reported by `get_block_ids_with_load_errors` (vLLM then recomputes).
+  from that chunk on is reported by `get_block_ids_with_load_errors` (vLLM then recomputes them
+  with `"kv_load_failure_policy": "recompute"`; its default, "fail", fails the request).
   A damaged chunk is also removed from the pool (a "removed" event) so a later save replaces it.
 - Saves copy the KV out of the paged buffer before `wait_for_save` returns, so vLLM may reuse the
   blocks afterwards. With `async_save`, the pool writes finish in the background;
@@ -46,8 +48,8 @@ from typing import Any
 import torch
 
 from engine_adapters.base import ChunkStore, PlannedObject
-from engine_adapters.vllm_layout import (TORCH_DTYPES, ConnectorSettings, backend_paged_layout, kernel_block_ids,
-                                         layer_attention_backends, paged_kv_views)
+from engine_adapters.vllm_layout import TORCH_DTYPES, ConnectorSettings, attention_layers, layer_backend
+from engine_adapters.vllm_pages import PageMapIO, ViewIO, kernel_block_ids, resolve_block_io
 from kvpool.api import PoolClient
 from kvpool.errors import CorruptObject, FormatError, InvalidArgument, KVPoolError, LayoutMismatch
 from kvpool.keys import chunk_keys_hex
@@ -142,6 +144,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         else:  # vLLM before 0.11 constructs connectors with (vllm_config, role)
             super().__init__(vllm_config, role)
         self.settings = ConnectorSettings.from_vllm_config(vllm_config)
+        if self.settings.loads and getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+            logger.warning("kv_load_failure_policy is 'fail' (vLLM's default): a chunk evicted or damaged between lookup "
+                           "and load fails its request instead of being recomputed; set \"kv_load_failure_policy\": "
+                           "\"recompute\" in --kv-transfer-config")
         self._client = client
         self._owns_client = client is None
         self._store: ChunkStore | None = None
@@ -154,7 +160,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._tp_rank = self._resolve_tp_rank()
         self._layers: dict[str, int] = {}  # layer name -> index into the chunk payload
         self._kv_caches: dict[str, Any] = {}
-        self._paged_layout = self.settings.paged_layout
+        self._io: ViewIO | PageMapIO | None = None  # how whole blocks of every layer are read and written
         self._kernel_ratio = 1  # vLLM kernel blocks per block (the registered tensors are kernel-block granular)
         self._step_meta: KVPoolConnectorMetadata | None = None
         self._active_loads: list[_ActiveLoad] = []
@@ -171,6 +177,11 @@ class KVPoolConnector(KVConnectorBase_V1):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """True: loads and saves run in the per-layer hooks, which full CUDA graphs would skip."""
         return True
+
+    @property
+    def paged_layout(self) -> str | None:
+        """How this worker moves blocks: a view layout's name, or "probed" (None before registration)."""
+        return None if self._io is None else self._io.name
 
     @property
     def client(self) -> PoolClient:
@@ -283,48 +294,46 @@ class KVPoolConnector(KVConnectorBase_V1):
     # ==================== worker side ====================
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Record the layers (in model order) and their paged layout, as vLLM's attention backend
-        declares it (`paged_layout` in the extra config overrides), checked against the config."""
+        """Record the layers (in model order) and how to move their blocks, as vLLM's attention
+        backend says (`paged_layout` in the extra config overrides), checked against the config."""
         layout, block = self.settings.layout, self.settings.block_size
         if len(kv_caches) != layout.num_layers:
             raise LayoutMismatch(f"vLLM registered {len(kv_caches)} KV layers, the model config says {layout.num_layers}")
         names = list(kv_caches)
         if all(re.search(r"\d+", n) for n in names):  # "model.layers.7.attn": order by layer number
             names.sort(key=lambda n: [int(x) for x in re.findall(r"\d+", n)])
-        backend = self._attention_backend(names)
-        pairs = all(isinstance(kv, (tuple, list)) for kv in kv_caches.values())
-        if self._paged_layout == "auto" and not pairs:
-            if backend is None:
-                raise LayoutMismatch("vLLM did not say which attention backend its layers use (no layer in the static "
-                                     "forward context): set paged_layout in kv_connector_extra_config")
-            self._paged_layout = backend_paged_layout(backend, block, layout.kv_heads, layout.head_dim)
-        backend_name = backend.get_name() if backend is not None else "unknown"
-        for i, name in enumerate(names):
-            kv = kv_caches[name]
-            first = kv[0] if isinstance(kv, (tuple, list)) else kv
-            if first.dtype != TORCH_DTYPES[layout.dtype]:
-                raise LayoutMismatch(f"layer {name} KV dtype {first.dtype} differs from the configured {layout.dtype}")
-            k, _ = paged_kv_views(kv, self._paged_layout)
-            kernel_block = k.shape[1] if k.dim() == 4 else 0
-            if k.dim() != 4 or tuple(k.shape[2:]) != (layout.kv_heads, layout.head_dim) or not kernel_block or block % kernel_block:
-                raise LayoutMismatch(f"layer {name} (attention backend {backend_name}, paged layout {self._paged_layout}): "
-                                     f"KV cache of shape {tuple(first.shape)} gives K pages {tuple(k.shape)}, not "
-                                     f"[blocks, a divisor of block_size={block}, kv_heads={layout.kv_heads}, "
-                                     f"head_dim={layout.head_dim}]")
-            self._kernel_ratio = block // kernel_block
-            self._layers[name] = i
-        self._kv_caches = dict(kv_caches)
-        logger.info("kvpool connector: %d layers, attention backend %s, paged layout %s, %d kernel block(s) per block, "
-                    "chunk %d tokens, tp rank %d/%d", len(names), backend_name, self._paged_layout, self._kernel_ratio,
-                    layout.chunk_tokens, self._tp_rank, self.settings.tp_size)
-
-    def _attention_backend(self, names: list[str]) -> Any:
-        """The one attention backend class vLLM uses for these layers, or None if it says nothing."""
-        backends = {b.get_name(): b for b in layer_attention_backends(self._vllm_config, names).values()}
+        layers = attention_layers(self._vllm_config, names)
+        backends = {layer_backend(layer).get_name() for layer in layers.values()}
         if len(backends) > 1:
             raise LayoutMismatch(f"the KV layers use several attention backends ({', '.join(sorted(backends))}): "
                                  "KVPoolConnector supports one KV cache group")
-        return next(iter(backends.values()), None)
+        backend_name = next(iter(backends), "unknown")
+        first = kv_caches[names[0]]
+        if self.settings.paged_layout != "auto" or isinstance(first, (tuple, list)):
+            self._io = ViewIO(self.settings.paged_layout)
+        elif not layers:
+            raise LayoutMismatch("vLLM did not say which attention backend its layers use (no layer in the static "
+                                 "forward context): set paged_layout in kv_connector_extra_config")
+        else:
+            self._io = resolve_block_io(layers.get(names[0], next(iter(layers.values()))), first, block,
+                                        layout.kv_heads, layout.head_dim)
+        for i, name in enumerate(names):
+            kv = kv_caches[name]
+            head = kv[0] if isinstance(kv, (tuple, list)) else kv
+            if head.dtype != TORCH_DTYPES[layout.dtype]:
+                raise LayoutMismatch(f"layer {name} KV dtype {head.dtype} differs from the configured {layout.dtype}")
+            shape = self._io.block_shape(kv)
+            if len(shape) != 3 or shape[1:] != (layout.kv_heads, layout.head_dim) or not shape[0] or block % shape[0]:
+                raise LayoutMismatch(f"layer {name} (attention backend {backend_name}, paged layout {self._io.name}): "
+                                     f"KV cache of shape {tuple(head.shape)} gives blocks of {shape}, not "
+                                     f"[a divisor of block_size={block}, kv_heads={layout.kv_heads}, "
+                                     f"head_dim={layout.head_dim}]")
+            self._kernel_ratio = block // shape[0]
+            self._layers[name] = i
+        self._kv_caches = dict(kv_caches)
+        logger.info("kvpool connector: %d layers, attention backend %s, paged layout %s, %d kernel block(s) per block, "
+                    "chunk %d tokens, tp rank %d/%d", len(names), backend_name, self._io.name, self._kernel_ratio,
+                    layout.chunk_tokens, self._tp_rank, self.settings.tp_size)
 
     def _begin_step(self) -> KVPoolConnectorMetadata:
         """Per-step worker state; chunk objects to save are allocated here and filled in place."""
@@ -399,17 +408,16 @@ class KVPoolConnector(KVConnectorBase_V1):
             return
         self._loaded_layers.add(layer_name)
         index, chunk, block = self._layers[layer_name], self.settings.chunk_tokens, self.settings.block_size
-        layout = self.settings.layout
-        k_cache, v_cache = paged_kv_views(self._kv_caches[layer_name], self._paged_layout)
+        kv_layer = self._kv_caches[layer_name]
+        block_shape = self._io.block_shape(kv_layer)
+        device = (kv_layer[0] if isinstance(kv_layer, (tuple, list)) else kv_layer).device
         for load in self._active_loads:
             for c in range(load.spec.start // chunk, -(-load.end // chunk)):
                 t0, t1 = max(c * chunk, load.spec.start), min((c + 1) * chunk, load.end)
                 src = load.chunks[c][index, :, :, t0 - c * chunk: t1 - c * chunk]  # [2, heads, T, dim]
-                vals = src.permute(0, 2, 1, 3).reshape(2, -1, k_cache.shape[1], layout.kv_heads, layout.head_dim)
+                vals = src.permute(0, 2, 1, 3).reshape(2, -1, *block_shape).to(device)  # [2, kernel blocks, ...]
                 ids = kernel_block_ids(load.spec.block_ids[t0 // block: t1 // block], self._kernel_ratio)
-                idx = torch.tensor(ids, dtype=torch.long, device=k_cache.device)
-                k_cache[idx] = vals[0].to(k_cache.device)
-                v_cache[idx] = vals[1].to(v_cache.device)
+                self._io.write(kv_layer, torch.tensor(ids, dtype=torch.long, device=device), vals[0], vals[1])
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Copy this layer of the chunks being saved out of the paged buffer, into their objects."""
@@ -417,13 +425,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         if not self._active_saves or layer_name not in self._layers:
             return
         index, chunk, block = self._layers[layer_name], self.settings.chunk_tokens, self.settings.block_size
-        k_cache, v_cache = paged_kv_views(kv_layer, self._paged_layout)
+        device = (kv_layer[0] if isinstance(kv_layer, (tuple, list)) else kv_layer).device
         for save in self._active_saves:
             for obj, payload in zip(save.planned, save.payloads):
                 ids = kernel_block_ids(save.spec.block_ids[obj.start // block: (obj.start + chunk) // block], self._kernel_ratio)
-                idx = torch.tensor(ids, dtype=torch.long, device=k_cache.device)
-                for kv_index, cache in ((0, k_cache), (1, v_cache)):
-                    gathered = cache[idx].reshape(chunk, *cache.shape[2:])  # [chunk, heads, dim]
+                for kv_index, blocks in enumerate(self._io.read(kv_layer, torch.tensor(ids, dtype=torch.long, device=device))):
+                    gathered = blocks.reshape(chunk, *blocks.shape[2:])  # [chunk, heads, dim]
                     payload[index, kv_index].copy_(gathered.permute(1, 0, 2))
 
     def wait_for_save(self) -> None:

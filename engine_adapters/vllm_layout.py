@@ -1,17 +1,18 @@
 """How the vLLM connector sees vLLM: its settings and its paged KV cache geometry.
 
 `ConnectorSettings` maps vLLM's config (model, cache, parallel, `--kv-transfer-config`) onto a
-kvpool `KVLayout` and `Namespace`. `backend_paged_layout` names the paged layout of one layer's
-KV tensor from what vLLM's attention backend declares about it (never from the tensor's shape
-or device alone), and `paged_kv_views` maps that tensor onto K and V views of shape
-`[num_blocks, block_size, kv_heads, head_dim]`, so the connector has one code path for all.
+kvpool `KVLayout` and `Namespace`. `attention_layers` finds the layers vLLM registered and their
+attention backend; `backend_paged_layout` names the view layout a backend declares (never guessed
+from the tensor's shape or device alone), and `paged_kv_views` maps a layer's tensor in such a
+layout onto K and V views of shape `[num_blocks, block_size, kv_heads, head_dim]`. Pages only the
+backend's kernel can decode are probed in `vllm_pages.py`.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 
@@ -22,24 +23,27 @@ from kvpool.layout import KVLayout
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
-# Paged layouts of one layer's KV cache (logical shapes; the physical stride order may differ,
-# the views below follow the strides):
-# vLLM 0.32 (run in tests/engine_adapters/vllm_real): every backend gets the logical page
-# `[num_blocks, kv_heads, block_size, C]` of `vllm.v1.kv_cache_layout` with C = 2 * head_dim, and
-# the backend decides what C holds:
+# Paged layouts of one layer's KV cache that strided views express (logical shapes; the physical
+# stride order may differ, the views follow the strides):
+# vLLM 0.32 (run in tests/engine_adapters/vllm_real) gives every backend the logical page
+# `[num_blocks, kv_heads, block_size, C]` of `vllm.v1.kv_cache_layout`, C = 2 * head_dim, and the
+# backend decides what C holds:
 #   "kv_last"    K = [..., :head_dim], V = [..., head_dim:]  (FLASH_ATTN, FLASHINFER, TRITON_ATTN,
 #                FLEX_ATTENTION split the page this way)
-#   "kv_rows"    each (block, head) page read as [2 * block_size, head_dim]: all K rows, then all
-#                V rows (CPU_ATTN); needs [block_size, C] contiguous, which its LBHNC layout gives
+#   "kv_rows"    each (block, head) page read as [2 * block_size, head_dim]: K rows, then V rows,
+#                token-major. CPU_ATTN splits its page this way, but its kernels keep K in their own
+#                order (transposed on x86 "vec"), so for it the page is probed (vllm_pages.py)
 # Older vLLM, whose backends declare `get_kv_cache_shape(num_blocks, block_size, heads, dim)`:
 #   "nhd"        [2, num_blocks, block_size, kv_heads, head_dim]   FlashAttention
 #   "flashinfer" [num_blocks, 2, block_size, kv_heads, head_dim]   FlashInfer
 #   "hnd"        [2, num_blocks, kv_heads, block_size, head_dim]   head-major, where a backend declares it
 # A (K, V) pair of [num_blocks, block_size, kv_heads, head_dim] tensors is accepted as well.
 PAGED_LAYOUTS = ("kv_last", "kv_rows", "nhd", "flashinfer", "hnd")
-# How the vLLM 0.32 backends that the connector knows split the content axis of their page.
-PAGE_CONTENT_SPLIT = {"CPU_ATTN": "kv_rows", "FLASH_ATTN": "kv_last", "FLASHINFER": "kv_last",
-                      "TRITON_ATTN": "kv_last", "FLEX_ATTENTION": "kv_last"}
+# How the vLLM 0.32 GPU backends split the content axis of their page: used where the page cannot
+# be probed (the layer exposes no `impl.do_kv_cache_update`). CPU_ATTN is not here: its K order
+# depends on the kernel ISA, so it is always probed.
+PAGE_CONTENT_SPLIT = {"FLASH_ATTN": "kv_last", "FLASHINFER": "kv_last", "TRITON_ATTN": "kv_last",
+                      "FLEX_ATTENTION": "kv_last"}
 _PROBE_BLOCKS = 1009  # a num_blocks no real dimension equals: finds the block axis in a declared shape
 
 
@@ -124,22 +128,22 @@ class ConnectorSettings:
         return Namespace(self.model_id, self.weights_fingerprint, self.layout, tp_rank, self.tp_size, self.tenant_salt)
 
 
-def layer_attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, Any]:
-    """Attention backend class of each named layer, as vLLM registered the layer (its static
-    forward context, filled when the model is built); layers vLLM says nothing about are left out."""
+def attention_layers(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, Any]:
+    """The attention layer objects vLLM registered under these names (its static forward context,
+    filled when the model is built), with their attention backend; unknown names are left out."""
     ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
-    found = {}
-    for name in layer_names:
-        layer = ctx.get(name)
-        getter = getattr(layer, "get_attn_backend", None)
-        backend = getter() if callable(getter) else getattr(layer, "attn_backend", None)
-        if backend is not None:
-            found[name] = backend
-    return found
+    return {name: ctx[name] for name in layer_names if layer_backend(ctx.get(name)) is not None}
+
+
+def layer_backend(layer: Any) -> Any:
+    """The attention backend class of a registered layer (None if it names none)."""
+    getter = getattr(layer, "get_attn_backend", None)
+    return getter() if callable(getter) else getattr(layer, "attn_backend", None)
 
 
 def backend_paged_layout(backend: Any, block_size: int, kv_heads: int, head_dim: int) -> str:
-    """The paged layout (see PAGED_LAYOUTS) of a vLLM attention backend's KV cache.
+    """The view layout (see PAGED_LAYOUTS) of a vLLM attention backend's KV cache, from what the
+    backend declares (`vllm_pages.resolve_block_io` probes the page first where it can).
 
     A backend that declares its shape (`get_kv_cache_shape`, older vLLM) is asked for it with a
     num_blocks and a head count no other dimension equals, which pins every axis; a backend of
@@ -198,9 +202,3 @@ def paged_kv_views(kv_layer: Any, layout_name: str) -> tuple[torch.Tensor, torch
         return rows[:, :, 0].transpose(1, 2), rows[:, :, 1].transpose(1, 2)
     raise InvalidArgument(f"unknown paged layout {layout_name!r}")
 
-
-def kernel_block_ids(block_ids: Sequence[int], ratio: int) -> list[int]:
-    """The kernel blocks of vLLM blocks when each block is `ratio` kernel blocks (ratio 1: the same)."""
-    if ratio == 1:
-        return list(block_ids)
-    return [b * ratio + j for b in block_ids for j in range(ratio)]

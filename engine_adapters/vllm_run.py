@@ -1,20 +1,22 @@
-"""Run one real vLLM engine in a process of its own, with or without the kvpool connector.
+"""Run real vLLM engines, one after another, in a process of their own.
 
 The real-engine tests (tests/engine_adapters/vllm_real) and `kvpool bench adapter --engine vllm`
-start each engine through `run_engine(spec)`: a fresh Python process (`python -m
-engine_adapters.vllm_run`) that builds an in-process `vllm.LLM` (no engine-core subprocess), runs
-the spec's phases and prints one JSON result line. A fresh process per engine is what "a fresh
-engine" means: nothing of an earlier engine (its local prefix cache, its connector) survives.
+start engines through `run_engines(spec)`: a fresh Python process (`python -m
+engine_adapters.vllm_run`) builds each engine of the spec in turn as an in-process `vllm.LLM` (no
+engine-core subprocess), runs its phases, shuts it down, and prints one JSON result line at the
+end. Each engine is fresh: its KV cache, scheduler and connector instances are new (vLLM's local
+prefix cache is off unless asked for); only the process, and so vLLM's import, is shared.
 
-A spec is a dict: `model` (a local transformers folder), `dtype`, `block_size`, `max_model_len`,
-`connector` (None, or the `kv_connector_extra_config` plus `kv_role`), and `phases`: each a list of
-token-id `prompts` with `max_tokens`; `timed` phases also report the wall time of each prompt,
-run one at a time (time to first token when `max_tokens` is 1).
+A spec is a dict: `model` (a local transformers folder) and `engines`, a list of dicts with
+`name`, `dtype`, `block_size`, `max_model_len`, `connector` (None, or the `kv_connector_extra_config`
+plus `kv_role` and `kv_load_failure_policy`, default "recompute") and `phases`: each a list of token-id `prompts` with `max_tokens`; `timed` phases
+also report the wall time of each prompt, run one at a time (time to first token when
+`max_tokens` is 1).
 
 vLLM reads its settings from the environment at import, so the child gets them before importing
 it: CPU KV space (`VLLM_CPU_KVCACHE_SPACE`, GiB), the OpenMP cores (`VLLM_CPU_OMP_THREADS_BIND`,
 a range such as `0-1`), and `VLLM_ENABLE_V1_MULTIPROCESSING=0`. vLLM may spawn, so this module
-only runs an engine under its `__main__` guard.
+only runs engines under its `__main__` guard.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def engine_env(kv_space_gib: int = 1, cores: int | None = None) -> dict[str, str
     return env
 
 
-def run_engine(spec: dict[str, Any], *, timeout_s: float = 600, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run `spec` in a fresh process; its result dict, or RuntimeError with the child's log tail."""
-    proc = subprocess.run([sys.executable, "-m", "engine_adapters.vllm_run"], input=json.dumps(spec), text=True,
+def run_engines(spec: dict[str, Any], *, python: str | None = None, timeout_s: float = 900,
+                env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `spec` in a fresh process of `python` (default: this interpreter; it needs vLLM and this
+    package): {"import_s", "engines": {name: result}}, or RuntimeError with the child's log tail."""
+    proc = subprocess.run([python or sys.executable, "-m", "engine_adapters.vllm_run"], input=json.dumps(spec), text=True,
                           capture_output=True, timeout=timeout_s, env=env or engine_env())
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_MARK):
@@ -55,8 +59,10 @@ def _connector_config(connector: dict[str, Any]) -> Any:
 
     extra = dict(connector)
     role = extra.pop("kv_role", "kv_both")
+    # a chunk that is gone or damaged at load time is recomputed (vLLM 0.32's default fails the request)
+    policy = extra.pop("kv_load_failure_policy", "recompute")
     return KVTransferConfig(kv_connector="KVPoolConnector", kv_connector_module_path="engine_adapters.vllm",
-                            kv_role=role, kv_connector_extra_config=extra)
+                            kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy=policy)
 
 
 def _connector_stats() -> dict[str, int] | None:
@@ -67,41 +73,58 @@ def _connector_stats() -> dict[str, int] | None:
         return None
     if not has_kv_transfer_group():
         return None
-    return dict(getattr(get_kv_transfer_group(), "stats", {}) or {})
+    connector = get_kv_transfer_group()
+    return {**(getattr(connector, "stats", None) or {}), "paged_layout": getattr(connector, "paged_layout", None)}
 
 
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    began = time.perf_counter()
+    import vllm  # noqa: F401 - timed apart from the engines
+
+    result: dict[str, Any] = {"import_s": time.perf_counter() - began, "engines": {}}
+    for engine in spec["engines"]:
+        result["engines"][engine["name"]] = _run_engine(spec["model"], engine)
+    return result
+
+
+def _run_engine(model: str, engine: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    kwargs: dict[str, Any] = dict(model=spec["model"], dtype=spec.get("dtype", "bfloat16"),
-                                  block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 2048),
-                                  enforce_eager=True, seed=0, enable_prefix_caching=spec.get("prefix_caching", False))
-    if spec.get("connector") is not None:
-        kwargs["kv_transfer_config"] = _connector_config(spec["connector"])
+    kwargs: dict[str, Any] = dict(model=model, dtype=engine.get("dtype", "bfloat16"),
+                                  block_size=engine.get("block_size", 32), max_model_len=engine.get("max_model_len", 2048),
+                                  enforce_eager=True, seed=0, enable_prefix_caching=engine.get("prefix_caching", False))
+    if engine.get("connector") is not None:
+        kwargs["kv_transfer_config"] = _connector_config(engine["connector"])
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "phases": []}
-    for phase in spec["phases"]:
-        params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 16), logprobs=2)
-        prompts = [{"prompt_token_ids": list(p)} for p in phase["prompts"]]
-        times = []
-        if phase.get("timed"):
-            outputs = []
-            for prompt in prompts:
-                t0 = time.perf_counter()
-                outputs += llm.generate([prompt], params, use_tqdm=False)
-                times.append((time.perf_counter() - t0) * 1e3)
-        else:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-        result["phases"].append({
-            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+    try:
+        for phase in engine["phases"]:
+            result["phases"].append(_run_phase(llm, SamplingParams, phase))
+        result["stats"] = _connector_stats()
+    finally:  # the worker's connector shuts down with the engine (async saves end first)
+        llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def _run_phase(llm: Any, sampling_params: Any, phase: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    params = sampling_params(temperature=0.0, max_tokens=phase.get("max_tokens", 16), logprobs=2)
+    prompts = [{"prompt_token_ids": list(p)} for p in phase["prompts"]]
+    times = []
+    if phase.get("timed"):
+        outputs = []
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            outputs += llm.generate([prompt], params, use_tqdm=False)
+            times.append((time.perf_counter() - t0) * 1e3)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
             "margins": [[_margin(step) for step in (o.outputs[0].logprobs or [])] for o in outputs],
             "cached_tokens": [o.num_cached_tokens for o in outputs],
             "kv_transfer_params": [o.kv_transfer_params for o in outputs],
-            "ms": times,
-        })
-    result["stats"] = _connector_stats()
-    return result
+            "ms": times, "s": time.perf_counter() - started}
 
 
 def _margin(step: dict[int, Any]) -> float | None:
@@ -112,3 +135,5 @@ def _margin(step: dict[int, Any]) -> float | None:
 
 if __name__ == "__main__":
     print(RESULT_MARK + json.dumps(_run(json.loads(sys.stdin.read()))), flush=True)
+    # Every engine was shut down (its connector's saves ended); skip vLLM's seconds of interpreter teardown.
+    os._exit(0)

@@ -2,8 +2,10 @@
 
 They mirror vLLM 0.32 (`MIRRORS_VLLM`): `vllm.distributed.kv_transfer.kv_connector.v1.base`
 (KVConnectorBase_V1, KVConnectorRole, KVConnectorMetadata), the few config objects the connector
-reads, and the attention backends as far as the connector asks them (`get_name`; the older
-`get_kv_cache_shape`). The real vLLM 0.32 CPU build runs in tests/engine_adapters/vllm_real; these
+reads, and the attention layers and backends as far as the connector asks them (`get_name`, the
+layer's `impl.do_kv_cache_update` that it probes, the older `get_kv_cache_shape`). The FAKE
+CPU_ATTN page copies what the real x86 "vec" kernel was seen to store. The real vLLM 0.32 CPU
+build runs in tests/engine_adapters/vllm_real; these
 stand in for what cannot run here (the CUDA backends) and where vLLM is not installed, and
 `engine_adapters.vllm` subclasses the real base class wherever vLLM is installed.
 """
@@ -167,11 +169,46 @@ class FakeModelConfig:
         return self.head_size
 
 
-# ---- FAKE attention backends: what each declares about its KV cache (see vllm_layout.PAGED_LAYOUTS) ----
+# ---- FAKE attention backends and layers: what each says about its KV cache ----
+# vLLM 0.32 backends get the logical page [blocks, heads, block_size, 2 * head_dim] and write it
+# through their layer's `impl.do_kv_cache_update`, which the connector probes; older backends
+# declared a 5-D shape (`get_kv_cache_shape`).
+
+
+def cpu_vec_views(kv_cache: Any) -> tuple[Any, Any]:
+    """K and V `[blocks, block_size, heads, dim]` views of a FAKE CPU_ATTN page as vLLM 0.32's x86
+    "vec" kernel keeps it (observed in tests/engine_adapters/vllm_real): each (block, head) page is
+    [2 * block_size, head_dim] rows, K first and stored transposed ([head_dim, block_size]), then V."""
+    blocks, heads, size, content = kv_cache.shape
+    halves = kv_cache.view(blocks, heads, 2, size * content // 2)
+    k = halves[:, :, 0].view(blocks, heads, content // 2, size).permute(0, 3, 1, 2)
+    v = halves[:, :, 1].view(blocks, heads, size, content // 2).transpose(1, 2)
+    return k, v
+
+
+def kv_last_views(kv_cache: Any) -> tuple[Any, Any]:
+    """K and V views of a FAKE FLASH_ATTN page: `kv_cache.transpose(1, 2).split(head_dim, -1)`."""
+    pages = kv_cache.transpose(1, 2)
+    return pages[..., : pages.shape[-1] // 2], pages[..., pages.shape[-1] // 2:]
+
+
+class FakeAttentionImpl:
+    """FAKE attention impl: `do_kv_cache_update` stores new K and V at their slots, as vLLM 0.32's does."""
+
+    def __init__(self, views: Any):
+        self._views = views
+
+    def do_kv_cache_update(self, layer: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> None:
+        k_cache, v_cache = self._views(kv_cache)
+        blocks, offsets = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
+        k_cache[blocks, offsets] = key
+        v_cache[blocks, offsets] = value
 
 
 class FakeCpuAttnBackend:
-    """FAKE vLLM 0.32 CPU_ATTN: the logical [blocks, heads, block_size, 2*head_dim] page, read as K rows then V rows."""
+    """FAKE vLLM 0.32 CPU_ATTN (x86 "vec" kernel): see `cpu_vec_views`."""
+
+    views = staticmethod(cpu_vec_views)
 
     @staticmethod
     def get_name() -> str:
@@ -179,7 +216,9 @@ class FakeCpuAttnBackend:
 
 
 class FakeFlashAttnBackend:
-    """FAKE vLLM 0.32 FLASH_ATTN: the same page, K and V side by side on the last axis."""
+    """FAKE vLLM 0.32 FLASH_ATTN: K and V side by side on the page's last axis."""
+
+    views = staticmethod(kv_last_views)
 
     @staticmethod
     def get_name() -> str:
@@ -225,16 +264,18 @@ class FakeLegacyHeadMajorBackend:
         return (2, num_blocks, num_kv_heads, block_size, head_size)
 
 
-# the backend each paged layout comes from (what the fake engine registers for its layers)
-FAKE_BACKENDS = {"kv_rows": FakeCpuAttnBackend, "kv_last": FakeFlashAttnBackend, "nhd": FakeLegacyFlashAttnBackend,
+# the backend behind each layout the fake engine plays ("cpu_vec": a probed page, the rest views)
+FAKE_BACKENDS = {"cpu_vec": FakeCpuAttnBackend, "kv_last": FakeFlashAttnBackend, "nhd": FakeLegacyFlashAttnBackend,
                  "flashinfer": FakeLegacyFlashInferBackend, "hnd": FakeLegacyHeadMajorBackend}
 
 
-@dataclass
 class FakeAttentionLayer:
     """FAKE vLLM Attention layer, as registered in the static forward context."""
 
-    backend: type
+    def __init__(self, backend: type):
+        self.backend = backend
+        views = getattr(backend, "views", None)
+        self.impl = FakeAttentionImpl(views) if views is not None else None
 
     def get_attn_backend(self) -> type:
         return self.backend

@@ -21,7 +21,8 @@ config's static forward context as vLLM's model does), with blocks handed out in
 optionally split into kernel blocks. The "model" is FAKE: the KV of token p in each layer is a
 pseudo-random function of tokens[0..p] (as in a causal model), so equal prefixes have equal KV.
 The engine indexes its paged tensors itself, the way each backend's kernel reads them (not
-through the connector's views), so a layout mistake in the connector shows up as a mismatch.
+through the connector's views or its probed page maps), so a layout mistake in the connector
+shows up as a mismatch.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from typing import Any
 import torch
 import xxhash
 
-from engine_adapters._fakes.vllm_api import FAKE_BACKENDS, FakeAttentionLayer, FakeKVConnectorRole
+from engine_adapters._fakes.vllm_api import (FAKE_BACKENDS, FakeAttentionLayer, FakeKVConnectorRole, cpu_vec_views,
+                                             kv_last_views)
 
 
 def fake_model_kv(tokens: list[int], num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -133,7 +135,7 @@ class FakeStepResult:
 
 def alloc_paged(paged_layout: str, num_blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype,
                 device: str = "cpu") -> torch.Tensor:
-    shape = {"kv_last": (num_blocks, heads, block_size, 2 * dim), "kv_rows": (num_blocks, heads, block_size, 2 * dim),
+    shape = {"kv_last": (num_blocks, heads, block_size, 2 * dim), "cpu_vec": (num_blocks, heads, block_size, 2 * dim),
              "nhd": (2, num_blocks, block_size, heads, dim), "flashinfer": (num_blocks, 2, block_size, heads, dim),
              "hnd": (2, num_blocks, heads, block_size, dim)}[paged_layout]
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -141,12 +143,10 @@ def alloc_paged(paged_layout: str, num_blocks: int, block_size: int, heads: int,
 
 def _kernel_view(t: torch.Tensor, paged_layout: str, kv: int) -> torch.Tensor:
     """K (kv=0) or V (kv=1) as vLLM's kernels read it, indexed [block, offset, head, dim]."""
-    if paged_layout == "kv_last":  # FLASH_ATTN: kv_cache.transpose(1, 2).split(head_size, dim=-1)
-        dim = t.shape[-1] // 2
-        return t.transpose(1, 2)[..., kv * dim:(kv + 1) * dim]
-    if paged_layout == "kv_rows":  # CPU_ATTN: kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-        blocks, heads, size, content = t.shape
-        return t.view(blocks, heads, 2 * size, content // 2).chunk(2, dim=2)[kv].transpose(1, 2)
+    if paged_layout == "kv_last":
+        return kv_last_views(t)[kv]
+    if paged_layout == "cpu_vec":
+        return cpu_vec_views(t)[kv]
     if paged_layout == "nhd":
         return t[kv]
     if paged_layout == "flashinfer":

@@ -12,9 +12,10 @@ and measures, in rotating order:
 
 TTFT is the prefill call from arrival to first token with the KV pushed to the pool.
 
-`--engine vllm` adds, in the same run and against the same pool, `vllm_cold` and `vllm_cached_90`:
-the same kind of prompts in a fresh real vLLM engine with the kvpool connector
-(`adapter_vllm.py`; run it where vLLM is installed, e.g. `.venv-vllm/bin/kvpool`). Like every
+`--engine vllm` adds, in the same run and against the same pool, `vllm_ttft_cold` and
+`vllm_ttft_cached_90`: the same kind of prompts in a fresh real vLLM engine with the kvpool
+connector (`adapter_vllm.py`: the engines run in .venv-vllm's Python by default, where vLLM pins
+its own torch and transformers; the HF figures come from this environment). Like every
 `kvpool bench`, this is a CLI face: it imports `engine_adapters` on use only.
 """
 
@@ -35,16 +36,18 @@ from kvpool.bench.report import Report, progress
 @click.option("--reps", type=int, default=3, show_default=True, help="Measured repetitions (after 1 warm-up).")
 @click.option("--chunk-tokens", type=int, default=256, show_default=True)
 @click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
-              help="vllm: also a fresh real vLLM engine with the kvpool connector (needs vllm installed).")
+              help="vllm: also a fresh real vLLM engine with the kvpool connector (see --vllm-python).")
 @click.option("--vllm-dtype", default="float32", show_default=True, help="dtype of the vLLM engine.")
+@click.option("--vllm-python", default=None, help="Python of an environment with vLLM and kvpool "
+              "(default: .venv-vllm/bin/python, else this one).")
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON line.")
-def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: str, as_json: bool) -> None:
+def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: str, vllm_python: str | None,
+            as_json: bool) -> None:
     """TTFT of a long prompt: cold vs 50% and 90% cached (fetched from the pool)."""
     if engine == "vllm":
-        import importlib.util
+        from kvpool.bench.adapter_vllm import vllm_python as find_vllm_python
 
-        if importlib.util.find_spec("vllm") is None:
-            raise click.UsageError("--engine vllm needs vLLM in this environment (e.g. .venv-vllm/bin/kvpool, see `make test`)")
+        vllm_python = find_vllm_python(vllm_python)
     import torch
 
     import kvpool
@@ -108,7 +111,7 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: 
 
             print(f"vLLM: a producer and a fresh consumer engine, {reps} + 1 pairs", file=sys.stderr)
             vllm = vllm_ttft(pool_server.address, str(rm.path), rm.fingerprint, rm.model_id, fresh_prompt, tokens, reps,
-                             chunk_tokens, vllm_dtype)
+                             chunk_tokens, vllm_dtype, vllm_python)
 
     report = Report("adapter")
     for name in ("cached_50", "cached_90"):

@@ -9,26 +9,45 @@ TTFT is one `generate` call with `max_tokens=1`, from arrival to the first token
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Callable
+
+import click
 
 BLOCK_SIZE = 32  # vLLM's CPU attention backend takes multiples of 32
 
 
+def vllm_python(explicit: str | None) -> str:
+    """The interpreter that runs the engines: `explicit`, else .venv-vllm's (what `make test` builds:
+    vLLM pins its own torch and transformers), else this one; it must find vLLM."""
+    candidates = [explicit] if explicit else [str(Path(".venv-vllm/bin/python")), sys.executable]
+    for python in candidates:
+        if Path(python).exists() or python == sys.executable:
+            probe = subprocess.run([python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"])
+            if probe.returncode == 0:
+                return python
+    raise click.UsageError(f"--engine vllm: no vLLM in {', '.join(candidates)} (`make test` builds .venv-vllm)")
+
+
 def vllm_ttft(address: str, model_path: str, fingerprint: str, model_id: str, fresh_prompt: Callable[[], list[int]],
-              tokens: int, reps: int, chunk_tokens: int, dtype: str) -> dict[str, Any]:
+              tokens: int, reps: int, chunk_tokens: int, dtype: str, python: str) -> dict[str, Any]:
     """{"cold": [ms], "cached_90": [ms], "cached_tokens": n, "startup_s": s} of a fresh vLLM engine."""
-    from engine_adapters.vllm_run import run_engine
+    from engine_adapters.vllm_run import run_engines
 
     extra = {"kvpool_address": address, "chunk_tokens": chunk_tokens, "model_id": model_id,
              "weights_fingerprint": fingerprint}
     pairs = [(fresh_prompt(), fresh_prompt()) for _ in range(reps + 1)]  # (cold, cached); pair 0 warms up
-    base = {"model": model_path, "dtype": dtype, "block_size": BLOCK_SIZE, "max_model_len": tokens + 64}
-    run_engine({**base, "connector": {**extra, "kv_role": "kv_producer"},
-                "phases": [{"prompts": [c[: int(tokens * 0.9)] for _, c in pairs], "max_tokens": 1}]})
+    base = {"dtype": dtype, "block_size": BLOCK_SIZE, "max_model_len": tokens + 64}
+    run_engines(python=python, spec={"model": model_path, "engines": [
+        {**base, "name": "producer", "connector": {**extra, "kv_role": "kv_producer"},
+         "phases": [{"prompts": [c[: int(tokens * 0.9)] for _, c in pairs], "max_tokens": 1}]}]})
     order = [p for pair in pairs for p in pair]
-    result = run_engine({**base, "connector": {**extra, "kv_role": "kv_consumer"},
-                         "phases": [{"prompts": order, "max_tokens": 1, "timed": True}]})
-    phase = result["phases"][0]
-    ms, cached = phase["ms"], phase["cached_tokens"]
+    result = run_engines(python=python, spec={"model": model_path, "engines": [
+        {**base, "name": "consumer", "connector": {**extra, "kv_role": "kv_consumer"},
+         "phases": [{"prompts": order, "max_tokens": 1, "timed": True}]}]})
+    consumer = result["engines"]["consumer"]
+    ms, cached = consumer["phases"][0]["ms"], consumer["phases"][0]["cached_tokens"]
     return {"cold": ms[2::2], "cached_90": ms[3::2], "cached_tokens": cached[3], "cold_cached_tokens": cached[2],
-            "startup_s": result["startup_s"], "stats": result["stats"]}
+            "startup_s": consumer["startup_s"], "stats": consumer["stats"]}
