@@ -62,11 +62,11 @@ class _Common(BaseModel):
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("max_tokens")
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
-    def _positive(cls, v: int | None) -> int | None:
+    def _positive(cls, v: int | None, info: Any) -> int | None:
         if v is not None and v < 1:
-            raise ValueError("max_tokens must be at least 1")
+            raise ValueError(f"{info.field_name} must be at least 1")
         return v
 
     @field_validator("stop")
@@ -108,13 +108,6 @@ class ChatRequest(_Common):
     def _not_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         if not v:
             raise ValueError("messages must not be empty")
-        return v
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _positive_mct(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError("max_completion_tokens must be at least 1")
         return v
 
     def token_budget(self) -> int | None:
