@@ -1,0 +1,243 @@
+"""`kvpool sim`: simulate a cluster on a trace; `kvpool sim plan`: the capacity planner;
+`kvpool sim calibrate`: measure this machine's reference workers into the `local` profile."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvpool.errors import InvalidArgument
+
+
+def _size_or_unlimited(value: str | None) -> int | None:
+    from kvpool.config import parse_size
+
+    if value is None or value.strip().lower() in ("unlimited", "inf", "none"):
+        return None
+    return parse_size(value)
+
+
+def _workload_options(fn):
+    opts = [
+        click.option("--trace", type=click.Path(dir_okay=False), help="Mooncake-format JSONL trace."),
+        click.option("--synthetic", type=int, metavar="N", help="N synthetic multi-turn chat requests instead."),
+        click.option("--synthetic-rate", type=float, default=2.0, show_default=True, help="Their arrival rate."),
+        click.option("--limit", type=int, help="Only the first N requests of the trace."),
+        click.option("--rate-scale", type=float, default=1.0, show_default=True,
+                     help="Replay the arrivals this many times as fast (2: twice the rate)."),
+        click.option("--profile", "profile_name", default="h100-llama3-8b", show_default=True,
+                     help="Performance profile: 'local' (kvpool sim calibrate), a GPU profile, or a JSON file."),
+        click.option("--decode-profile", help="Another profile for decode instances (other cards)."),
+        click.option("--price", type=float, help="$ per instance-hour (overrides the profile's)."),
+        click.option("--decode-price", type=float, help="$ per decode-instance-hour."),
+        click.option("--policy", default="cache_aware", show_default=True,
+                     type=click.Choice(["cache_aware", "round_robin", "least_loaded"])),
+        click.option("--eviction", default="lru", show_default=True, type=click.Choice(["lru", "s3fifo", "arc"])),
+        click.option("--cache", default="global", show_default=True, type=click.Choice(["global", "local"]),
+                     help="global: one pool for all; local: each prefilling instance its own share."),
+        click.option("--ssd", default="0", show_default=True, help="Pool SSD in total (e.g. 4TiB)."),
+        click.option("--local-prefill-tokens", type=int, default=256, show_default=True,
+                     help="Uncached work this small is prefilled on the decode instance (router default)."),
+        click.option("--slo-ttft-ms", type=float, default=2000.0, show_default=True),
+        click.option("--slo-tbt-ms", type=float, default=100.0, show_default=True, help="TPOT SLO per request."),
+        click.option("--slo-target", type=float, default=0.9, show_default=True,
+                     help="Fraction of requests that must meet both SLOs (goodput, plan)."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _load(opts: dict[str, Any]):
+    from kvpool.sim.profile import load_profile
+    from kvpool.sim.workload import load_trace, synthetic
+
+    if opts["trace"] and opts["synthetic"]:
+        raise click.UsageError("give --trace FILE or --synthetic N, not both")
+    if opts["trace"]:
+        workload = load_trace(opts["trace"], limit=opts["limit"])
+    elif opts["synthetic"]:
+        workload = synthetic(opts["synthetic"], opts["synthetic_rate"])
+    else:
+        raise click.UsageError("give a workload: --trace FILE (Mooncake JSONL) or --synthetic N")
+    workload = workload.scaled(opts["rate_scale"])
+    prof = load_profile(opts["profile_name"]).with_price(opts["price"])
+    dprof = load_profile(opts["decode_profile"]).with_price(opts["decode_price"]) if opts["decode_profile"] else (
+        None if opts["decode_price"] is None else prof.with_price(opts["decode_price"]))
+    return workload, prof, dprof
+
+
+def _config(opts: dict[str, Any], prof, dprof, **over):
+    from kvpool.config import parse_size
+    from kvpool.sim.engine import SimConfig
+
+    cfg = SimConfig(profile=prof, decode_profile=dprof, ssd_bytes=parse_size(opts["ssd"]), eviction=opts["eviction"],
+                    policy=opts["policy"], cache=opts["cache"], local_prefill_tokens=opts["local_prefill_tokens"])
+    return replace(cfg, **over)
+
+
+@click.group(invoke_without_command=True)
+@_workload_options
+@click.option("--prefill", type=int, default=0, help="Prefill instances.")
+@click.option("--decode", type=int, default=0, help="Decode instances.")
+@click.option("--colocated", type=int, default=0, help="Colocated instances (instead of --prefill/--decode).")
+@click.option("--dram", default="unlimited", show_default=True, help="Pool DRAM in total (e.g. 512GiB) or unlimited.")
+@click.option("--goodput-steps", type=int, default=6, show_default=True,
+              help="Extra runs of the rate search for goodput_rps (0: skip, goodput_rps null).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write PNG plots here.")
+@click.option("--json", "as_json", is_flag=True, help="End the output with one JSON line.")
+@click.pass_context
+def sim(ctx: click.Context, prefill, decode, colocated, dram, goodput_steps, plot_path, as_json, **opts) -> None:
+    """Simulate a serving cluster on a trace, with the real router and eviction policies.
+
+    \b
+    kvpool sim --trace conversation_trace.jsonl --prefill 16 --decode 16 --json
+    kvpool sim --trace T --colocated 32 --dram 1TiB --ssd 8TiB --policy round_robin
+    kvpool sim plan --trace T --mix 8P/24D,16P/16D,32c --dram 256GiB,1TiB --plot plan.png
+    kvpool sim calibrate            (measures this machine's workers: the 'local' profile)
+
+    Profiles: local, h100-llama3-8b, a100-llama3-8b, h200-llama3-8b, l40s-llama3-8b,
+    h100x8-llama3-70b, a100x8-llama3-70b, h200x8-llama3-70b (docs/sim.md).
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from kvpool.sim.engine import Simulation
+    from kvpool.sim.goodput import goodput_search
+    from kvpool.sim.results import summarize
+
+    if not (prefill or decode or colocated):
+        raise click.UsageError("give --prefill N --decode M, or --colocated K")
+    workload, prof, dprof = _load(opts)
+    cfg = _config(opts, prof, dprof, prefill=prefill, decode=decode, colocated=colocated,
+                  dram_bytes=_size_or_unlimited(dram))
+    slo = (opts["slo_ttft_ms"] / 1e3, opts["slo_tbt_ms"] / 1e3, opts["slo_target"])
+    from kvpool.bench.report import progress
+
+    bar, step = progress(len(workload) + goodput_steps, f"simulating {len(workload)} requests")
+    with bar:
+        simulation = Simulation(workload, cfg).run(on_progress=lambda n: bar.advance(bar.task_ids[0], n))
+        summary = summarize(simulation, *slo)
+        runs = lambda scale: summarize(Simulation(workload.scaled(scale), cfg).run(), *slo)  # noqa: E731
+        goodput, points = goodput_search(runs, workload.rate, slo[2], first=summary, steps=goodput_steps,
+                                         on_step=step)
+    summary["goodput_rps"] = None if goodput is None else round(goodput, 5)
+    summary["goodput_search"] = points
+    if plot_path:
+        from kvpool.sim.plot import plot_run
+
+        summary["plot"] = str(plot_run(simulation, summary, points, Path(plot_path)))
+    _emit(summary, as_json)
+
+
+def _emit(summary: dict[str, Any], as_json: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="kvpool sim", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("requests", "completed", "rejected", "hit_ratio", "token_hit_ratio", "slo_attainment",
+                "goodput_rps", "attained_rps"):
+        if key in summary:
+            table.add_row(key, str(summary[key]))
+    for key in ("ttft_ms", "tbt_ms", "tpot_ms"):
+        if key in summary:
+            d = summary[key]
+            table.add_row(key, " ".join(f"{k} {v}" for k, v in d.items() if k in ("mean", "p50", "p99")))
+    for key in ("busy", "throughput", "cost", "reuse_upper_bound"):
+        if key in summary:
+            table.add_row(key, json.dumps(summary[key]))
+    if "sim_wall_s" in summary:
+        table.add_row("simulation wall time", f"{summary['sim_wall_s']} s")
+    Console(file=sys.stdout if not as_json else sys.stderr).print(table)
+    if as_json:
+        click.echo(json.dumps(summary, default=_json_default))
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return str(obj)
+
+
+@sim.command()
+@_workload_options
+@click.option("--mix", "mixes", default="4P/12D,8P/8D,12P/4D,16c", show_default=True,
+              help="Instance mixes to try, comma-separated (NP/MD or Kc).")
+@click.option("--dram", "drams", default="64GiB,256GiB,1TiB,unlimited", show_default=True,
+              help="Pool DRAM sizes to try, comma-separated.")
+@click.option("--dram-price", type=float, default=0.004, show_default=True, help="$ per GB-hour of pool DRAM.")
+@click.option("--min-hit-ratio", type=float, default=0.0, show_default=True)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the curves as a PNG here.")
+@click.option("--json", "as_json", is_flag=True)
+def plan(mixes, drams, dram_price, min_hit_ratio, plot_path, as_json, **opts) -> None:
+    """Sweep capacities and instance mixes; print the cheapest configuration meeting the targets."""
+    from kvpool.bench.report import progress
+    from kvpool.sim.plan import cheapest, sweep
+
+    workload, prof, dprof = _load(opts)
+    mix_list = [m for m in mixes.split(",") if m.strip()]
+    dram_list = [(d.strip(), _size_or_unlimited(d)) for d in drams.split(",") if d.strip()]
+    if not mix_list or not dram_list:
+        raise click.UsageError("give at least one --mix and one --dram")
+    base = _config(opts, prof, dprof)
+    bar, step = progress(len(mix_list) * len(dram_list), "planning")
+    with bar:
+        rows = sweep(workload, base, mix_list, dram_list, opts["slo_ttft_ms"] / 1e3, opts["slo_tbt_ms"] / 1e3,
+                     opts["slo_target"], dram_price, on_step=step)
+    best = cheapest(rows, opts["slo_target"], min_hit_ratio)
+    doc = {"requests": len(workload), "offered_rps": round(workload.rate, 4), "profile": prof.name,
+           "targets": {"slo_ttft_ms": opts["slo_ttft_ms"], "slo_tbt_ms": opts["slo_tbt_ms"],
+                       "slo_target": opts["slo_target"], "min_hit_ratio": min_hit_ratio},
+           "rows": rows, "cheapest": best}
+    if plot_path:
+        from kvpool.sim.plot import plot_plan
+
+        doc["plot"] = str(plot_plan(rows, best, opts["slo_target"], Path(plot_path)))
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvpool sim plan ({len(workload)} requests at {workload.rate:.3g} req/s, {prof.name})")
+    for col in ("mix", "dram", "$/h", "attainment", "hit ratio", "TTFT p99 ms", "TBT p99 ms"):
+        table.add_column(col)
+    for r in rows:
+        mark = " *" if best is r else ""
+        table.add_row(r["mix"] + mark, r["dram"], f"{r['cost_per_hour']:.2f}", f"{r['slo_attainment']:.3f}",
+                      f"{r['hit_ratio']:.3f}", f"{r['ttft_p99_ms']}", f"{r['tbt_p99_ms']}")
+    console = Console(file=sys.stderr if as_json else sys.stdout)
+    console.print(table)
+    console.print(f"cheapest meeting the targets: {best['mix']} with {best['dram']} DRAM at ${best['cost_per_hour']:.2f}/h"
+                  if best else "no configuration tried meets the targets: add instances or relax the SLOs")
+    if as_json:
+        click.echo(json.dumps(doc, default=_json_default))
+
+
+@sim.command()
+@click.option("--out", "out_path", type=click.Path(dir_okay=False),
+              help="Where to write the profile (default: the 'local' profile path, ~/.cache/kvpool/sim/local.json).")
+@click.option("--workdir", type=click.Path(file_okay=False))
+@click.option("--repeats", type=int, default=2, show_default=True, help="Measurements per point (median kept).")
+@click.option("--json", "as_json", is_flag=True)
+def calibrate(out_path, workdir, repeats, as_json) -> None:
+    """Measure this machine's reference workers (prefill vs uncached/cached tokens, decode step
+    vs batch size and KV, pool fetch and push rates) and write the 'local' profile."""
+    from kvpool.sim.calibrate import run_calibration
+    from kvpool.sim.profile import local_profile_path
+
+    path = Path(out_path) if out_path else local_profile_path()
+    profile, samples = run_calibration(Path(workdir) if workdir else None, repeats=repeats)
+    profile.save(path)
+    click.echo(f"local profile written to {path}", err=as_json)
+    if as_json:
+        click.echo(json.dumps({"profile": profile.to_json(), "path": str(path), "samples": samples}))
+    else:
+        click.echo(json.dumps(profile.to_json(), indent=1))
+
+
+__all__ = ["sim", "InvalidArgument"]

@@ -1,0 +1,177 @@
+"""One simulated serving instance: the reference worker's scheduler as a discrete-event model.
+
+Like `engine_adapters/serving/scheduler.py`, each iteration admits waiting decode sequences
+(up to `max_batch` sequences and `max_kv_tokens` of KV), runs one decode step of the running
+batch, then one prefill chunk of the oldest prefill job (the whole prompt on a prefill-only
+instance). Iterations that carry a prefill chunk are one event each. Iterations that only decode
+are not: while the batch does not change, the next `K` steps (K = the fewest tokens any running
+sequence still owes) are one event whose time is `Profile.decode_steps_s` in closed form; a
+sequence or prompt that arrives meanwhile cuts that plan at the next step boundary. So the event
+count grows with requests and prefill chunks, never with generated tokens.
+
+Invariants: `pending_tokens` = prompt tokens routed here and not yet computed (what the router's
+`queue_tokens` reads); `inbound` = sequences routed here for decode that have not joined yet;
+at most one boundary event per instance is live (older ones carry a stale `version`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from kvpool.router.policy import WorkerView
+from kvpool.sim.profile import Profile
+
+if TYPE_CHECKING:
+    from kvpool.sim.engine import Simulation, Flight
+
+
+class PrefillJob:
+    __slots__ = ("flight", "remaining", "done_tokens", "cached")
+
+    def __init__(self, flight: "Flight", computed: int, cached: int):
+        self.flight = flight
+        self.remaining = computed
+        self.done_tokens = 0
+        self.cached = cached
+
+
+class Sequence:
+    __slots__ = ("flight", "remaining", "kv")
+
+    def __init__(self, flight: "Flight", remaining: int, kv: int):
+        self.flight = flight
+        self.remaining = remaining  # decode steps still owed
+        self.kv = kv
+
+
+class Instance:
+    def __init__(self, sim: "Simulation", name: str, role: str, profile: Profile, cache: Any = None):
+        self.sim = sim
+        self.name = name
+        self.role = role
+        self.profile = profile
+        self.chunk = None if role == "prefill" else profile.prefill_chunk_tokens
+        self.cache = cache  # a per-instance SimPool in local-cache mode, else None
+        self.queue: deque[PrefillJob] = deque()
+        self.pending_tokens = 0
+        self.running: list[Sequence] = []
+        self.joining: deque[Sequence] = deque()
+        self.inbound = 0
+        self.kv = 0
+        self.busy_s = 0.0
+        self.version = 0
+        self.wake_at: float | None = None
+        self._step: tuple[Any, ...] | None = None  # what the iteration in progress does
+        self.prefill_s = 0.0  # of busy_s: prefill chunks
+        self.steps = 0
+
+    # -- what the router sees ------------------------------------------------------------------------
+    def view(self, local_chunks: int = 0) -> WorkerView:
+        return WorkerView(self.name, self.role, self.pending_tokens,
+                          len(self.running) + len(self.joining) + self.inbound, self.kv,
+                          self.profile.max_batch, local_chunks)
+
+    # -- submissions ---------------------------------------------------------------------------------
+    def submit_prefill(self, job: PrefillJob, now: float) -> None:
+        self.queue.append(job)
+        self._nudge(now)
+
+    def submit_decode(self, seq: Sequence, now: float) -> None:
+        self.joining.append(seq)
+        self._nudge(now)
+
+    def _nudge(self, now: float) -> None:
+        if self.wake_at is None:
+            self._iterate(now)
+        elif self._step is not None and self._step[0] == "plan":
+            self._cut(now)
+
+    def _cut(self, now: float) -> None:
+        """End the decode-only plan at the first step boundary at or after `now`."""
+        _, t0, batch, kv0, steps = self._step  # type: ignore[misc]
+        done = self.profile.steps_within(batch, kv0, now - t0)
+        if self.profile.decode_steps_s(batch, kv0, done) < now - t0:
+            done += 1  # the step in progress completes first
+        done = max(1, done)
+        if done >= steps:
+            return
+        self._step = ("plan", t0, batch, kv0, done)
+        self._schedule(t0 + self.profile.decode_steps_s(batch, kv0, done))
+
+    def _schedule(self, t: float) -> None:
+        self.version += 1
+        self.wake_at = t
+        self.sim.at(t, self._boundary, self.version)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def _boundary(self, version: int) -> None:
+        if version != self.version:
+            return
+        now = self.sim.now
+        step, self._step = self._step, None
+        if step[0] == "plan":
+            _, t0, batch, kv0, steps = step
+            dt = now - t0
+            self._advance(steps, dt, batch)
+            self.sim.cost.observe_decode_token(dt / (steps * batch))
+        else:
+            _, t0, batch, job, chunk = step
+            dt = now - t0
+            if batch:
+                self._advance(1, dt, batch)
+            job.remaining -= chunk
+            job.done_tokens += chunk
+            self.pending_tokens -= chunk
+            self.prefill_s += dt if not batch else max(0.0, dt - self.profile.decode_step_s(batch, self.kv))
+            if job.remaining <= 0:
+                self.queue.popleft()
+                self.sim.prefill_done(self, job, now)
+        self.busy_s += dt
+        self._iterate(now)
+
+    def _advance(self, steps: int, dt: float, batch: int) -> None:
+        """`steps` decode steps of the running batch took `dt`: tokens, TBT samples, finishes."""
+        self.steps += steps
+        self.sim.tbt_sample(dt / steps, batch * steps)
+        self.kv += batch * steps
+        still = []
+        for seq in self.running:
+            seq.remaining -= steps
+            seq.kv += steps
+            if seq.remaining <= 0:
+                self.kv -= seq.kv
+                self.sim.decode_done(seq.flight, self.sim.now)
+            else:
+                still.append(seq)
+        self.running = still
+
+    def _admit(self) -> None:
+        p = self.profile
+        held = sum(s.kv + s.remaining for s in self.running) if self.joining else 0
+        while self.joining and len(self.running) < p.max_batch:
+            nxt = self.joining[0]
+            if self.running and held + nxt.kv + nxt.remaining > p.max_kv_tokens:
+                break
+            self.joining.popleft()
+            self.running.append(nxt)
+            self.kv += nxt.kv
+            held += nxt.kv + nxt.remaining
+
+    def _iterate(self, now: float) -> None:
+        self._admit()
+        p = self.profile
+        batch = len(self.running)
+        if self.queue:
+            job = self.queue[0]
+            chunk = job.remaining if self.chunk is None else min(job.remaining, self.chunk)
+            dt = p.mixed_s(batch, self.kv, chunk, job.cached + job.done_tokens)
+            self._step = ("mixed", now, batch, job, chunk)
+            self._schedule(now + dt)
+        elif batch:
+            steps = min(s.remaining for s in self.running)
+            self._step = ("plan", now, batch, self.kv, steps)
+            self._schedule(now + p.decode_steps_s(batch, self.kv, steps))
+        else:
+            self._step = None
+            self.wake_at = None
