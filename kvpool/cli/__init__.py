@@ -18,7 +18,7 @@ from kvpool.errors import KVPoolError
 COMMANDS: dict[str, str] = {
     "admin": "kvpool.cli.admin:admin",
     "keys": "kvpool.cli.keys:keys",
-    "bench": "kvpool.bench:bench",
+    "bench": "kvpool.cli.bench:bench",
     "serve": "kvpool.cli.serve:serve",
     "master": "kvpool.cli.master:master",
     "node": "kvpool.cli.node:node",

@@ -1,4 +1,4 @@
-"""`make gpu-check` (`python -m kvpool.tiers.gpu_check`): use a briefly lent CUDA machine well.
+"""`make gpu-check` (`python -m kvpool.bench.gpu_check`): use a briefly lent CUDA machine well.
 
 In one run of a few minutes it
 1. runs the HBM tier's conformance tests (tests/kvpool/tiers/test_conformance.py -k hbm), and

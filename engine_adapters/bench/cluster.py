@@ -10,8 +10,8 @@
   rates: TTFT mean and std, TPOT p99, E2E p99, throughput, goodput, and each worker's busy
   fraction (seconds in forward passes over the run's wall time: the "GPU utilization" row).
 
-Both are CLI faces that start processes (they import `engine_adapters` on use, like `bench
-adapter`). Workers run one torch thread each, so N workers use N of the machine's cores.
+Both start processes (pool, router, reference workers). Workers run one torch thread each, so N
+workers use N of the machine's cores.
 """
 
 from __future__ import annotations

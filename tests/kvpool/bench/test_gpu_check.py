@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvpool.tiers import gpu_check
+from kvpool.bench import gpu_check
 from kvpool.tiers.hbm import cuda_unavailable_reason
 
 

@@ -15,8 +15,7 @@ TTFT is the prefill call from arrival to first token with the KV pushed to the p
 `--engine vllm` adds, in the same run and against the same pool, `vllm_ttft_cold` and
 `vllm_ttft_cached_90`: the same kind of prompts in a fresh real vLLM engine with the kvpool
 connector (`adapter_vllm.py`: the engines run in .venv-vllm's Python by default, where vLLM pins
-its own torch and transformers; the HF figures come from this environment). Like every
-`kvpool bench`, this is a CLI face: it imports `engine_adapters` on use only.
+its own torch and transformers; the HF figures come from this environment).
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: 
             as_json: bool) -> None:
     """TTFT of a long prompt: cold vs 50% and 90% cached (fetched from the pool)."""
     if engine == "vllm":
-        from kvpool.bench.adapter_vllm import vllm_python as find_vllm_python
+        from engine_adapters.bench.adapter_vllm import vllm_python as find_vllm_python
 
         vllm_python = find_vllm_python(vllm_python)
     import torch
@@ -107,7 +106,7 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: 
             client.close()
         vllm = None
         if engine == "vllm":
-            from kvpool.bench.adapter_vllm import vllm_ttft
+            from engine_adapters.bench.adapter_vllm import vllm_ttft
 
             print(f"vLLM: a producer and a fresh consumer engine, {reps} + 1 pairs", file=sys.stderr)
             vllm = vllm_ttft(pool_server.address, str(rm.path), rm.fingerprint, rm.model_id, fresh_prompt, tokens, reps,
