@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,8 @@ def _workload_options(fn):
         click.option("--ssd", default="0", show_default=True, help="Pool SSD in total (e.g. 4TiB)."),
         click.option("--local-prefill-tokens", type=int, default=256, show_default=True,
                      help="Uncached work this small is prefilled on the decode instance (router default)."),
+        click.option("--host-cores", type=int, default=0, show_default=True,
+                     help="Instances share this many CPU cores (one host, e.g. the local profile); 0: dedicated."),
         click.option("--slo-ttft-ms", type=float, default=2000.0, show_default=True),
         click.option("--slo-tbt-ms", type=float, default=100.0, show_default=True, help="TPOT SLO per request."),
         click.option("--slo-target", type=float, default=0.9, show_default=True,
@@ -78,7 +81,8 @@ def _config(opts: dict[str, Any], prof, dprof, **over):
     from kvpool.sim.engine import SimConfig
 
     cfg = SimConfig(profile=prof, decode_profile=dprof, ssd_bytes=parse_size(opts["ssd"]), eviction=opts["eviction"],
-                    policy=opts["policy"], cache=opts["cache"], local_prefill_tokens=opts["local_prefill_tokens"])
+                    policy=opts["policy"], cache=opts["cache"], local_prefill_tokens=opts["local_prefill_tokens"],
+                    host_cores=opts["host_cores"])
     return replace(cfg, **over)
 
 
@@ -222,22 +226,81 @@ def plan(mixes, drams, dram_price, min_hit_ratio, plot_path, as_json, **opts) ->
 @click.option("--out", "out_path", type=click.Path(dir_okay=False),
               help="Where to write the profile (default: the 'local' profile path, ~/.cache/kvpool/sim/local.json).")
 @click.option("--workdir", type=click.Path(file_okay=False))
-@click.option("--repeats", type=int, default=2, show_default=True, help="Measurements per point (median kept).")
+@click.option("--repeats", type=int, default=2, show_default=True, help="Measurements per prefill point (all of them fitted).")
 @click.option("--json", "as_json", is_flag=True)
 def calibrate(out_path, workdir, repeats, as_json) -> None:
     """Measure this machine's reference workers (prefill vs uncached/cached tokens, decode step
     vs batch size and KV, pool fetch and push rates) and write the 'local' profile."""
-    from kvpool.sim.calibrate import run_calibration
+    import tempfile
+
+    from engine_adapters.serving.launcher import LocalCluster, WorkerSpec
+    from kvpool.sim.calibrate import fit, measure
     from kvpool.sim.profile import local_profile_path
 
     path = Path(out_path) if out_path else local_profile_path()
-    profile, samples = run_calibration(Path(workdir) if workdir else None, repeats=repeats)
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-sim-calibrate-"))
+    args = ["--threads", "1", "--local-cache", "0"]
+    cluster = LocalCluster(workdir, [WorkerSpec("prefill", "prefill-0", list(args)),
+                                     WorkerSpec("decode", "decode-0", list(args))]).start()
+    try:
+        samples, bytes_per_token = measure(cluster.url("prefill-0"), cluster.url("decode-0"), repeats=repeats)
+    finally:
+        cluster.stop()
+    profile = fit(samples, bytes_per_token)
     profile.save(path)
     click.echo(f"local profile written to {path}", err=as_json)
     if as_json:
         click.echo(json.dumps({"profile": profile.to_json(), "path": str(path), "samples": samples}))
     else:
         click.echo(json.dumps(profile.to_json(), indent=1))
+
+
+@sim.command()
+@click.argument("bench_json", type=click.Path(exists=True, dir_okay=False))
+@click.option("--profile", "profile_name", default="local", show_default=True, help="Profile to simulate with.")
+@click.option("--host-cores", type=int, default=os.cpu_count() or 1, show_default=True,
+              help="Cores the real workers shared (contention model; 0 ignores it).")
+@click.option("--json", "as_json", is_flag=True)
+def validate(bench_json, profile_name, host_cores, as_json) -> None:
+    """Simulate a recorded `kvpool bench policies|disagg` run (BENCH_JSON) with the same workload
+    and compare mean TTFT and TPOT with what the real cluster measured."""
+    from transformers import AutoTokenizer
+
+    from engine_adapters.model import reference_model_path
+    from kvpool.sim.engine import Simulation
+    from kvpool.sim.profile import load_profile
+    from kvpool.sim.results import summarize
+    from kvpool.sim.validate import cases, compare
+
+    tok = AutoTokenizer.from_pretrained(reference_model_path())
+
+    def tokenize(messages: list[dict[str, str]]) -> list[int]:
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    doc = json.loads(Path(bench_json).read_text())
+    rows = []
+    for case in cases(doc, tokenize, load_profile(profile_name), host_cores=host_cores):
+        summary = summarize(Simulation(case.workload, case.config).run(), 3600.0, 3600.0)
+        rows.append(compare(case, summary))
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"simulated ({profile_name}) vs real: {Path(bench_json).name}")
+    for col in ("case", "rate", "TTFT mean real", "sim", "sim/real", "TPOT mean real", "sim", "sim/real",
+                "TPOT p99 real", "sim", "cached real", "sim"):
+        table.add_column(col)
+    for r in rows:
+        real, simv, ratio = r["real"], r["sim"], r["ratio"]
+        f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+        table.add_row(r["case"], f"{r['rate']:g}", f(real["ttft_mean_ms"]), f(simv["ttft_mean_ms"]),
+                      str(ratio["ttft_mean_ms"]), f(real["tpot_mean_ms"]), f(simv["tpot_mean_ms"]),
+                      str(ratio["tpot_mean_ms"]), f(real["tpot_p99_ms"]), f(simv["tpot_p99_ms"]),
+                      f(real["mean_cached_tokens"]), f(simv["mean_cached_tokens"]))
+    Console(file=sys.stderr if as_json else sys.stdout).print(table)
+    if as_json:
+        click.echo(json.dumps({"bench": "sim-validate", "against": str(bench_json), "profile": profile_name,
+                               "host_cores": host_cores, "rows": rows}))
 
 
 __all__ = ["sim", "InvalidArgument"]

@@ -1,16 +1,19 @@
 """`kvpool sim calibrate`: measure this machine's reference workers and fit the `local` profile.
 
-It starts a real pool and two real workers (one prefill, one decode; one torch thread each, no
-local prefix cache so cached prefixes come from the pool) and calls them directly:
+`kvpool sim calibrate` starts a real pool and two real workers (one prefill, one decode; one
+torch thread each, no local prefix cache so cached prefixes come from the pool); `measure` calls
+them directly over HTTP:
 - prefill: prompts of c new tokens after k tokens already in the pool; the worker reports
   `compute_ms`, `fetch_ms` and `push_ms` (`kvpool.worker_api.PrefillResponse`). The router's
   own fitter (`CostModel`) gives p0, p_tok, p_attn; fetch and push rates are bytes / time.
-- decode: B sequences of L-token prompts decoded together; the worker's metrics give the step
-  time and batch size (`kvpool_worker_decode_step_seconds`, `..._decode_batch_size`); a
-  non-negative least-squares fit gives step = d0 + d_seq*B + d_kv*(KV tokens in the batch).
+- decode: B sequences of L-token prompts decoded together; the time between the tokens the
+  client receives (the engine's step plus streaming each token out, which shares the worker's
+  two cores and its GIL with the step) is fitted, non-negative least squares, as
+  step = d0 + d_seq*B + d_kv*(KV tokens in the batch). The engine-only step time
+  (`kvpool_worker_decode_step_seconds`) is kept in the samples for comparison.
 - the control hop: a prefill's wall time seen by the caller minus the `prefill_ms` it reports.
-Like `kvpool bench disagg` this is a CLI face that starts processes (imports `engine_adapters`
-on use). It takes a few minutes on two cores; the machine should be otherwise quiet.
+Only the CLI starts the processes (it alone sees `engine_adapters`). It takes a few minutes on
+two cores; the machine should be otherwise quiet.
 """
 
 from __future__ import annotations
@@ -18,16 +21,16 @@ from __future__ import annotations
 import random
 import re
 import statistics
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
+from kvpool import worker_api as wire
 from kvpool.bench.report import progress
+from kvpool.errors import Unavailable
 from kvpool.router.cost import CostModel, _nnls3
 from kvpool.sim.profile import Profile
 
@@ -45,21 +48,51 @@ def _decode_metrics(url: str) -> dict[str, float]:
     return {k: float(v) for k, v in _METRIC.findall(httpx.get(f"{url}/metrics", timeout=10).text)}
 
 
-def run_calibration(workdir: Path | None = None, repeats: int = 2) -> tuple[Profile, dict[str, Any]]:
-    from engine_adapters.serving.client import WorkerClient
-    from engine_adapters.serving.launcher import LocalCluster, WorkerSpec
+class _Worker:
+    """The two worker calls calibration needs, over plain HTTP (`kvpool.worker_api` messages)."""
 
-    workdir = workdir or Path(tempfile.mkdtemp(prefix="kvpool-sim-calibrate-"))
-    args = ["--threads", "1", "--local-cache", "0"]
-    cluster = LocalCluster(workdir, [WorkerSpec("prefill", "prefill-0", list(args)),
-                                     WorkerSpec("decode", "decode-0", list(args))]).start()
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=10.0))
+
+    def prefill(self, ids: list[int]) -> wire.PrefillResponse:
+        resp = self.http.post("/v1/prefill", content=wire.encode(wire.PrefillRequest(token_ids=ids)),
+                              headers={"content-type": "application/json"})
+        if resp.status_code >= 400:
+            raise Unavailable(f"prefill on {self.url} failed: HTTP {resp.status_code} {resp.text[:200]}")
+        return wire.decode(resp.content, wire.PrefillResponse)
+
+    def decode(self, head: wire.PrefillResponse, max_tokens: int, out: list[float]) -> None:
+        """Stream a decode to its end (no stop tokens: exactly `max_tokens`); appends to `out` the
+        mean time between the tokens the client received (streaming included)."""
+        msg = wire.DecodeRequest(handle=head.handle, first_token=head.first_token, max_tokens=max_tokens,
+                                 stop_token_ids=[])
+        stamps = []
+        with self.http.stream("POST", "/v1/decode", content=wire.encode(msg),
+                              headers={"content-type": "application/json"}) as resp:
+            for line in resp.iter_lines():
+                if line.strip():
+                    event = wire.decode(line, wire.TokenEvent)
+                    if event.error is not None:
+                        raise Unavailable(f"decode on {self.url} failed: {event.error.message}")
+                    if event.token_id >= 0:
+                        stamps.append(time.perf_counter())
+        if len(stamps) > 2:  # from the first decoded token on: the pull and the join are not steps
+            out.append((stamps[-1] - stamps[1]) / (len(stamps) - 2))
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def measure(prefill_url: str, decode_url: str, repeats: int = 2) -> tuple[dict[str, Any], int]:
+    """Calibration samples from a running prefill worker and decode worker (started with one
+    torch thread and no local cache), and the model's KV bytes per token."""
     rng = random.Random("kvpool-sim-calibrate")
     samples: dict[str, Any] = {"prefill": [], "decode": [], "hop_ms": []}
+    pre, dec = _Worker(prefill_url), _Worker(decode_url)
     try:
-        pre, dec = WorkerClient(cluster.url("prefill-0")), WorkerClient(cluster.url("decode-0"))
-        info = httpx.get(f"{cluster.url('prefill-0')}/v1/info", timeout=10).json()
-        bpt = int(info["bytes_per_token"])
-        pre.prefill(_tokens(rng, 32))  # warm-up: first forward pays one-off costs
+        bpt = int(httpx.get(f"{pre.url}/v1/info", timeout=10).json()["bytes_per_token"])
+        pre.prefill(_tokens(rng, 32))  # warm-up: the first forward pays one-off costs
         bar, step = progress(len(PREFILL_GRID) * repeats + len(DECODE_GRID), "calibrating")
         with bar:
             for computed, cached in PREFILL_GRID:
@@ -67,9 +100,8 @@ def run_calibration(workdir: Path | None = None, repeats: int = 2) -> tuple[Prof
                     prefix = _tokens(rng, cached)
                     if cached:
                         pre.prefill(prefix)  # its full chunks are now in the pool
-                    ids = prefix + _tokens(rng, computed)
                     started = time.perf_counter()
-                    r = pre.prefill(ids)
+                    r = pre.prefill(prefix + _tokens(rng, computed))
                     wall_ms = (time.perf_counter() - started) * 1e3
                     samples["prefill"].append({
                         "computed": r.computed_tokens, "cached": r.cached_tokens, "compute_ms": r.compute_ms,
@@ -81,9 +113,8 @@ def run_calibration(workdir: Path | None = None, repeats: int = 2) -> tuple[Prof
             for batch, length in DECODE_GRID:
                 heads = [pre.prefill(_tokens(rng, length)) for _ in range(batch)]
                 before = _decode_metrics(dec.url)
-                threads = [threading.Thread(target=lambda h=h: list(dec.decode(h.handle, h.first_token, DECODE_TOKENS,
-                                                                                 stop_token_ids=[])))
-                           for h in heads]
+                gaps: list[float] = []
+                threads = [threading.Thread(target=dec.decode, args=(h, DECODE_TOKENS, gaps)) for h in heads]
                 for t in threads:
                     t.start()
                 for t in threads:
@@ -95,13 +126,13 @@ def run_calibration(workdir: Path | None = None, repeats: int = 2) -> tuple[Prof
                     mean_batch = d["kvpool_worker_decode_batch_size_sum"] / d["kvpool_worker_decode_batch_size_count"]
                     samples["decode"].append({"batch": mean_batch, "kv_tokens": mean_batch * (length + DECODE_TOKENS / 2),
                                               "step_ms": d["kvpool_worker_decode_step_seconds_sum"] / steps * 1e3,
+                                              "client_tbt_ms": statistics.fmean(gaps) * 1e3 if gaps else None,
                                               "steps": steps, "prompt": length})
                 step()
+    finally:
         pre.close()
         dec.close()
-    finally:
-        cluster.stop()
-    return fit(samples, bpt), samples
+    return samples, bpt
 
 
 def fit(samples: dict[str, Any], bytes_per_token: int) -> Profile:
@@ -115,8 +146,9 @@ def fit(samples: dict[str, Any], bytes_per_token: int) -> Profile:
     dec = samples["decode"]
     d0 = d_seq = d_kv = 0.0
     if dec:
+        # what a client sees between tokens (the engine step plus streaming it out), where measured
         x = np.array([[1.0, s["batch"], s["kv_tokens"]] for s in dec])
-        t = np.array([s["step_ms"] / 1e3 for s in dec])
+        t = np.array([(s.get("client_tbt_ms") or s["step_ms"]) / 1e3 for s in dec])
         coef = _nnls3(x, t)
         if coef is not None:
             d0, d_seq, d_kv = (float(c) for c in coef)

@@ -49,6 +49,7 @@ class SimConfig:
     local_prefill_tokens: int = 256  # the router's default (conditional disaggregation)
     admission: Targets | None = None  # the router's admission targets (None: admit everything)
     fit_cost: bool = True  # feed the router's cost model online (False: the profile's values only)
+    host_cores: int = 0  # >0: all instances share this many cores (one host, like the reference workers here)
 
     def validate(self) -> None:
         if self.colocated and (self.prefill or self.decode):
@@ -117,6 +118,7 @@ class Simulation:
         self.tbt_weights: list[int] = []
         self.routed = 0
         self.wall_s = 0.0
+        self.busy_instances = 0
 
     # -- event queue ---------------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[Any], None], arg: Any) -> None:
@@ -188,6 +190,13 @@ class Simulation:
         inst.submit_prefill(job, self.now)
 
     # -- callbacks from instances --------------------------------------------------------------------
+    def slowdown(self, was_busy: bool) -> float:
+        """Time factor for an iteration starting now (an idle instance becoming busy counts itself)."""
+        if not was_busy:
+            self.busy_instances += 1
+        cores = self.config.host_cores
+        return max(1.0, self.busy_instances / cores) if cores > 0 else 1.0
+
     def prefill_done(self, inst: Instance, job: PrefillJob, now: float) -> None:
         flight, req, prof = job.flight, job.flight.req, inst.profile
         dec = flight.decode_inst

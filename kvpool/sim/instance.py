@@ -9,6 +9,10 @@ sequence still owes) are one event whose time is `Profile.decode_steps_s` in clo
 sequence or prompt that arrives meanwhile cuts that plan at the next step boundary. So the event
 count grows with requests and prefill chunks, never with generated tokens.
 
+On a host whose instances share `host_cores` CPU cores (the reference workers here), an
+iteration that starts while more instances are busy than there are cores runs proportionally
+slower (processor sharing, fixed at the iteration's start).
+
 Invariants: `pending_tokens` = prompt tokens routed here and not yet computed (what the router's
 `queue_tokens` reads); `inbound` = sequences routed here for decode that have not joined yet;
 at most one boundary event per instance is live (older ones carry a stale `version`).
@@ -89,15 +93,16 @@ class Instance:
 
     def _cut(self, now: float) -> None:
         """End the decode-only plan at the first step boundary at or after `now`."""
-        _, t0, batch, kv0, steps = self._step  # type: ignore[misc]
-        done = self.profile.steps_within(batch, kv0, now - t0)
-        if self.profile.decode_steps_s(batch, kv0, done) < now - t0:
+        _, t0, batch, kv0, steps, slow = self._step  # type: ignore[misc]
+        elapsed = (now - t0) / slow
+        done = self.profile.steps_within(batch, kv0, elapsed)
+        if self.profile.decode_steps_s(batch, kv0, done) < elapsed:
             done += 1  # the step in progress completes first
         done = max(1, done)
         if done >= steps:
             return
-        self._step = ("plan", t0, batch, kv0, done)
-        self._schedule(t0 + self.profile.decode_steps_s(batch, kv0, done))
+        self._step = ("plan", t0, batch, kv0, done, slow)
+        self._schedule(t0 + slow * self.profile.decode_steps_s(batch, kv0, done))
 
     def _schedule(self, t: float) -> None:
         self.version += 1
@@ -111,7 +116,7 @@ class Instance:
         now = self.sim.now
         step, self._step = self._step, None
         if step[0] == "plan":
-            _, t0, batch, kv0, steps = step
+            _, t0, batch, kv0, steps, _ = step
             dt = now - t0
             self._advance(steps, dt, batch)
             self.sim.cost.observe_decode_token(dt / (steps * batch))
@@ -162,16 +167,21 @@ class Instance:
         self._admit()
         p = self.profile
         batch = len(self.running)
+        was_busy = self.wake_at is not None
         if self.queue:
             job = self.queue[0]
             chunk = job.remaining if self.chunk is None else min(job.remaining, self.chunk)
+            slow = self.sim.slowdown(was_busy)
             dt = p.mixed_s(batch, self.kv, chunk, job.cached + job.done_tokens)
             self._step = ("mixed", now, batch, job, chunk)
-            self._schedule(now + dt)
+            self._schedule(now + dt * slow)
         elif batch:
+            slow = self.sim.slowdown(was_busy)
             steps = min(s.remaining for s in self.running)
-            self._step = ("plan", now, batch, self.kv, steps)
-            self._schedule(now + p.decode_steps_s(batch, self.kv, steps))
+            self._step = ("plan", now, batch, self.kv, steps, slow)
+            self._schedule(now + slow * p.decode_steps_s(batch, self.kv, steps))
         else:
+            if was_busy:
+                self.sim.busy_instances -= 1
             self._step = None
             self.wake_at = None
