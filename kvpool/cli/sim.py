@@ -256,6 +256,66 @@ def calibrate(out_path, workdir, repeats, as_json) -> None:
 
 
 @sim.command()
+@_workload_options
+@click.option("--prefill", type=int, default=16, show_default=True)
+@click.option("--decode", type=int, default=16, show_default=True)
+@click.option("--cheap-decode-profile", default="a100-llama3-8b", show_default=True,
+              help="Decode cards of the equal-cost disaggregated config (Splitwise).")
+@click.option("--scales", default="1,4,8", show_default=True, help="Rate scales for the load rows.")
+@click.option("--capacities", default="256GiB,1TiB,4TiB", show_default=True,
+              help="Pool DRAM sizes for global vs local caches.")
+@click.option("--goodput-steps", type=int, default=6, show_default=True)
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True, help="JSON document here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG here.")
+def study(prefill, decode, cheap_decode_profile, scales, capacities, goodput_steps, out_path, plot_path,
+          **opts) -> None:
+    """The issue's questions on one trace: reuse bound, global vs local caches, policies, colocated vs
+    disaggregated at equal count and equal cost. Writes one JSON document (and a PNG)."""
+    import time
+
+    from kvpool.bench.report import progress
+    from kvpool.sim.profile import load_profile
+    from kvpool.sim.study import Study
+
+    workload, prof, dprof = _load(opts)
+    slo = (opts["slo_ttft_ms"] / 1e3, opts["slo_tbt_ms"] / 1e3, opts["slo_target"])
+    scale_list = tuple(float(x) for x in scales.split(","))
+    caps = [(c.strip(), _size_or_unlimited(c)) for c in capacities.split(",")]
+    base = _config(opts, prof, dprof, prefill=prefill, decode=decode)
+    cheap = load_profile(cheap_decode_profile)
+    n_cheap = int(decode * prof.price_per_hour // cheap.price_per_hour) if cheap.price_per_hour else decode
+    configs = {f"{prefill + decode} colocated": replace(base, prefill=0, decode=0, colocated=prefill + decode),
+               f"{prefill}P/{decode}D": base,
+               f"{prefill}P/{decode}D conditional off": replace(base, local_prefill_tokens=0),
+               f"{prefill}P/{n_cheap}D-{cheap.card.split('-')[0]} (equal cost)": replace(
+                   base, decode=n_cheap, decode_profile=cheap)}
+    total = (len(scale_list) + 2 * len(caps) + 3 * (len(scale_list) + goodput_steps) * 2
+             + len(configs) * (len(scale_list) + goodput_steps))
+    bar, step = progress(total, "study")
+    started = time.perf_counter()
+    with bar:
+        st = Study(workload, slo, goodput_steps, on_run=lambda label: step())
+        doc = {"bench": "sim-study", "profile": prof.name, "cheap_decode_profile": cheap.name,
+               "workload": {"name": workload.name, "requests": len(workload), "rate_rps": round(workload.rate, 4),
+                            "block_tokens": workload.block_tokens},
+               "slo": {"ttft_ms": slo[0] * 1e3, "tbt_ms": slo[1] * 1e3, "target": slo[2]},
+               "reuse": st.reuse(base, scale_list),
+               "global_vs_local": st.global_vs_local(base, [c for c in caps if c[1] is not None]),
+               "policies": st.policies(base, scale_list) + st.policies(
+                   replace(base, cache="local", dram_bytes=caps[0][1]), scale_list),
+               "colocated_vs_disaggregated": st.colocated_vs_disaggregated(configs, scale_list)}
+    doc["runs"] = st.runs
+    doc["wall_s"] = round(time.perf_counter() - started, 1)
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_path).write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+    if plot_path:
+        from kvpool.sim.plot import plot_study
+
+        plot_study(doc, Path(plot_path))
+    click.echo(f"{st.runs} simulations in {doc['wall_s']} s; written to {out_path}")
+
+
+@sim.command()
 @click.argument("bench_json", type=click.Path(exists=True, dir_okay=False))
 @click.option("--profile", "profile_name", default="local", show_default=True, help="Profile to simulate with.")
 @click.option("--host-cores", type=int, default=os.cpu_count() or 1, show_default=True,

@@ -101,3 +101,37 @@ def plot_plan(rows: list[dict[str, Any]], best: dict[str, Any] | None, target: f
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def plot_study(doc: dict[str, Any], path: Path) -> Path:
+    """Colocated vs disaggregated (TTFT mean, TTFT std, TBT p99, output throughput, busy) against
+    load, one line per config; and the policies' TTFT p99."""
+    plt = _plt()
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    metrics = (("ttft_ms", "mean", "TTFT mean (ms)"), ("ttft_ms", "std", "TTFT std (ms)"),
+               ("tbt_ms", "p99", "TBT p99 (ms)"), ("throughput", "output_tok_per_s", "output tok/s"),
+               ("slo_attainment", None, "SLO attainment"))
+    base_rate = doc["workload"]["rate_rps"]
+    for ax, (key, sub, title) in zip(axes.flat, metrics):
+        for row in doc["colocated_vs_disaggregated"]:
+            pts = sorted((float(k[1:]) * base_rate, v[key] if sub is None else v[key][sub])
+                         for k, v in row["by_rate_scale"].items())
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=row["config"])
+        ax.set_title(title)
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    ax = axes.flat[5]
+    for row in doc["policies"]:
+        pts = sorted((float(k[1:]) * base_rate, v["ttft_ms"]["p99"]) for k, v in row["by_rate_scale"].items())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{row['policy']} ({row['cache']})")
+    ax.set_title("policies: TTFT p99 (ms)")
+    ax.set_xlabel("arrival rate (req/s)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"kvpool sim study: {doc['workload']['name']}, {doc['workload']['requests']} requests, {doc['profile']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
