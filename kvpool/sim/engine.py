@@ -206,7 +206,7 @@ class Simulation:
             inst.cache.store(req.blocks)
         elif self.pool is not None:
             self.at(now + push, self._store, req.blocks)
-        if self.config.fit_cost and inst.role == "prefill":
+        if self.config.fit_cost:  # the router learns from every prefill it is told about
             self.cost.observe_prefill(job.done_tokens, job.cached, prof.prefill_s(job.done_tokens, job.cached))
         if dec is inst:  # colocated, or a local prefill on the decode instance
             flight.t_first = now + prof.rpc_s
