@@ -180,8 +180,7 @@ class Simulation:
         flight.cached_tokens = min(hit * self.block_tokens, req.prompt_tokens - 1)
         flight.computed = req.prompt_tokens - flight.cached_tokens
         pre.pending_tokens += flight.computed
-        if dec is not pre:
-            dec.inbound += 1
+        dec.inbound += 1  # counted as the router counts its in-flight decodes: from dispatch on
         self.at(self.now + prof.rpc_s + fetch, self._enqueue, (pre, PrefillJob(flight, flight.computed,
                                                                               flight.cached_tokens), fetch))
 
@@ -219,10 +218,10 @@ class Simulation:
         self.at(flight.t_first + dec.profile.rpc_s + pull, self._join_remote, flight)
 
     def _join_remote(self, flight: Flight) -> None:
-        flight.decode_inst.inbound -= 1
         self._start_decode(flight, flight.decode_inst, self.now)
 
     def _start_decode(self, flight: Flight, inst: Instance, now: float) -> None:
+        inst.inbound -= 1
         owed = flight.req.output_tokens - 1
         if owed <= 0:
             flight.t_done = flight.t_first

@@ -57,7 +57,7 @@ def plot_run(sim: Simulation, summary: dict[str, Any], points: list[dict[str, fl
            color=["tab:blue" if i.role == "prefill" else "tab:orange" if i.role == "decode" else "tab:green"
                   for i in sim.instances])
     ax.set_ylim(0, 1.05)
-    ax.set_title("busy fraction per instance (blue prefill, orange decode, green colocated)")
+    ax.set_title("busy per instance (blue P, orange D, green colocated)")
     ax.set_xticks([])
     c = summary["config"]
     fig.suptitle(f"kvpool sim: {summary['requests']} requests, {c['profile']}, "

@@ -144,3 +144,15 @@ def test_ssd_tier_catches_dram_evictions():
                                      ssd_bytes=400 * block_bytes), 10.0, 1.0)
     assert with_ssd["hit_ratio"] > dram_only["hit_ratio"]
     assert with_ssd["traffic"]["demoted_bytes"] > 0 and with_ssd["traffic"]["ssd_read_bytes"] > 0
+
+
+@pytest.mark.parametrize("cluster", [dict(prefill=2, decode=3), dict(colocated=3)])
+def test_every_request_finishes_and_the_books_balance(cluster):
+    w = synthetic(300, 20.0, seed=5)
+    sim = Simulation(w, SimConfig(profile=TOY, dram_bytes=50 * 512 * TOY.bytes_per_token, **cluster)).run()
+    assert all(f.t_done >= f.t_first > f.req.arrival_s for f in sim.flights)
+    for inst in sim.instances:
+        assert inst.inbound == 0 and inst.pending_tokens == 0 and not inst.queue and not inst.running
+        assert inst.kv == 0 and inst.wake_at is None
+    assert sim.busy_instances == 0
+    assert sum(sim.tbt_weights) == sum(f.req.output_tokens - 1 for f in sim.flights)
