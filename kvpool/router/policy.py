@@ -186,7 +186,13 @@ class CacheAware:
     compute of the uncached tokens, fetch of the pool-cached bytes; a prefix in the worker's own
     cache costs no fetch), the least loaded decode worker that meets the TBT target, the decode
     worker itself when the uncached work is small, and an early refusal when nothing meets the
-    targets."""
+    targets.
+
+    A prefill on a worker that is also decoding stalls each of its running sequences for the
+    prefill's compute time, so such a candidate is ranked by its TTFT plus that stall times the
+    sequences it holds up (total added latency, not only this request's), and with a TBT target
+    a decode worker's own prefill is no candidate when the stall would break it and a prefill
+    worker can take the work instead."""
 
     name = "cache_aware"
 
@@ -197,20 +203,28 @@ class CacheAware:
         decoders = _decoders(snap)
         tbt_ok = [w for w in decoders if targets.tbt_s is None or tbt_estimate(w, cost) <= targets.tbt_s]
         pool = tbt_ok or decoders
-        candidates: list[Decision] = []
-        colocated = [w for w in pool if w.role == "both"]
-        for w in colocated:  # a colocated worker prefills and decodes: TTFT decides
-            candidates.append(_finish(req, snap, None, w))
+        prefillers = [w for w in snap.workers if w.role == "prefill"]
+        candidates: list[tuple[float, Decision]] = []
+
+        def on_decoder(w: WorkerView, elsewhere: bool) -> None:  # `w` prefills, decoding others meanwhile
+            stall = cost.prefill_s(req.prompt_tokens - cached_tokens(req, w), cached_tokens(req, w))
+            if elsewhere and targets.tbt_s is not None and tbt_estimate(w, cost) + stall > targets.tbt_s:
+                return
+            c = _finish(req, snap, None, w)
+            candidates.append((c.est_ttft_s + stall * min(w.active_sequences, w.max_batch), c))
+
+        for w in pool:
+            if w.role == "both":
+                on_decoder(w, elsewhere=False)
         dedicated = [w for w in pool if w.role == "decode"]
         if dedicated:
             d = min(dedicated, key=lambda w: (w.active_sequences, w.kv_tokens, w.name))
-            prefillers = [w for w in snap.workers if w.role == "prefill"]
-            uncached_on_d = req.prompt_tokens - cached_tokens(req, d)
-            if not prefillers or uncached_on_d <= targets.local_prefill_tokens:
-                candidates.append(_finish(req, snap, None, d))
+            if not prefillers or req.prompt_tokens - cached_tokens(req, d) <= targets.local_prefill_tokens:
+                on_decoder(d, elsewhere=bool(prefillers))
             for p in prefillers:
-                candidates.append(_finish(req, snap, p, d))
-        best = min(candidates, key=lambda c: (c.est_ttft_s, c.est_tbt_s, c.prefill or "", c.decode or ""))
+                c = _finish(req, snap, p, d)
+                candidates.append((c.est_ttft_s, c))
+        _, best = min(candidates, key=lambda sc: (sc[0], sc[1].est_tbt_s, sc[1].prefill or "", sc[1].decode or ""))
         too_slow = targets.ttft_s is not None and best.est_ttft_s > targets.ttft_s
         if not tbt_ok or too_slow:
             why = (f"estimated TTFT {best.est_ttft_s * 1e3:.0f} ms exceeds the {targets.ttft_s * 1e3:.0f} ms target"

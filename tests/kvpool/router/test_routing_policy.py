@@ -3,6 +3,7 @@ checked on hand-built snapshots; and the online cost model recovers known coeffi
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -73,6 +74,28 @@ def test_conditional_disaggregation_short_uncached_work_stays_on_decode():
     assert cached.prefill is None and cached.cached_tokens == 7 * 256
     off = CacheAware().choose(req(prompt=200), snap(P1, D1, targets=Targets(local_prefill_tokens=0)))
     assert off.prefill == "p1"
+
+
+def test_local_prefill_counts_the_stall_it_inflicts_on_running_sequences():
+    t = Targets(local_prefill_tokens=300)
+    # 200 uncached tokens cost ~0.21 s; idle, the decode worker wins by skipping the hand-off.
+    assert CacheAware().choose(req(prompt=200), snap(P1, D1, targets=t)).kind == "local_prefill"
+    # Eight running sequences would each wait those 0.21 s: the prefill worker is the better place.
+    busy = WorkerView("d1", "decode", active_sequences=8)
+    moved = CacheAware().choose(req(prompt=200), snap(P1, busy, targets=t))
+    assert moved.kind == "disaggregated" and moved.prefill == "p1"
+    # Without a prefill worker, the decode worker prefills whatever it holds up.
+    assert CacheAware().choose(req(prompt=200), snap(busy, targets=t)).kind == "local_prefill"
+
+
+def test_local_prefill_is_no_candidate_when_its_stall_breaks_the_tbt_target():
+    slow_handoff = dataclasses.replace(COST, handoff_s=1.0)  # by estimate alone, local would win
+    one = WorkerView("d1", "decode", active_sequences=1)  # TBT 0.02 s once joined
+    t = Targets(tbt_s=0.1, local_prefill_tokens=300)
+    long = CacheAware().choose(req(prompt=200), Snapshot((P1, one), slow_handoff, t))
+    assert long.kind == "disaggregated"  # a 0.21 s stall would break the 0.1 s target
+    tiny = CacheAware().choose(req(prompt=40), Snapshot((P1, one), slow_handoff, t))
+    assert tiny.kind == "local_prefill"  # 0.05 s of stall keeps it
 
 
 def test_colocated_workers_pick_least_ttft():
