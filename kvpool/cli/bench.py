@@ -15,6 +15,7 @@ import click
 # bench name -> "module:attribute" (a click command)
 BENCHES: dict[str, str] = {
     "adapter": "engine_adapters.bench.adapter:adapter",
+    "codec": "engine_adapters.bench.codec:codec",
     "disagg": "engine_adapters.bench.cluster:disagg",
     "policies": "engine_adapters.bench.cluster:policies",
     "pool": "kvpool.bench.pool:pool",
