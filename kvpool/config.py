@@ -47,7 +47,18 @@ def parse_size(value: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-class Settings(BaseSettings):
+class RpcSettings(BaseSettings):
+    """The pool RPC's knobs (`kvpool.rpc`), part of `Settings`; an SDK client, which has no
+    settings file, reads just these from the environment. Spinning: `kvpool.rpc.spin`."""
+
+    model_config = SettingsConfigDict(env_prefix="KVPOOL_", extra="ignore")
+
+    rpc_spin: int = Field(64, ge=0)  # polls a client may make for a reply before sleeping (0: off)
+    server_spin: int = Field(64, ge=0)  # polls a server thread may make for its sole client's next request
+    rpc_unix: bool = True  # same-host clients move to the server's abstract unix socket (Linux)
+
+
+class Settings(RpcSettings):
     """Settings shared by `kvpool serve | master | node | router | worker`."""
 
     model_config = SettingsConfigDict(env_prefix="KVPOOL_", env_nested_delimiter="__", extra="ignore")

@@ -1,4 +1,4 @@
-"""Turning the buffers callers hand us into flat writable byte views (and raw addresses).
+"""Turning the buffers callers hand us into flat writable byte views.
 
 Accepted: bytearray, memoryview (writable), mmap, numpy arrays (C-contiguous), torch CPU
 tensors (contiguous, any dtype); bytes for the source of a WRITE. CUDA tensors never get a
@@ -9,7 +9,6 @@ A view returned here keeps its owner alive (the view's exporter holds a referenc
 from __future__ import annotations
 
 import ctypes
-import mmap
 from typing import Any
 
 from transfer.errors import InvalidOp
@@ -30,15 +29,6 @@ def byte_view(buffer: Any, *, writable: bool = True) -> memoryview:
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
-
-
-def address_of(view: memoryview) -> int:
-    """The virtual address of a writable byte view's first byte (for memory registration)."""
-    if len(view) == 0:
-        raise InvalidOp("cannot take the address of an empty buffer")
-    if view.readonly:
-        raise InvalidOp("buffer is read-only")
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def is_cuda_tensor(obj: Any) -> bool:
@@ -64,7 +54,3 @@ def _torch_view(tensor: Any) -> memoryview:
     raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
     raw._keep = tensor  # type: ignore[attr-defined]
     return memoryview(raw).cast("B")
-
-
-def is_mmap(buffer: Any) -> bool:
-    return isinstance(buffer, mmap.mmap)

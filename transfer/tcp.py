@@ -23,7 +23,7 @@ import queue
 import socket
 import threading
 
-from transfer import wire
+from transfer import framing, wire
 from transfer.batch import Batch, Op
 from transfer.descriptor import SegmentDescriptor
 from transfer.errors import PeerUnavailable, ProtocolError, TransferError
@@ -198,8 +198,7 @@ class _Conn:
                 sock = socket.create_connection(self.peer.addr, timeout=timeout)
             except OSError as exc:
                 raise wire.map_os_error(exc, f"connect to {self.peer.addr[0]}:{self.peer.addr[1]}") from exc
-            sock.settimeout(None)
-            wire.tune(sock, timeout)
+            framing.tune(sock, timeout, wire.SOCK_BUF)
             with self._sock_lock:
                 if self._interrupted:
                     sock.close()
@@ -235,7 +234,7 @@ class _Conn:
         req_id = next(self.ids)
         wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, 0, seg_id, req_id, offset, len(view))
         if opcode == wire.OP_WRITE:
-            wire.send_views(self.sock, [self.hdr, view])
+            framing.send_all(self.sock, [self.hdr, view])
         else:
             self.sock.sendall(self.hdr)
         return req_id
@@ -246,7 +245,7 @@ class _Conn:
         Connection-level problems (EOF, timeout, garbage) raise instead.
         """
         sock = self.sock
-        wire.recv_exact(sock, self.resp_view)
+        framing.recv_exact_into(sock, self.resp_view)
         magic, version, status, _, got_id, length = wire.RESP.unpack_from(self.resp)
         if magic != wire.MAGIC or got_id != req_id:
             raise ProtocolError(f"bad response from {self.peer.addr} (magic {magic:#x}, id {got_id} != {req_id})")
@@ -254,7 +253,7 @@ class _Conn:
             if length > wire.MAX_CONTROL:
                 raise ProtocolError(f"error reply of {length} bytes from {self.peer.addr}")
             body = bytearray(length)
-            wire.recv_exact(sock, memoryview(body))
+            framing.recv_exact_into(sock, memoryview(body))
             err = wire.status_error(status, body.decode(errors="replace"))
             if status in (wire.E_VERSION, wire.E_BAD_REQUEST):
                 raise err  # the server closes the connection after these
@@ -262,7 +261,7 @@ class _Conn:
         if opcode == wire.OP_READ:
             if length != len(view):
                 raise ProtocolError(f"READ reply of {length} bytes, asked {len(view)}")
-            wire.recv_exact(sock, view)
+            framing.recv_exact_into(sock, view)
         return None
 
     def roundtrip(self, opcode: int, view: memoryview, seg_id: int, offset: int) -> None:
@@ -341,16 +340,15 @@ def control_call(addr: tuple[str, int], msg: object, timeout: float) -> object:
     wire.REQ.pack_into(hdr, 0, wire.MAGIC, wire.VERSION, wire.OP_CONTROL, 0, 0, 1, 0, len(body))
     try:
         with socket.create_connection(addr, timeout=timeout) as sock:
-            sock.settimeout(None)
-            wire.tune(sock, timeout)
-            wire.send_views(sock, [hdr, body])
+            framing.tune(sock, timeout, wire.SOCK_BUF)
+            framing.send_all(sock, [hdr, body])
             resp = bytearray(wire.RESP.size)
-            wire.recv_exact(sock, memoryview(resp))
+            framing.recv_exact_into(sock, memoryview(resp))
             magic, _version, _status, _, _req, length = wire.RESP.unpack_from(resp)
             if magic != wire.MAGIC or length > wire.MAX_CONTROL:
                 raise ProtocolError(f"bad control reply from {addr}")
             payload = bytearray(length)
-            wire.recv_exact(sock, memoryview(payload))
+            framing.recv_exact_into(sock, memoryview(payload))
     except OSError as exc:
         raise wire.map_os_error(exc, f"control call to {addr[0]}:{addr[1]}") from exc
     try:

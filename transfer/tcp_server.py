@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 from typing import Callable
 
-from transfer import wire
+from transfer import framing, wire
 from transfer.errors import PeerUnavailable, TransferError
 
 log = logging.getLogger("transfer.tcp_server")
-
-_DRAIN_CHUNK = 1 << 20
-
 
 class DataServer:
     """Accepts connections on `host:port` and serves `segments` (seg_id -> (name, byte view)).
@@ -40,47 +36,15 @@ class DataServer:
         self.segments = segments
         self.control = control
         self.name = name
-        self._listener = socket.create_server((host, port), backlog=128)
-        self.host, self.port = self._listener.getsockname()[:2]
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name=f"transfer-accept-{self.port}", daemon=True)
+        listener = socket.create_server((host, port), backlog=128)
+        self.host, self.port = listener.getsockname()[:2]
+        self._listener = framing.Listener([listener], self._serve, f"transfer-{self.port}", None, wire.SOCK_BUF)
 
     def start(self) -> None:
-        self._thread.start()
+        self._listener.start()
 
     def close(self) -> None:
-        self._closed = True
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, addr = self._listener.accept()
-            except OSError:
-                if self._closed:
-                    return
-                log.exception("accept failed on port %d", self.port)
-                continue
-            wire.tune(conn, None)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
-                             name=f"transfer-conn-{addr[1]}").start()
 
     def _serve(self, conn: socket.socket, addr) -> None:
         try:
@@ -88,14 +52,10 @@ class DataServer:
         except (PeerUnavailable, ConnectionError, TimeoutError) as exc:
             log.debug("%s: connection from %s ended: %s", self.name, addr, exc)
         except OSError as exc:
-            if not self._closed:
+            if not self._listener.closed:
                 log.info("%s: connection from %s failed: %s", self.name, addr, exc)
         except Exception:
             log.exception("%s: unexpected error serving %s", self.name, addr)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
     def _serve_frames(self, conn: socket.socket, addr) -> None:
         hdr = bytearray(wire.REQ.size)
@@ -107,7 +67,7 @@ class DataServer:
             if first == 0:
                 return  # clean close between frames
             if first < len(hview):
-                wire.recv_exact(conn, hview[first:])
+                framing.recv_exact_into(conn, hview[first:])
             magic, version, opcode, _, seg_id, req_id, offset, length = wire.REQ.unpack_from(hdr)
             if magic != wire.MAGIC:
                 log.warning("%s: garbage from %s (bad magic %#x); closing that connection", self.name, addr, magic)
@@ -135,20 +95,20 @@ class DataServer:
                                              f"{entry[0]!r} of {len(seg)} bytes")
                 if opcode == wire.OP_WRITE:
                     if err is None:
-                        wire.recv_exact(conn, seg[offset:offset + length])
+                        framing.recv_exact_into(conn, seg[offset:offset + length])
                     else:
-                        self._drain(conn, length)
+                        framing.drain(conn, length)
                 if err is not None:
                     self._reply_error(conn, resp, req_id, *err)
                     continue
                 if opcode == wire.OP_READ:
                     wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, length)
-                    wire.send_views(conn, [resp, seg[offset:offset + length]])
+                    framing.send_all(conn, [resp, seg[offset:offset + length]])
                 else:
                     wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, 0)
                     conn.sendall(resp)
             elif opcode == wire.OP_PING:
-                self._drain(conn, length)
+                framing.drain(conn, length)
                 wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, 0)
                 conn.sendall(resp)
             elif opcode == wire.OP_CONTROL:
@@ -156,13 +116,13 @@ class DataServer:
                     self._reply_error(conn, resp, req_id, wire.E_BAD_REQUEST, "control message too large")
                     return
                 payload = bytearray(length)
-                wire.recv_exact(conn, memoryview(payload))
+                framing.recv_exact_into(conn, memoryview(payload))
                 reply = self._control(payload)
                 body = wire.CONTROL_ENCODER.encode(reply)
                 wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION,
                                     wire.E_BAD_REQUEST if isinstance(reply, wire.ControlError) else wire.OK,
                                     0, req_id, len(body))
-                wire.send_views(conn, [resp, body])
+                framing.send_all(conn, [resp, body])
             else:
                 log.warning("%s: unknown opcode %d from %s; closing", self.name, opcode, addr)
                 self._reply_error(conn, resp, req_id, wire.E_BAD_REQUEST, f"unknown opcode {opcode}")
@@ -189,12 +149,4 @@ class DataServer:
     def _reply_error(conn: socket.socket, resp: bytearray, req_id: int, status: int, message: str) -> None:
         body = message.encode()
         wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, status, 0, req_id, len(body))
-        wire.send_views(conn, [resp, body])
-
-    @staticmethod
-    def _drain(conn: socket.socket, length: int) -> None:
-        scratch = memoryview(bytearray(min(length, _DRAIN_CHUNK)))
-        while length > 0:
-            n = min(length, len(scratch))
-            wire.recv_exact(conn, scratch[:n])
-            length -= n
+        framing.send_all(conn, [resp, body])

@@ -47,7 +47,7 @@ E_VERSION = 3
 E_BAD_REQUEST = 4
 E_INTERNAL = 5
 
-SOCK_BUF = 8 << 20
+SOCK_BUF = 8 << 20  # kernel buffers of a data connection, each way (`framing.tune`)
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -88,47 +88,6 @@ class ControlError(msgspec.Struct, tag="error"):
 Control = Hello | RdmaConnect | RdmaAccept | ControlError
 CONTROL_ENCODER = msgspec.msgpack.Encoder()
 CONTROL_DECODER = msgspec.msgpack.Decoder(Control)
-
-
-def tune(sock: socket.socket, timeout: float | None) -> None:
-    """Low latency, large buffers, and a kernel-side timeout on a blocking socket.
-
-    The socket stays in blocking mode (Python-level timeouts would turn every recv into
-    poll + non-blocking recv and forbid MSG_WAITALL); SO_RCVTIMEO/SO_SNDTIMEO bound each call.
-    """
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
-    if timeout is not None:
-        tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from `sock` (straight into the target memory); raise on EOF or timeout."""
-    n = len(view)
-    got = sock.recv_into(view, n, socket.MSG_WAITALL) if n else 0
-    while got < n:
-        r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if r == 0:
-            raise PeerUnavailable(f"connection closed after {got} of {n} bytes")
-        got += r
-
-
-def send_views(sock: socket.socket, views: list) -> None:
-    """Send all of `views` (gather-write, no concatenation), handling partial sends."""
-    total = sum(len(v) for v in views)
-    sent = sock.sendmsg(views)
-    if sent == total:
-        return
-    for v in views:  # rare: the kernel took part of the gather list
-        v = memoryview(v)
-        if sent >= len(v):
-            sent -= len(v)
-            continue
-        sock.sendall(v[sent:])
-        sent = 0
 
 
 def map_os_error(exc: OSError, what: str) -> Exception:

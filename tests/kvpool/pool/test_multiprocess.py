@@ -16,7 +16,8 @@ import pytest
 import kvpool
 from kvpool.cluster.etcd_testing import spawn, wait_for
 from kvpool.messages import NodeReserve, NodeWrite, PutStart
-from kvpool.rpc import RpcClient, _frame
+from kvpool.rpc import RpcClient
+from kvpool.rpc.frame import frame as _frame
 
 WORKER = Path(__file__).with_name("pool_worker.py")
 

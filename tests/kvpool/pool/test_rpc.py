@@ -7,10 +7,12 @@ import struct
 
 import pytest
 
-import kvpool.rpc
+from kvpool.config import RpcSettings
 from kvpool.errors import InvalidArgument, KeyNotFound, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Bools, Exists, Hello, NodeData, NodeGet, Ok, Release, Remove
-from kvpool.rpc import HEADER, RpcClient, RpcServer, parse_address
+from kvpool.rpc import RpcClient, RpcServer, parse_address
+from kvpool.rpc.frame import HEADER
+from kvpool.rpc.server import UNIX_SUPPORTED
 
 
 @pytest.fixture
@@ -109,7 +111,7 @@ def test_frames_sent_back_to_back_and_large_messages_stay_in_frame(server):
     # The server reads ahead into a buffer: a one-way frame, a request with a payload bigger than
     # that buffer and a request with a message bigger than it, all in one send, must each be
     # served in order, with the payload bytes (buffered part first) intact.
-    from kvpool.rpc import _encoder
+    from kvpool.rpc.frame import encoder as _encoder
 
     def frame(msg, payload=b"", flags=0):
         body = _encoder.encode(msg)
@@ -122,7 +124,7 @@ def test_frames_sent_back_to_back_and_large_messages_stay_in_frame(server):
         s.sendall(wire)
         s.settimeout(5)
         f = s.makefile("rb")
-        from kvpool.rpc import _reply_decoder
+        from kvpool.rpc.frame import reply_decoder as _reply_decoder
         replies = []
         for _ in range(3):
             _, _, msg_len, payload_len = HEADER.unpack(f.read(HEADER.size))
@@ -134,25 +136,36 @@ def test_frames_sent_back_to_back_and_large_messages_stay_in_frame(server):
 
 
 def test_a_client_of_a_server_in_this_process_does_not_poll(server, monkeypatch):
-    import kvpool.rpc
+    from kvpool.rpc.spin import local
 
-    monkeypatch.setattr(kvpool.rpc, "_SPIN_POLLS", 64)  # opted in (KVPOOL_RPC_SPIN=64)
-    c = RpcClient(server.address)
+    spinning = RpcSettings(rpc_spin=64)
+    c = RpcClient(server.address, settings=spinning)
     assert c.call(Exists(["yes"])).values == [True]
     assert c._spin.cap == 0  # the server needs this process's GIL to answer: block, do not poll
     c.close()
-    # the same opt-in spins against a server that is not in this process
-    monkeypatch.setattr(kvpool.rpc, "_local_servers", set())
-    c = RpcClient(server.address)
+    # the same setting spins against a server that is not in this process
+    monkeypatch.setattr(local, "servers", set())
+    c = RpcClient(server.address, settings=spinning)
     assert c.call(Exists(["yes"])).values == [True]
     assert c._spin.cap == 64
     c.close()
 
 
-def test_adaptive_spin_stops_after_a_miss_and_resumes_after_a_short_wait():
-    from kvpool.rpc import _SPIN_WORTH_NS, _Spin
+def test_the_spin_settings_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVPOOL_RPC_SPIN", "0")
+    monkeypatch.setenv("KVPOOL_SERVER_SPIN", "7")
+    assert RpcSettings().rpc_spin == 0
+    srv = RpcServer({}, name="env")
+    try:
+        assert srv.spin.polls == 7
+    finally:
+        srv.stop()
 
-    spin = _Spin(64)
+
+def test_adaptive_spin_stops_after_a_miss_and_resumes_after_a_short_wait():
+    from kvpool.rpc.spin import SPIN_WORTH_NS as _SPIN_WORTH_NS, Spin
+
+    spin = Spin(64)
     assert spin.polls == 64
     spin.won()
     assert spin.polls == 64  # data came while spinning: keep spinning
@@ -162,7 +175,7 @@ def test_adaptive_spin_stops_after_a_miss_and_resumes_after_a_short_wait():
     assert spin.polls == 0  # a long pause between requests: spinning would only burn CPU
     spin.waited(_SPIN_WORTH_NS // 2)
     assert spin.polls == 64  # a burst (a wait a spin would have covered): spin again
-    off = _Spin(0)
+    off = Spin(0)
     off.waited(1)
     off.lost()
     assert off.polls == 0  # opted out: never spins
@@ -175,10 +188,8 @@ def test_a_spinning_server_answers_a_burst_and_a_slow_client(monkeypatch):
     import sys
     import textwrap
 
-    from kvpool import rpc
-
-    monkeypatch.setattr(rpc, "_SERVER_SPIN_POLLS", 64)
-    srv = RpcServer({Exists: lambda m, p, c: Bools([k == "yes" for k in m.keys])}, name="spin").start()
+    srv = RpcServer({Exists: lambda m, p, c: Bools([k == "yes" for k in m.keys])}, name="spin",
+                    settings=RpcSettings(server_spin=64)).start()
     code = textwrap.dedent(f"""
         import time
         from kvpool.messages import Exists
@@ -199,7 +210,7 @@ def test_a_spinning_server_answers_a_burst_and_a_slow_client(monkeypatch):
 
 # ---- same-host unix socket -------------------------------------------------------------------
 
-unix_only = pytest.mark.skipif(not kvpool.rpc._UNIX, reason="abstract unix sockets are Linux-only")
+unix_only = pytest.mark.skipif(not UNIX_SUPPORTED, reason="abstract unix sockets are Linux-only")
 
 
 @unix_only
@@ -249,35 +260,31 @@ def test_the_sdk_uses_the_unix_socket_only_for_same_host_clients():
 
 
 def test_server_spin_only_while_one_client_is_active():
-    import threading
-
-    from kvpool import rpc
+    from kvpool.rpc.spin import SpinPolicy
 
     me, other = 1, 2
-    rpc._busy.clear(), rpc._spinning.clear()
-    rpc._last[:] = [0, 0, 0]
-    assert rpc._may_spin(me)
-    rpc._busy.add(other)  # another connection is handling a request
-    assert not rpc._may_spin(me)
-    rpc._busy.discard(other)
-    rpc._spinning.add(other)  # ... or spinning
-    assert not rpc._may_spin(me)
-    rpc._spinning.discard(other)
+    policy = SpinPolicy(64)
+    assert policy.may_spin(me)
+    policy.busy.add(other)  # another connection is handling a request
+    assert not policy.may_spin(me)
+    policy.busy.discard(other)
+    policy.spinning.add(other)  # ... or spinning
+    assert not policy.may_spin(me)
+    policy.spinning.discard(other)
     for tid in (me, me, me):  # one client's requests in a row: still alone
-        rpc._request_from(tid)
-    assert rpc._may_spin(me)
-    rpc._request_from(other)  # two clients interleaving: no spin for a while
-    assert not rpc._may_spin(me)
-    rpc._last[2] = 0
-    assert rpc._may_spin(me)
-    assert threading.get_ident() not in rpc._busy
+        policy.request_from(tid)
+    assert policy.may_spin(me)
+    policy.request_from(other)  # two clients interleaving: no spin for a while
+    assert not policy.may_spin(me)
+    policy.calm()
+    assert policy.may_spin(me)
 
 
 def test_polling_receive_gets_every_byte_of_a_slow_stream_and_sees_a_close():
     import threading
     import time
 
-    from kvpool.rpc import _recv_polling
+    from transfer.framing import recv_polling
 
     a, b = socket.socketpair()
     data = bytes(range(256)) * 4096 * 2  # 2 MiB
@@ -290,12 +297,12 @@ def test_polling_receive_gets_every_byte_of_a_slow_stream_and_sees_a_close():
         t = threading.Thread(target=send)
         t.start()
         buf = bytearray(len(data))
-        _recv_polling(b, memoryview(buf))
+        recv_polling(b, memoryview(buf), 256)
         t.join()
         assert buf == data
         a.sendall(b"abc")
         a.close()
         with pytest.raises(ConnectionError):
-            _recv_polling(b, memoryview(bytearray(10)))
+            recv_polling(b, memoryview(bytearray(10)), 256)
     finally:
         b.close()

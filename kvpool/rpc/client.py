@@ -1,0 +1,242 @@
+"""`RpcClient`: one persistent connection to an `RpcServer` (`kvpool.rpc.server`).
+
+Same host: told to (`use_unix`), a client moves its connection to the server's abstract unix
+socket (a 64 KiB round trip costs about half of loopback TCP's); it keeps its TCP address as
+its identity and falls back to TCP if the unix socket cannot be reached. It spins for a reply
+only when the server's last reply said it may (`FLAG_SPIN`, see `kvpool.rpc.spin`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any, Sequence
+
+import msgspec
+
+from kvpool.config import RpcSettings
+from kvpool.errors import InvalidArgument, Unavailable, error_from_code
+from kvpool.messages import PROTOCOL_VERSION, Err
+from kvpool.rpc.frame import FLAG_ONEWAY, FLAG_SPIN, HEADER, Payload, frame, parse_address, reply_decoder, unix_name
+from kvpool.rpc.server import UNIX_SUPPORTED
+from kvpool.rpc.spin import STREAM_POLLS, STREAM_SPIN_MIN_CLIENT, Spin, local
+from transfer.framing import DONTWAIT, peer_pid, recv_exact_into, recv_polling, sched_yield, send_all, tune
+
+log = logging.getLogger("kvpool.rpc")
+
+
+class RpcClient:
+    """One persistent connection to an `RpcServer`. Not thread-safe: one call at a time.
+
+    `call` returns the reply message (an `Err` reply is raised as its typed error); the reply's
+    payload, if any, is then read with `read_payload_into` / `read_payload` before the next call
+    (or is drained automatically). A broken connection raises `Unavailable` and reconnects on
+    the next call. `settings`: the RPC knobs (default: from the environment).
+    """
+
+    def __init__(self, address: str, timeout: float = 10.0, settings: RpcSettings | None = None):
+        settings = settings or RpcSettings()
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.unix: str | None = None  # connect here instead (same host), see `use_unix`
+        self.timeout = timeout
+        self._polls = settings.rpc_spin
+        self._unix_ok = settings.rpc_unix and UNIX_SUPPORTED
+        self._sock: socket.socket | None = None
+        self._header = bytearray(HEADER.size)
+        self.payload_left = 0
+        self._local: tuple | None = None  # this connection's address, while in `local.clients`
+        self._spin = Spin(0)  # polls before a blocking wait for a reply (cap 0 to a local server)
+        self._hinted = False  # the last reply carried FLAG_SPIN
+
+    def use_unix(self, unix_address: str | None) -> bool:
+        """Move this connection to the server's unix socket (same host); False (staying on TCP)
+        when there is none here or it cannot be reached. The address stays the TCP one."""
+        if not unix_address or not self._unix_ok:
+            return False
+        if self.unix == unix_address:
+            return True
+        sock = self._open_unix(unix_address)
+        if sock is None:
+            return False
+        self.close()
+        self.unix = unix_address
+        self._setup(sock)
+        return True
+
+    def _open_unix(self, unix_address: str) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(unix_name(unix_address))
+            return sock
+        except OSError as exc:
+            sock.close()
+            log.info("unix socket %s of %s unreachable (%s); using TCP", unix_address, self.address, exc)
+            return None
+
+    def _connect(self) -> socket.socket:
+        sock = None
+        if self.unix is not None:
+            sock = self._open_unix(self.unix)
+            if sock is None:
+                self.unix = None  # the server moved or restarted: TCP from now on
+        if sock is None:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            except OSError as exc:
+                raise Unavailable(f"cannot reach {self.address}: {exc.strerror or exc}") from None
+        return self._setup(sock)
+
+    def _setup(self, sock: socket.socket) -> socket.socket:
+        # Blocking, with kernel timeouts: a Python-level timeout makes the socket non-blocking,
+        # and then MSG_WAITALL returns early and a large reply arrives in many pieces.
+        tune(sock, self.timeout)
+        if sock.family == socket.AF_UNIX:
+            self._spin = Spin(0 if peer_pid(sock) == os.getpid() else self._polls)
+            self._sock = sock
+            return sock
+        try:
+            self._local = tuple(sock.getsockname()[:2])
+            local.clients.add(self._local)
+            self._spin = Spin(0 if local.serves(tuple(sock.getpeername()[:2])) else self._polls)
+        except OSError:
+            self._spin = Spin(0)
+        self._sock = sock
+        return sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+                self.payload_left = 0
+                self._hinted = False
+                if self._local is not None:
+                    local.clients.discard(self._local)
+                    self._local = None
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def _broken(self, exc: BaseException) -> Unavailable:
+        self.close()
+        return Unavailable(f"connection to {self.address} failed: {exc}")
+
+    def send_oneway(self, msg: Any) -> None:
+        sock = self._sock or self._connect()
+        if self.payload_left:
+            self.skip_payload()
+        try:
+            send_all(sock, frame(msg, 0, FLAG_ONEWAY))
+        except OSError as exc:
+            raise self._broken(exc) from None
+
+    def call(self, msg: Any, buffers: Sequence[Any] = ()) -> Any:
+        self.send_request(msg, buffers)
+        return self.recv_reply()
+
+    def send_request(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
+        """First half of `call`: lets a caller send to several servers before waiting on any."""
+        sock = self._sock or self._connect()
+        if self.payload_left:
+            self.skip_payload()
+        try:
+            nbytes = sum(memoryview(b).nbytes for b in buffers)
+            send_all(sock, frame(msg, nbytes) + list(buffers))
+        except OSError as exc:
+            raise self._broken(exc) from None
+
+    def recv_reply(self) -> Any:
+        """Second half of `call`: the reply to the request sent last."""
+        sock = self._sock
+        if sock is None:
+            raise Unavailable(f"connection to {self.address} is closed")
+        try:
+            header = memoryview(self._header)
+            got, spin, hinted = -1, self._spin, self._hinted
+            polls = spin.polls if hinted else 0  # spin only when the server said we are its only client
+            spun = polls > 0
+            while polls:  # a quick reply is read without sleeping
+                try:
+                    got = sock.recv_into(header, 0, DONTWAIT)
+                    spin.won()
+                    break
+                except BlockingIOError:
+                    polls -= 1
+                    sched_yield()
+            if got == 0:
+                raise ConnectionError("peer closed the connection")
+            if got < 0:
+                if hinted and spin.cap and not spun:  # spinning is off for now: time the wait
+                    t0 = time.monotonic_ns()
+                    recv_exact_into(sock, header)
+                    spin.waited(time.monotonic_ns() - t0)
+                else:
+                    if spun:
+                        spin.lost()
+                    recv_exact_into(sock, header)
+            elif got < len(header):
+                recv_exact_into(sock, header[got:])
+            version, flags, msg_len, payload_len = HEADER.unpack(self._header)
+            self._hinted = bool(flags & FLAG_SPIN)
+            if version != PROTOCOL_VERSION:
+                raise ConnectionError(f"server speaks protocol {version}, this client {PROTOCOL_VERSION}")
+            body = bytearray(msg_len)
+            recv_exact_into(sock, memoryview(body))
+        except (OSError, ConnectionError) as exc:
+            raise self._broken(exc) from None
+        self.payload_left = payload_len
+        try:
+            reply = reply_decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise self._broken(exc) from None
+        if isinstance(reply, Err):
+            if payload_len:
+                self.skip_payload()
+            raise error_from_code(reply.code, reply.message)
+        return reply
+
+    def read_payload_into(self, view: memoryview) -> None:
+        n = len(view)
+        if n > self.payload_left:
+            raise InvalidArgument(f"reply payload has {self.payload_left} bytes left, asked for {n}")
+        try:
+            if self._hinted and n >= STREAM_SPIN_MIN_CLIENT and self._spin.cap:
+                recv_polling(self._sock, view, STREAM_POLLS)
+            else:
+                recv_exact_into(self._sock, view)
+        except (OSError, ConnectionError) as exc:
+            raise self._broken(exc) from None
+        self.payload_left -= n
+
+    def read_payload(self, n: int) -> bytes:
+        """The next n payload bytes as one `bytes` (one allocation, no extra copy)."""
+        if n > self.payload_left:
+            raise InvalidArgument(f"reply payload has {self.payload_left} bytes left, asked for {n}")
+        try:
+            data = self._sock.recv(n, socket.MSG_WAITALL)
+            if len(data) != n:  # interrupted or timed out part-way: finish into one buffer
+                if not data:
+                    raise ConnectionError("peer closed the connection")
+                buf = bytearray(n)
+                buf[: len(data)] = data
+                recv_exact_into(self._sock, memoryview(buf)[len(data):])
+                data = bytes(buf)
+        except (OSError, ConnectionError) as exc:
+            raise self._broken(exc) from None
+        self.payload_left -= n
+        return data
+
+    def skip_payload(self, n: int | None = None) -> None:
+        """Discard the next n payload bytes (all that is left by default)."""
+        n = self.payload_left if n is None else min(n, self.payload_left)
+        try:
+            Payload(self._sock, n).drain()
+        except (OSError, ConnectionError) as exc:
+            raise self._broken(exc) from None
+        self.payload_left -= n

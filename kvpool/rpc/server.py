@@ -1,0 +1,204 @@
+"""`RpcServer`: serves the pool's RPC (`kvpool.rpc.frame`) over TCP and, on Linux, an abstract
+unix socket for same-host clients (`unix_address`, "@kvpool-rpc-<port>-<random>", no file to
+clean up), which the node and master advertise (hello, node info).
+
+One thread per connection (blocking sockets: on loopback this beats an event loop by tens of
+microseconds per call). A handler gets `(msg, payload, conn)` and returns a reply message, a
+`(reply, buffers)` pair, or None when it already called `conn.reply` itself (to send while
+holding a pin). A `KVPoolError` becomes an `Err` reply; any other exception is logged and
+becomes an `internal` error; either way the connection and the server keep serving.
+
+Invariants: at most one request is outstanding on a connection; a one-way frame
+(`FLAG_ONEWAY`) gets no reply; a frame with a wrong version or an undecodable message gets an
+`Err` and the connection is closed. The server owns its `SpinPolicy` (`kvpool.rpc.spin`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+from typing import Any, Callable, Sequence
+
+import msgspec
+
+from kvpool.config import RpcSettings
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.messages import PROTOCOL_VERSION, Err
+from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
+                              frame, request_decoder, unix_name)
+from kvpool.rpc.spin import SpinPolicy, local
+from transfer.framing import Listener, peer_pid, recv_exact_into, send_all
+
+log = logging.getLogger("kvpool.rpc")
+
+UNIX_SUPPORTED = sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
+
+
+class ServerConn:
+    """One accepted connection, as a handler sees it."""
+
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock = sock
+        self.peer = peer
+        self.replied = False
+        self.oneway = False
+        self.flags = 0  # reply flags for the request being handled (FLAG_SPIN)
+        self.state: dict[str, Any] = {}  # per-connection handler state (e.g. pins to drop on close)
+
+    def reply(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
+        if self.oneway:
+            return
+        if not buffers:  # most replies: one small frame, one send
+            body = encoder.encode(msg)
+            self.sock.sendall(HEADER.pack(PROTOCOL_VERSION, self.flags, len(body), 0) + body)
+        else:
+            nbytes = sum(memoryview(b).nbytes for b in buffers)
+            send_all(self.sock, frame(msg, nbytes, self.flags) + list(buffers))
+        self.replied = True
+
+
+Handler = Callable[[Any, Payload, ServerConn], Any]
+
+
+class RpcServer:
+    """Serve `handlers` (message type -> handler) on host:port (0: a free port).
+
+    `handlers` may be filled in after construction, before `start` (the embedded pool's node
+    and master share one server). `settings`: the RPC knobs (default: from the environment)."""
+
+    def __init__(self, handlers: dict[type, Handler], host: str = "127.0.0.1", port: int = 0, name: str = "rpc",
+                 on_close: Callable[[ServerConn], None] | None = None, unix: bool = True,
+                 settings: RpcSettings | None = None):
+        settings = settings or RpcSettings()
+        self.handlers = handlers
+        self.name = name
+        self.on_close = on_close
+        self.spin = SpinPolicy(settings.server_spin)
+        try:
+            self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
+        except OSError as exc:
+            raise Unavailable(f"{name}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        # Listening on every interface: advertise this machine's address, not 0.0.0.0.
+        self.host = host if host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname())
+        self.port = self._sock.getsockname()[1]
+        self._listen_addr = tuple(self._sock.getsockname()[:2])
+        local.servers.add(self._listen_addr)
+        self.unix_address: str | None = None
+        self._unix_sock: socket.socket | None = None
+        if unix and settings.rpc_unix and UNIX_SUPPORTED:
+            uname = f"@kvpool-rpc-{self.port}-{secrets.token_hex(6)}"
+            try:
+                usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                usock.bind(unix_name(uname))
+                usock.listen(256)
+            except OSError as exc:  # optional: same-host clients use TCP then
+                log.info("%s: no unix socket (%s); same-host clients use TCP", name, exc)
+            else:
+                self._unix_sock, self.unix_address = usock, uname
+        self._listener = Listener([self._sock, self._unix_sock], self._serve, name)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> "RpcServer":
+        self._listener.start()
+        return self
+
+    def stop(self) -> None:
+        local.servers.discard(self._listen_addr)
+        self._listener.close()
+
+    def _serve(self, sock: socket.socket, addr: Any) -> None:
+        if sock.family == socket.AF_UNIX:
+            pid = peer_pid(sock)
+            peer, in_process = f"unix:pid {pid}", pid == os.getpid()
+        else:
+            peer, in_process = f"{addr[0]}:{addr[1]}", tuple(addr[:2]) in local.clients
+        conn = ServerConn(sock, peer)
+        reader = Reader(sock)
+        policy = self.spin
+        spin = policy.connection(in_process)  # a client in this process needs our GIL: never spin for it
+        busy, spinning = policy.busy, policy.spinning
+        hsize = HEADER.size
+        unpack_from = HEADER.unpack_from
+        decode = request_decoder.decode
+        me = threading.get_ident()
+        try:
+            while True:
+                busy.discard(me)
+                try:
+                    if spin.cap and reader.end - reader.start < hsize and policy.may_spin(me):
+                        spinning.add(me)
+                        try:
+                            reader.fill(hsize, spin, policy, me)
+                        finally:
+                            spinning.discard(me)
+                    else:
+                        reader.fill(hsize)
+                except (ConnectionError, OSError):
+                    return
+                busy.add(me)
+                now = policy.request_from(me)
+                conn.flags = FLAG_SPIN if spin.cap and policy.sole_client(now) else 0
+                version, flags, msg_len, payload_len = unpack_from(reader.buf, reader.start)
+                reader.start += hsize
+                if version != PROTOCOL_VERSION or msg_len > MAX_MESSAGE or payload_len > MAX_PAYLOAD:
+                    conn.oneway = False
+                    conn.reply(Err("invalid_argument", f"bad frame: protocol version {version} (this server speaks "
+                                   f"{PROTOCOL_VERSION}), message {msg_len} bytes, payload {payload_len} bytes"))
+                    return
+                if msg_len <= len(reader.buf):
+                    reader.fill(msg_len)
+                    body = reader.view[reader.start:reader.start + msg_len]
+                    reader.start += msg_len
+                else:
+                    body = bytearray(msg_len)
+                    got = reader.take_into(memoryview(body))
+                    recv_exact_into(sock, memoryview(body)[got:])
+                payload = Payload(sock, payload_len, reader, spin=bool(conn.flags & FLAG_SPIN))
+                conn.oneway = bool(flags & FLAG_ONEWAY)
+                conn.replied = False
+                try:
+                    msg = decode(body)
+                except msgspec.DecodeError as exc:
+                    payload.drain()
+                    conn.reply(Err("invalid_argument", f"malformed message: {exc}"))
+                    continue
+                del body  # a view of the buffer, which the next recv reuses
+                self._dispatch(msg, payload, conn)
+        except (ConnectionError, OSError) as exc:
+            log.debug("%s: connection from %s ended: %s", self.name, peer, exc)
+        finally:
+            busy.discard(me)
+            if self.on_close is not None:
+                try:
+                    self.on_close(conn)
+                except Exception:
+                    log.exception("%s: on_close failed", self.name)
+
+    def _dispatch(self, msg: Any, payload: Payload, conn: ServerConn) -> None:
+        handler = self.handlers.get(type(msg))
+        try:
+            if handler is None:
+                raise InvalidArgument(f"{self.name} does not serve {type(msg).__name__}")
+            out = handler(msg, payload, conn)
+        except KVPoolError as exc:
+            out = Err(exc.code, str(exc))
+        except (ConnectionError, OSError):
+            raise
+        except Exception as exc:  # a bug in one handler must not take the server down
+            log.exception("%s: %s failed", self.name, type(msg).__name__)
+            out = Err("internal", f"{type(exc).__name__}: {exc}")
+        if payload.remaining:
+            payload.drain()
+        if conn.replied or out is None:
+            return
+        if isinstance(out, tuple):
+            conn.reply(out[0], out[1])
+        else:
+            conn.reply(out)
