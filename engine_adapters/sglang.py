@@ -296,6 +296,87 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                 result[i] = good
         return result
 
+    # ---- v2 interface (per-pool transfers, for SGLang's hybrid models) ----
+    # SGLang 0.5.23 moves KV pages through v1 and the host pools next to them (sliding-window KV,
+    # DSA indexer, ...) through these, keyed by the KV page hashes. A pool with K/V pages in a host
+    # layout is stored as chunk objects of its own layout, in a namespace salted with the pool's
+    # name; the KV pool ("kv") is this backend itself, so v1 and v2 share its pages.
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Register a host pool by name. A pool kvpool cannot store (Mamba state: not K/V pages)
+        raises `InvalidArgument`: every prefix that needs it would miss."""
+        from types import SimpleNamespace
+
+        self.__dict__.setdefault("registered_pools", {})[host_pool_name] = host_pool
+        name = str(host_pool_name)  # PoolName is a str enum whose str() is its value
+        if name == "kv":
+            if self.mem_pool_host is None:
+                self.register_mem_pool_host(host_pool)
+            return
+        config = SimpleNamespace(tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=0, is_mla_model=False,
+                                 model_name=self.model_id,
+                                 extra_config={"model_id": self.model_id, "weights_fingerprint": self.weights_fingerprint,
+                                               "tenant_salt": f"{self.tenant_salt}/{name}", "kvpool_address": self.address})
+        side = KVPoolHiCacheStorage(config, client=self.client)  # shares this backend's connection
+        try:
+            side.register_mem_pool_host(host_pool)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"kvpool cannot store SGLang host pool {name!r}: {exc}") from None
+        self.__dict__.setdefault("_v2_pools", {})[name] = side
+
+    def _v2_store(self, name: Any) -> "KVPoolHiCacheStorage | None":
+        return self if str(name) == "kv" else self.__dict__.get("_v2_pools", {}).get(str(name))
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """SGLang's `PoolTransferResult`: the KV prefix (pages), cut down by each transfer's pool
+        under its hit policy (`all_pages`: every page of the prefix; `trailing_pages`: the last
+        len(transfer.keys) pages of it; others: a miss)."""
+        kv = self.batch_exists(keys, extra_info)
+        hits: dict = {_kv_pool_name(): kv} if kv else {}
+        restorable = list(range(1, kv + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            store, policy = self._v2_store(transfer.name), str(getattr(transfer.hit_policy, "value", transfer.hit_policy))
+            present = [False] * kv
+            if store is not None:
+                try:
+                    present = store.client.exists_batch([store.pool_key(k) for k in keys[:kv]])
+                except KVPoolError as exc:
+                    logger.warning("kvpool exists of %d %s pages failed: %s", kv, transfer.name, exc)
+            if policy == "all_pages":
+                usable = set(range(1, (present.index(False) if False in present else kv) + 1))
+            elif policy == "trailing_pages":
+                window = max(1, len(transfer.keys or ()))
+                usable = {n for n in range(1, kv + 1) if all(present[max(0, n - window):n])}
+            else:
+                logger.warning("kvpool: hit policy %s of pool %s is not supported: a miss", policy, transfer.name)
+                usable = set()
+            if usable:
+                hits[transfer.name] = max(usable)
+            restorable = [n for n in restorable if n in usable]
+        return _pool_transfer_result(restorable[-1] if restorable else 0, hits, restorable)
+
+    def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
+        """Read each transfer's pages into its host pool at its host indices: {pool name: [ok per page]}."""
+        return self._batch_v2(transfers, "batch_get_v1")
+
+    def batch_set_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
+        """Write each transfer's pages from its host pool: {pool name: [ok per page]}."""
+        return self._batch_v2(transfers, "batch_set_v1")
+
+    def _batch_v2(self, transfers: List[Any], method: str) -> dict:
+        results: dict = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            store = self._v2_store(transfer.name)
+            if store is None:
+                logger.warning("kvpool: no host pool %s is registered: %d pages not moved", transfer.name, len(keys))
+                results[transfer.name] = [False] * len(keys)
+            else:
+                results[transfer.name] = getattr(store, method)(keys, transfer.host_indices) if keys else []
+        return results
+
     # ---- lifecycle ----
 
     def clear(self) -> None:
@@ -309,3 +390,29 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if self._owns_client and self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _kv_pool_name() -> Any:
+    """SGLang's name of the KV pool (its `PoolName.KV` where installed)."""
+    if SGLANG_AVAILABLE:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        return PoolName.KV
+    return "kv"
+
+
+class _PoolTransferResult:
+    """SGLang's `PoolTransferResult` (same fields), where SGLang is not installed."""
+
+    def __init__(self, kv_hit_pages: int, extra_pool_hit_pages: dict, restorable_prefix_pages: Optional[List[int]] = None):
+        self.kv_hit_pages = kv_hit_pages
+        self.extra_pool_hit_pages = extra_pool_hit_pages
+        self.restorable_prefix_pages = restorable_prefix_pages
+
+
+def _pool_transfer_result(kv_hit_pages: int, hits: dict, restorable: List[int]) -> Any:
+    if SGLANG_AVAILABLE:
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        return PoolTransferResult(kv_hit_pages, hits, restorable)
+    return _PoolTransferResult(kv_hit_pages, hits, restorable)
