@@ -41,10 +41,12 @@ def _client(addr: str, idx: int, shm: bool, seconds: float, env: dict, q) -> Non
 
 
 def run(clients: int, spin: bool, shm: bool, seconds: float) -> str:
-    from kvpool.cluster.etcd_testing import free_port
+    import socket
 
     env = {} if spin else OFF
-    port = free_port()
+    with socket.socket() as s:  # a free port for the server
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     exe = os.path.join(os.path.dirname(sys.executable), "kvpool")
     srv_env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | env
     srv = subprocess.Popen([exe, "serve", "--port", str(port), "--admin-port", "0", "--dram-capacity", "4GiB"],

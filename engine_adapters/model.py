@@ -36,7 +36,7 @@ import xxhash
 
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.keys import Namespace
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from kvpool.errors import KeyNotFound, KVPoolError
 from kvpool.keys import Namespace, chunk_keys, chunk_keys_hex
-from kvpool.layout import KVLayout, decode_chunk, encode_chunk
+from kvpool.chunk_format import KVLayout, decode_chunk, encode_chunk
 
 __version__ = "0.1.0"
 

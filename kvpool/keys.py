@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 
 from kvpool.errors import InvalidArgument
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 NAMESPACE_VERSION = 1
 NAMESPACE_PREFIX = b"kvpool-namespace/v1\n"

@@ -12,9 +12,11 @@ input order; a size of -1 means "absent" (a miss), never an error.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Callable, Sequence, Union
 
 import msgspec
+
+from kvpool.errors import InvalidArgument, KVPoolError
 
 PROTOCOL_VERSION = 1
 
@@ -34,6 +36,21 @@ class Err(Msg):
 
     code: str
     message: str
+
+
+def per_item(one: Callable[..., Any], *columns: Sequence[Any]) -> list[Any]:
+    """`one(*row)` for each row of the parallel `columns`, a `KVPoolError` becoming that row's
+    `Err`: a batch answers per item, so one bad key never fails the others. Columns of
+    different lengths are a malformed message (`InvalidArgument`)."""
+    if len({len(c) for c in columns}) > 1:
+        raise InvalidArgument(f"a batch message's lists must have the same length, got {[len(c) for c in columns]}")
+    out: list[Any] = []
+    for row in zip(*columns):
+        try:
+            out.append(one(*row))
+        except KVPoolError as exc:
+            out.append(Err(exc.code, str(exc)))
+    return out
 
 
 class Bools(Msg):

@@ -54,7 +54,7 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: 
     from kvpool.worker_api import PrefillRequest
     from engine_adapters.serving.service import Worker, WorkerConfig
     from kvpool.config import load_settings
-    from kvpool.server import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
     rm = load_reference_model()
     kv_bytes = rm.layout(chunk_tokens).bytes_per_token * tokens

@@ -1,7 +1,7 @@
 """The REST admin API of a pool master (FastAPI; OpenAPI at `/docs`, schema at `/openapi.json`).
 
 Thin: parse, call the master service, wrap the answer. The master service is anything with the
-methods below (see `kvpool.master.service.MasterService`); each may be sync or async.
+methods below (`MasterService.admin`, a `kvpool.master.admin_ops.AdminOps`); each may be sync or async.
 
     nodes() -> list[node]            node(node_id) -> node
     drain_node(node_id) -> result    remove_node(node_id) -> result
@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvpool.admin import schemas as s
 from kvpool.admin.auth import token_guard
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins
-from kvpool.api import check_key
+from kvpool.contract import check_key
 from kvpool.config import Settings
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 

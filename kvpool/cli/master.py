@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpool.cli._service import common_options, run_until_signal, settings_from
+from kvpool.cli.service_options import common_options, run_until_signal, settings_from
 
 
 @click.command()
@@ -23,7 +23,7 @@ def master(config_file, **flags) -> None:
         from kvpool.admin.app import create_app
         from kvpool.admin.server import serve_in_thread
 
-        handle = serve_in_thread(create_app(server.service, settings), settings.host, settings.admin_port)
+        handle = serve_in_thread(create_app(server.service.admin, settings), settings.host, settings.admin_port)
         stop = server.stop
 
         def stop_both() -> None:

@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from kvpool.cli._service import common_options, node_options, run_until_signal, settings_from
+from kvpool.cli.service_options import common_options, node_options, run_until_signal, settings_from
 
 log = logging.getLogger(__name__)
 

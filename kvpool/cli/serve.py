@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpool.cli._service import common_options, node_options, run_until_signal, settings_from
+from kvpool.cli.service_options import common_options, node_options, run_until_signal, settings_from
 from kvpool.errors import InvalidArgument
 
 
@@ -17,7 +17,7 @@ def serve(config_file, **flags) -> None:
 
     Prints "kvpool serving at HOST:PORT" once it accepts connections.
     """
-    from kvpool.server import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
     settings = settings_from(config_file, **flags)
     if settings.meta:

@@ -1,25 +1,11 @@
-"""The SDK's transfer-engine data path: bulk bytes move one-sided between the caller's buffers
-and the nodes' arena segments through a `transfer.TransferEngine` (tcp, or rdma where both ends
-have a device); the nodes' RPC carries only the control messages, the master none of the bytes.
-
-`data_path`, a `Client` option, picks the path per node:
-- "rpc": bytes ride on the node's RPC port (same-host reads copy from the node's shm mapping);
-- "engine": the engine, for every node that publishes a transfer segment (else rpc);
-- "auto" (default): the engine where the client's engine and the node's segment share "rdma",
-  else rpc (which is one round trip, and one memcpy on the same host: the engine's tcp path
-  cannot beat it). A client that is given no engine opens one only when a node offers rdma.
-
-Round trips per call, for the nodes on the engine path (all nodes of a batch at once):
-- write: `NodeReserve` (offsets; embedded: the node plans the put itself), one engine batch of
-  WRITEs for every replica, `NodeCommit` (embedded: the node publishes);
-- read: `NodePin(inline=False)` (offsets, objects pinned), one engine batch of READs into the
-  caller's buffers; the pin is released with the next request to that node (or `flush`), or
-  by the node when the lease ends. A pinned object is never evicted or freed, so a read never
-  returns bytes of another object.
-Failures: a node that cannot be reached or whose transfer failed is reported to the caller,
-which retries another replica (reads) or fails that replica (writes); the node aborts an
-uncommitted reservation when the writer's connection closes or the put times out.
-Not thread-safe: the owning client serializes calls.
+"""The `engine` data path (chosen by `kvpool.client.datapath`): bytes move one-sided between the
+caller's buffers and the nodes' arena segments through a `transfer.TransferEngine`; the node RPC
+carries only control messages. For all nodes of a call at once: write = `NodeReserve`, one
+engine batch of WRITEs, `NodeCommit`; read = `NodePin(inline=False)`, one batch of READs, the
+pin released with the next request (a pinned object is never freed, so a read never returns
+another object's bytes). A failed node or transfer is reported to the caller (another replica,
+or that replica fails); the node aborts a reservation whose writer's connection closed or whose
+put timed out. Not thread-safe: the owning client serializes calls.
 """
 
 from __future__ import annotations
@@ -27,51 +13,39 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from kvpool.client.nodes import TOO_SMALL, NodeConn
-from kvpool.errors import InvalidArgument, KVPoolError, Unavailable, error_from_code
+from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out
+from kvpool.errors import KVPoolError, Unavailable, error_from_code
 from kvpool.messages import Err, NodeCommit, NodePin, NodeReserve, Placed, Slot
 
 log = logging.getLogger(__name__)
 
-DATA_PATHS = ("auto", "rpc", "engine")
-EXISTS = "exists"  # a write result: the key was already complete, nothing was written
-
 
 class EnginePath:
-    """`mode`: one of DATA_PATHS. `engine`: a started TransferEngine to use (the caller owns
-    it); else one is opened on first need with `transports` and closed by `close`."""
+    """`rdma_only`: move bytes over rdma only (the "auto" mode: the engine would otherwise
+    prefer shm on this host). `engine`: a started TransferEngine to use (the caller owns it);
+    else one is opened on first need with `transports` and closed by `close`."""
 
-    def __init__(self, mode: str = "auto", engine: Any = None, transports: Sequence[str] | None = None,
+    name = "engine"
+
+    def __init__(self, rdma_only: bool, engine: Any = None, transports: Sequence[str] | None = None,
                  timeout: float = 10.0):
-        if mode not in DATA_PATHS:
-            raise InvalidArgument(f"data_path must be one of {list(DATA_PATHS)}, got {mode!r}")
-        self.mode = mode
         self._engine = engine
         self._own = engine is None
-        self._transports = tuple(transports) if transports else ("shm", "tcp", "rdma")
+        self._transports = ("tcp", "rdma") if rdma_only else tuple(transports or ("shm", "tcp", "rdma"))
         self._timeout = timeout
         self._rdma_missing = False
-        # auto mode moves bytes over rdma only; the engine would otherwise prefer shm on this host
-        self.transport = "rdma" if mode == "auto" else None
+        self.transport = "rdma" if rdma_only else None
 
     def engine(self):
         if self._engine is None:
             from transfer import TransferEngine
 
-            transports = ("tcp", "rdma") if self.mode == "auto" else self._transports
-            self._engine = TransferEngine(transports=transports, timeout=self._timeout).start()
+            self._engine = TransferEngine(transports=self._transports, timeout=self._timeout).start()
         return self._engine
 
-    def uses(self, conn: NodeConn) -> bool:
-        """Whether bytes to and from this node go through the engine."""
-        if self.mode == "rpc":
-            return False
-        desc = conn.transfer_segment()
-        if desc is None:
-            return False
-        if self.mode == "engine":
-            return True
-        if "rdma" not in desc.transports or self._rdma_missing:
+    def has_rdma(self) -> bool:
+        """Whether this client's engine has an rdma device (asked once)."""
+        if self._rdma_missing:
             return False
         if "rdma" not in self.engine().transports:
             self._rdma_missing = True  # no device here: never ask again
@@ -114,27 +88,18 @@ class EnginePath:
         """Read keys[i] for the i of each (node, indexes) into out[i]: bytes (views None) or the
         size copied into views[i] (TOO_SMALL when it does not fit); misses are left as they are.
         Returns (indexes to retry on another replica, addresses of nodes that are gone)."""
-        retry: list[int] = []
-        dead: list[str] = []
-        sent = []
-        for conn, idx in work:  # every node's pins in flight at once
-            try:
-                conn.rpc.send_request(NodePin([keys[i] for i in idx], conn.take_unpins(), inline=False))
-                sent.append((conn, idx))
-            except Unavailable:
-                retry.extend(idx)
-                dead.append(conn.address)
         from transfer import READ, Op
 
+        retry: list[int] = []
+        dead: list[str] = []
         ops: list[Op] = []
         dests: list[tuple[int, Any]] = []
         pin_ids: list[tuple[NodeConn, int]] = []
-        for conn, idx in sent:
-            try:
-                pins = conn.rpc.recv_reply()
-            except KVPoolError as exc:  # read the other replies anyway: each socket stays in step
+        pin = lambda conn, idx: (NodePin([keys[i] for i in idx], conn.take_unpins(), inline=False), ())  # noqa: E731
+        for conn, idx, pins in fan_out(work, pin):  # every node's pins were in flight at once
+            if isinstance(pins, KVPoolError):
                 retry.extend(idx)
-                if isinstance(exc, Unavailable):
+                if isinstance(pins, Unavailable):
                     dead.append(conn.address)
                 continue
             pin_ids.append((conn, pins.pin_id))
@@ -188,22 +153,14 @@ class EnginePath:
         from transfer import WRITE, Op
 
         result: dict[tuple[str, int], Any] = {}
-        sent = []
-        for conn, idx in work:
-            try:
-                conn.rpc.send_request(NodeReserve([keys[i] for i in idx], [views[i].nbytes for i in idx],
-                                                  [put_ids[i] for i in idx], replicas, conn.take_unpins()))
-                sent.append((conn, idx))
-            except Unavailable as exc:
-                result.update(((conn.address, i), exc) for i in idx)
         reserved = []
         ops: list[Op] = []
         owners: list[tuple[int, int]] = []  # op -> (reserved entry, position)
-        for conn, idx in sent:
-            try:
-                slots = conn.rpc.recv_reply()
-            except KVPoolError as exc:
-                result.update(((conn.address, i), exc) for i in idx)
+        for conn, idx, slots in fan_out(work, lambda conn, idx: (
+                NodeReserve([keys[i] for i in idx], [views[i].nbytes for i in idx], [put_ids[i] for i in idx],
+                            replicas, conn.take_unpins()), ())):
+            if isinstance(slots, KVPoolError):
+                result.update(((conn.address, i), slots) for i in idx)
                 continue
             conn.remember_segment(slots.segment)
             desc = conn.transfer_segment()
@@ -224,26 +181,19 @@ class EnginePath:
             else:
                 conn, idx = reserved[r][0], reserved[r][1]
                 result[(conn.address, idx[pos])] = Unavailable(f"transfer to {conn.address} failed: {failures[j]}")
-        committing = []
-        for conn, idx, slots, ok in reserved:
-            todo = [pos for pos, s in enumerate(slots) if isinstance(s, Slot) and s.offset >= 0]
-            if not todo:
-                continue
-            try:
-                conn.rpc.send_request(NodeCommit([keys[idx[p]] for p in todo], [slots[p].put_id for p in todo],
-                                                 [ok[p] for p in todo]))
-                committing.append((conn, idx, todo, ok))
-            except Unavailable as exc:
+
+        def commit(conn: NodeConn, ctx: tuple) -> tuple[NodeCommit, tuple]:
+            idx, todo, slots, ok = ctx
+            return NodeCommit([keys[idx[p]] for p in todo], [slots[p].put_id for p in todo], [ok[p] for p in todo]), ()
+
+        to_commit = [(conn, (idx, todo, slots, ok)) for conn, idx, slots, ok in reserved
+                     if (todo := [p for p, s in enumerate(slots) if isinstance(s, Slot) and s.offset >= 0])]
+        for conn, (idx, todo, slots, ok), reply in fan_out(to_commit, commit):
+            if isinstance(reply, KVPoolError):
                 for p in todo:
-                    result.setdefault((conn.address, idx[p]), exc)
-        for conn, idx, todo, ok in committing:
-            try:
-                replies = conn.rpc.recv_reply().results
-            except KVPoolError as exc:
-                for p in todo:
-                    result.setdefault((conn.address, idx[p]), exc)
+                    result.setdefault((conn.address, idx[p]), reply)
                 continue
-            for p, res in zip(todo, replies):
+            for p, res in zip(todo, reply.results):
                 if not ok[p]:
                     continue  # the transfer's error is already recorded
                 if isinstance(res, Placed):

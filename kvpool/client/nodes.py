@@ -1,17 +1,11 @@
-"""A client's connection to one store node: reads over TCP or, on the same host, through shm.
+"""A client's connection to one store node: its RPC connection and, on the same host, its
+arena and DRAM index mapped read-only (`kvpool.tiers.shm_index`).
 
-Same-host reads map the node's arena file and its DRAM index (`kvpool.tiers.shm_index`)
-read-only once. A get first looks each key up in the index and copies it out of the mapping,
-validated after the copy: no round trip at all; such reads are reported to the node in batches
-(`NodeUnpin.touched`, one-way) so hits and eviction recency stay right. Keys the index does not
-serve (absent, in SSD, just changed) cost one round trip to pin (`NodePin`; objects up to
-32 KiB come back inline instead), one memcpy out of the mapping, and an unpin that rides on the
-next request to that node (or a one-way `NodeUnpin` from `flush`), so it costs no extra round
-trip. Other reads are one `NodeGet` round trip whose reply payload is
-received straight into the result (`recv` into a new `bytes`, or `recv_into` the caller's buffer).
-
-The node's transfer segment (for the engine data path, `kvpool.client.engine_path`) is learned
-from the embedded pool's hello, a `NodeStats` answer or a `Slots` reply, and kept.
+What the connection keeps between calls: pins to release (`unpin_later`: they ride on the next
+request to that node, or a one-way `NodeUnpin` from `flush`, so an unpin costs no round trip),
+reads served from the shm index, to report in batches (`NodeUnpin.touched`: hits and eviction
+recency stay right), and the node's transfer segment (learned from the embedded pool's hello, a
+`NodeStats` answer or a `Slots` reply). How bytes move is `kvpool.client.datapath`.
 
 Not thread-safe: the owning client serializes calls.
 """
@@ -22,10 +16,11 @@ import logging
 import mmap
 import os
 import socket
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from kvpool.errors import InvalidArgument
-from kvpool.messages import Err, NodeGet, NodePin, NodeStats, NodeUnpin, NodeWrite, Placed
+from kvpool.config import RpcSettings
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.messages import NodePin, NodeStats, NodeUnpin
 from kvpool.rpc import RpcClient, parse_address
 from kvpool.tiers import shm_index
 from kvpool.tiers.arena import populate
@@ -36,17 +31,17 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MAX_PENDING_UNPINS = 256
 MAX_PENDING_TOUCHES = 64  # index reads reported to the node per one-way message
 POPULATE_MAX = 16 << 30  # map a node's arena into our page tables up front up to this size
-TOO_SMALL = -2  # get_many_into: the caller's buffer cannot hold the object
-BATCH_SLURP_MAX = 256 * 1024  # a batch reply up to this size is received in one piece
 _UNKNOWN = object()  # transfer segment not learned yet
+TOO_SMALL = -2  # a read result: the caller's buffer cannot hold the object
+EXISTS = "exists"  # a write result: the key was already complete, nothing was written
 
 
 class NodeConn:
     def __init__(self, address: str, rpc: RpcClient | None = None, *, timeout: float = 10.0, use_shm: bool = True,
                  shm_path: str | None = None, hostname: str | None = None, arena_size: int | None = None,
-                 segment: bytes | None = None, index_path: str | None = None):
+                 segment: bytes | None = None, index_path: str | None = None, settings: RpcSettings | None = None):
         self.address = address
-        self.rpc = rpc or RpcClient(address, timeout=timeout)
+        self.rpc = rpc or RpcClient(address, timeout=timeout, settings=settings)
         self.unpins: list[int] = []
         self.touched: list[str] = []
         self._mmap: mmap.mmap | None = None
@@ -112,152 +107,31 @@ class NodeConn:
     def shm(self) -> bool:
         return self.arena is not None
 
-    def _take_unpins(self) -> list[int]:
+    def take_unpins(self) -> list[int]:
         out, self.unpins = self.unpins, []
         return out
 
-    take_unpins = _take_unpins
-
-    def release_pins(self) -> None:
-        """Unpin now and wait for the node to have done it (before a remove of what we read)."""
-        if self.unpins:
-            self.rpc.call(NodePin([], self._take_unpins()))
-
-    def flush(self) -> None:
-        """Send pending unpins and index-read reports now (one-way)."""
-        if self.unpins or self.touched:
-            touched, self.touched = self.touched, []
-            self.rpc.send_oneway(NodeUnpin(self._take_unpins(), touched))
-
-    def _from_index(self, keys: Sequence[str], views: Sequence[memoryview] | None, out: list) -> list[int]:
-        """Serve what the shm index can into out[i] (bytes, or the size copied into views[i],
-        or TOO_SMALL); returns the indexes left for the node. See `kvpool.tiers.shm_index`."""
-        index, arena = self.index, self.arena
-        assert index is not None and arena is not None
-        limit = len(arena)
-        todo: list[int] = []
-        served: list[str] = []
-        for i, key in enumerate(keys):
-            hit = index.find(key)
-            if hit is None:
-                todo.append(i)
-                continue
-            slot, seq, offset, n = hit
-            if offset + n > limit:  # a torn read of an entry being changed
-                todo.append(i)
-                continue
-            if views is None:
-                value: Any = bytes(arena[offset:offset + n])
-            elif n > len(views[i]):
-                value = TOO_SMALL
-            else:
-                views[i][:n] = arena[offset:offset + n]
-                value = n
-            if not index.still(slot, seq):  # changed during the copy: what we copied may be anything
-                todo.append(i)
-                continue
-            out[i] = value
-            if value is not TOO_SMALL:
-                served.append(key)
-        if served:
-            self.touched += served
-            if len(self.touched) >= MAX_PENDING_TOUCHES:
-                self.flush()
-        return todo
-
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        if self.index is not None:
-            out: list[bytes | None] = [None] * len(keys)
-            todo = self._from_index(keys, None, out)
-            if todo:
-                for i, value in zip(todo, self._get_many([keys[i] for i in todo])):
-                    out[i] = value
-            return out
-        return self._get_many(keys)
-
-    def _get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        if self.arena is not None:
-            pins = self.rpc.call(NodePin(list(keys), self._take_unpins()))
-            arena, cur = self.arena, _Cursor(self.rpc, sum(1 for o in pins.offsets if o < 0))
-            out = [None if n < 0 else cur.take(n) if o < 0 else bytes(arena[o:o + n])
-                   for o, n in zip(pins.offsets, pins.sizes)]
-            self._unpin_later(pins.pin_id)
-            return out
-        data = self.rpc.call(NodeGet(list(keys)))
-        cur = _Cursor(self.rpc, len(data.sizes))
-        return [cur.take(n) if n >= 0 else None for n in data.sizes]
-
-    def get_into(self, key: str, view: memoryview) -> int:
-        """Copy one object into `view`; -1 on a miss. InvalidArgument if `view` is too small."""
-        n = self.get_many_into([key], [view])[0]
-        if n == TOO_SMALL:
-            raise InvalidArgument(f"buffer holds {len(view)} bytes, the object {key!r} needs more")
-        return n
-
-    def get_many_into(self, keys: Sequence[str], views: Sequence[memoryview]) -> list[int]:
-        """Copy each object into its view: its size, -1 on a miss, TOO_SMALL if the view is."""
-        if self.index is not None:
-            got = [-1] * len(keys)
-            todo = self._from_index(keys, views, got)
-            if todo:
-                for i, n in zip(todo, self._get_many_into([keys[i] for i in todo], [views[i] for i in todo])):
-                    got[i] = n
-            return got
-        return self._get_many_into(keys, views)
-
-    def _get_many_into(self, keys: Sequence[str], views: Sequence[memoryview]) -> list[int]:
-        out: list[int] = []
-        if self.arena is not None:
-            pins = self.rpc.call(NodePin(list(keys), self._take_unpins()))
-            cur = _Cursor(self.rpc, sum(1 for o in pins.offsets if o < 0))
-            try:
-                for view, n, offset in zip(views, pins.sizes, pins.offsets):
-                    if n > len(view):
-                        if offset < 0:
-                            cur.skip(n)
-                        out.append(TOO_SMALL)
-                    elif n >= 0 and offset < 0:
-                        cur.into(view[:n])
-                        out.append(n)
-                    else:
-                        if n >= 0:
-                            view[:n] = self.arena[offset:offset + n]
-                        out.append(n)
-            finally:
-                self._unpin_later(pins.pin_id)
-            return out
-        data = self.rpc.call(NodeGet(list(keys)))
-        cur = _Cursor(self.rpc, len(data.sizes))
-        for view, n in zip(views, data.sizes):
-            if n > len(view):
-                cur.skip(n)
-                out.append(TOO_SMALL)
-            else:
-                if n >= 0:
-                    cur.into(view[:n])
-                out.append(n)
-        return out
-
-    def _unpin_later(self, pin_id: int) -> None:
+    def unpin_later(self, pin_id: int) -> None:
         if pin_id:
             self.unpins.append(pin_id)
             if len(self.unpins) >= MAX_PENDING_UNPINS:
                 self.flush()
 
-    unpin_later = _unpin_later
+    def served_from_index(self, keys: list[str]) -> None:
+        self.touched += keys
+        if len(self.touched) >= MAX_PENDING_TOUCHES:
+            self.flush()
 
-    def write(self, keys: Sequence[str], sizes: Sequence[int], put_ids: Sequence[int], views: Sequence[Any],
-              replicas: int = 0) -> list[Placed | Err]:
-        self.start_write(keys, sizes, put_ids, views, replicas)
-        return self.finish_write()
+    def release_pins(self) -> None:
+        """Unpin now and wait for the node to have done it (before a remove of what we read)."""
+        if self.unpins:
+            self.rpc.call(NodePin([], self.take_unpins()))
 
-    def start_write(self, keys: Sequence[str], sizes: Sequence[int], put_ids: Sequence[int], views: Sequence[Any],
-                    replicas: int = 0) -> None:
-        """Send a write without waiting, so writes to several replicas overlap."""
-        self.rpc.send_request(NodeWrite(list(keys), list(sizes), list(put_ids), replicas), views)
-
-    def finish_write(self) -> list[Placed | Err]:
-        return self.rpc.recv_reply().results
+    def flush(self) -> None:
+        """Send pending unpins and index-read reports now (one-way)."""
+        if self.unpins or self.touched:
+            touched, self.touched = self.touched, []
+            self.rpc.send_oneway(NodeUnpin(self.take_unpins(), touched))
 
     def close(self) -> None:
         try:
@@ -276,34 +150,22 @@ class NodeConn:
             self._mmap = None
 
 
-class _Cursor:
-    """Hands out a reply payload piece by piece. Several small pieces are received with one
-    `recv` and sliced (a syscall per 4 KiB object costs more than copying it); large ones go
-    straight from the socket into their destination."""
-
-    def __init__(self, rpc: RpcClient, pieces: int):
-        self.rpc = rpc
-        self.blob: memoryview | None = None
-        self.pos = 0
-        if pieces > 1 and 0 < rpc.payload_left <= BATCH_SLURP_MAX:
-            self.blob = memoryview(rpc.read_payload(rpc.payload_left))
-
-    def take(self, n: int) -> bytes:
-        if self.blob is None:
-            return self.rpc.read_payload(n)
-        self.pos += n
-        return bytes(self.blob[self.pos - n:self.pos])
-
-    def into(self, view: memoryview) -> None:
-        if self.blob is None:
-            self.rpc.read_payload_into(view)
-            return
-        n = len(view)
-        view[:] = self.blob[self.pos:self.pos + n]
-        self.pos += n
-
-    def skip(self, n: int) -> None:
-        if self.blob is None:
-            self.rpc.skip_payload(n)
-        else:
-            self.pos += n
+def fan_out(items: Sequence[tuple[NodeConn, Any]],
+            request: Callable[[NodeConn, Any], tuple[Any, Sequence[Any]]]) -> list[tuple[NodeConn, Any, Any]]:
+    """Send `request(node, ctx)` -> (message, payload buffers) for every (node, ctx) before
+    awaiting any reply, so the nodes work at once; returns (node, ctx, the reply or the
+    `KVPoolError` that node failed with) for each. Reply payloads are left to the caller."""
+    out, sent = [], []
+    for conn, ctx in items:
+        msg, buffers = request(conn, ctx)
+        try:
+            conn.rpc.send_request(msg, buffers)
+            sent.append((conn, ctx))
+        except Unavailable as exc:
+            out.append((conn, ctx, exc))
+    for conn, ctx in sent:
+        try:
+            out.append((conn, ctx, conn.rpc.recv_reply()))
+        except KVPoolError as exc:  # read the other replies anyway: each socket stays in step
+            out.append((conn, ctx, exc))
+    return out

@@ -1,22 +1,22 @@
-"""`Client`: the synchronous pool SDK (satisfies `kvpool.api.PoolClient`). Thread-safe (one lock).
+"""`Client`: the synchronous pool SDK (satisfies `kvpool.contract.PoolClient`). Thread-safe (one lock).
+
+Every read and write goes the same way: ask *where* (`kvpool.client.where`: the master, or for
+an embedded pool a local answer), group the keys by node, and hand each node's share to that
+node's data path (`kvpool.client.datapath`: shm copy, node RPC, or the transfer engine).
 
 Round trips (loopback, embedded mode: the server is master and node at once):
 - get / get_into / get_batch / get_batch_into: 0 on the same host when the node's shm index
-  has the key (copy from the mapping, validated after), else 1 (`NodePin` + shm copy on the
-  same host, `NodeGet` from another);
-- put / put_from / put_batch: 1 (`NodeWrite` with put_id 0: the server plans and publishes).
+  has the key, else 1 (`NodePin` + shm copy on the same host, `NodeGet` from another);
+- put / put_from / put_batch: 1 (`NodeWrite` with put_id 0: the node plans and publishes).
 Cluster mode: a get is `Lookup` at the master (replicas + a lease; the previous leases are
-released on the same message) then one read from a node; a put is `PutStart`, one `NodeWrite`
-per replica node (all sent before any reply is awaited, so replica writes overlap), `PutEnd`.
-Batch forms cost one master round trip for all keys plus one per node.
-
-Data path (`data_path`, see `kvpool.client.engine_path`): "rpc" moves the bytes as above;
-"engine" through a `transfer.TransferEngine` (reserve / one-sided WRITE / commit, pin /
-one-sided READ); "auto" (default) uses the engine for nodes that share rdma with it, else rpc.
+released on the same message) then one read from a node (the next replica if that node is
+gone); a put is `PutStart`, one write per replica node (all sent before any reply is awaited),
+`PutEnd`. Batch forms cost one master round trip for all keys plus one per node.
 
 Misses: `get` returns None, `get_into` raises `KeyNotFound`. Errors are `kvpool.errors` types.
 Master failover (address `etcd://...`): calls that fail with `Unavailable` / `NotLeader` find
-the new leader in etcd and retry until `timeout`; a put restarts from `PutStart`.
+the new leader in etcd and retry until `timeout`; a put restarts from `PutStart`. A node that
+is the master's own server (embedded) failing counts as the master failing.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
-from kvpool.api import check_key
-from kvpool.client.engine_path import EnginePath
-from kvpool.client.nodes import TOO_SMALL, NodeConn
-from kvpool.errors import (InvalidArgument, KeyNotFound, KVPoolError, NotLeader, ObjectTooLarge, Unavailable,
-                           error_from_code)
-from kvpool.messages import (PROTOCOL_VERSION, Admin, Err, Exists, Hello, Lookup, MatchPrefix, Placed, PutEnd,
-                             PutStart, Release, Remove)
+from kvpool.client.datapath import DataPaths
+from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn
+from kvpool.client.where import EmbeddedWhere, MasterWhere
+from kvpool.config import RpcSettings
+from kvpool.contract import check_key
+from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, NotLeader, Unavailable
+from kvpool.messages import PROTOCOL_VERSION, Admin, Exists, Hello, MatchPrefix, Placed, Release, Remove
 from kvpool.rpc import RpcClient
 from kvpool.tiers.base import readable_view, writable_view
 
@@ -48,21 +48,23 @@ class Client:
         """`use_shm`: take the same-host fast paths when the server is on this machine (reads
         from the node's shm arena and index, requests over the servers' unix sockets); False:
         loopback TCP only, as a client on another host would.
-        `data_path`: "auto" | "rpc" | "engine"; `transfer_engine`: a started TransferEngine to
-        move bytes with (the caller keeps owning it), else one is opened when first needed, with
-        `transports` (default: all the engine knows)."""
-        self._path = EnginePath(data_path, transfer_engine, transports, timeout)
+        `data_path`: "auto" | "rpc" | "engine" (`kvpool.client.datapath`); `transfer_engine`: a
+        started TransferEngine to move bytes with (the caller keeps owning it), else one is
+        opened when first needed, with `transports` (default: all the engine knows)."""
+        self._paths = DataPaths(data_path, transfer_engine, transports, timeout)
         self.timeout = timeout
         self.replicas = replicas
         self.use_shm = use_shm
-        self.writer_node = writer_node
+        self._rpc_settings = RpcSettings()
         self._meta = address if address.startswith(("etcd://", "http://")) else None
         self._static = None if self._meta else address
         self._etcd = None
         self._lock = threading.RLock()
         self._master: RpcClient | None = None
         self._nodes: dict[str, NodeConn] = {}
-        self._release: list[int] = []
+        self._leases: list[int] = []  # to release with the next lookup, or before a remove
+        self._cluster = MasterWhere(self._leases, writer_node)
+        self._where: EmbeddedWhere | MasterWhere = self._cluster
         self.embedded = False
         self.max_object_bytes = 0
         self._closed = False
@@ -84,7 +86,7 @@ class Client:
         return leader.decode()
 
     def _connect_master(self) -> RpcClient:
-        rpc = RpcClient(self._resolve(), timeout=self.timeout)
+        rpc = RpcClient(self._resolve(), timeout=self.timeout, settings=self._rpc_settings)
         try:
             hello = rpc.call(Hello(PROTOCOL_VERSION, "kvpool-client"))
             if not hello.leader:
@@ -96,12 +98,14 @@ class Client:
             rpc.use_unix(hello.unix)  # same host: the server's unix socket (falls back to TCP)
         self.embedded = "node" in hello.roles and hello.node is not None
         self.max_object_bytes = hello.max_object_bytes
-        if self.embedded:
+        self._where = self._cluster
+        if self.embedded:  # the master's own server is the node: share the connection
             n = hello.node
             self._drop_node(n.address)
             self._nodes[n.address] = NodeConn(n.address, rpc, use_shm=self.use_shm, shm_path=n.shm_path,
                                               hostname=n.hostname, arena_size=n.capacity.get("dram"),
                                               segment=n.transfer_segment, index_path=n.index_path)
+            self._where = EmbeddedWhere(n.address, hello.max_object_bytes)
         self._master = rpc
         return rpc
 
@@ -114,7 +118,7 @@ class Client:
                 master = self._master or self._connect_master()
                 return fn(master)
             except (Unavailable, NotLeader) as exc:
-                if self._master is not None and not self._master_alive():
+                if self._master is not None and not self._master.connected:
                     self._master = None
                 if time.monotonic() + delay > deadline:
                     raise
@@ -125,13 +129,11 @@ class Client:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-    def _master_alive(self) -> bool:
-        return self._master is not None and self._master._sock is not None
-
     def _node(self, address: str) -> NodeConn:
         conn = self._nodes.get(address)
         if conn is None:
-            conn = self._nodes[address] = NodeConn(address, timeout=self.timeout, use_shm=self.use_shm)
+            conn = self._nodes[address] = NodeConn(address, timeout=self.timeout, use_shm=self.use_shm,
+                                                   settings=self._rpc_settings)
         return conn
 
     def _drop_node(self, address: str) -> None:
@@ -139,24 +141,45 @@ class Client:
         if conn is not None and conn.rpc is not self._master:
             conn.close()
 
+    def _node_gone(self, address: str, why: Exception) -> None:
+        """A node could not be reached: forget it; if it is the master's own server, the master
+        is gone too (raise, so `_with_master` reconnects)."""
+        log.info("node %s failed: %s", address, why)
+        if self._master is not None and address == self._master.address:
+            raise why if isinstance(why, Unavailable) else Unavailable(str(why))
+        self._drop_node(address)
+
+    def _by_path(self, pairs: Iterable[tuple[int, str]]) -> dict[Any, list]:
+        """{data path: [(node, indexes)]} for (key index, node address) pairs; nodes that
+        cannot be reached are under None as (address, indexes)."""
+        by_node: dict[str, list[int]] = {}
+        for i, address in pairs:
+            by_node.setdefault(address, []).append(i)
+        groups: dict[Any, list] = {}
+        for address, idx in by_node.items():
+            try:
+                conn = self._node(address)
+                path = self._paths.choose(conn)
+            except Unavailable as exc:
+                self._node_gone(address, exc)
+                groups.setdefault(None, []).append((address, idx))
+                continue
+            groups.setdefault(path, []).append((conn, idx))
+        return groups
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self._release and self._master is not None:
-                try:
-                    self._master.send_oneway(Release(self._take_release()))
-                except KVPoolError:
-                    pass
+            self._send_release()
             for address in list(self._nodes):
-                conn = self._nodes.pop(address)
-                conn.close()
+                self._nodes.pop(address).close()
             if self._master is not None:
                 self._master.close()
             if self._etcd is not None:
                 self._etcd.close()
-            self._path.close()
+            self._paths.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -164,26 +187,27 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _take_release(self) -> list[int]:
-        out, self._release = self._release, []
-        return out
+    def _send_release(self) -> None:
+        """Release the leases of what we read (one-way); a lost master forgets them anyway."""
+        if self._leases and self._master is not None:
+            release = list(self._leases)
+            self._leases.clear()
+            try:
+                self._master.send_oneway(Release(release))
+            except KVPoolError:
+                pass
 
     # ------------------------------------------------------------------ reads
 
     def get(self, key: str) -> bytes | None:
         """The object's bytes, or None when the key is absent (never other data)."""
         check_key(key)
-        return self._get_many([key])[0]
+        return self._read([key], None, None)[0]
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """One entry per key, in order; a malformed key is a None entry, like a miss."""
         keys = list(keys)
-        valid = [i for i, k in enumerate(keys) if _valid(k)]
-        got = self._get_many([keys[i] for i in valid]) if valid else []
-        out: list[bytes | None] = [None] * len(keys)
-        for i, value in zip(valid, got):
-            out[i] = value
-        return out
+        return _by_valid_key(keys, lambda idx: self._read([keys[i] for i in idx], None, None), None)
 
     def get_into(self, key: str, buffer: Any) -> int:
         """Copy the object into `buffer` (writable, large enough); return its size. `KeyNotFound` on a miss."""
@@ -202,82 +226,29 @@ class Client:
         if len(buffers) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
         views = [writable_view(b, 0) for b in buffers]
-        valid = [i for i, k in enumerate(keys) if _valid(k)]
-        out = [-1] * len(keys)
-        got = self._get_many_into([keys[i] for i in valid], [views[i] for i in valid]) if valid else []
-        for i, n in zip(valid, got):
-            out[i] = n
+        out = _by_valid_key(keys, lambda idx: self._read([keys[i] for i in idx], [views[i] for i in idx], -1), -1)
         small = [keys[i] for i, n in enumerate(out) if n == TOO_SMALL]
         if small:
             raise InvalidArgument(f"buffer too small for {small[:5]}{'...' if len(small) > 5 else ''}")
         return out
 
-    def _get_many_into(self, keys: list[str], views: list[memoryview]) -> list[int]:
+    def _read(self, keys: list[str], views: list[memoryview] | None, miss: Any) -> list:
         with self._lock:
-            if self.embedded:
-                return self._with_master(lambda m: self._read_embedded(m, keys, views, -1))
-            return self._from_replicas(keys, lambda conn, idx: conn.get_many_into([keys[i] for i in idx],
-                                                                                 [views[i] for i in idx]), -1, views)
+            return self._with_master(lambda m: self._read_once(m, keys, views, miss))
 
-    def _read_embedded(self, master: RpcClient, keys: list[str], views: list[memoryview] | None, miss: Any) -> list:
-        conn = self._nodes[master.address]
-        if not self._path.uses(conn):
-            return conn.get_many(keys) if views is None else conn.get_many_into(keys, views)
+    def _read_once(self, master: RpcClient, keys: list[str], views: list[memoryview] | None, miss: Any) -> list:
+        """Find the replicas, then read each key from its first one that answers."""
+        replicas = self._where.find(master, keys)
         out: list[Any] = [miss] * len(keys)
-        retry, _ = self._path.read([(conn, list(range(len(keys))))], keys, views, out)
-        if retry:
-            raise Unavailable(f"reading {len(retry)} object(s) from {conn.address} through the transfer engine failed")
-        return out
-
-    def _lookup(self, keys: list[str]):
-        def call(m: RpcClient):
-            reply = m.call(Lookup(keys, release=self._take_release()))
-            return reply.lease_id, reply.entries
-
-        return self._with_master(call)
-
-    def _get_many(self, keys: list[str]) -> list[bytes | None]:
-        with self._lock:
-            if self.embedded:
-                return self._with_master(lambda m: self._read_embedded(m, keys, None, None))
-            return self._from_replicas(keys, lambda conn, idx: conn.get_many([keys[i] for i in idx]), None, None)
-
-    def _from_replicas(self, keys: list[str], read: Callable[[NodeConn, list[int]], list], miss: Any,
-                       views: list[memoryview] | None) -> list:
-        """Cluster read: one `Lookup` for all keys, then `read(node, indexes)` per rpc-path node and
-        one engine batch for all engine-path nodes; a key whose node is gone (or whose transfer
-        failed) is retried on its next replica. Lock held by the caller."""
-        lease_id, entries = self._lookup(keys)
-        if lease_id:
-            self._release.append(lease_id)
-        out: list[Any] = [miss] * len(keys)
-        todo = [i for i, e in enumerate(entries) if e is not None and e.locations]
+        todo = [i for i, r in enumerate(replicas) if r]
         attempt = 0
         while todo:
-            by_node: dict[str, list[int]] = {}
-            for i in todo:
-                locs = entries[i].locations
-                if attempt < len(locs):
-                    by_node.setdefault(locs[attempt].address, []).append(i)
-            todo = []
-            engine_work = []
-            for address, idx in by_node.items():
-                try:
-                    conn = self._node(address)
-                    if self._path.uses(conn):
-                        engine_work.append((conn, idx))
-                        continue
-                    values = read(conn, idx)
-                except Unavailable:  # that replica's node is gone: try the next replica
-                    self._drop_node(address)
-                    todo.extend(idx)
-                    continue
-                for i, v in zip(idx, values):
-                    out[i] = v
-            if engine_work:
-                retry, dead = self._path.read(engine_work, keys, views, out)
+            groups = self._by_path((i, replicas[i][attempt]) for i in todo if attempt < len(replicas[i]))
+            todo = [i for _, idx in groups.pop(None, []) for i in idx]
+            for path, work in groups.items():
+                retry, dead = path.read(work, keys, views, out)
                 for address in dead:
-                    self._drop_node(address)
+                    self._node_gone(address, Unavailable(f"node {address} is unreachable"))
                 todo.extend(retry)
             attempt += 1
         return out
@@ -288,13 +259,9 @@ class Client:
 
     def exists_batch(self, keys: Sequence[str]) -> list[bool]:
         keys = list(keys)
-        valid = [i for i, k in enumerate(keys) if _valid(k)]
         with self._lock:
-            got = self._with_master(lambda m: m.call(Exists([keys[i] for i in valid])).values) if valid else []
-        out = [False] * len(keys)
-        for i, v in zip(valid, got):
-            out[i] = v
-        return out
+            return _by_valid_key(keys, lambda idx: self._with_master(
+                lambda m: m.call(Exists([keys[i] for i in idx])).values), False)
 
     def match_prefix(self, keys: Sequence[str]) -> int:
         """n such that keys[0..n) are all present; one round trip for the whole list."""
@@ -309,7 +276,7 @@ class Client:
     def put(self, key: str, value: Any, *, replicas: int | None = None) -> None:
         """Store `value` under `key`; a key that is already complete is left as it is."""
         check_key(key)
-        err = self._put_many([key], [readable_view(value)], replicas)[0]
+        err = self._write([key], [readable_view(value)], replicas)[0]
         if err is not None:
             raise err
 
@@ -330,108 +297,37 @@ class Client:
             except KVPoolError as exc:
                 out[i] = exc
         if keys:
-            for i, err in zip(idx, self._put_many(keys, views, replicas)):
+            for i, err in zip(idx, self._write(keys, views, replicas)):
                 out[i] = err
         return out
 
-    def _put_many(self, keys: list[str], views: list[memoryview], replicas: int | None) -> list[Exception | None]:
+    def _write(self, keys: list[str], views: list[memoryview], replicas: int | None) -> list[Exception | None]:
         want = replicas or self.replicas or 0
-        out: list[Exception | None] = [None] * len(keys)
-        ok = []
-        for i, v in enumerate(views):
-            # Embedded puts carry their bytes in the first message: refuse a hopeless one before
-            # sending it. (In cluster mode PutStart refuses it before any byte moves.)
-            if self.embedded and self.max_object_bytes and v.nbytes > self.max_object_bytes:
-                out[i] = ObjectTooLarge(f"value of {v.nbytes} bytes is larger than the pool's largest object "
-                                        f"({self.max_object_bytes} bytes)")
-            else:
-                ok.append(i)
-        if not ok:
-            return out
         with self._lock:
-            if self.embedded:
-                sub = [keys[i] for i in ok]
-                sizes = [views[i].nbytes for i in ok]
+            return self._with_master(lambda m: self._write_once(m, keys, views, want))
 
-                def call(m: RpcClient):
-                    conn = self._nodes[m.address]
-                    if not self._path.uses(conn):
-                        return conn.write(sub, sizes, [0] * len(sub), [views[i] for i in ok], want)
-                    got = self._path.write([(conn, list(range(len(sub))))], sub, [0] * len(sub),
-                                           [views[i] for i in ok], want)
-                    return [got[(conn.address, j)] for j in range(len(sub))]
-
-                for i, res in zip(ok, self._with_master(call)):
-                    out[i] = (error_from_code(res.code, res.message) if isinstance(res, Err)
-                              else res if isinstance(res, Exception) else None)
-                return out
-            results = self._with_master(lambda m: self._put_cluster([keys[i] for i in ok], [views[i] for i in ok],
-                                                                     want, m))
-            for i, err in zip(ok, results):
-                out[i] = err
-            return out
-
-    def _put_cluster(self, keys: list[str], views: list[memoryview], want: int,
-                     master: RpcClient) -> list[Exception | None]:
-        plans = master.call(PutStart(keys, [v.nbytes for v in views], want, self.writer_node)).plans
-        out: list[Exception | None] = [None] * len(keys)
+    def _write_once(self, master: RpcClient, keys: list[str], views: list[memoryview],
+                    want: int) -> list[Exception | None]:
+        """Plan, write every replica (all nodes' requests in flight together), publish."""
+        plans = self._where.plan(master, keys, [v.nbytes for v in views], want)
+        errors: list[Exception | None] = [p.error for p in plans]
         written: list[list[Placed]] = [[] for _ in keys]
-        by_node: dict[str, list[int]] = {}
-        for i, plan in enumerate(plans):
-            if isinstance(plan, Err):
-                out[i] = error_from_code(plan.code, plan.message)
-            elif not plan.exists:
-                for t in plan.targets:
-                    by_node.setdefault(t.address, []).append(i)
-        sent: list[tuple[str, list[int]]] = []
-        engine_work = []
-        for address, idx in by_node.items():  # send to every node first: replica writes overlap
-            try:
-                conn = self._node(address)
-                if self._path.uses(conn):
-                    engine_work.append((conn, idx))
-                    continue
-                conn.start_write([keys[i] for i in idx], [views[i].nbytes for i in idx],
-                                 [plans[i].put_id for i in idx], [views[i] for i in idx])
-                sent.append((address, idx))
-            except Unavailable as exc:  # that node died mid-put: the other replicas may still land
-                self._write_failed(address, idx, exc, out)
-        if engine_work:
-            put_ids = [0 if isinstance(p, Err) else p.put_id for p in plans]
-            for (address, i), res in self._path.write(engine_work, keys, put_ids, views).items():
-                if isinstance(res, Placed):
-                    written[i].append(res)
-                elif isinstance(res, Unavailable):
-                    self._write_failed(address, [i], res, out)
-                elif isinstance(res, Exception) and out[i] is None:
-                    out[i] = res
-        for address, idx in sent:
-            try:
-                results = self._nodes[address].finish_write()
-            except Unavailable as exc:
-                self._write_failed(address, idx, exc, out)
-                continue
-            for i, res in zip(idx, results):
-                if isinstance(res, Placed):
-                    written[i].append(res)
-                elif out[i] is None:
-                    out[i] = error_from_code(res.code, res.message)
-        pending = [i for i, p in enumerate(plans) if not isinstance(p, Err) and not p.exists]
-        if pending:
-            end = master.call(PutEnd([keys[i] for i in pending], [plans[i].put_id for i in pending],
-                                     [written[i] for i in pending]))
-            for i, err in zip(pending, end.errors):
-                if err is not None:
-                    out[i] = error_from_code(err.code, err.message)
-                elif written[i]:
-                    out[i] = None  # published: a failed extra replica does not fail the put
-        return out
-
-    def _write_failed(self, address: str, idx: list[int], exc: Exception, out: list[Exception | None]) -> None:
-        log.info("write to node %s failed: %s", address, exc)
-        self._drop_node(address)
-        for i in idx:
-            out[i] = out[i] or exc
+        groups = self._by_path((i, address) for i, p in enumerate(plans) if p.to_write for address in p.targets)
+        for address, lost in groups.pop(None, []):
+            for i in lost:
+                errors[i] = errors[i] or Unavailable(f"node {address} is unreachable")
+        results: dict[tuple[str, int], Any] = {}
+        for path, work in groups.items():
+            results.update(path.write(work, keys, [p.put_id for p in plans], views, want))
+        for (address, i), res in results.items():
+            if isinstance(res, Placed):
+                written[i].append(res)
+            elif isinstance(res, Unavailable):
+                self._node_gone(address, res)
+                errors[i] = errors[i] or res
+            elif res is not EXISTS:
+                errors[i] = errors[i] or res
+        return self._where.publish(master, keys, plans, written, errors)
 
     def remove(self, key: str) -> bool:
         check_key(key)
@@ -439,20 +335,18 @@ class Client:
 
     def remove_batch(self, keys: Sequence[str]) -> list[bool]:
         keys = list(keys)
-        valid = [i for i, k in enumerate(keys) if _valid(k)]
+
+        def remove(idx: list[int]) -> list[bool]:
+            self._release_pins()
+            return self._with_master(lambda m: m.call(Remove([keys[i] for i in idx])).values)
+
         with self._lock:
-            if valid:
-                self._release_pins()
-            got = self._with_master(lambda m: m.call(Remove([keys[i] for i in valid])).values) if valid else []
-        out = [False] * len(keys)
-        for i, v in zip(valid, got):
-            out[i] = v
-        return out
+            return _by_valid_key(keys, remove, False)
 
     def data_paths(self) -> dict[str, str]:
-        """How bytes move to each node this client is connected to: "engine" or "rpc"."""
+        """How bytes move to each node this client is connected to: "shm", "rpc" or "engine"."""
         with self._lock:
-            return {address: "engine" if self._path.uses(conn) else "rpc" for address, conn in self._nodes.items()}
+            return {address: self._paths.choose(conn).name for address, conn in self._nodes.items()}
 
     def _release_pins(self) -> None:
         """Let go of what we read before removing: our own pin or lease would otherwise keep the
@@ -462,16 +356,12 @@ class Client:
                 conn.release_pins()
             except KVPoolError:
                 self._drop_node(address)
-        if self._release and self._master is not None:
-            try:  # one-way, ahead of the Remove on the same connection: the master sees it first
-                self._master.send_oneway(Release(self._take_release()))
-            except KVPoolError:
-                pass
+        self._send_release()  # one-way, ahead of the Remove on the same connection: the master sees it first
 
     # ------------------------------------------------------------------ admin over RPC
 
     def admin(self, method: str, **args: Any) -> Any:
-        """Call a `MasterService` admin method by name (nodes, node, stats, key_info, evict, ...)."""
+        """Call a master admin method by name (nodes, node, stats, key_info, keys, config)."""
         with self._lock:
             return self._with_master(lambda m: m.call(Admin(method, args)).doc["result"])
 
@@ -480,13 +370,20 @@ class Client:
         with self._lock:
             for conn in self._nodes.values():
                 conn.flush()
-            if self._release and self._master is not None:
-                self._master.send_oneway(Release(self._take_release()))
+            self._send_release()
 
 
-def _valid(key: Any) -> bool:
-    try:
-        check_key(key)
-        return True
-    except InvalidArgument:
-        return False
+def _by_valid_key(keys: list[Any], call: Callable[[list[int]], list], miss: Any) -> list:
+    """call(indexes of the well-formed keys) -> their results; `miss` for the others (a
+    malformed key in a batch is a miss, never an error for the whole batch)."""
+    out = [miss] * len(keys)
+    valid = []
+    for i, key in enumerate(keys):
+        try:
+            check_key(key)
+        except InvalidArgument:
+            continue
+        valid.append(i)
+    for i, value in zip(valid, call(valid) if valid else ()):
+        out[i] = value
+    return out

@@ -1,7 +1,7 @@
 """Chunk payload codecs: how the KV of one chunk is written as bytes (and read back).
 
 A codec turns the KV of one chunk, a tensor `[layers, 2, kv_heads, tokens, head_dim]` in the
-layout's dtype (`kvpool.layout.KVLayout`), into a payload and back. Registered codecs:
+layout's dtype (`kvpool.chunk_format.KVLayout`), into a payload and back. Registered codecs:
 
     name        id  bytes vs bf16 (256-token chunk)  round trip
     none        0   1.0 (the layout dtype's bytes)    exact
@@ -22,7 +22,7 @@ Invariants every codec keeps:
 - A payload of the wrong length, or one whose structure does not decode (a non-finite or negative
   scale, a damaged zstd frame), raises `FormatError` (a `CorruptObject`: the reader's miss), never
   returns KV. Flipped bits inside 8-bit codes are valid codes: the chunk checksum
-  (`kvpool.layout`) is what catches those.
+  (`kvpool.chunk_format`) is what catches those.
 - The payload is layer-major: layer i decodes from its own slice (`decode_layer_into`), so a
   reader can use layer 0 before later layers are decoded.
 - Encoding never modifies its input; non-finite KV is refused (`InvalidArgument`) by lossy codecs.
@@ -34,7 +34,7 @@ import importlib
 from typing import Any, Protocol, runtime_checkable
 
 from kvpool.errors import InvalidArgument, Unavailable
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 # name -> (id recorded in the chunk header, "module:factory"); ids never change meaning
 CODECS: dict[str, tuple[int, str]] = {

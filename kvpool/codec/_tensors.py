@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kvpool.errors import FormatError, InvalidArgument
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # unit roundoff of each layout dtype: rounding a real y into it moves it by at most |y| * u

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvpool.codec._tensors import byte_view, check_kv, check_layer_out, payload_view, torch_dtype
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 
 class NoneCodec:

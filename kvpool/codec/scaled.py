@@ -25,7 +25,7 @@ import torch
 from kvpool.codec._tensors import (SUBNORMAL_HALF_STEP, UNIT_ROUNDOFF, byte_view, check_kv, check_layer_out,
                                   payload_view)
 from kvpool.errors import FormatError, InvalidArgument
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 SCALE_DTYPE = torch.bfloat16
 _FP16_MAX = float(torch.finfo(torch.float16).max)

@@ -26,7 +26,7 @@ import zstandard
 
 from kvpool.codec._tensors import check_kv, check_layer_out
 from kvpool.errors import FormatError
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 LEVEL = 1  # level 3 gains ~1% more here at half the speed (kvpool bench codec, zstd_level extra)
 _U32 = struct.Struct("<I")

@@ -1,4 +1,4 @@
-"""The admin face of the master (what the REST admin API calls), as a mixin of `MasterService`.
+"""The admin face of the master (what the REST admin API calls), given the shared `MasterState`.
 
 All methods are synchronous, thread-safe, and return plain JSON-able dicts/lists. An unknown
 node id or key raises `KeyNotFound`; a bad argument raises `InvalidArgument`.
@@ -9,12 +9,14 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from kvpool.api import check_key
+from kvpool.contract import check_key
 from kvpool.errors import InvalidArgument, KeyNotFound
+from kvpool.master.migration import Migration
+from kvpool.master.state import MasterState
 from kvpool.master.tables import COMPLETE, NODE_DRAINING, NODE_UP, PENDING
 
 # Settings the admin API may change at run time, with their validators.
-_PATCHABLE: dict[str, Callable[[Any], bool]] = {
+PATCHABLE: dict[str, Callable[[Any], bool]] = {
     "replicas": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16,
     "put_timeout_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
     "lease_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
@@ -26,54 +28,59 @@ _PATCHABLE: dict[str, Callable[[Any], bool]] = {
 
 
 class AdminOps:
+    def __init__(self, state: MasterState, migration: Migration):
+        self.state = state
+        self.migration = migration
+
     def nodes(self) -> list[dict]:
-        now = time.monotonic()
-        with self._lock:
-            return [self._node_doc_locked(n) for n in self._nodes.values()]
+        with self.state.lock:
+            return [self._node_doc_locked(n) for n in self.state.nodes.values()]
 
     def node(self, node_id: str) -> dict:
-        with self._lock:
-            return self._node_doc_locked(self._node_locked(node_id))
+        with self.state.lock:
+            return self._node_doc_locked(self.state.node_locked(node_id))
 
     def drain_node(self, node_id: str) -> dict:
         """Stop placing new objects on the node and copy what only it holds to other nodes
         (in the background); `pending_migration` counts down to 0, then it can leave."""
-        with self._lock:
-            node = self._node_locked(node_id)
+        with self.state.lock:
+            node = self.state.node_locked(node_id)
             node.state = NODE_DRAINING
             return self._node_doc_locked(node)
 
     def _node_doc_locked(self, node: Any) -> dict:
         doc = node.to_dict(time.monotonic())
-        doc["pending_migration"] = sum(1 for o in self._objects.values()
-                                       if node.node_id in o.replicas and self._stranded(o)) \
+        doc["pending_migration"] = sum(1 for o in self.state.objects.values()
+                                       if node.node_id in o.replicas and self.migration.stranded(o)) \
             if node.state == NODE_DRAINING else 0
         return doc
 
     def undrain_node(self, node_id: str) -> dict:
-        with self._lock:
-            node = self._node_locked(node_id)
+        with self.state.lock:
+            node = self.state.node_locked(node_id)
             node.state = NODE_UP
             return node.to_dict(time.monotonic())
 
     def remove_node(self, node_id: str) -> dict:
         """Forget the node and its replicas; it may not register again under this id."""
-        with self._lock:
-            info = self._node_locked(node_id).to_dict(time.monotonic())
-            self._drop_node_locked(node_id, "removed by an operator")
-            self._banned.add(node_id)
+        st = self.state
+        with st.lock:
+            info = st.node_locked(node_id).to_dict(time.monotonic())
+            st.drop_node_locked(node_id, "removed by an operator")
+            st.banned.add(node_id)
             return info
 
     def stats(self) -> dict:
+        st = self.state
         now = time.monotonic()
-        with self._lock:
+        with st.lock:
             tiers: dict[str, dict[str, int]] = {}
-            for n in self._nodes.values():
+            for n in st.nodes.values():
                 for tier, cap in n.capacity.items():
                     t = tiers.setdefault(tier, {"capacity_bytes": 0, "used_bytes": 0, "replicas": 0})
                     t["capacity_bytes"] += cap
             complete = pending = nbytes = leases = 0
-            for obj in self._objects.values():
+            for obj in st.objects.values():
                 if obj.state == PENDING:
                     pending += 1
                     continue
@@ -85,26 +92,26 @@ class AdminOps:
                     t["used_bytes"] += obj.size
                     t["replicas"] += 1
             return {
-                "leader": self._leader,
-                "leader_address": self.leader_address,
-                "recovering": self._recovering_locked(now),
-                "nodes": len(self._nodes),
-                "nodes_up": sum(n.state == NODE_UP for n in self._nodes.values()),
+                "leader": st.leader,
+                "leader_address": st.leader_address,
+                "recovering": st.recovering_locked(now),
+                "nodes": len(st.nodes),
+                "nodes_up": sum(n.state == NODE_UP for n in st.nodes.values()),
                 "objects": complete,
                 "pending": pending,
                 "bytes": nbytes,
                 "leases": leases,
                 "tiers": tiers,
-                "totals": {"capacity_bytes": sum(n.total_capacity for n in self._nodes.values()),
-                           "used_bytes": sum(n.used for n in self._nodes.values())},
-                "counters": dict(self.counters),
+                "totals": {"capacity_bytes": sum(n.total_capacity for n in st.nodes.values()),
+                           "used_bytes": sum(n.used for n in st.nodes.values())},
+                "counters": dict(st.counters),
             }
 
     def key_info(self, key: str) -> dict:
         check_key(key)
         now = time.monotonic()
-        with self._lock:
-            obj = self._objects.get(key)
+        with self.state.lock:
+            obj = self.state.objects.get(key)
             if obj is None:
                 raise KeyNotFound(f"key {key!r} not found")
             active = obj.leased(now)
@@ -116,9 +123,9 @@ class AdminOps:
 
     def keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
         """Complete keys starting with `prefix` (at most `limit`), for listing."""
-        with self._lock:
+        with self.state.lock:
             out = []
-            for key, obj in self._objects.items():
+            for key, obj in self.state.objects.items():
                 if obj.visible() and key.startswith(prefix):
                     out.append(key)
                     if len(out) >= limit:
@@ -127,17 +134,18 @@ class AdminOps:
 
     def evict(self, target_bytes: int | None = None, keys: Sequence[str] | None = None) -> dict:
         """Evict named keys, or least-recently-used unleased objects until `target_bytes` are freed."""
+        st = self.state
         if target_bytes is None and keys is None:
             raise InvalidArgument("evict needs target_bytes or keys")
         if target_bytes is not None and (not isinstance(target_bytes, int) or target_bytes < 0):
             raise InvalidArgument(f"target_bytes must be a non-negative integer, got {target_bytes!r}")
         now = time.monotonic()
         evicted, freed, skipped = 0, 0, 0
-        with self._lock:
+        with st.lock:
             if keys is not None:
                 for key in keys:
                     check_key(key)
-                    obj = self._objects.get(key)
+                    obj = st.objects.get(key)
                     if obj is None or obj.state != COMPLETE or obj.removing:
                         continue
                     if obj.leased(now):
@@ -145,41 +153,41 @@ class AdminOps:
                         continue
                     freed += obj.size * len(obj.replicas)
                     evicted += 1
-                    self._delete_locked(obj)
+                    st.delete_locked(obj)
             if target_bytes:
-                for obj in sorted(self._objects.values(), key=lambda o: o.last_access):
+                for obj in sorted(st.objects.values(), key=lambda o: o.last_access):
                     if freed >= target_bytes:
                         break
                     if obj.state != COMPLETE or obj.removing or obj.leased(now):
                         continue
                     freed += obj.size * len(obj.replicas)
                     evicted += 1
-                    self._delete_locked(obj)
-            self.counters["evictions"] += evicted
+                    st.delete_locked(obj)
+            st.counters["evictions"] += evicted
         return {"evicted": evicted, "freed_bytes": freed, "skipped_leased": skipped}
 
     def config(self) -> dict:
-        with self._lock:
-            doc = self.settings.model_dump()
-            doc.update({k: getattr(self, k) for k in _PATCHABLE})
+        with self.state.lock:
+            doc = self.state.settings.model_dump()
+            doc.update({k: getattr(self.state, k) for k in PATCHABLE})
             doc.pop("admin_token", None)  # never hand the secret out
             return doc
 
     def patch_config(self, changes: dict) -> dict:
-        """Change run-time settings (see `_PATCHABLE`); anything else is an InvalidArgument."""
+        """Change run-time settings (see `PATCHABLE`); anything else is an InvalidArgument."""
         if not isinstance(changes, dict):
             raise InvalidArgument("config patch must be an object")
         for name, value in changes.items():
-            check = _PATCHABLE.get(name)
+            check = PATCHABLE.get(name)
             if check is None:
-                raise InvalidArgument(f"{name!r} cannot be changed at run time (changeable: {sorted(_PATCHABLE)})")
+                raise InvalidArgument(f"{name!r} cannot be changed at run time (changeable: {sorted(PATCHABLE)})")
             if not check(value):
                 raise InvalidArgument(f"invalid value for {name}: {value!r}")
-        low = changes.get("low_watermark", self.low_watermark)
-        high = changes.get("high_watermark", self.high_watermark)
+        low = changes.get("low_watermark", self.state.low_watermark)
+        high = changes.get("high_watermark", self.state.high_watermark)
         if low > high:
             raise InvalidArgument(f"low_watermark ({low}) must not exceed high_watermark ({high})")
-        with self._lock:
+        with self.state.lock:
             for name, value in changes.items():
-                setattr(self, name, value)
+                setattr(self.state, name, value)
         return self.config()

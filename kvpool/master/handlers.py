@@ -9,10 +9,10 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from kvpool.errors import InvalidArgument, KVPoolError
-from kvpool.messages import (PROTOCOL_VERSION, Admin, BatchResult, Bools, Count, Err, Exists, Heartbeat,
+from kvpool.errors import InvalidArgument
+from kvpool.messages import (PROTOCOL_VERSION, Admin, BatchResult, Bools, Count, Exists, Heartbeat,
                              HeartbeatReply, Hello, HelloReply, Info, Lookup, LookupReply, MatchPrefix, Ok, PutEnd,
-                             PutPlans, PutStart, RegisterNode, Release, Remove)
+                             PutPlans, PutStart, RegisterNode, Release, Remove, per_item)
 
 # Read-only on purpose: the RPC port has no token; changes go through the REST admin API.
 _ADMIN_METHODS = {"nodes", "node", "stats", "key_info", "keys", "config"}
@@ -28,27 +28,11 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
                           hostname=socket.gethostname(), unix=service.unix_address)
 
     def put_start(msg: PutStart, payload, conn) -> PutPlans:
-        if len(msg.sizes) != len(msg.keys):
-            raise InvalidArgument("PutStart: keys and sizes must have the same length")
-        plans: list[Any] = []
-        for key, size in zip(msg.keys, msg.sizes):
-            try:
-                plans.append(service.put_start(key, size, msg.replicas or None, msg.writer_node))
-            except KVPoolError as exc:
-                plans.append(Err(exc.code, str(exc)))
-        return PutPlans(plans)
+        return PutPlans(per_item(lambda key, size: service.put_start(key, size, msg.replicas or None, msg.writer_node),
+                                 msg.keys, msg.sizes))
 
     def put_end(msg: PutEnd, payload, conn) -> BatchResult:
-        if not len(msg.keys) == len(msg.put_ids) == len(msg.written):
-            raise InvalidArgument("PutEnd: keys, put_ids and written must have the same length")
-        errors: list[Any] = []
-        for key, put_id, written in zip(msg.keys, msg.put_ids, msg.written):
-            try:
-                service.put_end(key, put_id, written)
-                errors.append(None)
-            except KVPoolError as exc:
-                errors.append(Err(exc.code, str(exc)))
-        return BatchResult(errors)
+        return BatchResult(per_item(service.put_end, msg.keys, msg.put_ids, msg.written))
 
     def lookup(msg: Lookup, payload, conn) -> LookupReply:
         lease_id, entries = service.lookup(msg.keys, lease=msg.lease, release=msg.release)
@@ -68,7 +52,7 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
         if msg.method not in _ADMIN_METHODS:
             raise InvalidArgument(f"unknown admin method {msg.method!r}; known: {sorted(_ADMIN_METHODS)}")
         try:
-            result = getattr(service, msg.method)(**msg.args)
+            result = getattr(service.admin, msg.method)(**msg.args)
         except TypeError as exc:
             raise InvalidArgument(f"admin {msg.method}: {exc}") from None
         return Info({"result": result})

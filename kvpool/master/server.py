@@ -23,10 +23,10 @@ log = logging.getLogger(__name__)
 class MasterServer:
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.service = MasterService(settings)
-        self.rpc = RpcServer(master_handlers(self.service), settings.host, settings.port, name="master")
-        self.service.address = self.rpc.address
+        self.rpc = RpcServer({}, settings.host, settings.port, name="master", settings=settings)
+        self.service = MasterService(settings, address=self.rpc.address)
         self.service.unix_address = self.rpc.unix_address
+        self.rpc.handlers.update(master_handlers(self.service))
         self.address = self.rpc.address
         self._etcd = None
         self._election = None

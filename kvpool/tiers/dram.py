@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.api import check_key
+from kvpool.contract import check_key
 from kvpool.errors import AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.allocator import PageAllocator
 from kvpool.tiers.arena import SharedArena
@@ -93,9 +93,6 @@ class DramTier(PagedEntries):
             return False
         self.allocator.free(entry[0])
         return True
-
-    def is_pending(self, key: str) -> bool:
-        return key in self._pending
 
     def view(self, key: str) -> memoryview:
         """The arena slice of a visible or reserved object (valid until it is freed)."""

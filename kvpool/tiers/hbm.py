@@ -10,12 +10,15 @@ through `torch` tensor views of the caller's buffer, without an intermediate hos
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from kvpool.api import check_key
+from kvpool.contract import check_key
 from kvpool.errors import CapacityError, ObjectTooLarge, Unavailable
 from kvpool.tiers.allocator import PageAllocator
 from kvpool.tiers.base import PagedEntries, readable_view, writable_view
+
+log = logging.getLogger(__name__)
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -90,3 +93,12 @@ class HbmTier(PagedEntries):
     def close(self) -> None:
         self._entries.clear()
         self.arena = None
+
+
+def open_hbm(capacity: int) -> HbmTier | None:
+    """An HBM tier of `capacity` bytes, or None (logged) where CUDA is not usable."""
+    try:
+        return HbmTier(capacity)
+    except Unavailable as exc:
+        log.warning("running without an HBM tier: %s", exc)
+        return None

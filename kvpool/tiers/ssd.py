@@ -24,15 +24,16 @@ import fcntl
 import logging
 import os
 import struct
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import lmdb
 import xxhash
 
-from kvpool.api import check_key
+from kvpool.contract import check_key
 from kvpool.errors import CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.allocator import pages_for
 from kvpool.tiers.base import readable_view, writable_view
+from kvpool.tiers.stats import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -240,3 +241,44 @@ class SsdTier:
         self.env.close()
         os.close(self._lock_fd)  # releases the flock
         self._lock_fd = -1
+
+
+class SsdShelf:
+    """The SSD tier as DRAM's overflow in a `TieredStore`: the tier, its eviction policy and its
+    counters, kept in step (a key is in the policy iff the tier holds it)."""
+
+    def __init__(self, tier: SsdTier, policy: Any, stats: TierStats):
+        self.tier = tier
+        self.policy = policy
+        self.stats = stats
+        for key, size in tier.keys():  # objects that survived a restart
+            policy.insert(key, size)
+
+    def put(self, key: str, view: memoryview, size: int, evictable: Callable[[str], bool]) -> tuple[bool, list[str]]:
+        """Store a demoted object, evicting others (those `evictable`) to make room:
+        (stored, the keys evicted on the way)."""
+        evicted: list[str] = []
+        if size > self.tier.capacity:
+            return False, evicted
+        while True:
+            if self.tier.room_for(size):
+                try:
+                    self.tier.put(key, view)
+                except CapacityError:  # lmdb map fragmented: free more and retry
+                    pass
+                else:
+                    self.policy.insert(key, size)
+                    self.stats.bytes_in += size
+                    return True, evicted
+            victim = self.policy.evict(evictable)
+            if victim is None:
+                return False, evicted
+            self.tier.remove(victim)
+            self.stats.evictions += 1
+            evicted.append(victim)
+
+    def drop(self, key: str) -> None:
+        """Forget `key` (removed, or its copy was found damaged)."""
+        if self.tier.contains(key):
+            self.tier.remove(key)
+        self.policy.remove(key)

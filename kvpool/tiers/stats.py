@@ -1,8 +1,9 @@
-"""Per-tier counters of one node (read by `TieredStore.stats`, exported as metrics by the node)."""
+"""Counters of one node's tiers (read by `TieredStore.stats`, exported as metrics by the node)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
 
 
 @dataclass
@@ -27,3 +28,35 @@ class TierStats:
             for name, value in asdict(p).items():
                 setattr(out, name, getattr(out, name) + value)
         return asdict(out)
+
+
+@dataclass
+class StoreStats:
+    """A `TieredStore`'s counters: one `TierStats` per tier, and reads no tier could serve."""
+
+    hbm: TierStats = field(default_factory=TierStats)
+    dram: TierStats = field(default_factory=TierStats)
+    ssd: TierStats = field(default_factory=TierStats)
+    absent: int = 0  # reads of keys no tier holds (tier misses also count reads served lower)
+
+    def absent_read(self) -> None:
+        self.dram.misses += 1
+        self.absent += 1
+
+    def report(self, policy: str, tiers: dict[str, Any], entries: Iterable[Any]) -> dict[str, Any]:
+        """{"policy", "tiers": {name: {capacity, used, objects, hits, misses, evictions, bytes_in,
+        bytes_out}}, "total": {objects, bytes, pinned, hits, misses, evictions, bytes_in, bytes_out}}
+        of the tiers present (not None). A tier's misses count reads it could not serve (a DRAM
+        miss may be an SSD hit); the total counts each read once. Pins count as reads."""
+        present = {name: tier for name, tier in tiers.items() if tier is not None}
+        out = {name: {"capacity": tier.capacity, "used": tier.used, "objects": len(tier),
+                      **getattr(self, name).as_dict()} for name, tier in present.items()}
+        entries = list(entries)
+        visible = [e for e in entries if e.visible]
+        total = {"objects": len(visible), "bytes": sum(e.size for e in visible),
+                 "pinned": sum(1 for e in entries if e.pins),
+                 **TierStats.total([getattr(self, n) for n in present])}
+        # Each read is served by one tier (a hit there) or by none: DRAM misses that SSD served
+        # are not misses of the store.
+        total["misses"] = self.absent + self.ssd.misses
+        return {"policy": policy, "tiers": out, "total": total}

@@ -33,13 +33,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from kvpool.api import check_key
-from kvpool.errors import AllPinned, AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge, Unavailable
+from kvpool.contract import check_key
+from kvpool.errors import AllPinned, AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.base import Location, Reservation, readable_view, writable_view
 from kvpool.tiers.dram import DramTier
+from kvpool.tiers.hbm import open_hbm
 from kvpool.tiers.policy import make_policy
-from kvpool.tiers.ssd import SsdTier
-from kvpool.tiers.stats import TierStats
+from kvpool.tiers.ssd import SsdShelf, SsdTier
+from kvpool.tiers.stats import StoreStats
 
 log = logging.getLogger(__name__)
 
@@ -83,20 +84,19 @@ class TieredStore:
         try:
             if ssd_path is not None:
                 self.ssd = SsdTier(ssd_path, ssd_capacity, durable=ssd_durable)
-                self._ssd_policy = make_policy(policy, self.ssd.capacity)
             if hbm_capacity > 0:
-                self.hbm = self._open_hbm(hbm_capacity)
+                self.hbm = open_hbm(hbm_capacity)
         except BaseException:
             self.close()
             raise
         self.on_event = on_event
         self._entries: dict[str, _Entry] = {}
-        self._stats = {name: TierStats() for name in ("hbm", "dram", "ssd")}
-        self._absent = 0  # reads of keys no tier holds (tier misses also count reads served lower)
+        self._stats = StoreStats()
+        self._shelf: SsdShelf | None = None
         if self.ssd is not None:  # objects that survived a restart are visible again
+            self._shelf = SsdShelf(self.ssd, make_policy(policy, self.ssd.capacity), self._stats.ssd)
             for key, size in self.ssd.keys():
                 self._entries[key] = _Entry(size, ssd=True)
-                self._ssd_policy.insert(key, size)
 
     @classmethod
     def from_settings(cls, settings: Any, **kwargs: Any) -> "TieredStore":
@@ -105,25 +105,6 @@ class TieredStore:
                    ssd_capacity=settings.ssd_capacity if settings.ssd_path else 0,
                    policy=settings.eviction, hbm_capacity=settings.hbm_capacity,
                    index_slots=settings.shm_index_slots, **kwargs)
-
-    @staticmethod
-    def _open_hbm(capacity: int):
-        from kvpool.tiers.hbm import HbmTier
-
-        try:
-            return HbmTier(capacity)
-        except Unavailable as exc:
-            log.warning("running without an HBM tier: %s", exc)
-            return None
-
-    # The pool node's name for the hook.
-    @property
-    def on_evict(self) -> EventHook | None:
-        return self.on_event
-
-    @on_evict.setter
-    def on_evict(self, hook: EventHook | None) -> None:
-        self.on_event = hook
 
     @property
     def arena(self):
@@ -186,7 +167,7 @@ class TieredStore:
         self.dram.commit(key)
         entry.writing, entry.dram = False, True
         self._dram_policy.insert(key, entry.size)
-        self._stats["dram"].bytes_in += entry.size
+        self._stats.dram.bytes_in += entry.size
         events.append((key, "stored"))
 
     def abort(self, key: str) -> None:
@@ -222,9 +203,16 @@ class TieredStore:
 
     def _demote(self, key: str, events: list) -> None:
         entry = self._entries[key]
-        self._stats["dram"].evictions += 1
-        if self.ssd is not None and not entry.ssd:
-            entry.ssd = self._ssd_put(key, self.dram.view(key), entry.size, events)
+        self._stats.dram.evictions += 1
+        if self._shelf is not None and not entry.ssd:
+            entry.ssd, evicted = self._shelf.put(key, self.dram.view(key), entry.size,
+                                                 lambda k: not self._entries[k].promoting)
+            for victim in evicted:  # SSD made room: what was only there is gone
+                gone = self._entries[victim]
+                gone.ssd = False
+                if not gone.dram:
+                    del self._entries[victim]
+                    events.append((victim, "removed"))
         self.dram.remove(key)
         entry.dram = False
         if entry.ssd:
@@ -232,37 +220,6 @@ class TieredStore:
         else:
             del self._entries[key]
             events.append((key, "removed"))
-
-    def _ssd_put(self, key: str, view: memoryview, size: int, events: list) -> bool:
-        assert self.ssd is not None
-        if size > self.ssd.capacity:
-            return False
-        while True:
-            if self.ssd.room_for(size):
-                try:
-                    self.ssd.put(key, view)
-                except CapacityError:  # lmdb map fragmented: free more and retry
-                    pass
-                else:
-                    self._ssd_policy.insert(key, size)
-                    self._stats["ssd"].bytes_in += size
-                    return True
-            if not self._evict_ssd(events):
-                return False
-
-    def _evict_ssd(self, events: list) -> bool:
-        victim = self._ssd_policy.evict(lambda k: not self._entries[k].promoting)
-        if victim is None:
-            return False
-        assert self.ssd is not None
-        self.ssd.remove(victim)
-        self._stats["ssd"].evictions += 1
-        entry = self._entries[victim]
-        entry.ssd = False
-        if not entry.dram:
-            del self._entries[victim]
-            events.append((victim, "removed"))
-        return True
 
     def remove(self, key: str) -> bool:
         """Remove `key` from every tier; True if it was visible. A pinned object's space is
@@ -273,9 +230,7 @@ class TieredStore:
             if entry is None or not entry.visible:
                 return False
             if entry.ssd:
-                assert self.ssd is not None
-                self.ssd.remove(key)
-                self._ssd_policy.remove(key)
+                self._shelf.drop(key)
                 entry.ssd = False
             if entry.dram:
                 self._dram_policy.remove(key)
@@ -300,21 +255,20 @@ class TieredStore:
         with self._lock:  # _start_promotion never raises: events are fired below
             entry = self._entries.get(key)
             if entry is None or not entry.visible:
-                self._stats["dram"].misses += 1
-                self._absent += 1
+                self._stats.absent_read()
                 raise KeyNotFound(key)
             size = entry.size
             dst = writable_view(buffer, size)[:size]
             if entry.dram:
                 self._dram_policy.access(key)
-                self._stats["dram"].hit(size)
+                self._stats.dram.hit(size)
                 loc = self.dram.location(key)
                 if size <= SMALL_COPY:  # cheaper than pin + a second lock round trip
                     dst[:] = self.dram.arena.buffer[loc.offset : loc.offset + size]
                     return size
                 entry.pins += 1  # pinned: the copy below runs outside the lock
             else:
-                self._stats["dram"].misses += 1
+                self._stats.dram.misses += 1
                 res = self._start_promotion(key, entry, events)
         if loc is not None:
             try:
@@ -329,7 +283,7 @@ class TieredStore:
     def _start_promotion(self, key: str, entry: _Entry, events: list) -> Reservation | None:
         """Reserve DRAM for an SSD object (lock held); None when another promotion is in flight
         or DRAM is all pinned (the read is then served from SSD alone)."""
-        self._ssd_policy.access(key)
+        self._shelf.policy.access(key)
         if entry.promoting:
             return None
         # Flag first: making room may demote into SSD, and that must not evict this object's
@@ -346,7 +300,6 @@ class TieredStore:
         """Read an SSD object into `dst` outside the lock, then finish its promotion into `res`
         (when `pin`, `dst` is the reservation itself and the object stays pinned).
         Raises KeyNotFound when the copy is gone or damaged, or a pin's promotion was cancelled."""
-        assert self.ssd is not None
         try:
             ok = self.ssd.get_into(key, dst) == len(dst)
         except KeyNotFound:
@@ -357,18 +310,17 @@ class TieredStore:
         events: list = []
         with self._lock:
             entry = self._entries.get(key)
-            stats = self._stats["ssd"]
             if ok:
-                stats.hit(len(dst))
+                self._stats.ssd.hit(len(dst))
             else:
-                stats.misses += 1
+                self._stats.ssd.misses += 1
             if res is not None and entry is not None:
                 promoted = self._finish_promotion(key, entry, ok, pin, events)
                 self._promoted.notify_all()
             elif not ok and entry is not None and entry.ssd and not self.ssd.contains(key):
                 # the SSD tier dropped a damaged copy: forget it
                 entry.ssd = False
-                self._ssd_policy.remove(key)
+                self._shelf.policy.remove(key)
                 if not (entry.dram or entry.promoting):
                     del self._entries[key]
                     events.append((key, "removed"))
@@ -384,13 +336,13 @@ class TieredStore:
             entry.dram = True
             entry.pins += 1 if pin else 0
             self._dram_policy.insert(key, entry.size)
-            self._stats["dram"].bytes_in += entry.size
+            self._stats.dram.bytes_in += entry.size
             events.append((key, "promoted"))
             return True
         self.dram.abort(key)
         if not ok and entry.ssd:
             entry.ssd = False
-            self._ssd_policy.remove(key)
+            self._shelf.policy.remove(key)
             events.append((key, "removed"))
         if entry.removing or not (entry.dram or entry.ssd):
             del self._entries[key]
@@ -403,8 +355,7 @@ class TieredStore:
             with self._lock:
                 entry = self._entries.get(key)
                 if entry is None or not entry.visible:
-                    self._stats["dram"].misses += 1
-                    self._absent += 1
+                    self._stats.absent_read()
                     return None
                 size = entry.size
             out = bytearray(size)
@@ -426,7 +377,7 @@ class TieredStore:
         """Count reads that same-host readers served themselves through the shm index (they
         report them in batches): DRAM hits, and recency for the eviction policy."""
         with self._lock:
-            stats = self._stats["dram"]
+            stats = self._stats.dram
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is not None and entry.dram and entry.visible:
@@ -449,7 +400,7 @@ class TieredStore:
                 if entry.dram:
                     entry.pins += 1
                     self._dram_policy.access(key)
-                    self._stats["dram"].hit(entry.size)
+                    self._stats.dram.hit(entry.size)
                     return self.dram.location(key)  # type: ignore[return-value]
                 if not entry.promoting:
                     break
@@ -513,28 +464,14 @@ class TieredStore:
     def keys(self) -> Iterator[tuple[str, int, str]]:
         """(key, size, fastest tier holding it) of every visible object (a snapshot)."""
         with self._lock:
-            snap = [(k, e.size, "dram" if e.dram else "ssd") for k, e in self._entries.items() if e.visible]
-        return iter(snap)
+            return iter([(k, e.size, "dram" if e.dram else "ssd") for k, e in self._entries.items() if e.visible])
 
     def stats(self) -> dict[str, Any]:
-        """{"policy", "tiers": {name: {capacity, used, objects, hits, misses, evictions, bytes_in,
-        bytes_out}}, "total": {objects, bytes, pinned, hits, misses, evictions, bytes_in, bytes_out}}.
-        A tier's misses count reads it could not serve (a DRAM miss may be an SSD hit); the
-        total counts each read once. Pins count as reads."""
+        """{"policy", "tiers": {name: {capacity, used, objects, hits, misses, ...}}, "total": {...}}
+        (`kvpool.tiers.stats.StoreStats.report`)."""
         with self._lock:
-            tiers: dict[str, Any] = {}
-            for name, tier in (("hbm", self.hbm), ("dram", self.dram), ("ssd", self.ssd)):
-                if tier is not None:
-                    tiers[name] = {"capacity": tier.capacity, "used": tier.used, "objects": len(tier),
-                                   **self._stats[name].as_dict()}
-            visible = [e for e in self._entries.values() if e.visible]
-            total = {"objects": len(visible), "bytes": sum(e.size for e in visible),
-                     "pinned": sum(1 for e in self._entries.values() if e.pins),
-                     **TierStats.total([self._stats[n] for n in tiers])}
-            # Each read is served by one tier (a hit there) or by none: DRAM misses that SSD
-            # served are not misses of the store.
-            total["misses"] = self._absent + self._stats["ssd"].misses
-        return {"policy": self.policy, "tiers": tiers, "total": total}
+            return self._stats.report(self.policy, {"hbm": self.hbm, "dram": self.dram, "ssd": self.ssd},
+                                      self._entries.values())
 
     # -- lifecycle -------------------------------------------------------------------------
     def _fire(self, events: list) -> None:

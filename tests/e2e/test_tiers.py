@@ -17,7 +17,7 @@ from e2e_support import assert_same_tokens, filler_ids, reference
 from engine_adapters.serving.client import generate
 from kvpool.errors import CorruptObject
 from kvpool.keys import chunk_keys_hex
-from kvpool.layout import HEADER_SIZE, decode_chunk
+from kvpool.chunk_format import HEADER_SIZE, decode_chunk
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
 

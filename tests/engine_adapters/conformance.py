@@ -27,7 +27,7 @@ import pytest
 
 from engine_adapters.base import EngineAdapter, KVEvent, LayerwiseLoad, LayerwiseSave
 from kvpool.handle import KVHandle
-from kvpool.api import PoolClient
+from kvpool.contract import PoolClient
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, LayoutMismatch
 from kvpool.keys import Namespace
 

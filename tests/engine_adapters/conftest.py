@@ -1,6 +1,6 @@
 """Session fixtures for the adapter tests: the reference model (loaded once) and a pool.
 
-`pool` is a client of a fresh real pool (`kvpool.server.EmbeddedPool`, master + DRAM node on a
+`pool` is a client of a fresh real pool (`kvpool.embedded.EmbeddedPool`, master + DRAM node on a
 free loopback port) per test; `damage` flips a byte of a stored object inside that node's DRAM
 tier. The conformance suite (`conformance.py`) is registered here as the module
 `adapter_conformance`, so adapter test files import it by a name no other test folder uses.
@@ -58,7 +58,7 @@ def reference_model_bf16(reference_model):
 def embedded_pool():
     """A fresh real pool per test: master + one DRAM node on a free loopback port, in this process."""
     from kvpool.config import load_settings
-    from kvpool.server import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
     with EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity=POOL_DRAM)) as ep:
         yield ep

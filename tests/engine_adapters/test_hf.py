@@ -159,7 +159,7 @@ def test_handoff_many_prompts_up_to_2048_tokens(reference_model):
     them all (~0.6 GB of float32 KV): eviction is the pool's business, not this test's."""
     import kvpool
     from kvpool.config import load_settings
-    from kvpool.server import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
     rm = reference_model
     with EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="1GiB")) as ep:
@@ -215,7 +215,7 @@ def test_handoff_with_the_prefix_served_from_ssd_after_dram_eviction(reference_m
     the handoff of the first prompt (prefix read back from SSD) still reproduces generate."""
     import kvpool
     from kvpool.config import load_settings
-    from kvpool.server import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
     rm = reference_model
     ids = _prompts(rm)["long"]

@@ -13,7 +13,7 @@ import pytest
 from engine_adapters.model import (MODEL_ID, default_cache_root, gguf_path, load_reference_model,
                                    weights_fingerprint)
 from kvpool.errors import InvalidArgument, Unavailable
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 pytestmark = pytest.mark.model
 

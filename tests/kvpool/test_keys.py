@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace, chunk_keys, chunk_keys_hex, parse_namespace_hex, tail_key
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "vectors.json").read_text())["keys"]
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import ChecksumMismatch, CorruptObject, FormatError, InvalidArgument, LayoutMismatch
-from kvpool.layout import HEADER_SIZE, KVLayout, decode_chunk, encode_chunk, encode_into, read_header
+from kvpool.chunk_format import HEADER_SIZE, KVLayout, decode_chunk, encode_chunk, encode_into, read_header
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "vectors.json").read_text())["layout"]
 SMALL = KVLayout(num_layers=2, kv_heads=1, head_dim=4, dtype="float32", chunk_tokens=4)

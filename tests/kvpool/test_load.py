@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvpool.cluster.etcd_testing import serve_process
+from etcd_testing import serve_process
 
 PROCESSES = 4
 THREADS = 4  # per process: 16 clients in all

@@ -21,7 +21,7 @@ import pytest
 
 from kvpool.errors import AlreadyExists
 from kvpool.keys import Namespace, chunk_keys_hex
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),  # the first test waits for all seven engines
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -30,7 +30,7 @@ def master():
 
 
 def _serve(master, settings):
-    handle = serve_in_thread(create_app(master, settings), "127.0.0.1", 0)
+    handle = serve_in_thread(create_app(master.admin, settings), "127.0.0.1", 0)
     return handle
 
 

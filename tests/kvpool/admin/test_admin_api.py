@@ -29,7 +29,7 @@ def test_health_ready_and_openapi(admin):
 
 def test_not_ready_without_nodes(master, open_admin):
     _, c = open_admin
-    master.remove_node(NODE)
+    master.admin.remove_node(NODE)
     r = c.get("/ready")
     assert r.status_code == 503 and "no store node" in r.json()["detail"]
     assert c.get("/health").status_code == 200
@@ -79,7 +79,7 @@ def test_drain_and_remove(master, admin, auth):
     _, c = admin
     r = c.post(f"/v1/nodes/{NODE}/drain", headers=auth)
     assert r.status_code == 200 and r.json()["result"]["state"] == "draining"
-    assert master.node(NODE)["state"] == "draining"
+    assert master.admin.node(NODE)["state"] == "draining"
     r = c.delete(f"/v1/nodes/{NODE}", headers=auth)
     assert r.status_code == 200
     assert c.get("/v1/nodes").json()["nodes"] == []
@@ -104,9 +104,9 @@ def test_mutating_needs_the_token(master, admin, method, path, body):
         assert set(body_doc) == {"version", "error"}  # never data
         assert r.headers.get("www-authenticate") == "Bearer"
         # nothing happened
-        assert master.node(NODE)["state"] == "up"
-        assert master.stats()["objects"] == 3
-        assert master.config()["lease_s"] == 10.0
+        assert master.admin.node(NODE)["state"] == "up"
+        assert master.admin.stats()["objects"] == 3
+        assert master.admin.config()["lease_s"] == 10.0
 
 
 def test_reads_allow_no_token_but_refuse_a_wrong_one(admin, auth):
@@ -128,7 +128,7 @@ def test_evict_by_keys_and_bytes(master, admin, auth):
     assert not master.exists(["key-0"])[0]
     r = c.post("/v1/evict", json={"target_bytes": 2500}, headers=auth)
     assert r.json()["result"]["evicted"] >= 1 and r.json()["result"]["freed_bytes"] >= 2500
-    assert master.stats()["objects"] <= 1
+    assert master.admin.stats()["objects"] <= 1
 
 
 @pytest.mark.parametrize("content,ctype", [
@@ -146,7 +146,7 @@ def test_evict_bad_body(master, admin, auth, content, ctype):
     _, c = admin
     r = c.post("/v1/evict", content=content, headers={**auth, "Content-Type": ctype})
     _error(r, 400, "invalid_argument")
-    assert master.stats()["objects"] == 3
+    assert master.admin.stats()["objects"] == 3
     assert c.get("/health").status_code == 200
 
 
@@ -162,7 +162,7 @@ def test_config_get_and_patch(master, admin, auth):
     assert cfg["lease_s"] == 10.0 and "admin_token" not in cfg or cfg.get("admin_token") in (None, "***")
     r = c.patch("/v1/config", json={"lease_s": 4.5, "replicas": 2}, headers=auth)
     assert r.status_code == 200 and r.json()["config"]["lease_s"] == 4.5
-    assert master.lease_s == 4.5 and master.replicas == 2
+    assert master.state.lease_s == 4.5 and master.replicas == 2
 
 
 @pytest.mark.parametrize("body", [
@@ -173,11 +173,11 @@ def test_config_patch_bad_input(master, admin, auth, body):
     _, c = admin
     r = c.patch("/v1/config", content=body, headers={**auth, "Content-Type": "application/json"})
     _error(r, 400, "invalid_argument")
-    assert master.lease_s == 10.0 and master.replicas == 1
+    assert master.state.lease_s == 10.0 and master.replicas == 1
 
 
 def test_secret_never_returned(master, admin):
-    master.settings.admin_token = "leak-me"  # even if the master forgot to drop it
+    master.state.settings.admin_token = "leak-me"  # even if the master forgot to drop it
     _, c = admin
     assert "leak-me" not in c.get("/v1/config").text
 
@@ -194,7 +194,7 @@ def test_unexpected_master_error_is_a_500_without_traceback(master, admin, monke
     def broken():
         raise RuntimeError("boom in the master")
 
-    monkeypatch.setattr(master, "key_info", lambda key: broken())
+    monkeypatch.setattr(master.admin, "key_info", lambda key: broken())
     r = c.get("/v1/keys/key-0")
     _error(r, 500, "internal")
     assert "boom" not in r.text
@@ -207,7 +207,7 @@ def test_stop_is_idempotent_and_frees_the_port(master):
     from kvpool.admin import create_app, serve_in_thread
     from kvpool.config import Settings
 
-    handle = serve_in_thread(create_app(master, Settings()), "127.0.0.1", 0)
+    handle = serve_in_thread(create_app(master.admin, Settings()), "127.0.0.1", 0)
     port = handle.port
     handle.stop()
     handle.stop()
@@ -227,7 +227,7 @@ def test_port_in_use_is_a_typed_error(master):
         s.bind(("127.0.0.1", 0))
         s.listen()
         with pytest.raises(Unavailable, match="cannot listen"):
-            serve_in_thread(create_app(master, Settings()), "127.0.0.1", s.getsockname()[1])
+            serve_in_thread(create_app(master.admin, Settings()), "127.0.0.1", s.getsockname()[1])
 
 
 def test_list_keys(admin):
@@ -243,7 +243,7 @@ def test_undrain(master, admin, auth):
     _, c = admin
     c.post(f"/v1/nodes/{NODE}/drain", headers=auth)
     r = c.post(f"/v1/nodes/{NODE}/undrain", headers=auth)
-    assert r.status_code == 200 and master.node(NODE)["state"] == "up"
+    assert r.status_code == 200 and master.admin.node(NODE)["state"] == "up"
     _error(c.post(f"/v1/nodes/{NODE}/undrain"), 401, "unauthorized")
 
 
@@ -256,7 +256,7 @@ def test_async_master_methods_are_awaited(master):
 
     class AsyncFacade:
         def __getattr__(self, name):
-            target = getattr(master, name)
+            target = getattr(master.admin, name)
 
             async def call(*args, **kwargs):
                 return target(*args, **kwargs)

@@ -82,7 +82,7 @@ def test_mutations_with_token(master, admin):
     assert run(handle.url, "evict", "--bytes", "1KiB", token=TOKEN)["evicted"] >= 1
     assert run(handle.url, "config", "--set", "lease_s=2.5", token=TOKEN)["lease_s"] == 2.5
     assert run(handle.url, "drain", "node-a", token=TOKEN)["state"] == "draining"
-    assert master.node("node-a")["state"] == "draining"
+    assert master.admin.node("node-a")["state"] == "draining"
 
 
 def test_token_from_env_and_config_file(master, admin, tmp_path, monkeypatch, capsys):
@@ -131,7 +131,7 @@ def test_errors_are_one_readable_line(master, admin, args, needle, monkeypatch, 
     assert code == 2
     assert needle in err and err.startswith("error: ") and err.count("\n") == 1
     assert "Traceback" not in err
-    assert master.node("node-a")["state"] == "up"
+    assert master.admin.node("node-a")["state"] == "up"
 
 
 def test_unreachable_server_is_a_readable_error():

@@ -31,7 +31,7 @@ def test_master_metrics_endpoint_mirrors_stats(master, admin):
     assert samples[("kvpool_node_used_bytes", (("node", "node-a"),))] == 6000
     assert ("kvpool_pool_puts_total", ()) in samples
     # a change in the master shows in the next scrape
-    master.evict(keys=["key-0"])
+    master.admin.evict(keys=["key-0"])
     samples = _samples(c.get("/metrics").text)
     assert samples[("kvpool_pool_objects", ())] == 2
     assert samples[("kvpool_pool_evictions_total", ())] >= 1
@@ -124,7 +124,7 @@ def test_master_metrics_survive_a_failing_stats(master, admin, monkeypatch):
     def broken():
         raise RuntimeError("stats down")
 
-    monkeypatch.setattr(master, "stats", broken)
+    monkeypatch.setattr(master.admin, "stats", broken)
     r = c.get("/metrics")
     assert r.status_code == 200
     assert _samples(r.text)[("kvpool_stats_up", ())] == 0

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import kvpool
-from kvpool.cluster.etcd_testing import serve_process
+from etcd_testing import serve_process
 from kvpool.errors import InvalidArgument, KeyNotFound, ObjectTooLarge
 
 TOKEN = "e2e-token"

@@ -1,10 +1,10 @@
-"""A real etcd on free loopback ports (per test), from `kvpool.cluster.etcd_testing`."""
+"""A real etcd on free loopback ports (per test), from `etcd_testing` (tests/kvpool)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpool.cluster.etcd_testing import EtcdServer, etcd_binary
+from etcd_testing import EtcdServer, etcd_binary
 
 
 @pytest.fixture

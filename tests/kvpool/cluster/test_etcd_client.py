@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from kvpool.cluster import LEADER_KEY, EtcdClient, LeaderElection, Registration
-from kvpool.cluster.etcd_testing import wait_for
+from etcd_testing import wait_for
 
 
 def test_create_is_exclusive_and_leases_expire(etcd):

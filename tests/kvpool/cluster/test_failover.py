@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import kvpool
-from kvpool.cluster.etcd_testing import spawn
+from etcd_testing import spawn
 
 
 def wait_for(pred, timeout=10.0, step=0.1):

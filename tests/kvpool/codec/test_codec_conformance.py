@@ -11,7 +11,7 @@ import xxhash
 from kvpool.codec import CODECS, codec_name, decode, encode, get_codec
 from kvpool.codec._tensors import TORCH_DTYPES
 from kvpool.errors import CorruptObject, FormatError, InvalidArgument, Unavailable
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 DTYPES = ["float32", "bfloat16", "float16"]
 SMOL = dict(num_layers=30, kv_heads=3, head_dim=64, chunk_tokens=256)  # the reference model's layout

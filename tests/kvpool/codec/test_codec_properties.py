@@ -15,7 +15,7 @@ from hypothesis.extra.numpy import arrays
 from kvpool.codec import CODECS, decode, encode, get_codec
 from kvpool.codec._tensors import TORCH_DTYPES
 from kvpool.errors import FormatError, Unavailable
-from kvpool.layout import KVLayout
+from kvpool.chunk_format import KVLayout
 
 
 def codec_or_skip(name: str):

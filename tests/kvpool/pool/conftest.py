@@ -6,7 +6,7 @@ import pytest
 
 import kvpool
 from kvpool.config import load_settings
-from kvpool.server import EmbeddedPool
+from kvpool.embedded import EmbeddedPool
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 import kvpool
 from kvpool.cli import cli
-from kvpool.cluster.etcd_testing import spawn
+from etcd_testing import spawn
 
 
 @pytest.mark.parametrize("command", ["serve", "master", "node"])

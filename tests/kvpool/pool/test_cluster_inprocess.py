@@ -9,7 +9,7 @@ import socket
 import pytest
 
 import kvpool
-from kvpool.cluster.etcd_testing import wait_for
+from etcd_testing import wait_for
 from kvpool.config import load_settings
 from kvpool.errors import InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.master.server import MasterServer
@@ -24,7 +24,7 @@ def cluster():
     master = MasterServer(load_settings(port=0, **base)).start()
     nodes = [StoreNode(load_settings(port=0, master=master.address, node_id=f"n{i}",
                                      dram_capacity=f"{16 * (i + 1)}MiB", **base)).start() for i in range(3)]
-    assert wait_for(lambda: len(master.service.nodes()) == 3)
+    assert wait_for(lambda: len(master.service.admin.nodes()) == 3)
     yield master, nodes
     for n in nodes:
         if n.rpc is not None and not n._stop.is_set():
@@ -46,11 +46,11 @@ def test_put_get_across_nodes_and_placement_by_free_space(cluster, use_shm, data
             buf = bytearray(len(v))
             assert c.get_into(k, buf) == len(v) and buf == v
         assert all(conn.shm == use_shm for conn in c._nodes.values())
-        assert set(c.data_paths().values()) == {data_path}
+        assert set(c.data_paths().values()) == {"shm" if use_shm and data_path == "rpc" else data_path}
         bufs = [bytearray(len(v)) for v in values.values()]
         assert c.get_batch_into(list(values), bufs) == [len(v) for v in values.values()]
         assert bufs == list(values.values())
-        holders = {master.service.key_info(k)["replicas"][0]["node_id"] for k in values}
+        holders = {master.service.admin.key_info(k)["replicas"][0]["node_id"] for k in values}
         assert holders == {"n2"}  # the node with the most free space takes single replicas
 
 
@@ -59,8 +59,8 @@ def test_local_first_placement_for_a_writer_that_is_a_node(cluster):
     with kvpool.connect(master.address, writer_node="n0") as c:
         c.put("local", b"x" * 100)
         c.put("local2", b"y" * 100, replicas=2)
-    assert master.service.key_info("local")["replicas"][0]["node_id"] == "n0"
-    info = master.service.key_info("local2")
+    assert master.service.admin.key_info("local")["replicas"][0]["node_id"] == "n0"
+    info = master.service.admin.key_info("local2")
     assert [r["node_id"] for r in info["replicas"]][0] == "n0" and len(info["replicas"]) == 2
 
 
@@ -71,11 +71,11 @@ def test_replicas_survive_the_loss_of_a_node(cluster, data_path):
         values = {f"r{i}": os.urandom(5000) for i in range(20)}
         assert c.put_batch(list(values.items())) == [None] * 20
         for k in values:
-            assert len(master.service.key_info(k)["replicas"]) == 2
+            assert len(master.service.admin.key_info(k)["replicas"]) == 2
         nodes[2].stop()  # the roomiest node holds one replica of each
         for k, v in values.items():
             assert c.get(k) == v
-        assert wait_for(lambda: len(master.service.nodes()) == 2)
+        assert wait_for(lambda: len(master.service.admin.nodes()) == 2)
         assert c.get_batch(list(values)) == list(values.values())
 
 
@@ -89,8 +89,8 @@ def test_a_put_that_never_ends_is_reclaimed(cluster):
     assert placed.node_id == target.node_id
     with kvpool.connect(master.address) as c:
         assert c.get("orphan") is None  # written to a node, but not published
-        assert master.service.key_info("orphan")["state"] == "pending"
-        assert wait_for(lambda: master.service.stats()["pending"] == 0, timeout=5)
+        assert master.service.admin.key_info("orphan")["state"] == "pending"
+        assert wait_for(lambda: master.service.admin.stats()["pending"] == 0, timeout=5)
         node = next(n for n in nodes if n.node_id == target.node_id)
         assert wait_for(lambda: not node.store.contains("orphan"))  # its bytes were removed too
         end = rpc.call(PutEnd(["orphan"], [plan.put_id], [[placed]])).errors[0]
@@ -107,43 +107,43 @@ def test_admin_methods(cluster):
     svc = master.service
     with kvpool.connect(master.address) as c:
         c.put("a", b"1" * 100)
-        assert {n["node_id"] for n in svc.nodes()} == {"n0", "n1", "n2"}
-        assert svc.node("n1")["capacity"]["dram"] == 32 << 20
+        assert {n["node_id"] for n in svc.admin.nodes()} == {"n0", "n1", "n2"}
+        assert svc.admin.node("n1")["capacity"]["dram"] == 32 << 20
         with pytest.raises(KeyNotFound):
-            svc.node("nope")
+            svc.admin.node("nope")
         with pytest.raises(KeyNotFound):
-            svc.remove_node("nope")
-        stats = svc.stats()
+            svc.admin.remove_node("nope")
+        stats = svc.admin.stats()
         assert stats["objects"] == 1 and stats["tiers"]["dram"]["capacity_bytes"] == (16 + 32 + 48) << 20
-        info = svc.key_info("a")
+        info = svc.admin.key_info("a")
         assert info["size"] == 100 and info["state"] == "complete"
-        svc.drain_node("n2")
+        svc.admin.drain_node("n2")
         c.put("b", b"2" * 100)
-        assert svc.key_info("b")["replicas"][0]["node_id"] == "n1"
-        assert svc.evict(keys=["a"])["evicted"] == 1
+        assert svc.admin.key_info("b")["replicas"][0]["node_id"] == "n1"
+        assert svc.admin.evict(keys=["a"])["evicted"] == 1
         assert c.get("a") is None
         with pytest.raises(InvalidArgument):
-            svc.patch_config({"replicas": 0})
+            svc.admin.patch_config({"replicas": 0})
         with pytest.raises(InvalidArgument):
-            svc.patch_config({"port": 1})
-        assert svc.patch_config({"replicas": 2})["replicas"] == 2
+            svc.admin.patch_config({"port": 1})
+        assert svc.admin.patch_config({"replicas": 2})["replicas"] == 2
         c.put("c", b"3" * 100)
-        assert len(svc.key_info("c")["replicas"]) == 2
-        assert "admin_token" not in svc.config()
-        svc.remove_node("n0")
-        assert "n0" not in {n["node_id"] for n in svc.nodes()}
+        assert len(svc.admin.key_info("c")["replicas"]) == 2
+        assert "admin_token" not in svc.admin.config()
+        svc.admin.remove_node("n0")
+        assert "n0" not in {n["node_id"] for n in svc.admin.nodes()}
 
 
 def test_eviction_under_the_high_watermark(cluster):
     master, nodes = cluster
     svc = master.service
-    svc.patch_config({"high_watermark": 0.5, "low_watermark": 0.25})
+    svc.admin.patch_config({"high_watermark": 0.5, "low_watermark": 0.25})
     for n in ("n1", "n2"):
-        svc.drain_node(n)
+        svc.admin.drain_node(n)
     with kvpool.connect(master.address) as c:
         for i in range(12):  # 12 MiB into the 16 MiB node
             c.put(f"e{i}", os.urandom(1 << 20))
-        assert wait_for(lambda: svc.node("n0")["used_bytes"] <= 0.5 * (16 << 20), timeout=5)
+        assert wait_for(lambda: svc.admin.node("n0")["used_bytes"] <= 0.5 * (16 << 20), timeout=5)
         present = c.exists_batch([f"e{i}" for i in range(12)])
         assert present[-1] and not present[0]  # least recently used went first
         for i, p in enumerate(present):
@@ -164,7 +164,7 @@ def test_bad_input_over_the_cluster_sdk(cluster):
         with pytest.raises(KeyNotFound):
             c.admin("node", node_id="ghost")
         with pytest.raises(KeyNotFound):
-            master.service.drain_node("ghost")
+            master.service.admin.drain_node("ghost")
         c.put("ok", b"still serving")
         assert c.get("ok") == b"still serving"
 
@@ -186,14 +186,14 @@ def test_draining_a_node_copies_its_objects_elsewhere(cluster):
     with kvpool.connect(master.address) as c:
         values = {f"d{i}": os.urandom(3000 + i) for i in range(50)}
         assert c.put_batch(list(values.items())) == [None] * 50
-        on_n2 = [k for k in values if svc.key_info(k)["replicas"][0]["node_id"] == "n2"]
+        on_n2 = [k for k in values if svc.admin.key_info(k)["replicas"][0]["node_id"] == "n2"]
         assert on_n2
-        assert svc.drain_node("n2")["state"] == "draining"
-        assert wait_for(lambda: svc.node("n2")["pending_migration"] == 0, timeout=10)
+        assert svc.admin.drain_node("n2")["state"] == "draining"
+        assert wait_for(lambda: svc.admin.node("n2")["pending_migration"] == 0, timeout=10)
         for k in on_n2:
-            assert {r["node_id"] for r in svc.key_info(k)["replicas"]} - {"n2"}
+            assert {r["node_id"] for r in svc.admin.key_info(k)["replicas"]} - {"n2"}
         nodes[2].stop()  # now it can leave: nothing is lost
-        assert wait_for(lambda: len(svc.nodes()) == 2)
+        assert wait_for(lambda: len(svc.admin.nodes()) == 2)
         assert c.get_batch(list(values)) == list(values.values())
 
 
@@ -207,7 +207,7 @@ def test_a_restarted_master_relearns_every_object_from_the_nodes(cluster):
         fresh = MasterServer(load_settings(port=port, admin_port=0, heartbeat_s=0.2)).start()
         try:
             # Nodes notice the lost connection and register again with everything they hold.
-            assert wait_for(lambda: fresh.service.stats()["objects"] == 40, timeout=10)
+            assert wait_for(lambda: fresh.service.admin.stats()["objects"] == 40, timeout=10)
             assert c.get_batch(list(values)) == list(values.values())  # the client reconnected by itself
         finally:
             fresh.stop()

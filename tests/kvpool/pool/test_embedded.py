@@ -11,7 +11,7 @@ import torch
 
 import kvpool
 import kvpool.messages
-from kvpool.api import PoolClient
+from kvpool.contract import PoolClient
 from kvpool.client import connect_async
 from kvpool.errors import InvalidArgument, KeyNotFound, ObjectTooLarge, Unavailable
 
@@ -127,7 +127,7 @@ def test_bad_input_gets_typed_errors_and_server_keeps_serving(client, pool):
     with pytest.raises(KeyNotFound):
         client.admin("node", node_id="no-such-node")
     with pytest.raises(KeyNotFound):
-        pool.master.drain_node("no-such-node")
+        pool.master.admin.drain_node("no-such-node")
     with pytest.raises(InvalidArgument):
         client.admin("remove_node", node_id="x")  # mutations are not on the RPC port
     # Still serving, and nothing was half-stored.
@@ -188,11 +188,11 @@ def test_leased_object_is_removed_only_after_release(pool):
         assert entries[0] is not None and lease_id
         assert c.remove("leased") is True
         assert c.get("leased") is None  # hidden at once
-        assert pool.master.key_info("leased")["state"] == "removing"
-        assert pool.master.evict(keys=["leased"])["evicted"] == 0
+        assert pool.master.admin.key_info("leased")["state"] == "removing"
+        assert pool.master.admin.evict(keys=["leased"])["evicted"] == 0
         pool.master.release([lease_id])
         with pytest.raises(KeyNotFound):
-            pool.master.key_info("leased")
+            pool.master.admin.key_info("leased")
     finally:
         c.close()
 
@@ -252,7 +252,7 @@ def wait_until(pred, timeout=5.0):
 
 def test_dram_overflow_demotes_to_ssd_and_every_object_stays_readable(tmp_path):
     from kvpool.config import load_settings
-    from kvpool.server import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
     settings = load_settings(port=0, admin_port=0, dram_capacity="4MiB", ssd_path=str(tmp_path / "ssd"),
                              ssd_capacity="64MiB", heartbeat_s=0.2)
@@ -270,7 +270,7 @@ def test_dram_overflow_demotes_to_ssd_and_every_object_stays_readable(tmp_path):
 
 def test_dram_full_without_ssd_evicts_and_reports_misses_not_garbage(tmp_path):
     from kvpool.config import load_settings
-    from kvpool.server import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
     settings = load_settings(port=0, admin_port=0, dram_capacity="4MiB", heartbeat_s=0.2)
     with EmbeddedPool(settings) as pool, kvpool.connect(pool.address) as c:
@@ -283,13 +283,13 @@ def test_dram_full_without_ssd_evicts_and_reports_misses_not_garbage(tmp_path):
             assert g is None or g == v
         present = c.exists_batch(list(values))
         assert present == [g is not None for g in got]  # the master's index follows the node's evictions
-        assert pool.master.stats()["objects"] == sum(present)
+        assert pool.master.admin.stats()["objects"] == sum(present)
 
 
 def test_a_forgotten_shm_pin_expires_after_the_lease(tmp_path):
     from kvpool.config import load_settings
     from kvpool.messages import NodePin
-    from kvpool.server import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
     settings = load_settings(port=0, admin_port=0, dram_capacity="8MiB", heartbeat_s=0.1, lease_s=0.3)
     with EmbeddedPool(settings) as pool, kvpool.connect(pool.address) as c:
@@ -305,7 +305,7 @@ def test_a_batch_larger_than_dram_is_served_from_ssd_not_missed(tmp_path, mode):
     """A batch cannot pin more objects in DRAM than fit: the rest are read straight from SSD.
     (Regression: they used to come back as misses while single gets found them.)"""
     from kvpool.config import load_settings
-    from kvpool.server import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
     settings = load_settings(port=0, admin_port=0, dram_capacity="4MiB", ssd_path=str(tmp_path / "ssd"),
                              ssd_capacity="64MiB", heartbeat_s=0.2)

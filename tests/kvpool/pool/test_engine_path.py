@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 import kvpool
-from kvpool.cluster.etcd_testing import wait_for
+from etcd_testing import wait_for
 from kvpool.config import load_settings
 from kvpool.errors import InvalidArgument
 from kvpool.master.server import MasterServer
 from kvpool.messages import NodeCommit, NodeReserve, PutStart
 from kvpool.node import StoreNode
 from kvpool.rpc import RpcClient
-from kvpool.server import EmbeddedPool
+from kvpool.embedded import EmbeddedPool
 from transfer import SegmentDescriptor, TransferEngine
 
 ENGINE_TCP = dict(data_path="engine", transports=("tcp",))
@@ -132,7 +132,7 @@ def cluster():
     master = MasterServer(load_settings(port=0, **base)).start()
     nodes = [StoreNode(load_settings(port=0, master=master.address, node_id=f"n{i}", dram_capacity="16MiB",
                                      **base)).start() for i in range(2)]
-    assert wait_for(lambda: len(master.service.nodes()) == 2)
+    assert wait_for(lambda: len(master.service.admin.nodes()) == 2)
     yield master, nodes
     for n in nodes:
         n.stop()
@@ -159,8 +159,8 @@ def test_a_reserved_put_that_never_ends_is_reclaimed_on_the_node(cluster):
         eng.write(SegmentDescriptor.from_bytes(slots.segment), slots.results[0].offset, b"z" * 4096)
     with kvpool.connect(master.address, **ENGINE_TCP) as c:
         assert c.get("orphan") is None  # written, never committed: invisible
-        assert "orphan" in node._writing
-        assert wait_for(lambda: "orphan" not in node._writing, timeout=5)  # reclaimed: aborted on the node
+        assert "orphan" in node.writes.pending()
+        assert wait_for(lambda: "orphan" not in node.writes.pending(), timeout=5)  # reclaimed: aborted on the node
         late = node_rpc.call(NodeCommit(["orphan"], [plan.put_id], [True])).results[0]
         assert late.code == "unavailable"  # too late: the writer learns it
         c.put("orphan", b"fresh" * 1000)
@@ -173,9 +173,9 @@ def test_the_node_aborts_a_reservation_when_its_writer_disconnects(cluster):
     master, nodes = cluster
     rpc, node_rpc, plan, slots = _reserve(master.address, "gone", 1 << 20)
     node = _node(nodes, plan.targets[0].node_id)
-    assert "gone" in node._writing and node.store.stats()["tiers"]["dram"]["used"] >= 1 << 20
+    assert "gone" in node.writes.pending() and node.store.stats()["tiers"]["dram"]["used"] >= 1 << 20
     node_rpc.close()
-    assert wait_for(lambda: "gone" not in node._writing)
+    assert wait_for(lambda: "gone" not in node.writes.pending())
     assert node.store.stats()["tiers"]["dram"]["used"] == 0  # the reservation's space is free again
     with kvpool.connect(master.address, **ENGINE_TCP) as c:
         assert c.get("gone") is None
@@ -208,12 +208,12 @@ def test_rdma_across_nodes_with_replicas_one_batch_for_every_node():
     nodes = [StoreNode(load_settings(port=0, master=master.address, node_id=f"r{i}", dram_capacity="16MiB", **base),
                        engine=engines[i]).start() for i in range(2)]
     try:
-        assert wait_for(lambda: len(master.service.nodes()) == 2)
+        assert wait_for(lambda: len(master.service.admin.nodes()) == 2)
         with kvpool.connect(master.address, replicas=2, transfer_engine=engines[2]) as c:
             values = {f"rr{i}": os.urandom(50_000 + 1000 * i) for i in range(10)}
             assert c.put_batch(list(values.items())) == [None] * 10
             assert set(c.data_paths().values()) == {"engine"} and len(c.data_paths()) == 2
-            assert all(len(master.service.key_info(k)["replicas"]) == 2 for k in values)
+            assert all(len(master.service.admin.key_info(k)["replicas"]) == 2 for k in values)
             assert c.get_batch(list(values)) == list(values.values())
             nodes[0].stop()  # reads fall over to the other replica
             assert c.get_batch(list(values)) == list(values.values())

@@ -62,7 +62,7 @@ class MasterMachine(RuleBasedStateMachine):
     def lookup(self, keys):
         lease_id, entries = self.m.lookup(keys)
         for key, entry in zip(keys, entries):
-            obj = self.m._objects.get(key)
+            obj = self.m.state.objects.get(key)
             if entry is not None:
                 assert obj is not None and obj.state == COMPLETE and not obj.removing
                 assert entry.size == obj.size and entry.locations
@@ -80,11 +80,11 @@ class MasterMachine(RuleBasedStateMachine):
 
     @rule(nbytes=st.integers(0, 8000))
     def evict(self, nbytes):
-        self.m.evict(target_bytes=nbytes)
+        self.m.admin.evict(target_bytes=nbytes)
 
     @rule(node=NODES)
     def join(self, node):
-        held = [Held(k, o.size, "dram", o.put_id) for k, o in list(self.m._objects.items())[:2] if o.state == COMPLETE]
+        held = [Held(k, o.size, "dram", o.put_id) for k, o in list(self.m.state.objects.items())[:2] if o.state == COMPLETE]
         try:
             self.m.register_node(info(node), held)
         except KVPoolError:
@@ -97,26 +97,26 @@ class MasterMachine(RuleBasedStateMachine):
     @rule(node=NODES, drain=st.booleans())
     def drain(self, node, drain):
         try:
-            (self.m.drain_node if drain else self.m.undrain_node)(node)
+            (self.m.admin.drain_node if drain else self.m.admin.undrain_node)(node)
         except KVPoolError:
             pass
 
     @rule()
     def tick(self):
-        self.m.tick()
+        self.m.housekeeping.tick()
 
     @invariant()
     def accounting_is_exact(self):
         m = self.m
-        for node in m._nodes.values():
-            holding = [o for o in m._objects.values() if node.node_id in o.replicas]
+        for node in m.state.nodes.values():
+            holding = [o for o in m.state.objects.values() if node.node_id in o.replicas]
             assert node.used == sum(o.size for o in holding), node.node_id
             assert node.objects == sum(o.state == COMPLETE for o in holding), node.node_id
-        for obj in m._objects.values():
-            assert set(obj.replicas) <= set(m._nodes)
+        for obj in m.state.objects.values():
+            assert set(obj.replicas) <= set(m.state.nodes)
             if obj.state == COMPLETE:
                 assert obj.replicas, obj.key
-        visible = {k for k, o in m._objects.items() if o.visible()}
+        visible = {k for k, o in m.state.objects.items() if o.visible()}
         assert {k for k, v in zip(sorted(visible), m.exists(sorted(visible))) if v} == visible
 
 

@@ -6,7 +6,7 @@ import socket
 
 import httpx
 
-from kvpool.cluster.etcd_testing import spawn
+from etcd_testing import spawn
 
 
 def free_port() -> int:

@@ -243,7 +243,7 @@ def test_an_unreachable_unix_socket_leaves_the_client_on_tcp(server):
 def test_the_sdk_uses_the_unix_socket_only_for_same_host_clients():
     import kvpool
     from kvpool.config import load_settings
-    from kvpool.server import EmbeddedPool
+    from kvpool.embedded import EmbeddedPool
 
     pool = EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="16MiB")).start()
     try:

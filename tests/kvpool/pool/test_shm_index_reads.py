@@ -58,7 +58,7 @@ def test_a_hit_costs_no_round_trip(pool, reader):
 def test_reads_are_reported_as_hits(pool, reader):
     reader.put("h", b"x" * 100_000)
     before = pool.node.store.stats()["tiers"]["dram"]["hits"]
-    master_before = pool.master.counters["hits"]
+    master_before = pool.master.state.counters["hits"]
     for _ in range(5):
         assert reader.get("h") is not None
     reader.flush()
@@ -68,7 +68,7 @@ def test_reads_are_reported_as_hits(pool, reader):
     while after() < before + 5 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert after() == before + 5
-    assert pool.master.counters["hits"] == master_before + 5
+    assert pool.master.state.counters["hits"] == master_before + 5
 
 
 def test_remove_and_reput_are_seen_at_once(pool, reader):
@@ -81,7 +81,7 @@ def test_remove_and_reput_are_seen_at_once(pool, reader):
         other.put("r", b"b" * 50_000)
         assert reader.get("r") == b"b" * 50_000
         reader.put("e", b"c" * 70_000)
-        assert pool.master.evict(keys=["e"])["evicted"] == 1
+        assert pool.master.admin.evict(keys=["e"])["evicted"] == 1
         assert reader.get("e") is None
     finally:
         other.close()

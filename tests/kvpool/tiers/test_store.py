@@ -24,7 +24,7 @@ OBJ = 200_000  # 49 pages: five fit in a 1 MiB arena
 def test_demotes_to_ssd_and_promotes_back(make_store, policy):
     store = make_store(ssd=8 << 20, policy=policy)
     events = []
-    store.on_evict = lambda k, e: events.append((k, e))
+    store.on_event = lambda k, e: events.append((k, e))
     for i in range(12):
         store.put(f"k{i}", payload(OBJ, i))
     tiers = {k: t for k, _, t in store.keys()}

@@ -1,0 +1,207 @@
+"""How bytes move between this client and a store node: the one place that chooses.
+
+The client asks *where* first (`kvpool.client.where`), then hands each node's share of a call to
+that node's path, chosen by `DataPaths.choose` from what the node offers and `data_path`:
+- `shm` (node on this host, its arena mapped read-only): a read looks each key up in the node's
+  shm DRAM index and copies it out of the mapping, validated after the copy: no round trip.
+  Index misses (SSD, just changed, no slot) cost one `NodePin` + a copy + an unpin riding on the
+  next request (up to 32 KiB, and unpinnable SSD reads, come inline). Writes as `rpc`, over the
+  node's unix socket.
+- `rpc` (another host, or `use_shm=False`): one `NodeGet` whose payload is received straight into
+  the caller's buffer; one `NodeWrite` the node receives straight into its arena.
+- `engine` (`data_path="engine"`, or "auto" with rdma at both ends): `kvpool.client.engine_path`.
+
+Why each stays (kvpool bench pool, one run, this 2-core machine, BENCHMARKS.md): `shm` puts
+same-host gets far ahead of Redis over its unix socket and of Mooncake over TCP; `rpc` is one
+round trip where the engine needs two (pin, READ) or three (reserve, WRITE, commit), and over TCP
+the engine path moved 0.25-0.8x of `rpc`'s GB/s (about even only for batches of 1 MiB values),
+so "auto" keeps TCP peers on `rpc`; `engine` is the only one-sided path, the one RDMA takes.
+
+A path's `read(work, keys, views, out)` fills out[i] for each (node, indexes) of `work` (bytes
+when `views` is None, else the size copied into views[i], or `TOO_SMALL`; misses stay) and
+returns (indexes to retry on another replica, addresses of nodes that are gone); `write(work,
+keys, put_ids, views, replicas)` returns {(address, i): `Placed` | `EXISTS` | a `KVPoolError`},
+every node's request sent before any reply is awaited.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from kvpool.client.engine_path import EnginePath
+from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable, error_from_code
+from kvpool.messages import Err, NodeGet, NodePin, NodeWrite
+from kvpool.rpc import RpcClient
+
+DATA_PATHS = ("auto", "rpc", "engine")
+BATCH_SLURP_MAX = 256 * 1024  # a batch reply up to this size is received in one piece
+
+Work = Sequence[tuple[NodeConn, list[int]]]
+
+
+class RpcPath:
+    """Bytes ride on the node's RPC connection."""
+
+    name = "rpc"
+
+    def read(self, work: Work, keys: Sequence[str], views: Sequence[memoryview] | None,
+             out: list) -> tuple[list[int], list[str]]:
+        retry: list[int] = []
+        dead: list[str] = []
+        for conn, idx in work:
+            try:
+                self._read(conn, [keys[i] for i in idx], None if views is None else [views[i] for i in idx], idx, out)
+            except Unavailable:  # that node is gone: try the next replica
+                retry.extend(idx)
+                dead.append(conn.address)
+        return retry, dead
+
+    def _read(self, conn: NodeConn, keys: list[str], views: list[memoryview] | None, idx: list[int],
+              out: list) -> None:
+        data = conn.rpc.call(NodeGet(keys))
+        cur = _Cursor(conn.rpc, len(data.sizes))
+        for j, (i, n) in enumerate(zip(idx, data.sizes)):
+            if n >= 0:
+                out[i] = cur.deliver(n, None if views is None else views[j])
+
+    def write(self, work: Work, keys: Sequence[str], put_ids: Sequence[int], views: Sequence[memoryview],
+              replicas: int = 0) -> dict[tuple[str, int], Any]:
+        result: dict[tuple[str, int], Any] = {}
+        for conn, idx, reply in fan_out(work, lambda conn, idx: (
+                NodeWrite([keys[i] for i in idx], [views[i].nbytes for i in idx], [put_ids[i] for i in idx], replicas),
+                [views[i] for i in idx])):
+            if isinstance(reply, KVPoolError):
+                result.update(((conn.address, i), reply) for i in idx)
+                continue
+            for i, res in zip(idx, reply.results):
+                if isinstance(res, Err):
+                    result[(conn.address, i)] = error_from_code(res.code, res.message)
+                else:  # the node planned the put itself (embedded) and found it complete: offset -1
+                    result[(conn.address, i)] = EXISTS if res.offset < 0 and not res.tier else res
+        return result
+
+
+class ShmPath(RpcPath):
+    """Reads copy out of the node's arena mapped on this host; writes as `RpcPath`."""
+
+    name = "shm"
+
+    def _read(self, conn: NodeConn, keys: list[str], views: list[memoryview] | None, idx: list[int],
+              out: list) -> None:
+        todo = range(len(keys)) if conn.index is None else self._from_index(conn, keys, views, idx, out)
+        if not todo:
+            return
+        pins = conn.rpc.call(NodePin([keys[j] for j in todo], conn.take_unpins()))
+        arena = conn.arena
+        cur = _Cursor(conn.rpc, sum(1 for o in pins.offsets if o < 0))
+        try:
+            for j, offset, n in zip(todo, pins.offsets, pins.sizes):
+                if n < 0:
+                    continue
+                view = None if views is None else views[j]
+                if offset < 0:  # inline in the reply
+                    out[idx[j]] = cur.deliver(n, view)
+                elif view is None:
+                    out[idx[j]] = bytes(arena[offset:offset + n])
+                elif n > len(view):
+                    out[idx[j]] = TOO_SMALL
+                else:
+                    view[:n] = arena[offset:offset + n]
+                    out[idx[j]] = n
+        finally:
+            conn.unpin_later(pins.pin_id)
+
+    @staticmethod
+    def _from_index(conn: NodeConn, keys: list[str], views: list[memoryview] | None, idx: list[int],
+                    out: list) -> list[int]:
+        """Serve what the shm index can; the positions (in `keys`) left for the node."""
+        index, arena = conn.index, conn.arena
+        limit = len(arena)
+        todo: list[int] = []
+        served: list[str] = []
+        for j, key in enumerate(keys):
+            hit = index.find(key)
+            if hit is None:
+                todo.append(j)
+                continue
+            slot, seq, offset, n = hit
+            if offset + n > limit:  # a torn read of an entry being changed
+                todo.append(j)
+                continue
+            if views is None:
+                value: Any = bytes(arena[offset:offset + n])
+            elif n > len(views[j]):
+                value = TOO_SMALL
+            else:
+                views[j][:n] = arena[offset:offset + n]
+                value = n
+            if not index.still(slot, seq):  # changed during the copy: what we copied may be anything
+                todo.append(j)
+                continue
+            out[idx[j]] = value
+            if value is not TOO_SMALL:
+                served.append(key)
+        if served:
+            conn.served_from_index(served)
+        return todo
+
+
+class DataPaths:
+    """Chooses each node's path. `mode`: one of DATA_PATHS; `engine`: a started TransferEngine
+    (the caller owns it), else one is opened on first need with `transports`."""
+
+    def __init__(self, mode: str = "auto", engine: Any = None, transports: Sequence[str] | None = None,
+                 timeout: float = 10.0):
+        if mode not in DATA_PATHS:
+            raise InvalidArgument(f"data_path must be one of {list(DATA_PATHS)}, got {mode!r}")
+        self.mode = mode
+        self.rpc, self.shm = RpcPath(), ShmPath()
+        self.engine = EnginePath(mode == "auto", engine, transports, timeout)
+
+    def choose(self, conn: NodeConn) -> RpcPath | EnginePath:
+        if self.mode != "rpc" and self._engine_for(conn):
+            return self.engine
+        return self.shm if conn.shm else self.rpc
+
+    def _engine_for(self, conn: NodeConn) -> bool:
+        desc = conn.transfer_segment()
+        if desc is None:
+            return False
+        return self.mode == "engine" or ("rdma" in desc.transports and self.engine.has_rdma())
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _Cursor:
+    """Hands out a reply payload piece by piece. Several small pieces are received with one
+    `recv` and sliced (a syscall per 4 KiB object costs more than copying it); large ones go
+    straight from the socket into their destination."""
+
+    def __init__(self, rpc: RpcClient, pieces: int):
+        self.rpc = rpc
+        self.blob: memoryview | None = None
+        self.pos = 0
+        if pieces > 1 and 0 < rpc.payload_left <= BATCH_SLURP_MAX:
+            self.blob = memoryview(rpc.read_payload(rpc.payload_left))
+
+    def deliver(self, n: int, view: memoryview | None) -> Any:
+        """The next n bytes: as `bytes` (no view), copied into `view` (its size), or skipped
+        (TOO_SMALL) when `view` cannot hold them."""
+        blob = self.blob
+        if view is not None and n > len(view):
+            if blob is None:
+                self.rpc.skip_payload(n)
+            self.pos += n
+            return TOO_SMALL
+        if blob is None:
+            if view is None:
+                return self.rpc.read_payload(n)
+            self.rpc.read_payload_into(view[:n])
+            return n
+        self.pos += n
+        if view is None:
+            return bytes(blob[self.pos - n:self.pos])
+        view[:n] = blob[self.pos - n:self.pos]
+        return n

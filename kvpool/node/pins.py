@@ -1,0 +1,107 @@
+"""Pins of one store node: a pinned object is never evicted or freed (`TieredStore.pin`), so a
+reader copying out of the arena (same-host through its mapping, a transfer-engine READ, or the
+node sending a `NodeGet` reply) never sees another object's bytes.
+
+Invariant: a pin handed to a reader (`hold`) is released exactly once, by the reader (`release`),
+the close of its connection (`conn_closed`) or the end of its lease (`expire`): whoever pops the
+pin id under the lock unpins its keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from kvpool.errors import CapacityError, KVPoolError
+
+log = logging.getLogger("kvpool.node")
+
+
+class Pins:
+    """`store`: the node's `TieredStore`; `visible(key)`: the in-process master's say on a key
+    (embedded mode: it counts the access), or None; `lease_s`: how long a held pin lives."""
+
+    def __init__(self, store: Any, lease_s: float, visible: Callable[[str], bool] | None = None):
+        self.store = store
+        self.lease_s = lease_s
+        self._visible = visible
+        self._held: dict[int, tuple[list[str], float]] = {}  # pin id -> (keys, until)
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def pin(self, keys: list[str]) -> tuple[list[str], list[int], list[int], dict[int, bytes]]:
+        """Pin each key in DRAM: (pinned keys, offsets, sizes (-1: miss), copies).
+
+        A batch larger than free DRAM cannot have all its SSD objects promoted and pinned at
+        once; those (CapacityError) are read straight from SSD into `copies[i]` instead of
+        being reported as misses."""
+        pinned, offsets, sizes = [], [], []
+        copies: dict[int, bytes] = {}
+        store, visible = self.store, self._visible
+        for i, key in enumerate(keys):
+            if visible is not None and not visible(key):
+                offsets.append(0)
+                sizes.append(-1)
+                continue
+            try:
+                loc = store.pin(key)
+            except CapacityError:  # DRAM all pinned: serve this one from SSD without promoting
+                data = store.get(key)
+                offsets.append(-1)
+                sizes.append(-1 if data is None else len(data))
+                if data is not None:
+                    copies[i] = data
+                continue
+            except (KVPoolError, ValueError):  # absent, being removed: a miss
+                offsets.append(0)
+                sizes.append(-1)
+                continue
+            pinned.append(key)
+            offsets.append(loc.offset)
+            sizes.append(loc.length)
+        return pinned, offsets, sizes, copies
+
+    def unpin(self, keys: list[str]) -> None:
+        store = self.store
+        if store is None:  # stopped: the pins went with the store
+            return
+        for key in keys:
+            try:
+                store.unpin(key)
+            except KVPoolError:
+                log.debug("unpin of %r: not pinned", key)
+
+    def hold(self, keys: list[str], conn: Any) -> int:
+        """Keep `keys` (pinned) for the reader on `conn` until it releases the returned pin id."""
+        with self._lock:
+            self._seq += 1
+            pin_id = self._seq
+            self._held[pin_id] = (keys, time.monotonic() + self.lease_s)
+        if conn is not None:
+            conn.state.setdefault("pins", set()).add(pin_id)
+        return pin_id
+
+    def release(self, pin_ids: list[int], conn: Any = None) -> None:
+        for pid in pin_ids:
+            with self._lock:
+                entry = self._held.pop(pid, None)
+            if entry is not None:
+                self.unpin(entry[0])
+            if conn is not None:
+                conn.state.get("pins", set()).discard(pid)
+
+    def expire(self) -> int:
+        """Release pins held past their lease; how many."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [pid for pid, (_, until) in self._held.items() if until <= now]
+        self.release(stale)
+        return len(stale)
+
+    def conn_closed(self, conn: Any) -> None:
+        self.release(list(conn.state.get("pins", ())))
+
+    def close(self) -> None:
+        self.store = None

@@ -1,0 +1,257 @@
+"""Writes into one store node: plan, reserve, fill, publish; and the removals that race them.
+
+Every write reserves arena space (`TieredStore.reserve`), fills it, then commits it: a reserved
+object is invisible, so readers never see a half-written one. The bytes arrive in a `NodeWrite`
+payload (`write`), from another node's `NodeGet` reply (`copy`, the master's drain), or one-sided
+through `transfer` between `NodeReserve` and `NodeCommit` (`open`, `commit`). Put id 0 with a
+master in this process (embedded) means the node plans and publishes the put itself. Each copy
+remembers the put that wrote it (`put_id_of`) and a removal names the put it means, so a late
+removal never deletes a newer object.
+
+Invariant: an open reservation lives in `_open` until exactly one of commit, abort, a removal
+naming its put, the close of its writer's connection, or its deadline (`put_timeout_s`); whoever
+pops it under the lock finishes it. Known limit: one-sided writes cannot be recalled, so a writer
+must finish within the put timeout; a write landing after its reservation was aborted and reused
+would corrupt the new object.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.contract import check_key
+from kvpool.messages import Err, NodeGet, Placed, Slot
+from kvpool.rpc import Payload, RpcClient
+
+log = logging.getLogger("kvpool.node")
+
+
+@dataclass
+class _Open:
+    put_id: int
+    offset: int
+    deadline: float
+    local: bool  # planned by the in-process master: publish / abort there too
+    conn: object = None
+
+
+class Writes:
+    """`store`: the node's `TieredStore`; `master`: the in-process `MasterService` (embedded
+    mode) or None; `node_id`, `segment`: what a `Placed` names; `put_timeout_s`: how long an
+    open reservation may wait for its commit."""
+
+    def __init__(self, store: Any, node_id: str, segment: str, put_timeout_s: float, master: Any = None):
+        self.store = store
+        self.master = master
+        self.node_id = node_id
+        self.segment = segment
+        self.put_timeout_s = put_timeout_s
+        self._put_ids: dict[str, int] = {}  # key -> the put that wrote our copy
+        self._open: dict[str, _Open] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ who wrote what
+
+    def pending(self) -> set[str]:
+        """Keys with an open reservation."""
+        with self._lock:
+            return set(self._open)
+
+    def put_id_of(self, key: str) -> int:
+        """The put that wrote our copy of `key`; 0 when unknown (held since before a restart)."""
+        return self._put_ids.get(key, 0)
+
+    def forget(self, key: str) -> int:
+        """The store dropped `key`: forget its put (returned)."""
+        with self._lock:
+            return self._put_ids.pop(key, 0)
+
+    def remove(self, key: str, put_id: int) -> bool:
+        """Remove our copy of `key` if put `put_id` wrote it (0: any), or abort that put's open
+        reservation (the master reclaimed it)."""
+        if self.abort(key, put_id):
+            return True
+        with self._lock:
+            ours = put_id == 0 or self._put_ids.get(key, 0) in (put_id, 0)
+        try:
+            return ours and self.store.remove(key)
+        except KVPoolError:
+            return False
+
+    # ------------------------------------------------------------------ plan, reserve, publish
+
+    def plan(self, key: str, size: int, put_id: int, replicas: int) -> tuple[int, bool] | None:
+        """(put id, local) of a write of `key` to this node; None when the object already exists.
+
+        put_id 0 is a one-round-trip put: planned here at the in-process master, which must place
+        it on this node alone (local: the caller publishes or aborts it there). Any other put id
+        must be a put the master expects on this node."""
+        master = self.master
+        if put_id == 0:
+            if master is None:
+                raise InvalidArgument("this node has no master in process; start the put at the master")
+            plan = master.put_start(key, size, replicas or None, writer_node=self.node_id)
+            if plan.exists:
+                return None
+            targets = plan.targets
+            if len(targets) != 1 or targets[0].node_id != self.node_id:
+                master.put_abort(key, plan.put_id)
+                raise InvalidArgument("a one-round-trip put needs a single-node plan; use put_start")
+            return plan.put_id, True
+        if master is not None and not master.expects_write(key, put_id, self.node_id):
+            raise InvalidArgument(f"no pending put {put_id} of {key!r} on this node")
+        return put_id, False
+
+    def reserve(self, key: str, size: int, put_id: int):
+        if self.store.contains(key) and self._put_ids.get(key) != put_id:
+            # The master planned a new put, so this copy is stale (its removal is still queued).
+            self.store.remove(key)
+        return self.store.reserve(key, size)
+
+    def publish(self, key: str, put_id: int, offset: int, local: bool) -> Placed:
+        """Make the filled reservation of `key` visible (and, for a local put, end it at the master)."""
+        with self._lock:
+            self._put_ids[key] = put_id
+        self.store.commit(key)
+        placed = Placed(self.node_id, "dram", self.segment, offset)
+        if local:
+            self.master.put_end(key, put_id, [placed])  # raises if reclaimed meanwhile
+        return placed
+
+    # ------------------------------------------------------------------ bytes in the request / from a peer
+
+    def write(self, key: str, size: int, put_id: int, replicas: int, payload: Payload) -> Placed:
+        """One object of a `NodeWrite`: its `size` bytes are next in `payload`."""
+        local = False
+        try:
+            check_key(key)
+            planned = self.plan(key, size, put_id, replicas)
+            if planned is None:
+                payload.skip(size)
+                return Placed(self.node_id, "", "", -1)
+            put_id, local = planned
+            res = self.reserve(key, size, put_id)
+        except BaseException:
+            payload.skip(size)
+            if local:
+                self.master.put_abort(key, put_id)
+            raise
+        try:
+            payload.read_into(self.store.arena.buffer[res.offset:res.offset + size])
+        except BaseException:
+            self.store.abort(key)  # a half-written object is never visible
+            if local:
+                self.master.put_abort(key, put_id)
+            raise
+        return self.publish(key, put_id, res.offset, local)
+
+    def copy(self, keys: list[str], put_ids: list[int], source: str) -> list[Placed | Err]:
+        """Pull `keys` from the node at `source` (one `NodeGet`) into this one."""
+        peer = RpcClient(source, timeout=30.0)
+        try:
+            sizes = peer.call(NodeGet(list(keys))).sizes
+            results: list[Placed | Err] = []
+            for key, put_id, size in zip(keys, put_ids, sizes):
+                if size < 0:
+                    results.append(Err("not_found", f"{key!r} is not on {source}"))
+                    continue
+                try:
+                    res = self.reserve(key, size, put_id)
+                except KVPoolError as exc:
+                    peer.skip_payload(size)
+                    results.append(Err(exc.code, str(exc)))
+                    continue
+                try:
+                    peer.read_payload_into(self.store.arena.buffer[res.offset:res.offset + size])
+                except BaseException:
+                    self.store.abort(key)
+                    raise
+                results.append(self.publish(key, put_id, res.offset, local=False))
+            return results
+        finally:
+            peer.close()
+
+    # ------------------------------------------------------------------ the writer moves the bytes (transfer engine)
+
+    def open(self, key: str, size: int, put_id: int, replicas: int, conn: Any) -> Slot:
+        """Reserve `key` for a writer that fills it through the transfer engine; `Slot(0, -1)`
+        when it already exists."""
+        check_key(key)
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise InvalidArgument(f"NodeReserve: size must be a positive integer, got {size!r}")
+        planned = self.plan(key, size, put_id, replicas)
+        if planned is None:
+            return Slot(0, -1)
+        put_id, local = planned
+        try:
+            res = self.reserve(key, size, put_id)
+        except BaseException:
+            if local:
+                self.master.put_abort(key, put_id)
+            raise
+        with self._lock:
+            self._open[key] = _Open(put_id, res.offset, time.monotonic() + self.put_timeout_s, local, conn)
+        if conn is not None:
+            conn.state.setdefault("writing", set()).add((key, put_id))
+        return Slot(put_id, res.offset)
+
+    def commit(self, key: str, put_id: int, ok: bool, conn: Any) -> Placed | Err:
+        """Publish (ok) or abort the open reservation of put `put_id` of `key`."""
+        write = self._take(key, put_id)
+        if conn is not None:
+            conn.state.get("writing", set()).discard((key, put_id))
+        if write is None:
+            return Err(Unavailable.code, f"no reservation of put {put_id} of {key!r} "
+                                         "(reclaimed, expired or never made)")
+        if not ok:
+            self._abort(key, write)
+            return Err(Unavailable.code, f"put {put_id} of {key!r} aborted by its writer")
+        try:
+            return self.publish(key, write.put_id, write.offset, write.local)
+        except KVPoolError as exc:
+            return Err(exc.code, str(exc))
+
+    def _take(self, key: str, put_id: int) -> _Open | None:
+        with self._lock:
+            write = self._open.get(key)
+            if write is None or (put_id and write.put_id != put_id):
+                return None
+            return self._open.pop(key)
+
+    def _abort(self, key: str, write: _Open) -> None:
+        try:
+            self.store.abort(key)
+        except KVPoolError:
+            log.debug("abort of %r: no reservation", key)
+        if write.local and self.master is not None:
+            self.master.put_abort(key, write.put_id)
+
+    def abort(self, key: str, put_id: int) -> bool:
+        """Abort the open reservation of put `put_id` of `key`, if there is one."""
+        write = self._take(key, put_id)
+        if write is None:
+            return False
+        self._abort(key, write)
+        return True
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [(k, w.put_id) for k, w in self._open.items() if w.deadline <= now]
+        for key, put_id in stale:
+            if self.abort(key, put_id):
+                log.info("node %s: reservation of %r (put %d) expired without a commit", self.node_id, key, put_id)
+
+    def conn_closed(self, conn: Any) -> None:
+        """The writer's connection closed: its open reservations will never be committed."""
+        for key, put_id in list(conn.state.get("writing", ())):
+            with self._lock:
+                write = self._open.get(key)
+                mine = write is not None and write.put_id == put_id and write.conn is conn
+            if mine:
+                self.abort(key, put_id)
