@@ -25,13 +25,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from engine_adapters.base import (BackgroundLayerwiseLoad, ChunkStore, ChunkStoreAdapter, KVEvent, LoadResult,
-                                  PlannedLayerwiseSave, PlannedObject, SaveResult)
-from kvpool.handle import KVHandle
-from kvpool.api import PoolClient
+from engine_adapters.base import KVEvent, LoadResult, SaveResult
+from engine_adapters.chunk_store import ChunkStore, ChunkStoreAdapter, PlannedObject
+from engine_adapters.layerwise import BackgroundLayerwiseLoad, PlannedLayerwiseSave
+from kvpool.chunk_format import HEADER_SIZE, ChunkView, KVLayout
+from kvpool.contract import PoolClient
 from kvpool.errors import InvalidArgument
+from kvpool.handle import KVHandle
 from kvpool.keys import Namespace
-from kvpool.layout import HEADER_SIZE, ChunkView, KVLayout
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ Enable it in SGLang (see docs/sglang.md) as a dynamic backend:
 
 Semantics:
 - One SGLang page (`page_size` tokens, all layers, K and V) is one kvpool chunk object
-  (`kvpool.layout`, layer-major payload, checksummed) of a `KVLayout` whose `chunk_tokens` is the
-  page size. The page's bytes are converted from the host pool's layout (layer_first,
+  (`kvpool.chunk_format`, layer-major payload, checksummed) of a `KVLayout` whose `chunk_tokens`
+  is the page size. The page's bytes are converted from the host pool's layout (layer_first,
   page_first, page_first_direct) to the chunk layout on write and back on read.
 - SGLang computes its own page keys (a hash chain over page tokens). The pool key is
   `sglang/<namespace hex>/<sglang key>`, where the namespace (kvpool.keys.Namespace) covers the
@@ -23,8 +23,10 @@ Semantics:
   host pool's buffer in place without an intermediate flat page.
 - These methods run on SGLang's prefetch/backup threads, which are never restarted: they never
   raise. A missing, damaged (checksum) or foreign-layout page is a miss (None / False), and a
-  pool error is logged and reported the same way. Configuration errors raise at construction
-  or `register_mem_pool_host`, with a typed `kvpool.errors` error.
+  pool error is logged and reported the same way. Pages are read through the adapters' one
+  reader (`engine_adapters.chunk_reader`): a damaged page is also removed from the pool, so the
+  next backup of that page stores a good copy (a put never overwrites). Configuration errors
+  raise at construction or `register_mem_pool_host`, with a typed `kvpool.errors` error.
 """
 
 from __future__ import annotations
@@ -35,17 +37,18 @@ from typing import Any, List, Optional
 
 import torch
 
-from kvpool.api import PoolClient
-from kvpool.errors import CorruptObject, InvalidArgument, KVPoolError, LayoutMismatch
+from engine_adapters.chunk_reader import ChunkReader
+from kvpool.chunk_format import ChunkView, KVLayout, encode_into
+from kvpool.contract import PoolClient
+from kvpool.errors import InvalidArgument, KVPoolError
 from kvpool.keys import Namespace
-from kvpool.layout import KVLayout, decode_chunk, encode_into
 
 try:  # the real base class where SGLang is installed
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
     SGLANG_AVAILABLE = True
-except ImportError:  # CPU-only machines: a stand-in that is named and documented as fake
-    from engine_adapters._fakes.sglang_api import _FakeHiCacheStorage as HiCacheStorage
+except ImportError:  # SGLang not installed: the backend still imports (it defines every method it serves)
+    HiCacheStorage = object
 
     SGLANG_AVAILABLE = False
 
@@ -90,6 +93,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.address = str(extra.get("kvpool_address", os.environ.get("KVPOOL_MASTER", "127.0.0.1:7600")))
         self._client = client
         self._owns_client = client is None
+        self._reader: ChunkReader | None = None
         self.mem_pool_host: Any = None
         self.layout: KVLayout | None = None
         self._prefix = ""
@@ -159,18 +163,19 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         encode_into(out, lay, chunk, lay.chunk_tokens)
         return out
 
-    def _decode_into(self, key: str, blob: bytes | None, page: torch.Tensor) -> bool:
-        """Verify a chunk object and copy it into `page` (a 5-d view in the host layout)."""
-        if blob is None:
-            self.stats["get_misses"] += 1
-            return False
-        try:
-            view = decode_chunk(blob, self.layout)
-        except (CorruptObject, LayoutMismatch) as exc:
-            logger.warning("kvpool page %s unusable, treated as a miss: %s", key, exc)
-            self.stats["corrupt"] += 1
-            return False
-        if view.tokens != self.layout.chunk_tokens:
+    def _read_pages(self, keys: List[str]) -> list[ChunkView | None]:
+        """Verified pages (None: missing, or damaged and removed), one batched read."""
+        pool_keys = [self.pool_key(k) for k in keys]  # refuses page IO before register_mem_pool_host
+        if self._reader is None or self._reader.layout != self.layout:
+            self._reader = ChunkReader(self.client, self.layout)
+        damaged = self._reader.damaged
+        views = self._reader.read(pool_keys)
+        self.stats["corrupt"] += self._reader.damaged - damaged
+        return views
+
+    def _copy_page(self, view: ChunkView | None, page: torch.Tensor) -> bool:
+        """Copy a verified page into `page` (a 5-d view in the host layout); False for a miss."""
+        if view is None:
             self.stats["get_misses"] += 1
             return False
         page.copy_(view.as_torch().permute(_inverse(self._perm)))
@@ -205,20 +210,19 @@ class KVPoolHiCacheStorage(HiCacheStorage):
 
     def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> List[torch.Tensor | None]:
         try:
-            pool_keys = [self.pool_key(k) for k in keys]
-            blobs = self.client.get_batch(pool_keys)
+            views = self._read_pages(keys)
         except KVPoolError as exc:
             logger.warning("kvpool batch_get of %d pages failed: %s", len(keys), exc)
             return [None] * len(keys)
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
         out: List[torch.Tensor | None] = []
-        for key, blob, target in zip(keys, blobs, targets):
+        for view, target in zip(views, targets):
             if target is None:
                 target = self.mem_pool_host.get_dummy_flat_data_page() if hasattr(self.mem_pool_host, "get_dummy_flat_data_page") \
                     else torch.empty(self.layout.chunk_tokens * self.layout.bytes_per_token // self.layout.itemsize,
                                      dtype=self.mem_pool_host.dtype)
             page = self._flat_as_page(target)
-            out.append(target if page is not None and self._decode_into(key, blob, page) else None)
+            out.append(target if page is not None and self._copy_page(view, page) else None)
         return out
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -274,11 +278,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         """Read pages straight into the host pool at `host_indices` (page i at host_indices[i * page_size])."""
         try:
             starts = self._pages_at(keys, host_indices)
-            blobs = self.client.get_batch([self.pool_key(k) for k in keys])
+            views = self._read_pages(keys)
         except (KVPoolError, TypeError, AttributeError) as exc:
             logger.warning("kvpool batch_get_v1 of %d pages failed: %s", len(keys), exc)
             return [False] * len(keys)
-        return [self._decode_into(k, b, self._host_page(s)) for k, b, s in zip(keys, blobs, starts)]
+        return [self._copy_page(v, self._host_page(s)) for v, s in zip(views, starts)]
 
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Write pages straight from the host pool; pages already stored are not re-sent."""

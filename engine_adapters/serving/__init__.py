@@ -3,7 +3,7 @@
     service.Worker      the model, its local prefix cache, the pool and the scheduler
     scheduler.Scheduler continuous batching with decode priority (one engine thread)
     prefix_cache        the worker's own bounded LRU prefix cache ("HBM" tier) + KV events
-    kvio                DynamicCache <-> chunk tensors; chunk-granular pool reads
+    kvio                DynamicCache <-> chunk tensors (pool reads: engine_adapters.chunk_reader)
     app / server        the HTTP control API (FastAPI + uvicorn) and the worker process
     client              WorkerClient and `generate(prefill, decode, ids)`: the disaggregated path
     sampling            greedy or seeded temperature/top-p sampling (same seed, same tokens on any worker)

@@ -36,7 +36,7 @@ from kvpool.handle import KVHandle
 from engine_adapters.serving import sampling
 from engine_adapters.serving.admission import Admission
 from engine_adapters.serving.events import EventLog
-from engine_adapters.serving.kvio import PoolKV, cache_from_chunks, chunks_from_cache
+from engine_adapters.serving.kvio import cache_from_chunks, chunks_from_cache
 from kvpool.worker_api import (DecodeRequest, GenerateRequest, LoadReport, PrefillRequest,
                                               PrefillResponse, SamplingParams, TokenEvent, TokenizeRequest,
                                               TokenizerInfo, WorkerInfo, error_event)
@@ -113,12 +113,11 @@ class Worker:
         self.namespace = model.namespace(config.chunk_tokens, config.tenant_salt)
         self.layout = self.namespace.layout
         self.adapter = HFAdapter(pool, model.model, self.namespace)
-        self.kv = PoolKV(pool, self.layout)
+        self.reader = self.adapter.store.reader  # the adapters' one chunk reader, and its rule for damage
         self.cache = LocalPrefixCache(config.local_cache_bytes)
         self.events = EventLog()
         self.cache.add_listener(lambda ev: self.events.append(ev.kind, ev.keys, "local"))
         self.adapter.add_listener(lambda ev: self.events.append(ev.kind, ev.keys, "pool"))
-        self.kv.on_removed = lambda key: self.events.append("removed", [key], "pool")
         self.eos = frozenset(model.eos_token_ids)
         self.metrics = WorkerMetrics(config.role, self)
         self.runner = ModelRunner(model.model)
@@ -238,9 +237,9 @@ class Worker:
         fetch_ms = 0.0
         if len(local) < len(keys):
             started = time.perf_counter()
-            in_pool = self.kv.match(keys)
+            in_pool = self.reader.match(keys)
             if in_pool > len(local):
-                fetched = self.kv.fetch_run(keys[len(local):in_pool])
+                fetched = [view.as_torch() for view in self.reader.run(keys[len(local):in_pool])]
             fetch_ms = (time.perf_counter() - started) * 1e3
             if fetched:
                 self.cache.put_many(zip(keys[len(local):], fetched))
@@ -321,7 +320,7 @@ class Worker:
         rest = keys[len(local):]
         wanted = rest + ([handle.tail_key] if handle.tail_key else [])
         tokens = [self.layout.chunk_tokens] * len(rest) + ([handle.tail_tokens] if handle.tail_key else [])
-        fetched = self.kv.fetch_exact(wanted, tokens)
+        fetched = [view.as_torch() for view in self.reader.exact(wanted, tokens)]
         self.cache.put_many(zip(rest, fetched[:len(rest)]))
         self.metrics.decode_loaded(len(local) * self.layout.chunk_tokens,
                                    handle.num_tokens - len(local) * self.layout.chunk_tokens)

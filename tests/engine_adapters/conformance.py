@@ -26,9 +26,9 @@ from typing import Any, Callable
 import pytest
 
 from engine_adapters.base import EngineAdapter, KVEvent, LayerwiseLoad, LayerwiseSave
-from kvpool.handle import KVHandle
 from kvpool.contract import PoolClient
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, LayoutMismatch
+from kvpool.handle import KVHandle
 from kvpool.keys import Namespace
 
 

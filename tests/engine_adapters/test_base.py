@@ -1,15 +1,16 @@
-"""The engine-free half of the adapters (`engine_adapters.base`), without the model."""
+"""The engine-free half of the adapters (`engine_adapters.chunk_store`), without the model."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine_adapters.base import ChunkStore, KVEvent, _check_token_ids
-from kvpool.layout import seal_into
+from engine_adapters.base import KVEvent
+from engine_adapters.chunk_store import ChunkStore, check_token_ids
+from kvpool.chunk_format import seal_into
+from kvpool.chunk_format import HEADER_SIZE, KVLayout, decode_chunk, encode_chunk
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace
-from kvpool.layout import HEADER_SIZE, KVLayout, decode_chunk, encode_chunk
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -33,12 +34,12 @@ def test_sealing_a_filled_payload_gives_the_encoder_bytes(dtype, tokens):
 @pytest.mark.parametrize("bad", [[1.5, 2], ["a"], [[1, 2]], [-1], [2**32], "abc"])
 def test_token_ids_are_never_rounded_or_coerced(bad):
     with pytest.raises(InvalidArgument):
-        _check_token_ids(bad)
+        check_token_ids(bad)
 
 
 def test_token_ids_accept_numpy_and_empty():
-    assert _check_token_ids(np.arange(3, dtype=np.uint32)) == [0, 1, 2]
-    assert _check_token_ids([]) == []
+    assert check_token_ids(np.arange(3, dtype=np.uint32)) == [0, 1, 2]
+    assert check_token_ids([]) == []
 
 
 def test_a_failing_listener_does_not_stop_the_others():

@@ -12,8 +12,8 @@ import pytest
 
 from engine_adapters.model import (MODEL_ID, default_cache_root, gguf_path, load_reference_model,
                                    weights_fingerprint)
-from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.chunk_format import KVLayout
+from kvpool.errors import InvalidArgument, Unavailable
 
 pytestmark = pytest.mark.model
 

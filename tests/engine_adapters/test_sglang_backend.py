@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from engine_adapters import sglang as backend_mod
-from engine_adapters._fakes.dict_pool import DictPoolForConnectorTests
-from engine_adapters._fakes.sglang_api import FakeHiCacheStorageConfig
-from engine_adapters._fakes.sglang_host import FakeMHATokenToKVPoolHost
 from kvpool.client import connect
 from kvpool.config import load_settings
-from kvpool.server import EmbeddedPool
+from kvpool.embedded import EmbeddedPool
 from kvpool.errors import AlreadyExists, InvalidArgument, Unavailable
-from kvpool.layout import KVLayout, decode_chunk
+from fakes.dict_pool import DictPoolForConnectorTests
+from fakes.sglang_api import FakeHiCacheStorageConfig
+from fakes.sglang_host import FakeMHATokenToKVPoolHost
+from kvpool.chunk_format import KVLayout, decode_chunk
 
 LAYERS, HEADS, DIM, PAGE, SIZE = 3, 2, 8, 4, 64
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
@@ -143,7 +143,7 @@ def test_missing_pages_and_prefix_semantics(pool):
     assert reader.get(keys[2], host.get_dummy_flat_data_page()) is None
 
 
-def test_damaged_page_is_a_miss(pool):
+def test_damaged_page_is_a_miss_removed_and_healed_by_a_later_backup(pool):
     host = make_host()
     backend = make_backend(pool, host)
     keys = page_hashes(list(range(8)))
@@ -165,8 +165,13 @@ def test_damaged_page_is_a_miss(pool):
     reader = make_backend(pool, dst)
     assert reader.batch_get_v1(keys, torch.arange(16, 24)) == [True, False]
     assert torch.count_nonzero(page_tokens(dst, 20)) == 0, "nothing of a damaged page is copied"
+    assert reader.stats["corrupt"] == 1
+    assert not pool.exists(pk), "the damaged copy is removed (a put never overwrites)"
     assert reader.get(keys[1], host.get_dummy_flat_data_page()) is None
-    assert reader.stats["corrupt"] == 2
+    assert reader.batch_exists(keys) == 1
+    assert backend.batch_set_v1(keys, torch.arange(0, 8)) == [True, True], "the next backup stores it again"
+    assert reader.batch_get_v1(keys, torch.arange(16, 24)) == [True, True]
+    assert torch.equal(page_tokens(dst, 20), page_tokens(host, 4))
 
 
 def test_namespaces_keep_ranks_and_models_apart(pool):

@@ -1,7 +1,6 @@
 """The vLLM KV connector, driven through vLLM's call sequence by a FAKE engine that mirrors vLLM
 0.32 (the real CPU build runs in tests/engine_adapters/vllm_real; the fake covers the CUDA
-backends' layouts, the older 5-D ones, kernel blocks, preemption and outages), and the adapter
-conformance suite on paged KV caches (`engine_adapters.vllm_paged`).
+backends' layouts, the older 5-D ones, kernel blocks, preemption and outages).
 
 Real parts: the connector, CPU torch paged KV tensors with random block tables, kvpool chunk keys
 and chunk objects, and the pool (the real embedded pool on loopback; the dict-backed
@@ -15,25 +14,16 @@ import time
 
 import pytest
 import torch
-from adapter_conformance import AdapterConformance, ConformanceCase
 
 from engine_adapters import vllm as conn
-from engine_adapters._fakes.dict_pool import DictPoolForConnectorTests
-from engine_adapters._fakes.vllm_api import (
-    FakeCacheConfig,
-    FakeKVConnectorRole,
-    FakeKVTransferConfig,
-    FakeModelConfig,
-    FakeVllmConfig,
-)
-from engine_adapters._fakes.vllm_engine import FakeRequest, FakeVllmEngine, fake_model_kv
-from engine_adapters.vllm_paged import PagedAdapter, PagedKV
+from fakes.dict_pool import DictPoolForConnectorTests
+from fakes.vllm_api import FakeCacheConfig, FakeKVConnectorRole, FakeKVTransferConfig, FakeModelConfig, FakeVllmConfig
+from fakes.vllm_engine import FakeRequest, FakeVllmEngine
+from kvpool.chunk_format import KVLayout, decode_chunk
 from kvpool.client import connect
 from kvpool.config import load_settings
-from kvpool.server import EmbeddedPool
+from kvpool.embedded import EmbeddedPool
 from kvpool.errors import AlreadyExists, Unavailable
-from kvpool.keys import Namespace
-from kvpool.layout import KVLayout, decode_chunk
 from vllm_fake_support import (ALL_LAYOUTS, BLOCK, CHUNK, DIM, HEADS, LAYERS, engine_for, make_config, pool_chunk_keys,
                                prompts)
 
@@ -69,7 +59,7 @@ def pool():
 def test_second_request_loads_bit_identical_prefix(pool, paged_layout, dtype):
     eng = engine_for(pool, paged_layout, dtype)
     probed = {"cpu_vec": "probed"}.get(paged_layout, paged_layout)  # vLLM 0.32 pages are probed, named if a view
-    assert eng.worker._io.name == probed, "from the backend the engine registered"
+    assert eng.worker.paged_layout == probed, "from the backend the engine registered"
     p1, p2 = prompts()
     eng.add_request("r1", p1)
     first = eng.run()
@@ -225,13 +215,15 @@ def corrupt(pool, key, offset=100):
     raise AssertionError(f"could not re-put {key}")
 
 
-def test_corrupted_chunk_is_a_miss_and_reported(pool):
+def test_damaged_chunk_is_a_miss_removed_and_healed_by_a_later_save(pool):
     eng = engine_for(pool)
     p1, _ = prompts()
     eng.add_request("r1", p1)
     eng.run()
     keys = pool_chunk_keys(p1)
     corrupt(pool, keys[1])
+    events = []
+    eng.worker.add_listener(events.append)
     eng.add_request("r2", p1 + [7, 8, 9])
     step = eng.step()
     r2 = eng.requests["r2"]
@@ -242,6 +234,17 @@ def test_corrupted_chunk_is_a_miss_and_reported(pool):
     assert torch.equal(eng.read_kv("r2", 0, 32), eng.model_kv("r2")[:32])
     eng.run()
     assert torch.equal(eng.read_kv("r2", 0, len(p1) + 3), eng.model_kv("r2"))
+    assert [(e.kind, e.keys) for e in events] == [("removed", [keys[1]])]
+
+    # the next request with that prefix loads chunk 0, recomputes and saves chunk 1: healed
+    eng.add_request("r3", p1 + [4, 5])
+    assert eng.step().matched == {"r3": 32}
+    eng.run()
+    assert pool.exists(keys[1]) and any(e.kind == "stored" and keys[1] in e.keys for e in events)
+    eng.add_request("r4", p1 + [6])
+    step = eng.step()
+    assert step.matched == {"r4": 96} and not step.load_errors
+    assert torch.equal(eng.read_kv("r4", 0, 96), eng.model_kv("r1")[:96])
 
 
 def test_async_save_get_finished_semantics(pool):
@@ -336,43 +339,6 @@ def test_connects_to_the_pool_by_address():
     finally:
         client.close()
         server.stop()
-
-
-# ---- the adapter conformance suite, on paged caches (engine_adapters.vllm_paged) ----
-
-CONF_BLOCK, CONF_CHUNK = 8, 16
-
-
-def _paged_equal(a: PagedKV, b: PagedKV, n: int) -> bool:
-    if a.num_tokens < n or b.num_tokens < n or len(a.layers) != len(b.layers):
-        return False
-    return all(torch.equal(x, y) for i in range(len(a.layers))
-               for x, y in zip(a.layer_tokens(i, 0, n), b.layer_tokens(i, 0, n)))
-
-
-class TestPagedConformance(AdapterConformance):
-    @pytest.fixture(params=[("kv_rows", "bfloat16"), ("kv_last", "float16"), ("nhd", "float32")], ids=lambda p: p[0])
-    def case(self, request, pool):
-        paged_layout, dtype = request.param
-        layout = KVLayout(LAYERS, HEADS, DIM, dtype, CONF_CHUNK)
-        ns = Namespace("fake/model", "test-weights", layout)
-
-        def adapter(namespace):
-            return PagedAdapter(pool, namespace, block_size=CONF_BLOCK, paged_layout=paged_layout)
-
-        def make_kv(ids):
-            blocks = random.Random(len(ids)).sample(range(4 * len(ids) // CONF_BLOCK + 4), -(-len(ids) // CONF_BLOCK))
-            kv = adapter(ns).empty_kv(len(ids), blocks)
-            model = fake_model_kv(ids, LAYERS, HEADS, DIM, getattr(torch, dtype))
-            for i in range(LAYERS):
-                kv.write_tokens(i, 0, model[:, i, 0], model[:, i, 1])
-            return kv
-
-        return ConformanceCase(
-            adapter=adapter(ns), pool=pool, make_kv=make_kv, kv_equal=_paged_equal,
-            layer_kv=lambda kv, i: kv.layer_tokens(i),
-            layer_equal=lambda a, b, n: all(torch.equal(x[:n], y[:n]) for x, y in zip(a, b)),
-            with_namespace=adapter, damage=lambda key: corrupt(pool, key, offset=-1))
 
 
 # ---- one format: the vLLM connector and the HF reference adapter read each other's chunks ----

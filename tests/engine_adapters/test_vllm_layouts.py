@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from engine_adapters import vllm as conn
-from engine_adapters._fakes.vllm_api import FAKE_BACKENDS, FakeAttentionLayer, FakeKVConnectorRole
-from engine_adapters.vllm_layout import backend_paged_layout
+from engine_adapters.vllm.layouts import backend_paged_layout
+from fakes.vllm_api import FAKE_BACKENDS, FakeAttentionLayer, FakeKVConnectorRole
+from kvpool.chunk_format import KVLayout, decode_chunk
 from kvpool.errors import InvalidArgument, LayoutMismatch
-from kvpool.layout import KVLayout, decode_chunk
 from vllm_fake_support import BLOCK, CHUNK, DIM, HEADS, LAYERS, engine_for, make_config, pool_chunk_keys, prompts
 
 
@@ -71,7 +71,7 @@ def test_probe_refuses_a_page_it_cannot_invert(pool):
     """A cache-write path that does not store each K and V element exactly once (here: V never,
     as a quantized or latent cache would look) is refused, not guessed."""
     worker = _worker_with_backend(pool, FAKE_BACKENDS["cpu_vec"])
-    for layer in worker._vllm_config.compilation_config.static_forward_context.values():
+    for layer in worker.worker_side._vllm_config.compilation_config.static_forward_context.values():
         layer.impl.do_kv_cache_update = lambda layer, k, v, cache, slots: cache.view(-1)[: k.numel()].copy_(k.view(-1))
     caches = {f"layers.{i}": torch.zeros(8, HEADS, BLOCK, 2 * DIM, dtype=torch.float16) for i in range(LAYERS)}
     with pytest.raises(LayoutMismatch, match="CPU_ATTN does not store each K and V element"):
@@ -90,7 +90,7 @@ def test_layers_are_ordered_by_layer_number(pool):
     worker = conn.KVPoolConnector(make_config(paged_layout="nhd"), FakeKVConnectorRole.WORKER, client=pool)
     names = [f"model.layers.{i}.attn" for i in (2, 0, 3, 1)]
     worker.register_kv_caches({n: torch.zeros(2, 4, BLOCK, HEADS, DIM, dtype=torch.float16) for n in names})
-    assert worker._layers == {f"model.layers.{i}.attn": i for i in range(LAYERS)}
+    assert worker.worker_side._layers == {f"model.layers.{i}.attn": i for i in range(LAYERS)}
 
 
 def test_backend_paged_layout():
@@ -105,7 +105,7 @@ def test_backend_paged_layout():
 def test_kernel_blocks(pool, paged_layout):
     """vLLM may split each block into kernel blocks; the registered tensors are kernel-block granular."""
     eng = engine_for(pool, paged_layout, kernel_block_size=BLOCK // 2)
-    assert eng.worker._kernel_ratio == 2
+    assert eng.worker.worker_side._kernel_ratio == 2
     p1, p2 = prompts()
     eng.add_request("r1", p1)
     eng.run()

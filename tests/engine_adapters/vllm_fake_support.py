@@ -6,16 +6,16 @@ from __future__ import annotations
 import random
 
 from engine_adapters import vllm as conn
-from engine_adapters._fakes.vllm_api import (
+from fakes.vllm_api import (
     FakeCacheConfig,
     FakeKVTransferConfig,
     FakeModelConfig,
     FakeParallelConfig,
     FakeVllmConfig,
 )
-from engine_adapters._fakes.vllm_engine import FakeVllmEngine
+from fakes.vllm_engine import FakeVllmEngine
+from kvpool.chunk_format import KVLayout
 from kvpool.keys import Namespace, chunk_keys_hex
-from kvpool.layout import KVLayout
 
 BLOCK, CHUNK, LAYERS, HEADS, DIM = 16, 32, 4, 2, 8
 

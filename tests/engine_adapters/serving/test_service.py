@@ -75,6 +75,23 @@ def test_chunked_prefill_on_both_agrees_within_1e4(reference_model, worker_facto
     assert int(job.logits.argmax()) == int(want.argmax())
 
 
+def test_damaged_pool_chunk_is_recomputed_removed_and_healed(worker_factory, pool, damage):
+    """The worker reads through the adapters' one chunk reader: a damaged chunk is a miss, is
+    removed (a "removed" pool event), and the prefill's own push stores a good copy again."""
+    w = worker_factory(role="prefill", chunk_tokens=64, local_cache_bytes=0)
+    ids = ids_of(200, seed=9)  # 3 full chunks + 8 tokens
+    asyncio.run(w.prefill(m.PrefillRequest(token_ids=ids)))
+    keys = w.adapter.chunk_keys(ids)
+    damage(keys[1])
+    again = asyncio.run(w.prefill(m.PrefillRequest(token_ids=ids)))
+    assert again.pool_cached_tokens == 64 and w.reader.damaged == 1
+    pool_events = [(e.kind, e.keys) for e in w.events.since(0).events if e.tier == "pool"]
+    assert ("removed", [keys[1]]) in pool_events
+    assert pool_events[-1] == ("stored", [keys[1]]), "healed by the push of the same prefill"
+    healed = asyncio.run(w.prefill(m.PrefillRequest(token_ids=ids)))
+    assert healed.pool_cached_tokens == 192 and w.reader.damaged == 1
+
+
 def test_decode_steps_come_first_and_prefill_fills_the_gaps(reference_model):
     """While a sequence decodes, a long prefill advances one chunk per decode step, never two."""
     timeline: list[str] = []

@@ -1,8 +1,8 @@
 """FAKE in-process pool for the connector tests: a dict behind the PoolClient contract.
 
-`DictPoolForConnectorTests` satisfies `kvpool.api.PoolClient` with a plain dict and nothing
+`DictPoolForConnectorTests` satisfies `kvpool.contract.PoolClient` with a plain dict and nothing
 else: no tiers, no network. It exists so the vLLM / SGLang adapter tests can run before (or
-without) the real pool; where `kvpool.server.EmbeddedPool` is available the tests use that.
+without) the real pool; where `kvpool.embedded.EmbeddedPool` is available the tests use that.
 It keeps the contract's invariants: first complete put wins, batch forms answer per key.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-from kvpool.api import check_key
+from kvpool.contract import check_key
 from kvpool.errors import InvalidArgument, KeyNotFound
 
 

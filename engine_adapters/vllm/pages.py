@@ -3,7 +3,7 @@
 The connector moves KV in whole (kernel) blocks: `read(kv_layer, idx)` returns K and V of the
 blocks `idx` as `[len(idx), block_size, kv_heads, head_dim]` copies, `write` puts them in place.
 Two kinds:
-- `ViewIO`: a layout that strided views express (`vllm_layout.PAGED_LAYOUTS`);
+- `ViewIO`: a layout that strided views express (`layouts.PAGED_LAYOUTS`);
 - `PageMapIO`: a page whose element order only the backend's kernel knows. vLLM 0.32's CPU_ATTN
   splits its `[block_size, 2 * head_dim]` page into K rows then V rows, and its x86 "vec" kernel
   keeps the K half transposed (`[head_dim, block_size]`); other ISAs (AMX, NEON, ...) tile it
@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from engine_adapters.vllm_layout import backend_paged_layout, layer_backend, paged_kv_views
+from engine_adapters.vllm.layouts import backend_paged_layout, layer_backend, paged_kv_views
 from kvpool.errors import LayoutMismatch
 
 _DIGIT_BASE = 16  # probe values 0..15 are exact in every supported dtype (bf16 holds integers to 256)

@@ -35,8 +35,7 @@ from typing import Any
 import torch
 import xxhash
 
-from engine_adapters._fakes.vllm_api import (FAKE_BACKENDS, FakeAttentionLayer, FakeKVConnectorRole, cpu_vec_views,
-                                             kv_last_views)
+from fakes.vllm_api import FAKE_BACKENDS, FakeAttentionLayer, FakeKVConnectorRole, cpu_vec_views, kv_last_views
 
 
 def fake_model_kv(tokens: list[int], num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,19 +1,17 @@
 """FAKE minimal stand-ins for the parts of vLLM's v1 KV-connector API our connector touches.
 
-They mirror vLLM 0.32 (`MIRRORS_VLLM`): `vllm.distributed.kv_transfer.kv_connector.v1.base`
-(KVConnectorBase_V1, KVConnectorRole, KVConnectorMetadata), the few config objects the connector
+They mirror vLLM 0.32 (`MIRRORS_VLLM`): `KVConnectorRole`, the few config objects the connector
 reads, and the attention layers and backends as far as the connector asks them (`get_name`, the
 layer's `impl.do_kv_cache_update` that it probes, the older `get_kv_cache_shape`). The FAKE
 CPU_ATTN page copies what the real x86 "vec" kernel was seen to store. The real vLLM 0.32 CPU
-build runs in tests/engine_adapters/vllm_real; these
-stand in for what cannot run here (the CUDA backends) and where vLLM is not installed, and
-`engine_adapters.vllm` subclasses the real base class wherever vLLM is installed.
+build runs in tests/engine_adapters/vllm_real; these stand in for what cannot run here (the
+CUDA backends). The connector needs no fake base class: it subclasses vLLM's where vLLM is
+installed and `object` elsewhere.
 """
 
 from __future__ import annotations
 
 import enum
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,92 +19,10 @@ MIRRORS_VLLM = "0.32.0"  # the vLLM release whose API and KV layouts these stand
 
 
 class FakeKVConnectorRole(enum.Enum):
-    """FAKE stand-in for vLLM's KVConnectorRole (used only where vLLM is not installed)."""
+    """FAKE stand-in for vLLM's KVConnectorRole (the connector compares the member's name)."""
 
     SCHEDULER = 0
     WORKER = 1
-
-
-class FakeKVConnectorMetadata(ABC):  # noqa: B024 - mirrors vLLM's abstract marker class
-    """FAKE stand-in for vLLM's KVConnectorMetadata (scheduler -> worker, once per step)."""
-
-
-class _FakeKVConnectorBase_V1(ABC):
-    """FAKE stand-in for vLLM's KVConnectorBase_V1; it stands in only where vLLM is not installed.
-
-    Same constructor and default methods as the real base: metadata binding for the worker side,
-    no-op defaults for the optional hooks, and the abstract methods a connector must implement.
-    """
-
-    def __init__(self, vllm_config: Any, role: FakeKVConnectorRole, kv_cache_config: Any = None):
-        if getattr(vllm_config, "kv_transfer_config", None) is None:
-            raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
-        self._connector_metadata: FakeKVConnectorMetadata | None = None
-        self._vllm_config = vllm_config
-        self._kv_transfer_config = vllm_config.kv_transfer_config
-        self._kv_cache_config = kv_cache_config
-        self._role = role
-
-    @property
-    def role(self) -> FakeKVConnectorRole:
-        return self._role
-
-    # worker side
-    def bind_connector_metadata(self, connector_metadata: FakeKVConnectorMetadata) -> None:
-        self._connector_metadata = connector_metadata
-
-    def clear_connector_metadata(self) -> None:
-        self._connector_metadata = None
-
-    def _get_connector_metadata(self) -> FakeKVConnectorMetadata:
-        assert self._connector_metadata is not None
-        return self._connector_metadata
-
-    def has_connector_metadata(self) -> bool:
-        return self._connector_metadata is not None
-
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        return None
-
-    @abstractmethod
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None: ...
-
-    @abstractmethod
-    def wait_for_layer_load(self, layer_name: str) -> None: ...
-
-    @abstractmethod
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None: ...
-
-    @abstractmethod
-    def wait_for_save(self) -> None: ...
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()
-
-    def shutdown(self) -> None:
-        return None
-
-    # scheduler side
-    @abstractmethod
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]: ...
-
-    @abstractmethod
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None: ...
-
-    @abstractmethod
-    def build_connector_meta(self, scheduler_output: Any) -> FakeKVConnectorMetadata: ...
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        return None
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return False, None
-
-    def take_events(self):
-        return ()
 
 
 # ---- FAKE config objects (the fields of vLLM's VllmConfig that the connector reads) ----

@@ -1,0 +1,138 @@
+"""The one chunk reader: every adapter and worker reads chunk objects from the pool through it.
+
+`ChunkReader(pool, layout)` fetches chunk objects in batches, verifies each one (header, layout
+hash, checksum, token count) and hands out `kvpool.chunk_format.ChunkView`s: layer-major payload views,
+so a caller can place layer i of a chunk before it looks at layer i + 1.
+
+The one rule for a damaged chunk (checksum or format error, another layout's header under our
+key, a wrong token count): it is a miss, never KV. It is counted, removed from the pool and
+reported through `on_removed(key)`, because chunk keys are content addressed and a put never
+overwrites (the first writer wins): a damaged copy left in place would be a miss forever, while
+a removed one is healed by the next save of the same tokens.
+
+Three forms, one rule:
+- `run(keys)`: the longest intact run keys[0..n) (a prefix of a prompt); it stops fetching at
+  the first miss. `iter_run` yields the same views batch by batch as they arrive, so a caller
+  can start placing the first chunks (layer by layer) while later batches are in flight.
+- `read(keys, tokens)`: per key, its view or None (a page store such as SGLang's, where any key
+  may miss on its own).
+- `exact(keys, tokens)`: all or nothing (a KV handle): `KeyNotFound` for a missing object,
+  `CorruptObject` for a damaged one (after removing it).
+
+Pool errors (`KVPoolError` from the client) are raised to the caller, which decides whether a
+failed read is a miss (the engine plug-ins) or a failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator, Sequence
+
+from kvpool.chunk_format import ChunkView, KVLayout, decode_chunk
+from kvpool.errors import CorruptObject, KeyNotFound, KVPoolError, LayoutMismatch
+
+log = logging.getLogger(__name__)
+
+BATCH_BYTES = 48 << 20  # one get_batch asks for about this much: few round trips, no more than a node stages at once
+
+
+class ChunkReader:
+    """Verified reads of chunk objects of one `KVLayout`. Safe to share between threads (the pool
+    client is); `fetched` and `damaged` are statistics, not exact under concurrent reads."""
+
+    def __init__(self, pool: Any, layout: KVLayout, *, on_removed: Callable[[str], None] | None = None,
+                 batch_bytes: int = BATCH_BYTES):
+        self.pool = pool
+        self.layout = layout
+        self.on_removed = on_removed
+        self.batch_chunks = max(1, batch_bytes // layout.object_nbytes())
+        self.fetched = 0  # verified chunks handed out
+        self.damaged = 0  # chunks that failed verification (each removed, or tried)
+
+    def match(self, keys: Sequence[str]) -> int:
+        """n such that keys[0..n) are all in the pool (one match_prefix round trip)."""
+        return int(self.pool.match_prefix(list(keys))) if keys else 0
+
+    # -- the three forms -----------------------------------------------------------------------
+
+    def iter_run(self, keys: Sequence[str]) -> Iterator[ChunkView]:
+        """Views of keys[0..n), the longest intact run of full chunks, yielded as they arrive."""
+        full = self.layout.chunk_tokens
+        for key, blob in self._fetch(keys, stop_at_miss=True):
+            view = self._verify(key, blob, full) if blob is not None else None
+            if view is None:
+                return
+            self.fetched += 1
+            yield view
+
+    def run(self, keys: Sequence[str]) -> list[ChunkView]:
+        return list(self.iter_run(keys))
+
+    def read(self, keys: Sequence[str], tokens: int | None = None) -> list[ChunkView | None]:
+        """Per key: its verified view (holding `tokens` tokens, default a full chunk) or None."""
+        want = self.layout.chunk_tokens if tokens is None else tokens
+        out: list[ChunkView | None] = []
+        for key, blob in self._fetch(keys, stop_at_miss=False):
+            view = self._verify(key, blob, want) if blob is not None else None
+            self.fetched += view is not None
+            out.append(view)
+        return out
+
+    def exact(self, keys: Sequence[str], tokens: Sequence[int]) -> list[ChunkView]:
+        """Views of every key, each holding the given token count; all or nothing."""
+        views = []
+        for (key, blob), want in zip(self._fetch(keys, stop_at_miss=True), tokens):
+            if blob is None:
+                raise KeyNotFound(f"KV object {key} is not in the pool (evicted, expired or released)")
+            view = self._verify(key, blob, want)
+            if view is None:
+                raise CorruptObject(f"KV object {key} was damaged (it has been removed from the pool)")
+            views.append(view)
+        self.fetched += len(views)
+        return views
+
+    # -- the rule --------------------------------------------------------------------------------
+
+    def _verify(self, key: str, blob: Any, tokens: int) -> ChunkView | None:
+        try:
+            view = decode_chunk(blob, self.layout)
+            if view.tokens != tokens:
+                raise CorruptObject(f"holds {view.tokens} tokens, expected {tokens}")
+            return view
+        except (CorruptObject, LayoutMismatch) as exc:
+            self.discard(key, exc)
+            return None
+
+    def discard(self, key: str, why: Exception) -> None:
+        """A stored object failed verification: count it, remove it (so a later save can store a
+        good copy) and report it; best effort, a failed removal is logged."""
+        self.damaged += 1
+        log.warning("chunk %s failed verification (%s); removing it and treating it as a miss", key, why)
+        try:
+            # Our own read holds a lease that would defer the removal (and make the re-store of a
+            # good copy find the key busy); clients that release leases lazily send them now.
+            flush = getattr(self.pool, "flush", None)
+            if callable(flush):
+                flush()
+            removed = self.pool.remove(key)
+        except KVPoolError as exc:
+            log.warning("could not remove damaged chunk %s: %s", key, exc)
+            return
+        if removed and self.on_removed is not None:
+            self.on_removed(key)
+
+    # -- fetching --------------------------------------------------------------------------------
+
+    def _fetch(self, keys: Sequence[str], *, stop_at_miss: bool) -> Iterator[tuple[str, Any]]:
+        """(key, bytes or None) in order, `batch_chunks` keys per get_batch. A miss inside a batch
+        is retried alone once: a node may decline a batch larger than it can stage at once (SSD
+        objects are promoted through DRAM) yet serve the same objects one by one."""
+        keys = list(keys)
+        for start in range(0, len(keys), self.batch_chunks):
+            group = keys[start:start + self.batch_chunks]
+            for key, blob in zip(group, self.pool.get_batch(group)):
+                if blob is None and len(group) > 1:
+                    blob = self.pool.get(key)
+                yield key, blob
+                if blob is None and stop_at_miss:
+                    return

@@ -1,0 +1,44 @@
+"""What the connector's scheduler side tells its worker side, once per step (vLLM pickles it to
+the workers): which paged blocks to fill from the pool, and which chunks to save."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:  # vLLM's marker base class where vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # without vLLM the metadata is a plain dataclass (the fake engine in tests drives it)
+    KVConnectorMetadata = object
+
+METADATA_VERSION = 1
+
+
+@dataclass
+class LoadSpec:
+    """Fill the paged blocks of tokens [start, len(token_ids)) from the pool's chunks.
+
+    `token_ids` is the cached prefix (a whole number of chunks); `block_ids` cover it; `start` is
+    block-aligned (tokens before it are already in vLLM's local prefix cache).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    start: int
+
+
+@dataclass
+class SaveSpec:
+    """Save chunks [first_chunk, len(token_ids) // chunk_tokens) once this step has computed them."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    first_chunk: int
+
+
+@dataclass
+class KVPoolConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    version: int = METADATA_VERSION
