@@ -1,7 +1,7 @@
 """Wire messages of the pool RPC (client <-> master, client <-> node, node <-> master).
 
 Every message is a `msgspec.Struct` tagged with its class name and encoded as a msgpack array.
-The protocol version travels in every frame header (`kvpool.rpc.PROTOCOL_VERSION`) and is
+The protocol version (`PROTOCOL_VERSION`) travels in every frame header (`kvpool.rpc.frame`) and is
 checked first; `Hello` repeats it so a client learns the server's version before anything else.
 Bulk bytes never go inside a message: they follow it in the same frame as a raw payload, and
 messages say how the payload is cut (`sizes`).

@@ -11,10 +11,10 @@ that node's path, chosen by `DataPaths.choose` from what the node offers and `da
   the caller's buffer; one `NodeWrite` the node receives straight into its arena.
 - `engine` (`data_path="engine"`, or "auto" with rdma at both ends): `kvpool.client.engine_path`.
 
-Why each stays (kvpool bench pool, one run, this 2-core machine, BENCHMARKS.md): `shm` puts
-same-host gets far ahead of Redis over its unix socket and of Mooncake over TCP; `rpc` is one
-round trip where the engine needs two (pin, READ) or three (reserve, WRITE, commit), and over TCP
-the engine path moved 0.25-0.8x of `rpc`'s GB/s (about even only for batches of 1 MiB values),
+Why each stays (kvpool bench pool, 2026-11-29 run on this 2-core machine): `shm` puts same-host
+gets 12-51x ahead of Redis over its unix socket; `rpc` is one round trip where the engine needs
+two (pin, READ) or three (reserve, WRITE, commit), and over TCP the engine path moved 0.25-0.79x
+of `rpc`'s GB/s for gets and 0.23-0.67x for puts (even only for batches of 1 MiB values, 1.09x),
 so "auto" keeps TCP peers on `rpc`; `engine` is the only one-sided path, the one RDMA takes.
 
 A path's `read(work, keys, views, out)` fills out[i] for each (node, indexes) of `work` (bytes
@@ -160,9 +160,12 @@ class DataPaths:
         self.engine = EnginePath(mode == "auto", engine, transports, timeout)
 
     def choose(self, conn: NodeConn) -> RpcPath | EnginePath:
+        """The node's path, kept on it (`conn.path`) until what it offers changes."""
         if self.mode != "rpc" and self._engine_for(conn):
-            return self.engine
-        return self.shm if conn.shm else self.rpc
+            conn.path = self.engine
+        else:
+            conn.path = self.shm if conn.shm else self.rpc
+        return conn.path
 
     def _engine_for(self, conn: NodeConn) -> bool:
         desc = conn.transfer_segment()

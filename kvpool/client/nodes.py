@@ -48,6 +48,7 @@ class NodeConn:
         self.arena: memoryview | None = None
         self.index: shm_index.ShmIndexReader | None = None
         self._segment: Any = _UNKNOWN
+        self.path: Any = None  # the data path chosen for this node (`kvpool.client.datapath`)
         if segment is not None or shm_path is not None:  # the hello told us
             self.remember_segment(segment)
         if use_shm:
@@ -72,6 +73,7 @@ class NodeConn:
         return self._segment
 
     def remember_segment(self, raw: bytes | None) -> None:
+        self.path = None  # choose again
         if raw is None:
             self._segment = None
             return

@@ -154,12 +154,16 @@ class Client:
         cannot be reached are under None as (address, indexes)."""
         by_node: dict[str, list[int]] = {}
         for i, address in pairs:
-            by_node.setdefault(address, []).append(i)
+            idx = by_node.get(address)
+            if idx is None:
+                by_node[address] = [i]
+            else:
+                idx.append(i)
         groups: dict[Any, list] = {}
         for address, idx in by_node.items():
             try:
-                conn = self._node(address)
-                path = self._paths.choose(conn)
+                conn = self._nodes.get(address) or self._node(address)
+                path = conn.path or self._paths.choose(conn)
             except Unavailable as exc:
                 self._node_gone(address, exc)
                 groups.setdefault(None, []).append((address, idx))
@@ -212,7 +216,9 @@ class Client:
     def get_into(self, key: str, buffer: Any) -> int:
         """Copy the object into `buffer` (writable, large enough); return its size. `KeyNotFound` on a miss."""
         check_key(key)
-        n = self.get_batch_into([key], [buffer])[0]
+        n = self._read([key], [writable_view(buffer, 0)], -1)[0]
+        if n == TOO_SMALL:
+            raise InvalidArgument(f"buffer too small for {key!r}")
         if n < 0:
             raise KeyNotFound(f"key {key!r} not found")
         return n
@@ -243,7 +249,7 @@ class Client:
         todo = [i for i, r in enumerate(replicas) if r]
         attempt = 0
         while todo:
-            groups = self._by_path((i, replicas[i][attempt]) for i in todo if attempt < len(replicas[i]))
+            groups = self._by_path([(i, replicas[i][attempt]) for i in todo if attempt < len(replicas[i])])
             todo = [i for _, idx in groups.pop(None, []) for i in idx]
             for path, work in groups.items():
                 retry, dead = path.read(work, keys, views, out)
@@ -312,7 +318,7 @@ class Client:
         plans = self._where.plan(master, keys, [v.nbytes for v in views], want)
         errors: list[Exception | None] = [p.error for p in plans]
         written: list[list[Placed]] = [[] for _ in keys]
-        groups = self._by_path((i, address) for i, p in enumerate(plans) if p.to_write for address in p.targets)
+        groups = self._by_path([(i, address) for i, p in enumerate(plans) if p.to_write for address in p.targets])
         for address, lost in groups.pop(None, []):
             for i in lost:
                 errors[i] = errors[i] or Unavailable(f"node {address} is unreachable")
