@@ -10,6 +10,9 @@ reported through `on_removed(key)`, because chunk keys are content addressed and
 overwrites (the first writer wins): a damaged copy left in place would be a miss forever, while
 a removed one is healed by the next save of the same tokens.
 
+A layout with a codec (`KVLayout.codec`, `kvpool.codec`): each chunk is decoded as it is
+verified, and the views hold the decoded KV; a chunk of another codec is another layout (a miss).
+
 Three forms, one rule:
 - `run(keys)`: the longest intact run keys[0..n) (a prefix of a prompt); it stops fetching at
   the first miss. `iter_run` yields the same views batch by batch as they arrive, so a caller
@@ -29,6 +32,7 @@ import logging
 from typing import Any, Callable, Iterator, Sequence
 
 from kvpool.chunk_format import ChunkView, KVLayout, decode_chunk
+from kvpool.codec import get_codec
 from kvpool.errors import CorruptObject, KeyNotFound, KVPoolError, LayoutMismatch
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,8 @@ class ChunkReader:
                  batch_bytes: int = BATCH_BYTES):
         self.pool = pool
         self.layout = layout
+        # a layout with a codec (kvpool.codec) is decoded here, so a payload that does not decode is a miss too
+        self.codec = get_codec(layout.codec) if layout.codec != "none" else None
         self.on_removed = on_removed
         self.batch_chunks = max(1, batch_bytes // layout.object_nbytes())
         self.fetched = 0  # verified chunks handed out
@@ -95,7 +101,7 @@ class ChunkReader:
 
     def _verify(self, key: str, blob: Any, tokens: int) -> ChunkView | None:
         try:
-            view = decode_chunk(blob, self.layout)
+            view = decode_chunk(blob, self.layout, codec=self.codec)
             if view.tokens != tokens:
                 raise CorruptObject(f"holds {view.tokens} tokens, expected {tokens}")
             return view

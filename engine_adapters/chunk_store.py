@@ -19,6 +19,7 @@ import numpy as np
 from engine_adapters.base import KVEvent, SaveResult
 from engine_adapters.chunk_reader import ChunkReader
 from kvpool.chunk_format import ChunkView, seal_into
+from kvpool.codec import encode_raw_object
 from kvpool.contract import PoolClient
 from kvpool.errors import AlreadyExists, InvalidArgument, KVPoolError, LayoutMismatch
 from kvpool.handle import KVHandle
@@ -169,8 +170,12 @@ class ChunkStore:
         naming it reports the miss at load. Any other put error, and any error on the tail, is
         raised after the chunks that were stored are reported.
         """
+        codec = self.reader.codec  # planned buffers hold the KV's own bytes; a codec encodes them here
         for obj in planned:
-            seal_into(obj.buffer, self.layout, obj.tokens)
+            if codec is None:
+                seal_into(obj.buffer, self.layout, obj.tokens)
+            else:
+                obj.buffer = encode_raw_object(codec, self.layout, obj.buffer, obj.tokens)
         if any(obj.is_tail for obj in planned):
             self._flush_releases()
             for obj in planned:

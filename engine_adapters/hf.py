@@ -39,14 +39,15 @@ log = logging.getLogger(__name__)
 _TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def layout_for_model(model: Any, chunk_tokens: int) -> KVLayout:
-    """The KV layout a transformers causal LM's cache has (dtype from its parameters)."""
+def layout_for_model(model: Any, chunk_tokens: int, codec: str = "none") -> KVLayout:
+    """The KV layout a transformers causal LM's cache has (dtype from its parameters), its chunks
+    stored with `codec` (`kvpool.codec`)."""
     cfg = model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dtype = _TORCH_DTYPES.get(model.dtype)
     if dtype is None:
         raise InvalidArgument(f"model dtype {model.dtype} has no KV layout (use float32, bfloat16 or float16)")
-    return KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, chunk_tokens)
+    return KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, chunk_tokens, codec)
 
 
 def _payload_tensor(obj: PlannedObject, layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
@@ -193,14 +194,14 @@ class HFLayerwiseLoad(BackgroundLayerwiseLoad):
 class HFAdapter(ChunkStoreAdapter):
     """The adapter contract (`engine_adapters.base.EngineAdapter`) for a transformers causal LM.
 
-    `namespace.layout` must equal the model's own layout with the namespace's chunk size
+    `namespace.layout` must equal the model's own layout with the namespace's chunk size and codec
     (`layout_for_model`); a mismatch raises `InvalidArgument` at construction, because KV saved
     under a wrong layout could be loaded by the wrong model.
     """
 
     def __init__(self, pool: PoolClient, model: Any, namespace: Namespace):
         self.model = model
-        layout = layout_for_model(model, namespace.chunk_tokens)
+        layout = layout_for_model(model, namespace.chunk_tokens, namespace.layout.codec)
         if layout != namespace.layout:
             raise InvalidArgument(f"namespace layout {namespace.layout} does not match the model's KV layout {layout}")
         self.namespace = namespace

@@ -8,7 +8,7 @@ A chunk object is a fixed 64-byte header followed by the payload:
     6      2     header length (u16, 64)
     8      8     layout hash (u64, `KVLayout.layout_hash`)
     16     4     token count (u32; <= chunk_tokens, a tail chunk has fewer)
-    20     4     flags (u32, 0; reserved)
+    20     4     flags (u32: bits 0-7 the payload's codec id, `kvpool.codec`; 0 = none; rest 0)
     24     8     payload length in bytes (u64)
     32     8     xxh3-64 of the payload (u64, seed 0)
     40     24    zero
@@ -17,6 +17,11 @@ All integers little-endian. The payload is layer-major: for each layer, K as
 `[kv_heads, tokens, head_dim]` then V likewise, i.e. one C-contiguous array of shape
 `[num_layers, 2, kv_heads, tokens, head_dim]`. Each layer is one contiguous slice, so a reader
 can use layer 0 while later layers are still arriving.
+
+A layout whose `codec` is not "none" (`kvpool.codec`: int8, fp8, ...) stores the payload that
+codec writes (also layer-major) and its id in the flags; the codec is part of the layout hash and
+so of the namespace, and `decode_chunk` refuses a chunk of another codec (`LayoutMismatch`). A
+reader of such a layout passes the codec object; the view then holds the decoded KV.
 
 Invariant: `decode_chunk` either returns views whose bytes hash to the header's checksum, or
 raises (`FormatError`, `LayoutMismatch`, `ChecksumMismatch`). Callers turn any of those into a
@@ -59,6 +64,7 @@ class KVLayout:
     head_dim: int
     dtype: str = "float32"
     chunk_tokens: int = 256
+    codec: str = "none"  # how chunk payloads are encoded (a `kvpool.codec` name); "none": the KV's own bytes
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "chunk_tokens"):
@@ -67,6 +73,8 @@ class KVLayout:
                 raise InvalidArgument(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.codec, str) or not self.codec:
+            raise InvalidArgument(f"KVLayout.codec must be a codec name, got {self.codec!r}")
 
     @property
     def itemsize(self) -> int:
@@ -95,6 +103,8 @@ class KVLayout:
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "chunk_tokens": self.chunk_tokens,
+            # only when set, so the hash (and namespace) of an uncompressed layout never changed
+            **({"codec": self.codec} if self.codec != "none" else {}),
         }
 
     @property
@@ -132,6 +142,8 @@ def encode_into(out: Any, layout: KVLayout, kv: Any, tokens: int) -> int:
     """
     if not 0 < tokens <= layout.chunk_tokens:
         raise InvalidArgument(f"tokens must be in 1..{layout.chunk_tokens}, got {tokens}")
+    if layout.codec != "none":
+        raise InvalidArgument(f"a {layout.codec} layout's chunks are written by kvpool.codec.encode_object")
     shape = tuple(getattr(kv, "shape", ()))
     if shape != layout.shape(tokens):
         raise InvalidArgument(f"kv has shape {shape}, layout expects {layout.shape(tokens)}")
@@ -147,19 +159,24 @@ def encode_into(out: Any, layout: KVLayout, kv: Any, tokens: int) -> int:
     return seal_into(dst, layout, tokens)
 
 
-def seal_into(buf: Any, layout: KVLayout, tokens: int) -> int:
+def seal_into(buf: Any, layout: KVLayout, tokens: int, *, payload_nbytes: int | None = None,
+              codec_id: int = 0) -> int:
     """Write the header of a chunk object whose payload is already in `buf[HEADER_SIZE:]`.
 
     For writers that fill the payload in place (layer by layer, or straight from a paged cache),
-    so the payload is never copied a second time. Returns the object's size.
+    so the payload is never copied a second time. Returns the object's size. An encoded payload
+    (a layout with a codec) gives its length and its codec's id (`kvpool.codec.encode_object`).
     """
     dst = memoryview(buf).cast("B")
-    nbytes = layout.payload_nbytes(tokens)
+    if (layout.codec != "none") != (payload_nbytes is not None) or not 0 <= codec_id <= 0xFF:
+        raise InvalidArgument(f"seal_into: a {layout.codec!r} layout needs "
+                              f"{'no' if layout.codec == 'none' else 'its'} encoded payload length and codec id")
+    nbytes = layout.payload_nbytes(tokens) if payload_nbytes is None else payload_nbytes
     total = HEADER_SIZE + nbytes
     if dst.nbytes < total:
         raise InvalidArgument(f"buffer holds {dst.nbytes} bytes, a {tokens}-token chunk object needs {total}")
     checksum = xxhash.xxh3_64_intdigest(dst[HEADER_SIZE:total])
-    HEADER.pack_into(dst, 0, MAGIC, FORMAT_VERSION, HEADER_SIZE, layout.layout_hash, tokens, 0, nbytes, checksum)
+    HEADER.pack_into(dst, 0, MAGIC, FORMAT_VERSION, HEADER_SIZE, layout.layout_hash, tokens, codec_id, nbytes, checksum)
     return total
 
 
@@ -200,12 +217,14 @@ def read_header(buf: Any) -> ChunkHeader:
 
 
 class ChunkView:
-    """Zero-copy views into a decoded chunk object (valid while the buffer is alive)."""
+    """Zero-copy views into a decoded chunk object (valid while the buffer is alive); for a layout
+    with a codec, the KV decoded from it (`decoded`, a tensor of its own)."""
 
-    def __init__(self, layout: KVLayout, header: ChunkHeader, payload: memoryview):
+    def __init__(self, layout: KVLayout, header: ChunkHeader, payload: memoryview, decoded: Any = None):
         self.layout = layout
         self.header = header
         self.payload = payload
+        self.decoded = decoded
 
     @property
     def tokens(self) -> int:
@@ -213,6 +232,11 @@ class ChunkView:
 
     def as_numpy(self) -> np.ndarray:
         """`[layers, 2, kv_heads, tokens, head_dim]`; bfloat16 appears as uint16."""
+        if self.decoded is not None:
+            import torch
+
+            kv = self.decoded.view(torch.int16) if self.decoded.dtype == torch.bfloat16 else self.decoded
+            return kv.numpy().view(DTYPES[self.layout.dtype][1])
         np_dtype = DTYPES[self.layout.dtype][1]
         return np.frombuffer(self.payload, dtype=np_dtype).reshape(self.layout.shape(self.tokens))
 
@@ -223,6 +247,8 @@ class ChunkView:
 
     def as_torch(self):
         """The same bytes as a torch tensor (bfloat16 included); no copy."""
+        if self.decoded is not None:
+            return self.decoded
         import warnings
 
         import torch
@@ -234,17 +260,44 @@ class ChunkView:
         return tensor.reshape(self.layout.shape(self.tokens))
 
 
-def decode_chunk(buf: Any, layout: KVLayout, *, verify: bool = True) -> ChunkView:
-    """Check header, layout and checksum of a chunk object and return views of its payload."""
+def decode_chunk(buf: Any, layout: KVLayout, *, verify: bool = True, codec: Any = None) -> ChunkView:
+    """Check header, layout and checksum of a chunk object and return views of its payload.
+
+    A layout with a codec needs that codec (`kvpool.codec.get_codec(layout.codec)`): the header
+    must carry its id, the payload its size, and the view holds the decoded KV (a payload that
+    does not decode raises the codec's `FormatError`)."""
+    if (layout.codec != "none") != (codec is not None and codec.name != "none") or \
+            (codec is not None and codec.name != layout.codec):
+        raise InvalidArgument(f"decode_chunk: layout codec {layout.codec!r}, codec given "
+                              f"{getattr(codec, 'name', None)!r}")
     view = memoryview(buf).cast("B")
     header = read_header(view)
     if header.layout_hash != layout.layout_hash:
         raise LayoutMismatch(
             f"chunk written for layout hash {header.layout_hash:016x}, reader expects {layout.layout_hash:016x}"
         )
-    if not 0 < header.tokens <= layout.chunk_tokens or header.payload_nbytes != layout.payload_nbytes(header.tokens):
-        raise FormatError(f"token count {header.tokens} and payload {header.payload_nbytes} B disagree with the layout")
+    encoded = codec is not None and codec.name != "none"
+    codec_id = codec.codec_id if encoded else 0
+    if header.flags != codec_id:
+        raise LayoutMismatch(f"chunk payload has codec id {header.flags & 0xFF} (flags {header.flags:#x}), "
+                             f"reader expects {codec_id} ({layout.codec})")
+    if not 0 < header.tokens <= layout.chunk_tokens:
+        raise FormatError(f"token count {header.tokens} disagrees with the layout's chunk of {layout.chunk_tokens}")
+    if encoded:
+        limit = codec.max_encoded_nbytes(layout, header.tokens)
+        fits = header.payload_nbytes == limit if codec.fixed_rate else header.payload_nbytes <= limit
+    else:
+        fits = header.payload_nbytes == layout.payload_nbytes(header.tokens)
+    if not fits:
+        raise FormatError(f"payload of {header.payload_nbytes} B disagrees with {header.tokens} tokens of the layout")
     payload = view[HEADER_SIZE : HEADER_SIZE + header.payload_nbytes]
     if verify and xxhash.xxh3_64_intdigest(payload) != header.checksum:
         raise ChecksumMismatch("chunk payload checksum mismatch: the object is damaged")
-    return ChunkView(layout, header, payload)
+    decoded = None
+    if encoded:
+        import torch
+
+        dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[layout.dtype]
+        decoded = torch.empty(layout.shape(header.tokens), dtype=dtype)
+        codec.decode_into(layout, payload, decoded)
+    return ChunkView(layout, header, payload, decoded)

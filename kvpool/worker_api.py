@@ -139,6 +139,7 @@ class WorkerInfo(Message):
     eos_token_ids: list[int]
     max_positions: int = 0  # context length: prompt + generated tokens
     bytes_per_token: int = 0  # KV bytes of one token (all layers, K and V)
+    kv_codec: str = "none"  # how its KV chunks are stored in the pool (kvpool.codec)
 
 
 class TokenizerInfo(Message):

@@ -5,7 +5,8 @@ encode the answer. KV bytes never travel here (see `kvpool/worker_api.py`).
                             503 {"status": "draining", "role": ...} after SIGTERM (routers stop sending)
     GET  /metrics           Prometheus text
     GET  /load              LoadReport: queues, KV tokens, decode step time, open streams, draining
-    GET  /v1/info           WorkerInfo: model, namespace, chunk size, EOS ids, context length, KV bytes/token
+    GET  /v1/info           WorkerInfo: model, namespace, chunk size, EOS ids, context length, KV bytes/token,
+                            KV codec (how its chunks are stored in the pool)
     GET  /v1/tokenizer      TokenizerInfo: tokenizer JSON, chat template, special tokens (tokenize in a router)
     GET  /v1/events?since=N KV events (local prefix cache, pool writes) after N
     POST /v1/tokenize       TokenizeRequest -> TokenizeResponse

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from kvpool.handle import KVHandle
@@ -45,6 +45,7 @@ from engine_adapters.serving.prefix_cache import LocalPrefixCache
 from engine_adapters.serving.runner import ModelRunner
 from engine_adapters.serving.scheduler import Scheduler
 from engine_adapters.serving.sequence import DecodeSequence, PrefillJob
+from kvpool.codec import get_codec
 from kvpool.errors import InvalidArgument, KVPoolError, LayoutMismatch
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,14 @@ class WorkerConfig:
     # prefills the short prompts a router sends it): decode priority needs gaps.
     prefill_chunk_tokens: int | None = None
     tenant_salt: str = ""
+    # how KV chunks are stored in the pool (kvpool.codec); part of the namespace, so a worker only
+    # ever reads chunks of its own codec; lossy codecs are opt-in
+    kv_codec: str = "none"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise InvalidArgument(f"role must be one of {ROLES}, got {self.role!r}")
+        get_codec(self.kv_codec)  # an unknown name is InvalidArgument now, not at the first save
         if self.prefill_chunk_tokens is None and self.role in ("both", "decode"):
             self.prefill_chunk_tokens = 512
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
@@ -110,7 +115,8 @@ class Worker:
         self.config = config
         self.rm = model  # engine_adapters.model.ReferenceModel
         self.pool = pool
-        self.namespace = model.namespace(config.chunk_tokens, config.tenant_salt)
+        namespace = model.namespace(config.chunk_tokens, config.tenant_salt)
+        self.namespace = replace(namespace, layout=replace(namespace.layout, codec=config.kv_codec))
         self.layout = self.namespace.layout
         self.adapter = HFAdapter(pool, model.model, self.namespace)
         self.reader = self.adapter.store.reader  # the adapters' one chunk reader, and its rule for damage
@@ -172,7 +178,7 @@ class Worker:
         return WorkerInfo(role=self.config.role, model_id=self.rm.model_id, namespace=self.namespace.hex(),
                           chunk_tokens=self.layout.chunk_tokens, dtype=self.layout.dtype, pool=self.config.pool,
                           eos_token_ids=sorted(self.eos), max_positions=self.runner.max_positions,
-                          bytes_per_token=self.layout.bytes_per_token)
+                          bytes_per_token=self.layout.bytes_per_token, kv_codec=self.layout.codec)
 
     def load(self) -> LoadReport:
         per_token = self.layout.bytes_per_token

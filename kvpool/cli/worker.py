@@ -28,6 +28,10 @@ from kvpool.config import load_settings, parse_size
                    "512 on 'both' and 'decode').")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--tenant-salt", default="", help="Keeps this tenant's KV apart from others'.")
+@click.option("--kv-codec", default="none", show_default=True, metavar="CODEC",
+              help="How KV chunks are stored in the pool: none (lossless), int8, fp8, or one of those + '+zstd' "
+                   "(`kvpool bench codec` measures what each costs). Part of the namespace: workers of different "
+                   "codecs never read each other's chunks.")
 @click.option("--model-cache", type=click.Path(file_okay=False), envvar="KVPOOL_MODEL_CACHE",
               help="Where the converted model is cached (default ~/.cache/kvpool/models).")
 @click.option("--ready-file", type=click.Path(dir_okay=False),
@@ -41,7 +45,7 @@ from kvpool.config import load_settings, parse_size
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="KVPOOL_CONFIG",
               help="Settings file (JSON or TOML).")
 def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch, max_kv_tokens,
-           prefill_chunk_tokens, dtype, tenant_salt, model_cache, ready_file, router_url, drain_timeout, threads,
+           prefill_chunk_tokens, dtype, tenant_salt, kv_codec, model_cache, ready_file, router_url, drain_timeout, threads,
            config_file) -> None:
     """Serve a reference worker's HTTP API (/v1/prefill, /v1/decode, /v1/generate, /load, /metrics).
 
@@ -54,7 +58,7 @@ def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch,
     config = WorkerConfig(role=role, pool=pool_address or settings.master, chunk_tokens=settings.chunk_tokens,
                           local_cache_bytes=parse_size(local_cache), max_batch=max_batch,
                           max_kv_tokens=max_kv_tokens or None,
-                          prefill_chunk_tokens=prefill_chunk_tokens, tenant_salt=tenant_salt)
+                          prefill_chunk_tokens=prefill_chunk_tokens, tenant_salt=tenant_salt, kv_codec=kv_codec)
     serve(config, host=settings.host, port=port, ready_file=ready_file, model_cache=model_cache, dtype=dtype,
           on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"), router=router_url,
           drain_timeout=drain_timeout, threads=threads)
