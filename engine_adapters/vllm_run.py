@@ -9,9 +9,10 @@ prefix cache is off unless asked for); only the process, and so vLLM's import, i
 
 A spec is a dict: `model` (a local transformers folder) and `engines`, a list of dicts with
 `name`, `dtype`, `block_size`, `max_model_len`, `connector` (None, or the `kv_connector_extra_config`
-plus `kv_role` and `kv_load_failure_policy`, default "recompute") and `phases`: each a list of token-id `prompts` with `max_tokens`; `timed` phases
-also report the wall time of each prompt, run one at a time (time to first token when
-`max_tokens` is 1).
+plus `kv_role` and `kv_load_failure_policy`, default "recompute") and `phases`: each a list of
+`prompts` (token-id lists, or strings that vLLM tokenizes) with `max_tokens`; `timed` phases also
+report the wall time of each prompt, run one at a time (time to first token when `max_tokens` is 1).
+A phase's result holds each prompt's generated token ids and text.
 
 vLLM reads its settings from the environment at import, so the child gets them before importing
 it: CPU KV space (`VLLM_CPU_KVCACHE_SPACE`, GiB), the OpenMP cores (`VLLM_CPU_OMP_THREADS_BIND`,
@@ -110,7 +111,7 @@ def _run_engine(model: str, engine: dict[str, Any]) -> dict[str, Any]:
 def _run_phase(llm: Any, sampling_params: Any, phase: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     params = sampling_params(temperature=0.0, max_tokens=phase.get("max_tokens", 16), logprobs=2)
-    prompts = [{"prompt_token_ids": list(p)} for p in phase["prompts"]]
+    prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in phase["prompts"]]
     times = []
     if phase.get("timed"):
         outputs = []
@@ -120,7 +121,8 @@ def _run_phase(llm: Any, sampling_params: Any, phase: dict[str, Any]) -> dict[st
             times.append((time.perf_counter() - t0) * 1e3)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "texts": [o.outputs[0].text for o in outputs],
+            "prompt_token_ids": [list(o.prompt_token_ids or []) for o in outputs],
             "margins": [[_margin(step) for step in (o.outputs[0].logprobs or [])] for o in outputs],
             "cached_tokens": [o.num_cached_tokens for o in outputs],
             "kv_transfer_params": [o.kv_transfer_params for o in outputs],

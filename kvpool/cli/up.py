@@ -1,7 +1,8 @@
 """`kvpool up`: a local cluster of real processes (embedded pool, reference workers on the
 reference model, the router with its OpenAI API in front), serving until Ctrl-C. `--demo` sends
 two chat requests that share a long prefix through the router with the OpenAI client, prints the
-answers with their TTFT and cached tokens, and stops."""
+answers with their TTFT and cached tokens, and stops. `--engine vllm` runs vLLM OpenAI servers
+with the kvpool connector instead of the reference workers (engine_adapters/vllm_serve.py)."""
 
 from __future__ import annotations
 
@@ -75,9 +76,21 @@ def _load_config(path: str | None) -> dict:
 @click.option("--max-tokens", type=int, default=32, show_default=True, help="Tokens per demo answer.")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Logs and ready files (default: a temp dir).")
 @click.option("--ssd-path", type=click.Path(file_okay=False), help="Give the pool an SSD tier here.")
+@click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
+              help="The workers: kvpool's reference workers, or vLLM OpenAI servers with the kvpool connector "
+                   "(prefill: kv_producer, decode: kv_consumer, colocated: kv_both; needs vLLM, see docs/vllm.md).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              show_default=True, help="--engine vllm: the servers' dtype (float32: greedy output bit-stable "
+                                      "whatever is cached; see docs/vllm.md, Limits).")
+@click.option("--chunk-tokens", type=int, default=256, show_default=True,
+              help="--engine vllm: tokens per pool chunk (a multiple of the block size, 32).")
+@click.option("--vllm-python", type=click.Path(dir_okay=False, exists=True),
+              help="--engine vllm: the Python that runs the servers (default: this one; it must import vllm).")
+@click.option("--vllm-arg", "vllm_args", multiple=True, metavar="FLAG",
+              help="--engine vllm: extra flag for every vLLM server, e.g. --vllm-arg=--max-num-seqs=8 (repeatable).")
 def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args, worker_args, demo, max_tokens,
-       workdir, ssd_path) -> None:
-    """Start the pool, the reference workers and the router as separate processes on loopback.
+       workdir, ssd_path, engine, dtype, chunk_tokens, vllm_python, vllm_args) -> None:
+    """Start the pool, the workers and the router as separate processes on loopback.
 
     The router's OpenAI-compatible API is at http://127.0.0.1:PORT/v1; Ctrl-C stops everything.
     """
@@ -95,12 +108,24 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
     if ssd_path:
         pool_table["ssd_path"] = ssd_path
     tables = _worker_tables(config["workers"], n_prefill, n_decode, n_colocated)
-    workers = [WorkerSpec(role=w["role"], name=w.get("name", ""), args=_flags(w) + list(worker_args))
-               for w in tables]
     workdir = workdir or tempfile.mkdtemp(prefix="kvpool-up-")
     console = Console(stderr=True)
-    cluster = LocalCluster(workdir, workers, PoolSpec(args=_flags(pool_table)),
-                           router=RouterSpec(port=port, args=["--policy", policy, *router_args]))
+    if engine == "vllm":
+        from engine_adapters.vllm_serve import VLLMCluster, check_python, reference_spec
+
+        if worker_args:
+            raise click.UsageError("--worker-arg is for the reference workers; vLLM servers take --vllm-arg")
+
+        python = vllm_python or sys.executable
+        check_python(python)
+        spec = reference_spec(python=python, dtype=dtype, chunk_tokens=chunk_tokens, extra_args=list(vllm_args))
+        cluster = VLLMCluster(workdir, spec, [w["role"] for w in tables], pool_args=_flags(pool_table),
+                              router_port=port, router_args=["--policy", policy, *router_args])
+    else:
+        workers = [WorkerSpec(role=w["role"], name=w.get("name", ""), args=_flags(w) + list(worker_args))
+                   for w in tables]
+        cluster = LocalCluster(workdir, workers, PoolSpec(args=_flags(pool_table)),
+                               router=RouterSpec(port=port, args=["--policy", policy, *router_args]))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends the cluster as cleanly as Ctrl-C does
     try:
         with console.status("starting the local cluster") as status:
@@ -111,7 +136,7 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
             cluster.start(progress)
         base = f"{cluster.router_url}/v1"
         click.echo(f"pool     {cluster.pool_address}")
-        for name, proc in cluster.workers.items():
+        for name, proc in (cluster.servers if engine == "vllm" else cluster.workers).items():
             click.echo(f"{name:<10} {proc.url}")
         click.echo(f"logs     {workdir}")
         click.echo(f"\nOpenAI API: {base}   (policy {policy}; workers: {cluster.router_url}/admin/workers)")

@@ -3,7 +3,7 @@ parse, call `Router`, shape the answer (see `openai_api.py`).
 
     POST /v1/chat/completions   POST /v1/completions   (stream or not)
     GET  /v1/models             GET  /health            GET /metrics
-    GET  /admin/workers         POST /admin/workers {"url"}   (a worker joins; idempotent)
+    GET  /admin/workers         POST /admin/workers {"url"[, "role"]}   (a worker joins; idempotent)
     POST /admin/workers/drain {"url"}  (no new requests; it leaves once idle)
     DELETE /admin/workers?url=URL      (forget it now)
     GET  /admin/route?prompt=...       (the decision for a prompt, without running it)
@@ -130,8 +130,9 @@ def create_app(router: Router) -> FastAPI:
 
     @app.post("/admin/workers")
     async def add_worker(request: Request) -> dict:
-        url = _url_of(await _body(request))
-        return (await router.workers.register(url)).summary()
+        body = await _body(request)
+        role = body.get("role") if isinstance(body, dict) else None  # vLLM servers (--engine vllm) only
+        return (await router.workers.register(_url_of(body), role if isinstance(role, str) else None)).summary()
 
     @app.post("/admin/workers/drain")
     async def drain_worker(request: Request) -> dict:

@@ -35,6 +35,7 @@ from kvpool.router.metrics import RouterMetrics
 from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, make_policy, prefill_estimate,
                                   tbt_estimate, without_workers)
 from kvpool.router.tokenizer import RouterTokenizer
+from kvpool.router.vllm_backend import make_backend
 from kvpool.router.workers import DOWN, DRAINING, UP, Workers, WorkerState
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,9 @@ class RouterConfig:
     poll_s: float = 0.25
     fail_after: int = 3
     request_timeout_s: float = 600.0
-    workers: list[str] = field(default_factory=list)
+    workers: list[str] = field(default_factory=list)  # "URL" or "ROLE=URL" (the role: --engine vllm only)
+    engine: str = "kvpool"  # the workers' API: "kvpool" (reference workers) or "vllm" (vllm_backend.py)
+    vllm: Any = None  # VLLMSettings, with engine "vllm"
 
 
 @dataclass
@@ -90,6 +93,8 @@ class Router:
         self.http: aiohttp.ClientSession | None = None
         self.workers: Workers | None = None
         self.metrics = RouterMetrics(self.policy.name, self._pressure, self._worker_counts)
+        self.backend = make_backend(config.engine, config.vllm)  # None: the reference workers' API
+        self._joining: list[asyncio.Task] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "Router":
@@ -99,20 +104,34 @@ class Router:
             connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.config.request_timeout_s))
         self.workers = Workers(self.http, poll_s=self.config.poll_s, fail_after=self.config.fail_after,
-                               on_join=self._on_join, on_load=self._on_load)
+                               on_join=self._on_join, on_load=self._on_load, backend=self.backend)
         if self.config.pool:
             from kvpool.client import connect_async
 
             self.pool = await connect_async(self.config.pool)
-        for url in self.config.workers:
+        for spec in self.config.workers:
+            role, _, url = spec.partition("=") if "=" in spec.split("://", 1)[0] else ("", "", spec)
             try:
-                await self.workers.register(url)
+                await self.workers.register(url, role or None)
             except KVPoolError as exc:
                 log.warning("worker %s not registered yet: %s (it can register itself later)", url, exc)
+                if self.backend is not None:  # a vLLM server never registers itself: keep asking
+                    self._joining.append(asyncio.create_task(self._register_later(url, role or None)))
         self.workers.start()
         return self
 
+    async def _register_later(self, url: str, role: str | None) -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            try:
+                await self.workers.register(url, role)
+                return
+            except KVPoolError as exc:
+                log.debug("worker %s not registered yet: %s", url, exc)
+
     async def stop(self) -> None:
+        for task in self._joining:
+            task.cancel()
         if self.workers is not None:
             await self.workers.stop()
         if self.http is not None:
@@ -125,10 +144,13 @@ class Router:
         """The first worker teaches the router the model: tokenizer, context, chunking."""
         if self.tokenizer is not None:
             return
-        async with self.http.get(url + "/v1/tokenizer", timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
-            if resp.status != 200:
-                raise Unavailable(f"worker {url} did not give its tokenizer ({resp.status})")
-            tok = wire.decode(await resp.read(), wire.TokenizerInfo)
+        if self.backend is not None:  # an engine without /v1/tokenizer: read from its model folder
+            tok = self.backend.tokenizer_info()
+        else:
+            async with self.http.get(url + "/v1/tokenizer", timeout=aiohttp.ClientTimeout(total=30.0)) as resp:
+                if resp.status != 200:
+                    raise Unavailable(f"worker {url} did not give its tokenizer ({resp.status})")
+                tok = wire.decode(await resp.read(), wire.TokenizerInfo)
         self.tokenizer = await asyncio.to_thread(RouterTokenizer.from_info, tok)
         self.max_positions = info.max_positions or 8192
         self.chunk_tokens = info.chunk_tokens
@@ -190,7 +212,9 @@ class Router:
         excluded: list[str] = []
         for attempt in range(2):
             try:
-                if decision.prefill is None:
+                if self.backend is not None:
+                    stream = self.backend.run(self, decision, ids, max_tokens, sampling, out, request_id)
+                elif decision.prefill is None:
                     stream = self._colocated(decision, ids, max_tokens, sampling, out, request_id)
                 else:
                     stream = self._disaggregated(decision, keys, req, ids, max_tokens, sampling, out, request_id)

@@ -4,7 +4,9 @@ prefix cache, and who is leaving.
 Workers join by `POST /admin/workers` (a worker started with `--router` does it itself, and
 repeats it every few seconds, so a restarted router relearns its workers) or from the command
 line (`kvpool router --worker URL`). A poll loop reads each worker's `/load` and its KV events
-(`/v1/events`, tier "local": what entered and left its prefix cache) every `poll_s`.
+(`/v1/events`, tier "local": what entered and left its prefix cache) every `poll_s`. Workers of
+another API (vLLM's OpenAI servers: `backend`, see vllm_backend.py) are described and polled by
+their backend instead; their role is given at registration.
 
 States: `up` (in rotation) -> `draining` (no new requests; forgotten once its load shows no
 work and the router has nothing in flight there) ; `up` -> `down` on a refused connection or
@@ -85,8 +87,9 @@ class WorkerState:
 class Workers:
     def __init__(self, http: aiohttp.ClientSession, *, poll_s: float = 0.25, fail_after: int = 3,
                  forget_s: float = 30.0, on_join: Callable[[WorkerState], Any] | None = None,
-                 on_load: Callable[[WorkerState], None] | None = None):
+                 on_load: Callable[[WorkerState], None] | None = None, backend: Any = None):
         self.http = http
+        self.backend = backend
         self.poll_s = poll_s
         self.fail_after = fail_after
         self.forget_s = forget_s
@@ -99,12 +102,16 @@ class Workers:
         self._task: asyncio.Task | None = None
 
     # -- membership ----------------------------------------------------------------------------
-    async def register(self, url: str) -> WorkerState:
+    async def register(self, url: str, role: str | None = None) -> WorkerState:
+        """`role`: for a backend's workers (default "both"); a reference worker states its own."""
         url = _normalize(url)
         known = self.by_url.get(url)
         if known is not None and known.status != DOWN:
             return known
-        info = await self._get(url, "/v1/info", wire.WorkerInfo, timeout=5.0)
+        if self.backend is not None:
+            info = await self.backend.info(self.http, url, role)
+        else:
+            info = await self._get(url, "/v1/info", wire.WorkerInfo, timeout=5.0)
         if self.namespace is not None and (info.namespace != self.namespace or info.model_id != self.model_id):
             raise AlreadyExists(f"worker {url} serves {info.model_id} (namespace {info.namespace[:8]}...), this "
                                 f"router {self.model_id} (namespace {self.namespace[:8]}...): refused")
@@ -179,9 +186,13 @@ class Workers:
 
     async def _poll_one(self, state: WorkerState) -> None:
         try:
-            load = await self._get(state.url, "/load", wire.LoadReport, timeout=max(1.0, 4 * self.poll_s))
-            events = await self._get(state.url, f"/v1/events?since={state.events_since}", wire.EventsResponse,
-                                     timeout=max(1.0, 4 * self.poll_s))
+            if self.backend is not None:  # no KV events: only the pool's match_prefix counts
+                load = await self.backend.poll(self.http, state, timeout=max(1.0, 4 * self.poll_s))
+                events = wire.EventsResponse(events=[], next=state.events_since)
+            else:
+                load = await self._get(state.url, "/load", wire.LoadReport, timeout=max(1.0, 4 * self.poll_s))
+                events = await self._get(state.url, f"/v1/events?since={state.events_since}", wire.EventsResponse,
+                                         timeout=max(1.0, 4 * self.poll_s))
         except Unavailable as exc:
             state.failures += 1
             refused = isinstance(exc.__cause__, aiohttp.ClientConnectorError)
