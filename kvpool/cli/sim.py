@@ -287,6 +287,8 @@ def study(prefill, decode, cheap_decode_profile, scales, capacities, goodput_ste
     configs = {f"{prefill + decode} colocated": replace(base, prefill=0, decode=0, colocated=prefill + decode),
                f"{prefill}P/{decode}D": base,
                f"{prefill}P/{decode}D conditional off": replace(base, local_prefill_tokens=0),
+               f"{(prefill + decode) // 4}P/{prefill + decode - (prefill + decode) // 4}D": replace(
+                   base, prefill=(prefill + decode) // 4, decode=prefill + decode - (prefill + decode) // 4),
                f"{prefill}P/{n_cheap}D-{cheap.card.split('-')[0]} (equal cost)": replace(
                    base, decode=n_cheap, decode_profile=cheap)}
     total = (len(scale_list) + 2 * len(caps) + 3 * (len(scale_list) + goodput_steps) * 2

@@ -67,7 +67,7 @@ class _Worker:
         mean time between the tokens the client received (streaming included)."""
         msg = wire.DecodeRequest(handle=head.handle, first_token=head.first_token, max_tokens=max_tokens,
                                  stop_token_ids=[])
-        stamps = []
+        stamps = [time.perf_counter()]
         with self.http.stream("POST", "/v1/decode", content=wire.encode(msg),
                               headers={"content-type": "application/json"}) as resp:
             for line in resp.iter_lines():
@@ -77,8 +77,8 @@ class _Worker:
                         raise Unavailable(f"decode on {self.url} failed: {event.error.message}")
                     if event.token_id >= 0:
                         stamps.append(time.perf_counter())
-        if len(stamps) > 2:  # from the first decoded token on: the pull and the join are not steps
-            out.append((stamps[-1] - stamps[1]) / (len(stamps) - 2))
+        if len(stamps) > 3:  # [sent, first token, ...]: the first gap is KV load + join + one step
+            out.append(((stamps[-1] - stamps[2]) / (len(stamps) - 3), stamps[1] - stamps[0]))
 
     def close(self) -> None:
         self.http.close()
@@ -113,7 +113,7 @@ def measure(prefill_url: str, decode_url: str, repeats: int = 2) -> tuple[dict[s
             for batch, length in DECODE_GRID:
                 heads = [pre.prefill(_tokens(rng, length)) for _ in range(batch)]
                 before = _decode_metrics(dec.url)
-                gaps: list[float] = []
+                gaps: list[tuple[float, float]] = []
                 threads = [threading.Thread(target=dec.decode, args=(h, DECODE_TOKENS, gaps)) for h in heads]
                 for t in threads:
                     t.start()
@@ -126,7 +126,9 @@ def measure(prefill_url: str, decode_url: str, repeats: int = 2) -> tuple[dict[s
                     mean_batch = d["kvpool_worker_decode_batch_size_sum"] / d["kvpool_worker_decode_batch_size_count"]
                     samples["decode"].append({"batch": mean_batch, "kv_tokens": mean_batch * (length + DECODE_TOKENS / 2),
                                               "step_ms": d["kvpool_worker_decode_step_seconds_sum"] / steps * 1e3,
-                                              "client_tbt_ms": statistics.fmean(gaps) * 1e3 if gaps else None,
+                                              "client_tbt_ms": statistics.fmean(g[0] for g in gaps) * 1e3 if gaps else None,
+                                              "open_ms": statistics.fmean(g[1] for g in gaps) * 1e3 if gaps else None,
+                                              "kv_bytes": length * bpt,
                                               "steps": steps, "prompt": length})
                 step()
     finally:
@@ -153,12 +155,16 @@ def fit(samples: dict[str, Any], bytes_per_token: int) -> Profile:
         if coef is not None:
             d0, d_seq, d_kv = (float(c) for c in coef)
     fetch_rate = statistics.median(fetch) if fetch else 1e9
+    # decode side: open (send -> first decoded token) = loading the prompt's KV into the engine + one step
+    pulls = [s["kv_bytes"] / ((s["open_ms"] - s["client_tbt_ms"]) / 1e3) for s in dec
+             if s.get("open_ms") and s.get("client_tbt_ms") and s["open_ms"] > s["client_tbt_ms"]]
     return Profile(
         name="local", description="calibrated from this machine's reference workers (kvpool sim calibrate, "
                                   f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())})",
         p0=p.prefill_fixed_s, p_tok=p.prefill_token_s, p_attn=p.prefill_attn_s, p_floor=0.0,
         d0=d0, d_seq=d_seq, d_weights=0.0, d_kv=d_kv, d_tok=0.0, fused=False, prefill_chunk_tokens=512,
-        bytes_per_token=bytes_per_token, link_bytes_per_s=fetch_rate, dram_read_bytes_per_s=fetch_rate,
+        bytes_per_token=bytes_per_token, link_bytes_per_s=fetch_rate,
+        pull_bytes_per_s=statistics.median(pulls) if pulls else fetch_rate, dram_read_bytes_per_s=fetch_rate,
         ssd_read_bytes_per_s=fetch_rate, push_bytes_per_s=statistics.median(push) if push else 1e9,
         rpc_s=statistics.median(samples["hop_ms"]) / 1e3 if samples["hop_ms"] else 0.002,
         max_batch=32, max_kv_tokens=65536, price_per_hour=0.0, cards=0, card="cpu (1 torch thread)",

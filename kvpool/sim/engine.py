@@ -189,12 +189,21 @@ class Simulation:
         inst.submit_prefill(job, self.now)
 
     # -- callbacks from instances --------------------------------------------------------------------
-    def slowdown(self, was_busy: bool) -> float:
+    def slowdown(self, was_busy: bool, inst: Instance | None = None) -> float:
         """Time factor for an iteration starting now (an idle instance becoming busy counts itself)."""
+        cores = self.config.host_cores
         if not was_busy:
             self.busy_instances += 1
-        cores = self.config.host_cores
+            self.busy_changed(inst)
         return max(1.0, self.busy_instances / cores) if cores > 0 else 1.0
+
+    def busy_changed(self, inst: Instance | None) -> None:
+        """On a shared host, the other instances' decode stretches end at their next step, so their
+        speed follows the new number of busy instances."""
+        if self.config.host_cores > 0:
+            for other in self.instances:
+                if other is not inst and other.wake_at is not None:
+                    other.recut(self.now)
 
     def prefill_done(self, inst: Instance, job: PrefillJob, now: float) -> None:
         flight, req, prof = job.flight, job.flight.req, inst.profile
@@ -214,7 +223,7 @@ class Simulation:
         flight.t_first = now + push + prof.rpc_s
         if self.config.fit_cost:
             self.cost.observe_handoff(push + prof.rpc_s)
-        pull = dec.profile.fetch_s(req.prompt_tokens * dec.profile.bytes_per_token, 0)
+        pull = dec.profile.pull_s(req.prompt_tokens * dec.profile.bytes_per_token)
         self.at(flight.t_first + dec.profile.rpc_s + pull, self._join_remote, flight)
 
     def _join_remote(self, flight: Flight) -> None:

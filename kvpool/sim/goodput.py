@@ -14,10 +14,13 @@ from typing import Any, Callable
 
 def goodput_search(run: Callable[[float], dict[str, Any]], base_rate: float, target: float,
                    first: dict[str, Any] | None = None, steps: int = 6,
-                   on_step: Callable[[], None] | None = None) -> tuple[float | None, list[dict[str, float]]]:
+                   on_step: Callable[[], None] | None = None,
+                   known: dict[float, float] | None = None) -> tuple[float | None, list[dict[str, float]]]:
     """`run(scale)` simulates the workload at `scale` x its rate and returns its summary.
+    `known`: attainment already measured at some scales (no need to run them again).
     Returns (goodput in req/s or None when not even the slowest tried rate passes, the points)."""
-    points: list[dict[str, float]] = []
+    points: list[dict[str, float]] = [{"rate_scale": k, "rate_rps": k * base_rate, "attainment": v}
+                                      for k, v in sorted((known or {}).items())]
 
     def attain(scale: float, summary: dict[str, Any] | None = None) -> bool:
         summary = summary if summary is not None else run(scale)
@@ -31,6 +34,13 @@ def goodput_search(run: Callable[[float], dict[str, Any]], base_rate: float, tar
     lo: float | None = None  # highest passing scale
     hi: float | None = None  # lowest failing scale
     scale, summary, left = 1.0, first, steps + (1 if first is not None else 0)
+    if known:
+        passing = [k for k, v in known.items() if v >= target]
+        lo = max(passing) if passing else None
+        failing = [k for k, v in known.items() if v < target and (lo is None or k > lo)]
+        hi = min(failing) if failing else None
+        scale = hi / 2 if lo is None else lo * 2 if hi is None else (lo * hi) ** 0.5
+        summary, left = None, steps
     while left > 0:
         left -= 1
         if attain(scale, summary):

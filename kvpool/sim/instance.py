@@ -104,6 +104,11 @@ class Instance:
         self._step = ("plan", t0, batch, kv0, done, slow)
         self._schedule(t0 + slow * self.profile.decode_steps_s(batch, kv0, done))
 
+    def recut(self, now: float) -> None:
+        """Re-plan a decode stretch from its next step boundary (the host's load changed)."""
+        if self._step is not None and self._step[0] == "plan":
+            self._cut(now)
+
     def _schedule(self, t: float) -> None:
         self.version += 1
         self.wake_at = t
@@ -171,17 +176,20 @@ class Instance:
         if self.queue:
             job = self.queue[0]
             chunk = job.remaining if self.chunk is None else min(job.remaining, self.chunk)
-            slow = self.sim.slowdown(was_busy)
+            slow = self.sim.slowdown(was_busy, self)
             dt = p.mixed_s(batch, self.kv, chunk, job.cached + job.done_tokens)
             self._step = ("mixed", now, batch, job, chunk)
             self._schedule(now + dt * slow)
         elif batch:
-            slow = self.sim.slowdown(was_busy)
+            slow = self.sim.slowdown(was_busy, self)
             steps = min(s.remaining for s in self.running)
             self._step = ("plan", now, batch, self.kv, steps, slow)
             self._schedule(now + slow * p.decode_steps_s(batch, self.kv, steps))
         else:
             if was_busy:
                 self.sim.busy_instances -= 1
+                self._step = None
+                self.wake_at = None
+                self.sim.busy_changed(self)
             self._step = None
             self.wake_at = None

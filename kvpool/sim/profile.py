@@ -55,6 +55,7 @@ class Profile:
     dram_read_bytes_per_s: float = 5e9
     ssd_read_bytes_per_s: float = 1e9
     push_bytes_per_s: float = 1e9  # writing new KV into the pool
+    pull_bytes_per_s: float = 0.0  # a decode instance loading a prompt's KV into its engine (0: the link rate)
     rpc_s: float = 0.002  # one control-plane hop (router -> worker) on the critical path
     # capacity and money
     max_batch: int = 32
@@ -128,6 +129,12 @@ class Profile:
             return 0.0
         return max(nbytes / self.link_bytes_per_s, dram_bytes / self.dram_read_bytes_per_s
                    + ssd_bytes / self.ssd_read_bytes_per_s)
+
+    def pull_s(self, nbytes: int) -> float:
+        """A decode instance loading a handed-off prompt's KV (pool read, unpacking into the engine)."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / self.pull_bytes_per_s if self.pull_bytes_per_s > 0 else self.fetch_s(nbytes, 0)
 
     def push_s(self, nbytes: int) -> float:
         return nbytes / self.push_bytes_per_s if nbytes > 0 else 0.0

@@ -38,9 +38,11 @@ class Study:
         self.runs += 1
         return summarize(Simulation(self.workload.scaled(scale), cfg).run(), *self.slo)
 
-    def goodput(self, cfg: SimConfig, first: dict[str, Any] | None = None, label: str = "") -> float | None:
-        found, _ = goodput_search(lambda s: self.run(cfg, s, label), self.workload.rate, self.slo[2], first=first,
-                                  steps=self.goodput_steps)
+    def goodput(self, cfg: SimConfig, rows: dict[str, dict[str, Any]], label: str = "") -> float | None:
+        """The search starts from the load rows already run (keys "x<scale>")."""
+        known = {float(k[1:]): v["slo_attainment"] for k, v in rows.items()}
+        found, _ = goodput_search(lambda s: self.run(cfg, s, label), self.workload.rate, self.slo[2],
+                                  steps=self.goodput_steps, known=known)
         return None if found is None else round(found, 4)
 
     @staticmethod
@@ -72,7 +74,7 @@ class Study:
             cfg = replace(base, policy=policy)
             rows = {f"x{scale:g}": self.keep(self.run(cfg, scale, f"{policy} x{scale:g}")) for scale in scales}
             out.append({"policy": policy, "cache": base.cache, "dram_bytes": base.dram_bytes, "by_rate_scale": rows,
-                        "goodput_rps": self.goodput(cfg, label=f"{policy} goodput")})
+                        "goodput_rps": self.goodput(cfg, rows, label=f"{policy} goodput")})
         return out
 
     def colocated_vs_disaggregated(self, configs: dict[str, SimConfig], scales: tuple[float, ...]) -> list[dict[str, Any]]:
@@ -80,5 +82,5 @@ class Study:
         for name, cfg in configs.items():
             rows = {f"x{scale:g}": self.keep(self.run(cfg, scale, f"{name} x{scale:g}")) for scale in scales}
             out.append({"config": name, "instances": cfg.instances, "by_rate_scale": rows,
-                        "goodput_rps": self.goodput(cfg, label=f"{name} goodput")})
+                        "goodput_rps": self.goodput(cfg, rows, label=f"{name} goodput")})
         return out

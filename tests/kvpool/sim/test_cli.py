@@ -72,3 +72,16 @@ def test_goodput_search_brackets_a_monotone_threshold():
     assert len(points) == 8
     none, _ = goodput_search(lambda s: {"slo_attainment": 0.0}, 1.0, 0.9, steps=3)
     assert none is None
+
+
+def test_goodput_search_starts_from_known_points():
+    calls = []
+
+    def run(scale: float) -> dict:
+        calls.append(scale)
+        return {"slo_attainment": 1.0 if scale <= 11 else 0.0}
+
+    goodput, points = goodput_search(run, 1.0, 0.9, steps=5, known={1.0: 1.0, 4.0: 1.0, 8.0: 1.0})
+    assert calls[0] == 16.0 and len(calls) == 5
+    assert 10 <= goodput <= 11
+    assert len(points) == 8
