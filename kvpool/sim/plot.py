@@ -120,6 +120,8 @@ def plot_study(doc: dict[str, Any], path: Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("arrival rate (req/s)")
         ax.grid(alpha=0.3)
+        if key == "ttft_ms":
+            ax.set_yscale("log")  # an overloaded config is orders of magnitude off
     axes.flat[0].legend(fontsize=7)
     ax = axes.flat[5]
     for row in doc["policies"]:
