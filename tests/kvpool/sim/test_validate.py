@@ -1,0 +1,46 @@
+"""`kvpool sim validate` rebuilds recorded bench runs: same requests, same arrival times."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+
+from kvpool.bench.serve_client import poisson_offsets
+from kvpool.errors import InvalidArgument
+from kvpool.sim import Simulation, summarize
+from kvpool.sim.profile import Profile
+from kvpool.sim.validate import cases, compare
+
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
+PROFILE = Profile("t", p0=0.0, p_tok=3e-3, d_seq=0.065, bytes_per_token=46080)
+
+
+def _words(messages):  # a stand-in tokenizer: one id per word (the CLI uses the model's own)
+    return [zlib.crc32(w.encode()) % 40000 for m in messages for w in m["content"].split()]
+
+
+def test_policies_run_is_rebuilt_with_its_arrivals_and_shared_prefixes():
+    doc = json.loads((BENCH / "policies-2026-12-01T0233Z.json").read_text())
+    built = cases(doc, _words, PROFILE, host_cores=2)
+    assert [(c.label, c.rate) for c in built][:3] == [("round_robin", 0.5), ("least_loaded", 0.5),
+                                                      ("cache_aware", 0.5)]
+    first = built[0]
+    assert len(first.workload) == 24 and first.config.prefill == 2 and first.config.decode == 1
+    assert [r.arrival_s for r in first.workload.requests] == sorted(poisson_offsets(24, 0.5, seed=500))
+    row = compare(first, summarize(Simulation(first.workload, first.config).run(), 3600, 3600))
+    assert row["real"]["ttft_mean_ms"] == pytest.approx(1387.158, abs=0.01)
+    assert row["sim"]["mean_cached_tokens"] > 0  # shared system prompts and earlier turns hit
+
+
+def test_disagg_run_has_three_configs_per_rate_and_other_documents_are_refused():
+    doc = json.loads((BENCH / "disagg-2026-12-01T0238Z.json").read_text())
+    built = cases(doc, _words, PROFILE)
+    assert {c.label for c in built} == {"colocated", "disaggregated", "disagg+conditional"}
+    assert len(built) == 9
+    colo = next(c for c in built if c.label == "colocated")
+    assert colo.config.colocated == 2 and colo.config.local_prefill_tokens == 0
+    with pytest.raises(InvalidArgument):
+        cases({"bench": "store"}, _words, PROFILE)
