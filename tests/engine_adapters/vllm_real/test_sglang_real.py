@@ -2,8 +2,9 @@
 into .venv-vllm without its dependencies by `make vllm-env`; its storage module then imports).
 
 Real: SGLang's abstract base class, its config and v2 transfer types (`HiCacheStorageConfig`,
-`PoolTransfer`, `PoolName`, `PoolHitPolicy`, `PoolTransferResult`), the backend, a `kvpool serve`
-on loopback. FAKE: the host KV pools (tests/engine_adapters/fakes/sglang_host.py): SGLang's own
+`PoolTransfer`, `PoolName`, `PoolHitPolicy`, `PoolTransferResult`), its `StorageBackendFactory`
+(loading the backend from docs/sglang.md's dynamic config), the backend, a `kvpool serve` on
+loopback. FAKE: the host KV pools (tests/engine_adapters/fakes/sglang_host.py): SGLang's own
 `MHATokenToKVPoolHost` does not import here (`sglang.srt.mem_cache.pool_host.mha` pulls in the
 multimodal model configs, which import torchvision; PyPI's torchvision for torch 2.13 is a CUDA
 build that breaks `import vllm` in this environment) and wants device KV buffers to mirror.
@@ -131,3 +132,27 @@ def test_a_pool_that_is_not_kv_pages_is_refused(real, backend):
 
     with pytest.raises(InvalidArgument, match="mamba"):
         backend.register_mem_host_pool_v2(MambaStatePool(), real.PoolName.MAMBA)
+
+
+def test_sglang_creates_it_from_the_documented_dynamic_config(real, pool_address):
+    """SGLang's own StorageBackendFactory loads the backend from docs/sglang.md's extra config."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from engine_adapters.sglang import KVPoolHiCacheStorage
+    from fakes.sglang_host import FakeMHATokenToKVPoolHost
+
+    extra = {"backend_name": "kvpool", "module_path": "engine_adapters.sglang", "class_name": "KVPoolHiCacheStorage",
+             "interface_v1": 1, "kvpool_address": pool_address, "weights_fingerprint": "factory-test"}
+    config = real.HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="test/model", extra_config=extra)
+    host = FakeMHATokenToKVPoolHost(LAYERS, HEADS, DIM, SIZE, PAGE, "page_first")
+    storage = StorageBackendFactory.create_backend("dynamic", config, host)
+    try:
+        assert isinstance(storage, KVPoolHiCacheStorage)
+        storage.register_mem_pool_host(host)  # what SGLang's cache controller does next
+        _fill(host, [0], seed=5)
+        assert storage.batch_set_v1(["factory-page"], _indices([0])) == [True]
+        assert storage.batch_exists(["factory-page"]) == 1
+    finally:
+        storage.close()
