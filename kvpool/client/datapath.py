@@ -49,9 +49,13 @@ class RpcPath:
              out: list) -> tuple[list[int], list[str]]:
         retry: list[int] = []
         dead: list[str] = []
+        whole = len(work) == 1 and work[0][1] == list(range(len(keys)))  # one node, every key in order
         for conn, idx in work:
             try:
-                self._read(conn, [keys[i] for i in idx], None if views is None else [views[i] for i in idx], idx, out)
+                if whole:
+                    self._read(conn, keys, views, idx, out)
+                else:
+                    self._read(conn, [keys[i] for i in idx], None if views is None else [views[i] for i in idx], idx, out)
             except Unavailable:  # that node is gone: try the next replica
                 retry.extend(idx)
                 dead.append(conn.address)
@@ -68,9 +72,14 @@ class RpcPath:
     def write(self, work: Work, keys: Sequence[str], put_ids: Sequence[int], views: Sequence[memoryview],
               replicas: int = 0) -> dict[tuple[str, int], Any]:
         result: dict[tuple[str, int], Any] = {}
-        for conn, idx, reply in fan_out(work, lambda conn, idx: (
-                NodeWrite([keys[i] for i in idx], [views[i].nbytes for i in idx], [put_ids[i] for i in idx], replicas),
-                [views[i] for i in idx])):
+
+        def request(conn: NodeConn, idx: list[int]) -> tuple[NodeWrite, Sequence[Any]]:
+            if len(idx) == len(keys) == 1:  # the common single put: no sub-lists
+                return NodeWrite(list(keys), [views[0].nbytes], list(put_ids), replicas), views
+            return (NodeWrite([keys[i] for i in idx], [views[i].nbytes for i in idx], [put_ids[i] for i in idx],
+                              replicas), [views[i] for i in idx])
+
+        for conn, idx, reply in fan_out(work, request):
             if isinstance(reply, KVPoolError):
                 result.update(((conn.address, i), reply) for i in idx)
                 continue

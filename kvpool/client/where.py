@@ -34,15 +34,16 @@ class EmbeddedWhere:
     def __init__(self, address: str, max_object_bytes: int = 0):
         self.address = address
         self.max_object_bytes = max_object_bytes
+        self._here = [address]  # shared by every key's answer (read, never changed)
 
     def find(self, master: RpcClient, keys: Sequence[str]) -> list[list[str]]:
-        return [[self.address] for _ in keys]
+        return [self._here] * len(keys)
 
     def plan(self, master: RpcClient, keys: Sequence[str], sizes: Sequence[int], replicas: int) -> list[Plan]:
         # The bytes travel in the first message: refuse a hopeless put before sending it.
         limit = self.max_object_bytes
         return [Plan(error=ObjectTooLarge(f"value of {n} bytes is larger than the pool's largest object "
-                                          f"({limit} bytes)")) if limit and n > limit else Plan(0, [self.address])
+                                          f"({limit} bytes)")) if limit and n > limit else Plan(0, self._here)
                 for n in sizes]
 
     def publish(self, master: RpcClient, keys: Sequence[str], plans: Sequence[Plan], written: list[list[Placed]],

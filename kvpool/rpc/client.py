@@ -186,8 +186,11 @@ class RpcClient:
             self._hinted = bool(flags & FLAG_SPIN)
             if version != PROTOCOL_VERSION:
                 raise ConnectionError(f"server speaks protocol {version}, this client {PROTOCOL_VERSION}")
-            body = bytearray(msg_len)
-            recv_exact_into(sock, memoryview(body))
+            body = sock.recv(msg_len, socket.MSG_WAITALL) if msg_len else b""
+            if len(body) != msg_len:  # interrupted part-way: finish into one buffer
+                got = len(body)
+                body = bytearray(body) + bytearray(msg_len - got)
+                recv_exact_into(sock, memoryview(body)[got:])
         except (OSError, ConnectionError) as exc:
             raise self._broken(exc) from None
         self.payload_left = payload_len
