@@ -104,21 +104,18 @@ class EnginePath:
                 continue
             pin_ids.append((conn, pins.pin_id))
             desc = conn.transfer_segment()
-            # Objects the node could not pin (DRAM full of pinned objects) come inline, read
-            # from its SSD: offset -1, in order, in the reply's payload.
             for i, offset, n in zip(idx, pins.offsets, pins.sizes):
-                if n < 0 or offset >= 0:
+                if n < 0:
                     continue
-                if views is None:
-                    out[i] = conn.rpc.read_payload(n)
-                elif n > len(views[i]):
-                    conn.rpc.skip_payload(n)
-                    out[i] = TOO_SMALL
-                else:
-                    conn.rpc.read_payload_into(views[i][:n])
-                    out[i] = n
-            for i, offset, n in zip(idx, pins.offsets, pins.sizes):
-                if n < 0 or offset < 0:
+                if offset < 0:  # could not be pinned (DRAM full of pins): read from SSD, in the reply
+                    if views is None:
+                        out[i] = conn.rpc.read_payload(n)
+                    elif n > len(views[i]):
+                        conn.rpc.skip_payload(n)
+                        out[i] = TOO_SMALL
+                    else:
+                        conn.rpc.read_payload_into(views[i][:n])
+                        out[i] = n
                     continue
                 if views is None:
                     dest: Any = bytearray(n)

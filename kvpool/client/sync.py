@@ -4,10 +4,8 @@ Every read and write goes the same way: ask *where* (`kvpool.client.where`: the 
 an embedded pool a local answer), group the keys by node, and hand each node's share to that
 node's data path (`kvpool.client.datapath`: shm copy, node RPC, or the transfer engine).
 
-Round trips (loopback, embedded mode: the server is master and node at once):
-- get / get_into / get_batch / get_batch_into: 0 on the same host when the node's shm index
-  has the key, else 1 (`NodePin` + shm copy on the same host, `NodeGet` from another);
-- put / put_from / put_batch: 1 (`NodeWrite` with put_id 0: the node plans and publishes).
+Round trips, embedded pool: a get 0 on the same host when the node's shm index has the key,
+else 1 (`NodePin` + copy, or `NodeGet` from another host); a put 1 (`NodeWrite`, put id 0).
 Cluster mode: a get is `Lookup` at the master (replicas + a lease; the previous leases are
 released on the same message) then one read from a node (the next replica if that node is
 gone); a put is `PutStart`, one write per replica node (all sent before any reply is awaited),

@@ -91,9 +91,7 @@ class MasterService:
         """Take over: start from empty tables and wait for `expected_nodes` to re-report."""
         st = self.state
         with st.lock:
-            st.objects.clear()
-            st.nodes.clear()
-            st.lease_keys.clear()
+            st.clear_tables_locked()
             st.awaiting = set(expected_nodes)
             st.recovering_until = time.monotonic() + st.recovery_s if st.awaiting else 0.0
             st.leader = True
@@ -105,9 +103,7 @@ class MasterService:
         with st.lock:
             st.leader = False
             st.leader_address = leader_address
-            st.objects.clear()
-            st.nodes.clear()
-            st.lease_keys.clear()
+            st.clear_tables_locked()
 
     # ------------------------------------------------------------------ node-facing
 

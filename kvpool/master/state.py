@@ -61,6 +61,12 @@ class MasterState:
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "put_bytes", "gets", "hits", "misses", "removes", "evictions", "reclaimed", "nodes_lost"), 0)
 
+    def clear_tables_locked(self) -> None:
+        """A new role starts from empty tables (a leader rebuilds them from the nodes' reports)."""
+        self.objects.clear()
+        self.nodes.clear()
+        self.lease_keys.clear()
+
     def check_leader(self) -> None:
         if not self.leader:
             raise NotLeader(f"this master is a standby; the leader is {self.leader_address or 'unknown'}")

@@ -3,11 +3,9 @@
 Data path (all on the node's RPC port, one round trip each):
 - `NodeGet`: pin each object (promoting it from SSD if needed), send its bytes straight from the
   arena with `sendmsg`, unpin. A pinned object is never evicted mid-send.
-- `NodePin` / `NodeUnpin`: a same-host reader (or a transfer-engine reader, `inline=False`)
-  pins, copies out of the arena, and unpins with its next request (piggy-backed) or a one-way
-  `NodeUnpin` (`kvpool.node.pins`). Same-host readers also look keys up in the node's DRAM index
-  in shared memory (`kvpool.tiers.shm_index`) and copy with no round trip at all; they report
-  those reads in batches (`NodeUnpin.touched`: hits, recency for eviction).
+- `NodePin` / `NodeUnpin`: a same-host or transfer-engine reader pins, copies out of the arena,
+  and unpins with its next request or a one-way `NodeUnpin` (`kvpool.node.pins`), which also
+  reports the reads same-host readers served from the shm DRAM index (hits, eviction recency).
 - `NodeWrite`, `NodeCopy`, `NodeReserve` / `NodeCommit`: writes (`kvpool.node.writes`).
 - `NodeRemove`: removes a copy only if it is still the named put's.
 
