@@ -63,3 +63,21 @@ def test_make_backend():
         make_backend("vllm", None)
     with pytest.raises(InvalidArgument, match="unknown engine"):
         make_backend("sglang", None)
+
+
+def test_namespace_agrees_with_the_connector_settings(folder):
+    """The connector's own ConnectorSettings, fed the config vLLM would give it, names the same
+    namespace: the router's pool lookups see what the servers write."""
+    from types import SimpleNamespace
+
+    from engine_adapters.vllm.settings import ConnectorSettings
+
+    extra = {"chunk_tokens": 128, "weights_fingerprint": "w", "kvpool_address": "127.0.0.1:1"}
+    model = SimpleNamespace(model="/models/x", dtype="bfloat16", revision=None, get_num_layers=lambda p: 30,
+                            get_num_kv_heads=lambda p: 3, get_head_size=lambda: 64)
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_consumer"),
+        model_config=model, cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    connector = ConnectorSettings.from_vllm_config(vllm_config).namespace(0)
+    assert VLLMSettings(str(folder), extra).namespace("/models/x")[0] == connector
