@@ -5,11 +5,16 @@ layout's dtype (`kvpool.chunk_format.KVLayout`), into a payload and back. Regist
 
     name        id  bytes vs bf16 (256-token chunk)  round trip
     none        0   1.0 (the layout dtype's bytes)    exact
-    int8        1   ~0.51 (+ bf16 scales)             |x^ - x| <= s/2, s = amax/127 (K per channel, V per token)
-    fp8         2   ~0.51 (+ bf16 scales)             |x^ - x| <= |x|/16 + s/1024, s = amax/448 (e4m3)
+    int8        1   0.510 (codes + bf16 scales)       |x^ - x| <= s/2, s = amax/127 (K per channel, V per token)
+    fp8         2   0.510 (codes + bf16 scales)       |x^ - x| <= |x|/16 + s/1024, s = amax/448 (e4m3)
     none+zstd   3   variable (lossless)               exact
     int8+zstd   4   variable                          as int8
     fp8+zstd    5   variable                          as fp8
+
+Measured on the reference model's KV (`kvpool bench codec`, 28 prompts x 64 greedy tokens,
+float32 model): int8 agrees with the uncompressed run on 0.994 of the tokens re-synchronised
+(0.877 up to the first divergence), fp8 on 0.984 (0.627); zstd brings int8 to 0.484x and fp8 to
+0.419x of bf16, and float32 KV losslessly to 0.867x, at ~0.3-0.6 GB/s.
 
 (plus the rounding of x^ into the layout dtype; `Codec.error_bound` gives the exact per-element
 bound that the conformance suite, tests/kvpool/codec, checks.) The id is what a chunk header
