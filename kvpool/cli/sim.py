@@ -13,7 +13,6 @@ from typing import Any
 
 import click
 
-from kvpool.errors import InvalidArgument
 
 
 def _size_or_unlimited(value: str | None) -> int | None:
@@ -365,4 +364,4 @@ def validate(bench_json, profile_name, host_cores, as_json) -> None:
                                "host_cores": host_cores, "rows": rows}))
 
 
-__all__ = ["sim", "InvalidArgument"]
+__all__ = ["sim"]
