@@ -19,7 +19,8 @@ import msgspec
 from kvpool.config import RpcSettings
 from kvpool.errors import InvalidArgument, Unavailable, error_from_code
 from kvpool.messages import PROTOCOL_VERSION, Err
-from kvpool.rpc.frame import FLAG_ONEWAY, FLAG_SPIN, HEADER, Payload, frame, parse_address, reply_decoder, unix_name
+from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, frame, parse_address,
+                               reply_decoder, unix_name)
 from kvpool.rpc.server import UNIX_SUPPORTED
 from kvpool.rpc.spin import STREAM_POLLS, STREAM_SPIN_MIN_CLIENT, Spin, local
 from transfer.framing import DONTWAIT, peer_pid, recv_exact_into, recv_polling, sched_yield, send_all, tune
@@ -186,6 +187,8 @@ class RpcClient:
             self._hinted = bool(flags & FLAG_SPIN)
             if version != PROTOCOL_VERSION:
                 raise ConnectionError(f"server speaks protocol {version}, this client {PROTOCOL_VERSION}")
+            if msg_len > MAX_MESSAGE or payload_len > MAX_PAYLOAD:  # before allocating anything for it
+                raise ConnectionError(f"bad reply frame: message {msg_len} bytes, payload {payload_len} bytes")
             body = sock.recv(msg_len, socket.MSG_WAITALL) if msg_len else b""
             if len(body) != msg_len:  # interrupted part-way: finish into one buffer
                 got = len(body)

@@ -31,7 +31,7 @@ from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
                               frame, request_decoder, unix_name)
 from kvpool.rpc.spin import SpinPolicy, local
-from transfer.framing import Listener, peer_pid, recv_exact_into, send_all
+from transfer.framing import Listener, peer_pid, send_all
 
 log = logging.getLogger("kvpool.rpc")
 
@@ -156,10 +156,14 @@ class RpcServer:
                     reader.fill(msg_len)
                     body = reader.view[reader.start:reader.start + msg_len]
                     reader.start += msg_len
-                else:
-                    body = bytearray(msg_len)
-                    got = reader.take_into(memoryview(body))
-                    recv_exact_into(sock, memoryview(body)[got:])
+                else:  # grown as its bytes arrive: an announced length alone allocates nothing
+                    body = bytearray(reader.view[reader.start:reader.end])
+                    reader.start = reader.end
+                    while len(body) < msg_len:
+                        part = sock.recv(min(msg_len - len(body), 1 << 20))
+                        if not part:
+                            raise ConnectionError("peer closed the connection mid-message")
+                        body += part
                 payload = Payload(sock, payload_len, reader, spin=bool(conn.flags & FLAG_SPIN))
                 conn.oneway = bool(flags & FLAG_ONEWAY)
                 conn.replied = False

@@ -146,8 +146,8 @@ class SsdTier:
         if magic != MAGIC or version != VERSION or len(meta) != META.size + key_len:
             return None
         try:
-            key = bytes(meta[META.size :]).decode("utf-8", "surrogatepass")
-        except UnicodeDecodeError:
+            key = check_key(bytes(meta[META.size :]).decode("utf-8", "surrogatepass"))
+        except (UnicodeDecodeError, InvalidArgument):  # a damaged record, or a key no put could write
             return None
         return key, length, checksum
 

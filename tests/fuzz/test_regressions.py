@@ -1,0 +1,148 @@
+"""Crashes the fuzzers found (issue 14), each kept as a regression test of its own.
+
+- tiers.ssd.recover: a meta record whose key no put could have written (NUL, empty, over 512
+  bytes) was indexed on open, then listed by `keys()` (and reported to the master), and `get` of
+  it raised InvalidArgument. Now `_parse_meta` drops it with the other damaged records.
+- rpc server: a frame header announcing a 64 MiB message made the server allocate (and zero)
+  64 MiB before one byte of it arrived, per connection: a few idle connections held gigabytes.
+  Now the body grows as its bytes arrive.
+- rpc client: a reply header announcing up to 4 GiB of message made the client allocate that
+  much at once (`recv(msg_len)`), with no bound at all. Now a reply over MAX_MESSAGE (or a payload
+  over MAX_PAYLOAD) breaks the connection (`Unavailable`) before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import tracemalloc
+
+import lmdb
+import pytest
+import xxhash
+
+from kvpool.errors import Unavailable
+from kvpool.messages import PROTOCOL_VERSION, Hello
+from kvpool.rpc.client import RpcClient
+from kvpool.rpc.frame import HEADER, MAX_MESSAGE
+from kvpool.tiers.ssd import MAGIC, META, VERSION, SsdTier, _lmdb_key
+
+
+@pytest.mark.parametrize("key", ["\x00", "a\x00b", "", "k" * 513])
+def test_ssd_recover_drops_a_record_with_an_invalid_key(tmp_path, key):
+    SsdTier(str(tmp_path), 1 << 20).close()
+    env = lmdb.open(str(tmp_path), map_size=(1 << 20) * 2 + (64 << 20), max_dbs=2)
+    meta_db, data_db = env.open_db(b"meta"), env.open_db(b"data")
+    with env.begin(write=True) as txn:
+        for k, data in ((key, b"bad"), ("good", b"fine")):
+            kb = k.encode()
+            txn.put(_lmdb_key(k), META.pack(MAGIC, VERSION, len(kb), len(data), xxhash.xxh3_64_intdigest(data)) + kb,
+                    db=meta_db)
+            txn.put(_lmdb_key(k), data, db=data_db)
+    env.close()
+    tier = SsdTier(str(tmp_path), 1 << 20)
+    try:
+        assert [k for k, _ in tier.keys()] == ["good"]
+        assert tier.get("good") == b"fine"
+    finally:
+        tier.close()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_rpc_server_does_not_allocate_an_announced_message_before_it_arrives(tmp_path):
+    from test_sockets import _serve
+
+    served = _serve(tmp_path)
+    conns = []
+    try:
+        before = _rss_mib(served.proc.pid)
+        for _ in range(8):  # 8 x 64 MiB announced, 10 bytes sent
+            s = socket.create_connection(served.rpc(), timeout=5)
+            s.sendall(HEADER.pack(PROTOCOL_VERSION, 0, MAX_MESSAGE, 0) + b"\x92" * 10)
+            conns.append(s)
+        time.sleep(1.0)
+        grown = _rss_mib(served.proc.pid) - before
+        assert grown < 128, f"kvpool serve grew by {grown:.0f} MiB for 8 announced-but-unsent messages"
+        for s in conns:
+            s.close()
+        served.assert_serving()
+    finally:
+        for s in conns:
+            s.close()
+        served.proc.terminate()
+        served.proc.wait(15)
+
+
+class HostileServer:
+    """A listener that answers every connection with `reply` bytes, then waits (a fake pool
+    server that lies in its headers)."""
+
+    def __init__(self, reply: bytes):
+        self.reply = reply
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            try:
+                conn.recv(1 << 16)
+                conn.sendall(self.reply)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize("msg_len,payload_len", [(0xFFFFFFFF, 0), (MAX_MESSAGE + 1, 0), (4, 1 << 62)])
+def test_rpc_client_refuses_an_oversized_reply(msg_len, payload_len):
+    server = HostileServer(HEADER.pack(PROTOCOL_VERSION, 0, msg_len, payload_len) + b"\x91\x00\x00\x00")
+    client = RpcClient(server.address, timeout=2.0)
+    tracemalloc.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable):
+            client.call(Hello(PROTOCOL_VERSION, "fuzz"))
+        _, peak = tracemalloc.get_traced_memory()
+        assert peak < 32 << 20, f"the client allocated {peak >> 20} MiB for a lying reply header"
+        assert time.monotonic() - t0 < 1.5, "the client waited for bytes it should have refused"
+    finally:
+        tracemalloc.stop()
+        client.close()
+        server.close()
+
+
+def test_rpc_server_still_reads_messages_larger_than_its_buffer(tmp_path):
+    """The grown-as-it-arrives path: a 1.5 MiB message (far over the 16 KiB read-ahead)."""
+    from test_sockets import _serve
+
+    from kvpool.messages import Bools, Exists
+
+    served = _serve(tmp_path)
+    client = RpcClient(served.address)
+    try:
+        keys = [f"big/{i:06d}/" + "x" * 100 for i in range(15000)]
+        reply = client.call(Exists(keys))
+        assert isinstance(reply, Bools) and reply.values == [False] * len(keys)
+        served.assert_serving()
+    finally:
+        client.close()
+        served.proc.terminate()
+        served.proc.wait(15)
