@@ -190,9 +190,11 @@ class CacheAware:
 
     A prefill on a worker that is also decoding stalls each of its running sequences for the
     prefill's compute time, so such a candidate is ranked by its TTFT plus that stall times the
-    sequences it holds up (total added latency, not only this request's), and with a TBT target
-    a decode worker's own prefill is no candidate when the stall would break it and a prefill
-    worker can take the work instead."""
+    sequences it holds up (total added latency, not only this request's). Where a prefill worker
+    can take the work instead, a decode worker's own prefill is a candidate only if its stall is
+    at most one token's gap on that worker (or the hand-off it saves), and within the TBT target:
+    on a GPU a few hundred tokens prefill in about a decode step; on a CPU they take many, and
+    would hold up the sequences running now and those arriving meanwhile."""
 
     name = "cache_aware"
 
@@ -208,7 +210,8 @@ class CacheAware:
 
         def on_decoder(w: WorkerView, elsewhere: bool) -> None:  # `w` prefills, decoding others meanwhile
             stall = cost.prefill_s(req.prompt_tokens - cached_tokens(req, w), cached_tokens(req, w))
-            if elsewhere and targets.tbt_s is not None and tbt_estimate(w, cost) + stall > targets.tbt_s:
+            if elsewhere and (stall > max(cost.handoff_s, tbt_estimate(w, cost))
+                              or targets.tbt_s is not None and tbt_estimate(w, cost) + stall > targets.tbt_s):
                 return
             c = _finish(req, snap, None, w)
             candidates.append((c.est_ttft_s + stall * min(w.active_sequences, w.max_batch), c))

@@ -63,29 +63,41 @@ def test_admission_rejects_when_no_choice_meets_targets():
     assert d.reject and "TTFT" in d.reject and d.est_ttft_s > 1.0
 
 
+# Prefill about as fast as a decode step for a few hundred tokens, as on a GPU.
+FAST = dataclasses.replace(COST, prefill_fixed_s=0.002, prefill_token_s=2e-5)
+
+
 def test_conditional_disaggregation_short_uncached_work_stays_on_decode():
     t = Targets(local_prefill_tokens=300)
-    short = CacheAware().choose(req(prompt=200), snap(P1, D1, targets=t))
+    short = CacheAware().choose(req(prompt=200), Snapshot((P1, D1), FAST, t))
     assert short.prefill is None and short.decode == "d1" and short.kind == "local_prefill"
-    long = CacheAware().choose(req(prompt=2000), snap(P1, D1, targets=t))
+    long = CacheAware().choose(req(prompt=2000), Snapshot((P1, D1), FAST, t))
     assert long.prefill == "p1"
     # A long prompt whose prefix the pool holds leaves little uncached work: local too.
-    cached = CacheAware().choose(req(prompt=2080, pool=7), snap(P1, D1, targets=t))
+    cached = CacheAware().choose(req(prompt=2080, pool=7), Snapshot((P1, D1), FAST, t))
     assert cached.prefill is None and cached.cached_tokens == 7 * 256
-    off = CacheAware().choose(req(prompt=200), snap(P1, D1, targets=Targets(local_prefill_tokens=0)))
+    off = CacheAware().choose(req(prompt=200), Snapshot((P1, D1), FAST, Targets(local_prefill_tokens=0)))
     assert off.prefill == "p1"
+
+
+def test_a_local_prefill_longer_than_a_token_gap_goes_to_the_prefill_worker():
+    # 200 tokens at 1 ms each (a CPU) would hold the decode worker for 21 decode steps.
+    t = Targets(local_prefill_tokens=300)
+    assert CacheAware().choose(req(prompt=200), snap(P1, D1, targets=t)).kind == "disaggregated"
+    # With no prefill worker there is no choice.
+    assert CacheAware().choose(req(prompt=200), snap(D1, targets=t)).kind == "local_prefill"
 
 
 def test_local_prefill_counts_the_stall_it_inflicts_on_running_sequences():
     t = Targets(local_prefill_tokens=300)
-    # 200 uncached tokens cost ~0.21 s; idle, the decode worker wins by skipping the hand-off.
-    assert CacheAware().choose(req(prompt=200), snap(P1, D1, targets=t)).kind == "local_prefill"
-    # Eight running sequences would each wait those 0.21 s: the prefill worker is the better place.
+    # Idle, the decode worker wins by skipping the hand-off.
+    assert CacheAware().choose(req(prompt=200), Snapshot((P1, D1), FAST, t)).kind == "local_prefill"
+    # Eight running sequences would each wait for it: the prefill worker is the better place.
     busy = WorkerView("d1", "decode", active_sequences=8)
-    moved = CacheAware().choose(req(prompt=200), snap(P1, busy, targets=t))
+    moved = CacheAware().choose(req(prompt=200), Snapshot((P1, busy), FAST, t))
     assert moved.kind == "disaggregated" and moved.prefill == "p1"
     # Without a prefill worker, the decode worker prefills whatever it holds up.
-    assert CacheAware().choose(req(prompt=200), snap(busy, targets=t)).kind == "local_prefill"
+    assert CacheAware().choose(req(prompt=200), Snapshot((busy,), FAST, t)).kind == "local_prefill"
 
 
 def test_local_prefill_is_no_candidate_when_its_stall_breaks_the_tbt_target():
