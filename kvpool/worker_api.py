@@ -38,6 +38,10 @@ class TokenizeRequest(Message):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
 
+    def __post_init__(self) -> None:  # decoding turns this into `InvalidArgument` (HTTP 400)
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+
 
 class TokenizeResponse(Message):
     token_ids: list[int]

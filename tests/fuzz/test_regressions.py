@@ -9,6 +9,8 @@
 - rpc client: a reply header announcing up to 4 GiB of message made the client allocate that
   much at once (`recv(msg_len)`), with no bound at all. Now a reply over MAX_MESSAGE (or a payload
   over MAX_PAYLOAD) breaks the connection (`Unavailable`) before anything is allocated.
+- worker POST /v1/tokenize {"messages": []}: the chat template raised ValueError, answered 500.
+  Now `TokenizeRequest` refuses empty messages when decoded (400).
 """
 
 from __future__ import annotations
@@ -146,3 +148,19 @@ def test_rpc_server_still_reads_messages_larger_than_its_buffer(tmp_path):
         client.close()
         served.proc.terminate()
         served.proc.wait(15)
+
+
+def test_tokenize_request_with_no_messages_is_invalid():
+    from kvpool import worker_api
+    from kvpool.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="messages must not be empty"):
+        worker_api.decode(b'{"v":1,"messages":[]}', worker_api.TokenizeRequest)
+    assert worker_api.decode(b'{"v":1,"prompt":"hi"}', worker_api.TokenizeRequest).prompt == "hi"
+
+
+@pytest.mark.model
+def test_worker_answers_400_to_an_empty_conversation(worker_http):
+    resp = worker_http.post("/v1/tokenize", content=b'{"v":1,"messages":[]}')
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["code"] == "invalid_argument"
