@@ -77,7 +77,7 @@ def create_app(worker: Any) -> FastAPI:
             return JSONResponse({"status": "draining", "role": worker.config.role}, status_code=503)
         return JSONResponse({"status": "ok", "role": worker.config.role})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response)  # Prometheus text, so the OpenAPI spec says so
     async def metrics() -> Response:
         return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -216,7 +216,10 @@ class Worker:
         if req.prompt is not None:
             ids = self.rm.encode(req.prompt)
         else:
-            ids = self.rm.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
+            try:
+                ids = self.rm.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
+            except ValueError as exc:  # the chat template refused the conversation: the caller's input
+                raise InvalidArgument(f"the chat template refused the conversation: {exc}") from None
         return self._check_tokens(ids)
 
     def _check_tokens(self, ids: list[int]) -> list[int]:

@@ -91,7 +91,7 @@ def create_app(router: Router) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "waiting for workers",
                              "workers": {s.name: s.status for s in workers}}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response)  # Prometheus text, so the OpenAPI spec says so
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
 
