@@ -71,18 +71,22 @@ def _serve(tmp: Path) -> Served:
     return Served(proc, address, (desc.host, desc.port), log)
 
 
+def _stop(s: Served) -> None:
+    s.proc.terminate()
+    try:
+        s.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        s.proc.kill()
+        s.proc.wait(5)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     s = _serve(tmp_path_factory.mktemp("fuzz-serve"))
     try:
         yield s
     finally:
-        s.proc.terminate()
-        try:
-            s.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
-            s.proc.wait(5)
+        _stop(s)
 
 
 def _poke(addr: tuple[str, int], data: bytes) -> None:
@@ -238,12 +242,7 @@ def own_served(tmp_path):
     try:
         yield s
     finally:
-        s.proc.terminate()
-        try:
-            s.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
-            s.proc.wait(5)
+        _stop(s)
 
 
 def test_message_fuzz(own_served):
