@@ -9,6 +9,8 @@ Hypothesis keeps failing inputs in .hypothesis/ and replays them first.
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from collections import Counter
 
 from hypothesis import HealthCheck, settings
@@ -59,3 +61,36 @@ def fuzz_bytes(seeds: list[bytes], max_size: int = 512):
     """Arbitrary bytes or a mutation of a valid encoding."""
     return st.one_of(st.binary(max_size=max_size), mutated(seeds))
 
+
+class LyingServer:
+    """A fake pool server on loopback: answers each connection's first request with `reply`
+    (which may lie in its header), then closes the connection, or with `hold` keeps it open
+    (a peer that announced more than it sends)."""
+
+    def __init__(self, reply: bytes = b"", *, hold: bool = False):
+        self.reply, self.hold = reply, hold
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                conn.recv(1 << 16)
+                conn.sendall(self.reply)
+            except OSError:
+                pass
+            if self.hold:
+                self.held.append(conn)
+            else:
+                conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
 import tracemalloc
 
@@ -24,6 +23,7 @@ import lmdb
 import pytest
 import xxhash
 
+from fuzz_support import LyingServer
 from kvpool.errors import Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Hello
 from kvpool.rpc.client import RpcClient
@@ -83,39 +83,9 @@ def test_rpc_server_does_not_allocate_an_announced_message_before_it_arrives(tmp
         served.proc.wait(15)
 
 
-class HostileServer:
-    """A listener that answers every connection with `reply` bytes, then waits (a fake pool
-    server that lies in its headers)."""
-
-    def __init__(self, reply: bytes):
-        self.reply = reply
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            try:
-                conn.recv(1 << 16)
-                conn.sendall(self.reply)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
-
-
 @pytest.mark.parametrize("msg_len,payload_len", [(0xFFFFFFFF, 0), (MAX_MESSAGE + 1, 0), (4, 1 << 62)])
 def test_rpc_client_refuses_an_oversized_reply(msg_len, payload_len):
-    server = HostileServer(HEADER.pack(PROTOCOL_VERSION, 0, msg_len, payload_len) + b"\x91\x00\x00\x00")
+    server = LyingServer(HEADER.pack(PROTOCOL_VERSION, 0, msg_len, payload_len) + b"\x91\x00\x00\x00", hold=True)
     client = RpcClient(server.address, timeout=2.0)
     tracemalloc.start()
     try:

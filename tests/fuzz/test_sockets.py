@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import typing
 from pathlib import Path
@@ -23,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvpool
-from fuzz_support import EXAMPLES, LONG_EXAMPLES, TRIED, fuzz_bytes, fuzz_settings
+from fuzz_support import EXAMPLES, LONG_EXAMPLES, TRIED, LyingServer, fuzz_bytes, fuzz_settings
 from kvpool import messages as m
 from kvpool.errors import KVPoolError
 from kvpool.messages import PROTOCOL_VERSION
@@ -255,33 +254,6 @@ def test_message_fuzz_long(own_served):
 
 
 # ---- the RPC client against a hostile server -------------------------------------------------
-
-class LyingServer:
-    """Answers each connection's first request with `self.reply` bytes, then closes it."""
-
-    def __init__(self):
-        self.reply = b""
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    conn.recv(1 << 16)
-                    conn.sendall(self.reply)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
-
 
 def _replies():
     from test_decoders import REPLY_SEEDS
