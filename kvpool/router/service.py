@@ -236,17 +236,16 @@ class Router:
                          out: Outcome, rid: str) -> AsyncIterator[Piece]:
         worker = self.workers.by_name(d.decode)
         msg = wire.GenerateRequest(token_ids=ids, max_tokens=max_tokens, request_id=rid, sampling=sampling)
-        worker.inflight_prefill_tokens += len(ids) - d.cached_tokens
-        worker.inflight_prefills += 1
-        worker.inflight_decodes += 1
+        uncached = len(ids) - d.cached_tokens
+        worker.prefill_sent(uncached)
+        worker.decode_sent()
         prefilled = True
         try:
             async for event in self._stream(worker, "/v1/generate", msg, before_first=True):
                 if event.prefill is not None:
                     self._learn(event.prefill, worker, time.perf_counter())
                     prefilled = False
-                    worker.inflight_prefill_tokens -= len(ids) - d.cached_tokens
-                    worker.inflight_prefills -= 1
+                    worker.prefill_done(uncached)
                     out.cached_tokens = event.prefill.cached_tokens
                 if event.done:
                     yield Piece(finish=event.finish_reason or "stop")
@@ -254,11 +253,9 @@ class Router:
                 out.completion_tokens += 1
                 yield Piece(event.text)
         finally:
-            worker.served += 1
-            worker.inflight_decodes -= 1
+            worker.decode_done()
             if prefilled:
-                worker.inflight_prefill_tokens -= len(ids) - d.cached_tokens
-                worker.inflight_prefills -= 1
+                worker.prefill_done(uncached)
 
     async def _disaggregated(self, d: Decision, keys: list[str], req: RouteRequest, ids: list[int],
                              max_tokens: int, sampling: wire.SamplingParams, out: Outcome,
@@ -273,7 +270,7 @@ class Router:
         tried: list[str] = [p.name] if p.role == "prefill" else []
         decoder = self.workers.by_name(d.decode)
         for attempt in range(2):
-            decoder.inflight_decodes += 1
+            decoder.decode_sent()
             try:
                 async for event in self._stream(decoder, "/v1/decode", msg, before_first=True):
                     if event.done:
@@ -295,22 +292,19 @@ class Router:
                 log.warning("request %s: decode retried on %s after %s", rid, best.name, exc.error)
                 decoder = self.workers.by_name(best.name)
             finally:
-                decoder.served += 1
-                decoder.inflight_decodes -= 1
+                decoder.decode_done()
 
     async def _prefill(self, p: WorkerState, ids: list[int], d: Decision, sampling: wire.SamplingParams,
                        rid: str) -> wire.PrefillResponse:
         uncached = len(ids) - d.cached_tokens
-        p.inflight_prefill_tokens += uncached
-        p.inflight_prefills += 1
+        p.prefill_sent(uncached)
         sent = time.perf_counter()
         try:
             body = await self._post(p, "/v1/prefill", wire.PrefillRequest(token_ids=ids, request_id=rid,
                                                                           sampling=sampling))
             head = wire.decode(body, wire.PrefillResponse)
         finally:
-            p.inflight_prefill_tokens -= uncached
-            p.inflight_prefills -= 1
+            p.prefill_done(uncached)
         self._learn(head, p, sent)
         return head
 

@@ -175,19 +175,17 @@ class VLLMBackend:
             kv_params = await self._prefill(router, router.workers.by_name(d.prefill), ids, d, sampling, rid)
         decoder = router.workers.by_name(d.decode)
         local = d.prefill is None
+        uncached = len(ids) - d.cached_tokens
         if local:  # the decode instance computes the uncached part itself
-            decoder.inflight_prefill_tokens += len(ids) - d.cached_tokens
-            decoder.inflight_prefills += 1
-        decoder.inflight_decodes += 1
+            decoder.prefill_sent(uncached)
+        decoder.decode_sent()
         try:
             async for piece in self._decode(router, decoder, ids, max_tokens, sampling, kv_params, out, rid):
                 yield piece
         finally:
-            decoder.served += 1
-            decoder.inflight_decodes -= 1
+            decoder.decode_done()
             if local:
-                decoder.inflight_prefill_tokens -= len(ids) - d.cached_tokens
-                decoder.inflight_prefills -= 1
+                decoder.prefill_done(uncached)
 
     def _body(self, worker: "WorkerState", ids: list[int], max_tokens: int, sampling: wire.SamplingParams,
               **extra: Any) -> dict[str, Any]:
@@ -197,15 +195,13 @@ class VLLMBackend:
     async def _prefill(self, router: "Router", p: "WorkerState", ids: list[int], d: "Decision",
                        sampling: wire.SamplingParams, rid: str) -> dict[str, Any] | None:
         uncached = len(ids) - d.cached_tokens
-        p.inflight_prefill_tokens += uncached
-        p.inflight_prefills += 1
+        p.prefill_sent(uncached)
         sent = time.perf_counter()
         try:
             body = await self._post(router, p, self._body(p, ids, 1, sampling, stream=False,
                                                           kv_transfer_params=dict(PREFILL_KV_PARAMS)), rid)
         finally:
-            p.inflight_prefill_tokens -= uncached
-            p.inflight_prefills -= 1
+            p.prefill_done(uncached)
             p.served += 1
         elapsed = time.perf_counter() - sent
         usage = body.get("usage") or {}

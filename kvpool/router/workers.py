@@ -55,6 +55,22 @@ class WorkerState:
     inflight_decodes: int = 0
     served: int = 0
 
+    def prefill_sent(self, tokens: int) -> None:
+        """A prefill of `tokens` uncached tokens was sent to this worker (counted until done)."""
+        self.inflight_prefill_tokens += tokens
+        self.inflight_prefills += 1
+
+    def prefill_done(self, tokens: int) -> None:
+        self.inflight_prefill_tokens -= tokens
+        self.inflight_prefills -= 1
+
+    def decode_sent(self) -> None:
+        self.inflight_decodes += 1
+
+    def decode_done(self) -> None:
+        self.inflight_decodes -= 1
+        self.served += 1
+
     @property
     def role(self) -> str:
         return self.info.role
