@@ -19,26 +19,23 @@ def _plt():
     return plt
 
 
+def _cdf(ax: Any, values_ms: list[float], slo_ms: float, name: str) -> None:
+    values = np.sort(values_ms)
+    if len(values):
+        ax.plot(values, np.arange(1, len(values) + 1) / len(values))
+    ax.axvline(slo_ms, color="r", ls="--", lw=1, label="SLO")
+    ax.set_xscale("log")
+    ax.set_title(f"{name} CDF (ms)")
+    ax.legend()
+
+
 def plot_run(sim: Simulation, summary: dict[str, Any], points: list[dict[str, float]], path: Path) -> Path:
     plt = _plt()
     served = [f for f in sim.flights if f.t_done >= 0]
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    ttft = np.sort([(f.t_first - f.req.arrival_s) * 1e3 for f in served])
-    ax = axes[0, 0]
-    if len(ttft):
-        ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft))
-    ax.axvline(summary["slo"]["ttft_ms"], color="r", ls="--", lw=1, label="SLO")
-    ax.set_xscale("log")
-    ax.set_title("TTFT CDF (ms)")
-    ax.legend()
-    tpot = np.sort([(f.t_done - f.t_first) * 1e3 / (f.req.output_tokens - 1) for f in served if f.req.output_tokens > 1])
-    ax = axes[0, 1]
-    if len(tpot):
-        ax.plot(tpot, np.arange(1, len(tpot) + 1) / len(tpot))
-    ax.axvline(summary["slo"]["tbt_ms"], color="r", ls="--", lw=1, label="SLO")
-    ax.set_xscale("log")
-    ax.set_title("TPOT CDF (ms)")
-    ax.legend()
+    _cdf(axes[0, 0], [(f.t_first - f.req.arrival_s) * 1e3 for f in served], summary["slo"]["ttft_ms"], "TTFT")
+    _cdf(axes[0, 1], [(f.t_done - f.t_first) * 1e3 / (f.req.output_tokens - 1) for f in served
+                      if f.req.output_tokens > 1], summary["slo"]["tbt_ms"], "TPOT")
     ax = axes[1, 0]
     if points:
         pts = sorted(points, key=lambda p: p["rate_rps"])
