@@ -227,9 +227,11 @@ class StopMatcher:
             return delta
         self.text += delta
         start = max(0, self.sent - max(len(s) for s in self.stops) + 1)
-        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        # The stop that completes first wins (then the one that starts first), as an engine that
+        # checks while generating sees it, so the cut does not depend on how the text was split.
+        found = [(i + len(s), i) for s, i in ((s, self.text.find(s, start)) for s in self.stops) if i >= 0]
         if found:
-            cut = min(found)
+            cut = min(found)[1]
             self.hit = True
             out, self.sent = self.text[self.sent:cut], cut
             return out
