@@ -100,10 +100,31 @@ class Unavailable(KVPoolError):
 
 
 class Unauthorized(KVPoolError):
-    """Missing or wrong bearer token."""
+    """Missing or wrong credentials (bearer token, keyring secret): who is asking is unknown."""
 
     code = "unauthorized"
     http_status = 401
+
+
+class Forbidden(KVPoolError):
+    """The caller is known, but its role may not do this (a tenant calling a node-only message)."""
+
+    code = "forbidden"
+    http_status = 403
+
+
+class QuotaExceeded(CapacityError):
+    """The caller's tenant is at its byte or key quota; its own evictions or removes make room."""
+
+    code = "quota_exceeded"
+    http_status = 429
+
+
+class LimitExceeded(KVPoolError):
+    """A per-connection or per-server limit (size, rate, count, time) was hit; the setting is named."""
+
+    code = "limit_exceeded"
+    http_status = 429
 
 
 class Overloaded(KVPoolError):
