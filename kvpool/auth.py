@@ -241,6 +241,12 @@ def grant_key(node_secret: bytes) -> bytes:
     return _derive(node_secret, "grant/v1")
 
 
+def internal_http_token(node_secret: bytes) -> str:
+    """The bearer token the router presents to workers (and workers accept) when a keyring is
+    configured: both hold the keyring, so nothing else needs distributing."""
+    return _derive(node_secret, "http-internal/v1").hex()
+
+
 # -- protected mode ----------------------------------------------------------------------------
 def is_loopback(host: str) -> bool:
     if host in ("localhost", ""):
