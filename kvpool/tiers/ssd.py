@@ -10,6 +10,9 @@ Durability: by default lmdb does not fsync on commit (`durable=False`): the tier
 kill -9 of the process cannot lose committed pages (they are in the OS page cache). An OS crash
 may lose recent objects; `durable=True` trades write speed for surviving that too.
 
+Files: the directory is 0700 and lmdb's files 0600 (tightened when an older version left them
+wider): the cached KV is users' prompts in another form.
+
 Invariants:
 - After reopening (even after kill -9 mid-write), every object is either intact or absent:
   `open` drops records whose meta and data disagree, and every read verifies the xxh3-64 of the
@@ -29,7 +32,7 @@ from typing import Any, Callable, Iterator
 import lmdb
 import xxhash
 
-from kvpool.contract import check_key
+from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.allocator import pages_for
 from kvpool.tiers.base import readable_view, writable_view
@@ -68,6 +71,32 @@ def _accounted(nbytes: int) -> int:
     return pages_for(nbytes) * 4096
 
 
+# The cached KV is users' prompts in another form: only the node's own user may read it.
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def _private_dir(path: str) -> None:
+    """Create `path` 0700, or tighten it to 0700 when it exists and is ours (an operator's
+    directory we do not own is left alone, and lmdb's files in it are still 0600)."""
+    os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid == os.getuid() and st.st_mode & 0o777 != DIR_MODE:
+        os.chmod(path, DIR_MODE)
+
+
+def _private_files(path: str) -> None:
+    """lmdb creates its files with `mode`; files left by an older version (0644) are tightened."""
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        try:
+            st = os.stat(full)
+            if st.st_uid == os.getuid() and st.st_mode & 0o777 & ~FILE_MODE:
+                os.chmod(full, FILE_MODE)
+        except OSError:
+            pass
+
+
 class SsdTier:
     """Objects in an lmdb environment at `path` holding up to `capacity` bytes of payload."""
 
@@ -80,7 +109,7 @@ class SsdTier:
         self._capacity = capacity
         # One owner per environment: a second node on the same path would desync our index.
         try:
-            os.makedirs(path, exist_ok=True)
+            _private_dir(path)
             self._lock_fd = os.open(os.path.join(path, "kvpool.lock"), os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise InvalidArgument(f"cannot use {path!r} for the SSD tier: {exc.strerror}") from None
@@ -93,7 +122,8 @@ class SsdTier:
         self._used = 0
         try:
             self.env = lmdb.open(path, map_size=capacity * MAP_FACTOR + MAP_SLACK, max_dbs=2, writemap=True,
-                                 sync=durable, metasync=durable, lock=True, max_readers=512)
+                                 sync=durable, metasync=durable, lock=True, max_readers=512, mode=FILE_MODE)
+            _private_files(path)
             self._meta = self.env.open_db(b"meta")
             self._data = self.env.open_db(b"data")
             self._recover()
