@@ -72,3 +72,28 @@ def check_key(key: Any) -> str:
     if "\x00" in key:
         raise InvalidArgument("key must not contain NUL")
     return key
+
+
+# A tenant's keys are stored as "<tenant id>\x00<key>" (the pool scopes them, `kvpool.rpc.authz`):
+# a user key never contains NUL, so no key of one tenant (or of an unscoped client) can name
+# another tenant's. The tenant id is at most 64 characters (`kvpool.auth.parse_role`).
+SCOPE_SEP = "\x00"
+MAX_TENANT_BYTES = 64
+
+
+def scope_prefix(tenant: str | None) -> str:
+    """What a tenant's keys are stored under ("" for an unscoped principal)."""
+    return tenant + SCOPE_SEP if tenant else ""
+
+
+def check_stored_key(key: Any) -> str:
+    """Validate a key as the pool stores it: a user key (`check_key`), or a tenant-scoped one,
+    "<tenant>\\x00<user key>". For code behind the RPC boundary (master, node, tiers)."""
+    if type(key) is str and key.isascii() and 0 < len(key) <= MAX_KEY_BYTES and SCOPE_SEP not in key:
+        return key
+    if isinstance(key, str) and SCOPE_SEP in key:
+        tenant, _, rest = key.partition(SCOPE_SEP)
+        if 0 < len(tenant) <= MAX_TENANT_BYTES and tenant.isascii() and all(c.isalnum() or c in "-_." for c in tenant):
+            check_key(rest)
+            return key
+    return check_key(key)

@@ -138,6 +138,7 @@ class HelloReply(Msg):
     replicas: int  # default replica count
     hostname: str = ""  # the server's machine: same-host clients may move to `unix`
     unix: Union[str, None] = None  # the server's unix socket (kvpool.rpc)
+    scope: str = ""  # how the pool stores this client's keys: "<tenant>\x00" + key ("": unscoped; kvpool.rpc.authz)
 
 
 class PutStart(Msg):

@@ -129,8 +129,9 @@ class ShmPath(RpcPath):
         limit = len(arena)
         todo: list[int] = []
         served: list[str] = []
+        scope = conn.scope  # the index holds keys as stored (a tenant's are scoped)
         for j, key in enumerate(keys):
-            hit = index.find(key)
+            hit = index.find(scope + key if scope else key)
             if hit is None:
                 todo.append(j)
                 continue

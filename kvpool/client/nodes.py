@@ -18,6 +18,7 @@ import os
 import socket
 from typing import Any, Callable, Sequence
 
+from kvpool.auth import Credential
 from kvpool.config import RpcSettings
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import NodePin, NodeStats, NodeUnpin
@@ -39,9 +40,13 @@ EXISTS = "exists"  # a write result: the key was already complete, nothing was w
 class NodeConn:
     def __init__(self, address: str, rpc: RpcClient | None = None, *, timeout: float = 10.0, use_shm: bool = True,
                  shm_path: str | None = None, hostname: str | None = None, arena_size: int | None = None,
-                 segment: bytes | None = None, index_path: str | None = None, settings: RpcSettings | None = None):
+                 segment: bytes | None = None, index_path: str | None = None, settings: RpcSettings | None = None,
+                 credential: Credential | None = None, scope: str = ""):
+        """`scope`: the prefix the pool stores our keys under (a tenant's), for reads from the shm
+        index; the node scopes the keys of our requests itself."""
         self.address = address
-        self.rpc = rpc or RpcClient(address, timeout=timeout, settings=settings)
+        self.scope = scope
+        self.rpc = rpc or RpcClient(address, timeout=timeout, settings=settings, credential=credential)
         self.unpins: list[int] = []
         self.touched: list[str] = []
         self._mmap: mmap.mmap | None = None

@@ -28,11 +28,13 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 from kvpool.client.datapath import DataPaths
 from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn
 from kvpool.client.where import EmbeddedWhere, MasterWhere
+from kvpool.auth import Credential
 from kvpool.config import RpcSettings
 from kvpool.contract import check_key
 from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, NotLeader, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Admin, Exists, Hello, MatchPrefix, Placed, Release, Remove
 from kvpool.rpc import RpcClient
+from kvpool.rpc.client import credential_from
 from kvpool.tiers.base import readable_view, writable_view
 
 log = logging.getLogger(__name__)
@@ -42,18 +44,22 @@ T = TypeVar("T")
 class Client:
     def __init__(self, address: str = "127.0.0.1:7600", *, timeout: float = 10.0, replicas: int | None = None,
                  use_shm: bool = True, writer_node: str = "", data_path: str = "auto", transfer_engine: Any = None,
-                 transports: Sequence[str] | None = None):
+                 transports: Sequence[str] | None = None, credential: Credential | None = None):
         """`use_shm`: take the same-host fast paths when the server is on this machine (reads
         from the node's shm arena and index, requests over the servers' unix sockets); False:
         loopback TCP only, as a client on another host would.
         `data_path`: "auto" | "rpc" | "engine" (`kvpool.client.datapath`); `transfer_engine`: a
         started TransferEngine to move bytes with (the caller keeps owning it), else one is
-        opened when first needed, with `transports` (default: all the engine knows)."""
+        opened when first needed, with `transports` (default: all the engine knows).
+        `credential`: who to be on every connection (default: the principal `KVPOOL_PRINCIPAL`
+        names in the keyring file `KVPOOL_AUTH_FILE`; neither set: no authentication)."""
         self._paths = DataPaths(data_path, transfer_engine, transports, timeout)
         self.timeout = timeout
         self.replicas = replicas
         self.use_shm = use_shm
         self._rpc_settings = RpcSettings()
+        self.credential = credential if credential is not None else credential_from(self._rpc_settings)
+        self.scope = ""  # how the pool stores our keys (a tenant's: "<tenant>\x00" + key), from its hello
         self._meta = address if address.startswith(("etcd://", "http://")) else None
         self._static = None if self._meta else address
         self._etcd = None
@@ -84,7 +90,8 @@ class Client:
         return leader.decode()
 
     def _connect_master(self) -> RpcClient:
-        rpc = RpcClient(self._resolve(), timeout=self.timeout, settings=self._rpc_settings)
+        rpc = RpcClient(self._resolve(), timeout=self.timeout, settings=self._rpc_settings,
+                        credential=self.credential)
         try:
             hello = rpc.call(Hello(PROTOCOL_VERSION, "kvpool-client"))
             if not hello.leader:
@@ -96,13 +103,15 @@ class Client:
             rpc.use_unix(hello.unix)  # same host: the server's unix socket (falls back to TCP)
         self.embedded = "node" in hello.roles and hello.node is not None
         self.max_object_bytes = hello.max_object_bytes
+        self.scope = hello.scope
         self._where = self._cluster
         if self.embedded:  # the master's own server is the node: share the connection
             n = hello.node
             self._drop_node(n.address)
             self._nodes[n.address] = NodeConn(n.address, rpc, use_shm=self.use_shm, shm_path=n.shm_path,
                                               hostname=n.hostname, arena_size=n.capacity.get("dram"),
-                                              segment=n.transfer_segment, index_path=n.index_path)
+                                              segment=n.transfer_segment, index_path=n.index_path,
+                                              scope=self.scope)
             self._where = EmbeddedWhere(n.address, hello.max_object_bytes)
         self._master = rpc
         return rpc
@@ -131,7 +140,8 @@ class Client:
         conn = self._nodes.get(address)
         if conn is None:
             conn = self._nodes[address] = NodeConn(address, timeout=self.timeout, use_shm=self.use_shm,
-                                                   settings=self._rpc_settings)
+                                                   settings=self._rpc_settings, credential=self.credential,
+                                                   scope=self.scope)
         return conn
 
     def _drop_node(self, address: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from kvpool.contract import check_key
+from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import InvalidArgument, KeyNotFound
 from kvpool.master.migration import Migration
 from kvpool.master.state import MasterState

@@ -2,6 +2,9 @@
 
 Batch requests answer per item (`Err` in place of a result), so one bad key never fails the
 others. `Admin` exposes the read-only admin methods by name (a fixed allow-list) for SDK users and tests.
+Who may call which (`kvpool.rpc.authz` has already let the message through): node and admin
+principals every method; a tenant only `keys` and `key_info`, over its own keys, named as it
+names them (the listing is filtered by its scope and unscoped).
 """
 
 from __future__ import annotations
@@ -9,13 +12,16 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from kvpool.errors import InvalidArgument
+from kvpool.errors import Forbidden, InvalidArgument
 from kvpool.messages import (PROTOCOL_VERSION, Admin, BatchResult, Bools, Count, Exists, Heartbeat,
                              HeartbeatReply, Hello, HelloReply, Info, Lookup, LookupReply, MatchPrefix, Ok, PutEnd,
                              PutPlans, PutStart, RegisterNode, Release, Remove, per_item)
+from kvpool.contract import check_key
+from kvpool.rpc.authz import unscope
 
 # Read-only on purpose: the RPC port has no token; changes go through the REST admin API.
 _ADMIN_METHODS = {"nodes", "node", "stats", "key_info", "keys", "config"}
+_TENANT_METHODS = {"key_info", "keys"}  # scoped to the tenant's own keys
 
 
 def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
@@ -25,7 +31,7 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
         return HelloReply(version=PROTOCOL_VERSION, roles=["master", "node"] if node is not None else ["master"],
                           leader=service.leader, node=node.info() if node is not None else None,
                           max_object_bytes=service.max_object_bytes(), replicas=service.replicas,
-                          hostname=socket.gethostname(), unix=service.unix_address)
+                          hostname=socket.gethostname(), unix=service.unix_address, scope=conn.scope)
 
     def put_start(msg: PutStart, payload, conn) -> PutPlans:
         return PutPlans(per_item(lambda key, size: service.put_start(key, size, msg.replicas or None, msg.writer_node),
@@ -51,11 +57,32 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
     def admin(msg: Admin, payload, conn) -> Info:
         if msg.method not in _ADMIN_METHODS:
             raise InvalidArgument(f"unknown admin method {msg.method!r}; known: {sorted(_ADMIN_METHODS)}")
+        if conn.scope:
+            return Info({"result": _tenant_admin(msg, conn.scope)})
         try:
             result = getattr(service.admin, msg.method)(**msg.args)
         except TypeError as exc:
             raise InvalidArgument(f"admin {msg.method}: {exc}") from None
         return Info({"result": result})
+
+    def _tenant_admin(msg: Admin, scope: str):
+        if msg.method not in _TENANT_METHODS:
+            raise Forbidden(f"admin {msg.method} shows the whole pool; a tenant may call only "
+                            f"{sorted(_TENANT_METHODS)}")
+        args = dict(msg.args)
+        try:
+            if msg.method == "keys":
+                prefix = args.pop("prefix", "")
+                if not isinstance(prefix, str) or "\x00" in prefix:
+                    raise InvalidArgument("keys: prefix must be a string without NUL")
+                keys = service.admin.keys(scope + prefix, **args)
+                return [unscope(k, scope) for k in keys]
+            key = args.pop("key", None)
+            doc = service.admin.key_info(scope + check_key(key), **args)
+        except TypeError as exc:
+            raise InvalidArgument(f"admin {msg.method}: {exc}") from None
+        doc["key"] = unscope(doc["key"], scope)
+        return doc
 
     return {
         Hello: hello,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from kvpool.auth import Credential
 from kvpool.master.tables import NodeEntry
 from kvpool.messages import NodeCopy, NodeRemove
 from kvpool.rpc import RpcClient
@@ -12,9 +13,10 @@ from kvpool.rpc import RpcClient
 class RemoteNodeLink:
     """A persistent RPC connection to one node; used from the master's outbox thread."""
 
-    def __init__(self, node: NodeEntry, timeout: float = 5.0):
+    def __init__(self, node: NodeEntry, timeout: float = 5.0, credential: Credential | None = None):
+        """`credential`: the keyring's node principal when authentication is on."""
         self.node_id = node.node_id
-        self._rpc = RpcClient(node.address, timeout=timeout)
+        self._rpc = RpcClient(node.address, timeout=timeout, credential=credential)
         self._lock = threading.Lock()
 
     def remove(self, keys: list[str], put_ids: list[int]) -> list[bool]:

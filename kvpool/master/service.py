@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from kvpool.config import Settings
-from kvpool.contract import check_key
+from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import AlreadyExists, CapacityError, InvalidArgument, ObjectTooLarge, Unavailable
 from kvpool.master.admin_ops import AdminOps
 from kvpool.master.housekeeping import Housekeeping
@@ -121,6 +121,13 @@ class MasterService:
             if node is None:
                 node = st.nodes[info.node_id] = NodeEntry(node_id=info.node_id, address=info.address)
             elif node.address != info.address:  # restarted elsewhere: the old connection is useless
+                silent = now - node.last_heartbeat
+                if node.node_id not in st.local and silent <= st.node_timeout_s:
+                    # A live node is not re-pointed (an impostor would take its reads and writes);
+                    # a node that really moved registers once the old one timed out.
+                    raise AlreadyExists(f"node {info.node_id!r} is live at {node.address} (heartbeat {silent:.1f}s "
+                                        f"ago); it can re-register at {info.address} after {st.node_timeout_s}s "
+                                        "without heartbeats")
                 link = st.links.pop(node.node_id, None)
                 if link is not None:
                     st.outbox.put(("__close__", link, None))
@@ -185,6 +192,10 @@ class MasterService:
         """The node runs in this process (embedded): its liveness is ours, never time it out."""
         with self.state.lock:
             self.state.local.add(node_id)
+
+    def node_addresses(self) -> set[str]:
+        with self.state.lock:
+            return {n.address for n in self.state.nodes.values()}
 
     def known_nodes(self) -> list[str]:
         with self.state.lock:

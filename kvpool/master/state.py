@@ -85,7 +85,9 @@ class MasterState:
                 factory = self.link_factory
                 if factory is None:
                     from kvpool.master.links import RemoteNodeLink
-                    factory = RemoteNodeLink
+                    from kvpool.rpc.client import node_credential
+                    cred = node_credential(self.settings)
+                    factory = lambda entry: RemoteNodeLink(entry, credential=cred)  # noqa: E731
                 link = self.links[node_id] = factory(node)
             return link
 

@@ -12,6 +12,7 @@ from kvpool.config import Settings
 from kvpool.errors import KVPoolError, NotLeader, Unavailable
 from kvpool.messages import Held, Heartbeat, NodeInfo, RegisterNode
 from kvpool.rpc import RpcClient, parse_address
+from kvpool.rpc.client import node_credential
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class MasterChannel:
         self._rpc: RpcClient | None = None
         self._etcd = None
         self._registration = None
+        self._credential = node_credential(settings) if settings is not None else None
         self.changed = False
         if settings is not None and settings.meta:
             from kvpool.cluster import EtcdClient
@@ -53,7 +55,7 @@ class MasterChannel:
                 self._rpc = None
                 self.changed = True
         if self._rpc is None:
-            self._rpc = RpcClient(self._leader_address(), timeout=5.0)
+            self._rpc = RpcClient(self._leader_address(), timeout=5.0, credential=self._credential)
         return self._rpc
 
     def _call(self, msg: Any) -> Any:
@@ -87,6 +89,23 @@ class MasterChannel:
             self._client()
             return False
         return self._call(Heartbeat(node_id, _jsonable(stats), dropped, moved)).known
+
+    def node_addresses(self) -> set[str] | None:
+        """The RPC addresses of the registered nodes (the embedded master's table, or etcd's
+        registrations); None when this channel cannot know (a static master address)."""
+        if self._master is not None:
+            return self._master.node_addresses()
+        if self._etcd is None:
+            return None
+        from kvpool.cluster import NODES_PREFIX
+
+        out = set()
+        for raw in self._etcd.get_prefix(NODES_PREFIX).values():
+            try:
+                out.add(json.loads(raw)["address"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
 
     def close(self) -> None:
         if self._registration is not None:

@@ -84,6 +84,10 @@ class Pins:
         return pin_id
 
     def release(self, pin_ids: list[int], conn: Any = None) -> None:
+        """Release pins; a connection (`conn`) releases only its own (pin ids are guessable)."""
+        if conn is not None:
+            mine = conn.state.get("pins", ())
+            pin_ids = [pid for pid in pin_ids if pid in mine]
         for pid in pin_ids:
             with self._lock:
                 entry = self._held.pop(pid, None)

@@ -23,13 +23,14 @@ import threading
 from typing import Any
 
 from kvpool.config import Settings
-from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import (Bools, Held, Info, NodeCommit, NodeCopy, NodeData, NodeGet, NodeInfo, NodePin, NodeRemove,
                              NodeReserve, NodeStats, NodeUnpin, NodeWrite, Pins, Slots, WriteReply, per_item)
 from kvpool.node.master_channel import MasterChannel
 from kvpool.node.pins import Pins as PinTable
 from kvpool.node.writes import Writes
 from kvpool.rpc import Payload, RpcServer, ServerConn
+from kvpool.rpc.client import node_credential
 
 log = logging.getLogger("kvpool.node")
 
@@ -106,6 +107,7 @@ class StoreNode:
         master = self.master
         self.pins = PinTable(self.store, s.lease_s, master.touch if master is not None else None)
         self.writes = Writes(self.store, self.node_id, self.segment, s.put_timeout_s, master)
+        self.writes.credential = node_credential(s)  # what it shows the source node of a copy
         self._start_transfer_engine()
         self.channel = MasterChannel(master, None if master is not None else s)
         self._register()
@@ -288,6 +290,9 @@ class StoreNode:
     def _on_copy(self, msg: NodeCopy, payload: Payload, conn: ServerConn) -> WriteReply:
         if len(msg.put_ids) != len(msg.keys):
             raise InvalidArgument("NodeCopy: keys and put_ids must have the same length")
+        known = self.channel.node_addresses() if self.channel is not None else None
+        if known is not None and (msg.source not in known or msg.source == self.rpc.address):
+            raise Forbidden(f"NodeCopy: {msg.source} is not a registered node; copies come only from pool nodes")
         return WriteReply(self.writes.copy(list(msg.keys), list(msg.put_ids), msg.source))
 
     def _on_stats(self, msg: NodeStats, payload: Payload, conn: ServerConn) -> Info:

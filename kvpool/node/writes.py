@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
-from kvpool.contract import check_key
+from kvpool.contract import check_stored_key as check_key
 from kvpool.messages import Err, NodeGet, Placed, Slot
 from kvpool.rpc import Payload, RpcClient
 
@@ -54,6 +54,7 @@ class Writes:
         self._put_ids: dict[str, int] = {}  # key -> the put that wrote our copy
         self._open: dict[str, _Open] = {}
         self._lock = threading.Lock()
+        self.credential: Any = None  # shown to the source node of a `copy` (the node principal)
 
     # ------------------------------------------------------------------ who wrote what
 
@@ -72,12 +73,13 @@ class Writes:
             return self._put_ids.pop(key, 0)
 
     def remove(self, key: str, put_id: int) -> bool:
-        """Remove our copy of `key` if put `put_id` wrote it (0: any), or abort that put's open
-        reservation (the master reclaimed it)."""
+        """Remove our copy of `key` if put `put_id` wrote it, or abort that put's open reservation
+        (the master reclaimed it). A copy held since before a restart (put unknown, 0) is any
+        put's; put id 0 names only such a copy (never a wildcard)."""
         if self.abort(key, put_id):
             return True
         with self._lock:
-            ours = put_id == 0 or self._put_ids.get(key, 0) in (put_id, 0)
+            ours = self._put_ids.get(key, 0) in (put_id, 0)
         try:
             return ours and self.store.remove(key)
         except KVPoolError:
@@ -152,7 +154,7 @@ class Writes:
 
     def copy(self, keys: list[str], put_ids: list[int], source: str) -> list[Placed | Err]:
         """Pull `keys` from the node at `source` (one `NodeGet`) into this one."""
-        peer = RpcClient(source, timeout=30.0)
+        peer = RpcClient(source, timeout=30.0, credential=self.credential)
         try:
             sizes = peer.call(NodeGet(list(keys))).sizes
             results: list[Placed | Err] = []
@@ -219,7 +221,7 @@ class Writes:
     def _take(self, key: str, put_id: int) -> _Open | None:
         with self._lock:
             write = self._open.get(key)
-            if write is None or (put_id and write.put_id != put_id):
+            if write is None or write.put_id != put_id:
                 return None
             return self._open.pop(key)
 

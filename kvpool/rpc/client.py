@@ -4,6 +4,10 @@ Same host: told to (`use_unix`), a client moves its connection to the server's a
 socket (a 64 KiB round trip costs about half of loopback TCP's); it keeps its TCP address as
 its identity and falls back to TCP if the unix socket cannot be reached. It spins for a reply
 only when the server's last reply said it may (`FLAG_SPIN`, see `kvpool.rpc.spin`).
+
+Given a `Credential` (or a keyring in `settings.auth_file`), a client proves its principal with
+`transfer.auth`'s handshake on every connection it opens, TCP or unix, before any frame; a
+refused or failed handshake is `Unauthorized`.
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ from typing import Any, Sequence
 
 import msgspec
 
+from kvpool.auth import Credential, load_keyring
 from kvpool.config import RpcSettings
-from kvpool.errors import InvalidArgument, Unavailable, error_from_code
+from kvpool.errors import InvalidArgument, Unauthorized, Unavailable, error_from_code
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, frame, parse_address,
                                reply_decoder, unix_name)
 from kvpool.rpc.server import UNIX_SUPPORTED
 from kvpool.rpc.spin import STREAM_POLLS, STREAM_SPIN_MIN_CLIENT, Spin, local
+from transfer.auth import AuthError, client_handshake
 from transfer.framing import DONTWAIT, peer_pid, recv_exact_into, recv_polling, sched_yield, send_all, tune
 
 log = logging.getLogger("kvpool.rpc")
@@ -34,11 +40,15 @@ class RpcClient:
     `call` returns the reply message (an `Err` reply is raised as its typed error); the reply's
     payload, if any, is then read with `read_payload_into` / `read_payload` before the next call
     (or is drained automatically). A broken connection raises `Unavailable` and reconnects on
-    the next call. `settings`: the RPC knobs (default: from the environment).
+    the next call. `settings`: the RPC knobs (default: from the environment). `credential`: who
+    to prove to be on each connection (default: `credential_from(settings)`; None there: no
+    authentication).
     """
 
-    def __init__(self, address: str, timeout: float = 10.0, settings: RpcSettings | None = None):
+    def __init__(self, address: str, timeout: float = 10.0, settings: RpcSettings | None = None,
+                 credential: Credential | None = None):
         settings = settings or RpcSettings()
+        self.credential = credential if credential is not None else credential_from(settings)
         self.address = address
         self.host, self.port = parse_address(address)
         self.unix: str | None = None  # connect here instead (same host), see `use_unix`
@@ -72,11 +82,23 @@ class RpcClient:
         try:
             sock.settimeout(self.timeout)
             sock.connect(unix_name(unix_address))
-            return sock
         except OSError as exc:
             sock.close()
             log.info("unix socket %s of %s unreachable (%s); using TCP", unix_address, self.address, exc)
             return None
+        return self._authenticate(sock)
+
+    def _authenticate(self, sock: socket.socket) -> socket.socket:
+        """Prove our credential on a new connection (nothing to do without one)."""
+        cred = self.credential
+        if cred is None:
+            return sock
+        try:
+            client_handshake(sock, cred.principal, cred.secret, "rpc", timeout=min(self.timeout, 10.0))
+        except AuthError as exc:
+            sock.close()
+            raise Unauthorized(f"{self.address}: principal {cred.principal!r}: {exc}") from None
+        return sock
 
     def _connect(self) -> socket.socket:
         sock = None
@@ -89,6 +111,7 @@ class RpcClient:
                 sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
             except OSError as exc:
                 raise Unavailable(f"cannot reach {self.address}: {exc.strerror or exc}") from None
+            sock = self._authenticate(sock)
         return self._setup(sock)
 
     def _setup(self, sock: socket.socket) -> socket.socket:
@@ -246,3 +269,15 @@ class RpcClient:
         except (OSError, ConnectionError) as exc:
             raise self._broken(exc) from None
         self.payload_left -= n
+
+
+def credential_from(settings: RpcSettings) -> Credential | None:
+    """The credential `settings` name (`auth_file` + `principal`), or None: authentication off."""
+    keyring = load_keyring(settings.auth_file) if settings.auth_file else None
+    return keyring.credential(settings.principal) if keyring is not None else None
+
+
+def node_credential(settings: RpcSettings) -> Credential | None:
+    """What masters and nodes present to each other: the keyring's node principal (None: off)."""
+    keyring = load_keyring(settings.auth_file) if settings.auth_file else None
+    return keyring.node_credential() if keyring is not None else None

@@ -11,6 +11,14 @@ becomes an `internal` error; either way the connection and the server keep servi
 Invariants: at most one request is outstanding on a connection; a one-way frame
 (`FLAG_ONEWAY`) gets no reply; a frame with a wrong version or an undecodable message gets an
 `Err` and the connection is closed. The server owns its `SpinPolicy` (`kvpool.rpc.spin`).
+
+Identity: with a keyring (`keyring=`, else `settings.auth_file`), each new connection must open
+with `transfer.auth`'s handshake (channel "rpc"); its proved principal is `ServerConn.principal`,
+and `_dispatch` authorizes every request against it and scopes a tenant's keys
+(`kvpool.rpc.authz`). A connection that does not open with a hello gets one `Err("unauthorized")`
+saying how to configure a credential, and is closed. The unix socket also takes only peers of
+this process's uid or root (`SO_PEERCRED`), keyring or not: an abstract socket has no file
+permissions. Without a keyring every connection is `kvpool.auth.ANYONE`.
 """
 
 from __future__ import annotations
@@ -25,25 +33,33 @@ from typing import Any, Callable, Sequence
 
 import msgspec
 
+from kvpool.auth import ANYONE, Keyring, Principal, load_keyring
 from kvpool.config import RpcSettings
-from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
                               frame, request_decoder, unix_name)
+from kvpool.rpc.authz import ROLE_NAMES, rank, rule, scope_of
 from kvpool.rpc.spin import SpinPolicy, local
+from transfer.auth import HANDSHAKE_TIMEOUT, MAGIC, AuthError, looks_like_hello, peer_uid, serve_handshake
 from transfer.framing import Listener, peer_pid, send_all
 
 log = logging.getLogger("kvpool.rpc")
 
 UNIX_SUPPORTED = sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
+HOW_TO_AUTH = ("this pool requires authentication: give the client a credential (set KVPOOL_AUTH_FILE to a "
+               "keyring file holding your principal and its secret, and KVPOOL_PRINCIPAL to its name; "
+               "see docs/security.md)")
 
 
 class ServerConn:
     """One accepted connection, as a handler sees it."""
 
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, principal: Principal = ANYONE):
         self.sock = sock
         self.peer = peer
+        self.principal = principal  # who proved themselves on this connection (`kvpool.auth`)
+        self.scope = scope_of(principal)  # the prefix of its keys as stored ("": unscoped)
         self.replied = False
         self.oneway = False
         self.flags = 0  # reply flags for the request being handled (FLAG_SPIN)
@@ -68,12 +84,15 @@ class RpcServer:
     """Serve `handlers` (message type -> handler) on host:port (0: a free port).
 
     `handlers` may be filled in after construction, before `start` (the embedded pool's node
-    and master share one server). `settings`: the RPC knobs (default: from the environment)."""
+    and master share one server). `settings`: the RPC knobs (default: from the environment).
+    `keyring`: authenticate every connection against it (default: `settings.auth_file`'s, or
+    none: authentication off)."""
 
     def __init__(self, handlers: dict[type, Handler], host: str = "127.0.0.1", port: int = 0, name: str = "rpc",
                  on_close: Callable[[ServerConn], None] | None = None, unix: bool = True,
-                 settings: RpcSettings | None = None):
+                 settings: RpcSettings | None = None, keyring: Keyring | None = None):
         settings = settings or RpcSettings()
+        self.keyring = keyring if keyring is not None else load_keyring(settings.auth_file)
         self.handlers = handlers
         self.name = name
         self.on_close = on_close
@@ -113,13 +132,63 @@ class RpcServer:
         local.servers.discard(self._listen_addr)
         self._listener.close()
 
+    def _authenticate(self, sock: socket.socket, peer: str) -> Principal | None:
+        """The principal of a new connection, or None when it was refused (and told why)."""
+        if sock.family == socket.AF_UNIX:
+            uid = peer_uid(sock)
+            if uid is not None and uid not in (os.getuid(), 0):
+                log.warning("%s: refused %s: uid %d is neither this process's (%d) nor root", self.name, peer, uid,
+                            os.getuid())
+                self._refuse(sock, f"the unix socket serves only uid {os.getuid()} (and root); connect over TCP")
+                return None
+        keyring = self.keyring
+        if keyring is None:
+            return ANYONE
+        old = sock.gettimeout()
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        try:
+            first = sock.recv(len(MAGIC), socket.MSG_WAITALL)
+        except OSError:
+            return None
+        finally:
+            sock.settimeout(old)
+        if not looks_like_hello(first):
+            if first:
+                log.warning("%s: refused %s: no authentication hello", self.name, peer)
+                self._refuse(sock, HOW_TO_AUTH)
+            return None
+        try:
+            name = serve_handshake(sock, first, keyring.secret, "rpc")
+        except AuthError as exc:
+            log.warning("%s: refused %s: %s", self.name, peer, exc)
+            return None
+        return keyring.principal(name)
+
+    @staticmethod
+    def _refuse(sock: socket.socket, why: str) -> None:
+        body = encoder.encode(Err("unauthorized", why))
+        try:
+            sock.sendall(HEADER.pack(PROTOCOL_VERSION, 0, len(body), 0) + body)
+            # Read what the peer already sent before closing: closing over unread bytes resets the
+            # connection, and the peer would see the reset instead of our answer.
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(0.5)
+            for _ in range(64):
+                if not sock.recv(1 << 16):
+                    break
+        except OSError:
+            pass
+
     def _serve(self, sock: socket.socket, addr: Any) -> None:
         if sock.family == socket.AF_UNIX:
             pid = peer_pid(sock)
             peer, in_process = f"unix:pid {pid}", pid == os.getpid()
         else:
             peer, in_process = f"{addr[0]}:{addr[1]}", tuple(addr[:2]) in local.clients
-        conn = ServerConn(sock, peer)
+        principal = self._authenticate(sock, peer)
+        if principal is None:
+            return
+        conn = ServerConn(sock, peer, principal)
         reader = Reader(sock)
         policy = self.spin
         spin = policy.connection(in_process)  # a client in this process needs our GIL: never spin for it
@@ -190,6 +259,8 @@ class RpcServer:
         try:
             if handler is None:
                 raise InvalidArgument(f"{self.name} does not serve {type(msg).__name__}")
+            if conn.principal is not ANYONE:
+                self._authorize(msg, conn)
             out = handler(msg, payload, conn)
         except KVPoolError as exc:
             out = Err(exc.code, str(exc))
@@ -202,7 +273,19 @@ class RpcServer:
             payload.drain()
         if conn.replied or out is None:
             return
+        if conn.scope and isinstance(out, Err):  # a tenant sees its keys as it named them
+            out = Err(out.code, out.message.replace(conn.scope, "").replace(repr(conn.scope)[1:-1], ""))
         if isinstance(out, tuple):
             conn.reply(out[0], out[1])
         else:
             conn.reply(out)
+
+    @staticmethod
+    def _authorize(msg: Any, conn: ServerConn) -> None:
+        """Refuse what the connection's principal may not send; scope a tenant's keys."""
+        least, scoper = rule(type(msg))
+        if rank(conn.principal) < least:
+            raise Forbidden(f"{conn.principal} may not send {type(msg).__name__} (it takes {ROLE_NAMES[least]} "
+                            f"principal)")
+        if scoper is not None and conn.scope:
+            scoper(msg, conn.scope)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.contract import check_key
+from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.allocator import PageAllocator
 from kvpool.tiers.arena import SharedArena

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvpool.contract import check_key
+from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import CapacityError, ObjectTooLarge, Unavailable
 from kvpool.tiers.allocator import PageAllocator
 from kvpool.tiers.base import PagedEntries, readable_view, writable_view

@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from kvpool.contract import check_key
+from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import AllPinned, AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.base import Location, Reservation, readable_view, writable_view
 from kvpool.tiers.dram import DramTier
