@@ -34,6 +34,7 @@ class Op(NamedTuple):
     remote: SegmentDescriptor
     remote_offset: int
     length: int
+    grant: bytes | None = None  # the remote owner's grant covering this range (`transfer.grant`), if it requires one
 
 
 class Batch:

@@ -25,6 +25,7 @@ class RdmaEndpoint(msgspec.Struct, frozen=True):
 
     addr: int
     rkey: int
+    writable: bool = True  # registered for remote WRITE too (False: a READ-only registration)
 
 
 class SegmentDescriptor(msgspec.Struct, frozen=True):

@@ -13,6 +13,19 @@ Invariants:
 - a registered segment's memory stays valid until `unregister` (the engine keeps a view).
 - every op of a submitted batch finishes (ok or with an error) within about `timeout`
   seconds of its bytes being due, whatever the peer does.
+
+Access: by default anyone who reaches the data port may READ and WRITE every registered byte.
+`auth` (principal -> secret) makes every connection prove a principal first (`transfer.auth`),
+and `credential` is what this engine proves to its peers. `grant_key` makes the data server
+serve only ranges a grant covers (`transfer.grant`; `grant` signs one): the owner of the
+segments hands grants out, and callers pass them in `Op.grant`. Same-host shm peers map the
+segment's file, which is 0600: only this uid (which could read our memory anyway) gets there.
+RDMA: with `grant_key`, segments are registered for remote READ only (a WRITE goes over tcp,
+where its grant is checked); a remote READ is still not checked against grants: any peer that
+set up queue pairs through the (authenticated) control channel can read every registered
+segment it knows the address and rkey of (they are in the descriptor). What would close that:
+a type-2 memory window bound per grant (ibv_bind_mw on the owner's QP, its rkey handed out
+with the grant and invalidated at expiry); no RDMA device exists here to build it against.
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ from transfer import staging
 from transfer.buffers import byte_view, is_cuda_tensor
 from transfer.descriptor import DESCRIPTOR_VERSION, SegmentDescriptor, local_host_id
 from transfer.errors import InvalidOp, SegmentNotFound, TransferError, TransportUnavailable
+from transfer.framing import Limits
+from transfer.grant import Grants
 from transfer.shm import ShmTransport
 from transfer.tcp import TcpTransport
 from transfer.tcp_server import DataServer
@@ -40,8 +55,12 @@ KNOWN_TRANSPORTS = frozenset(PREFERENCE)
 class TransferEngine:
     def __init__(self, name: str | None = None, host: str = "127.0.0.1", port: int = 0,
                  transports: Sequence[str] = ("shm", "tcp", "rdma"), timeout: float = 10.0,
-                 connections_per_peer: int = 4, slice_bytes: int = 4 << 20, rdma_device: Any = None):
-        """`rdma_device`: a verbs-layer device to use instead of opening one (tests pass a fake)."""
+                 connections_per_peer: int = 4, slice_bytes: int = 4 << 20, rdma_device: Any = None,
+                 auth: Any = None, credential: tuple[str, bytes] | None = None, grant_key: bytes | None = None,
+                 limits: Limits | None = None):
+        """`rdma_device`: a verbs-layer device to use instead of opening one (tests pass a fake).
+        `auth`, `credential`, `grant_key`: see the module doc. `limits`: the data server's
+        per-connection limits and caps (`transfer.framing.Limits`; default: its defaults)."""
         unknown = set(transports) - KNOWN_TRANSPORTS
         if unknown:
             raise InvalidOp(f"unknown transports {sorted(unknown)}; known: {list(PREFERENCE)}")
@@ -56,18 +75,23 @@ class TransferEngine:
         self._owners: dict[str, Any] = {}  # keeps registered buffers alive
         self._lock = threading.Lock()
         self._counter = 0
-        self._server = DataServer(self._segments, host, port, control=self._control, name=self.name)
+        self._grants = Grants(grant_key, self.name) if grant_key is not None else None
+        self.credential = credential
+        self._server = DataServer(self._segments, host, port, control=self._control, name=self.name, auth=auth,
+                                  grants=self._grants, limits=limits)
         self.port = self._server.port
         self._started = False
         self._transports: dict[str, Any] = {}
         if "tcp" in transports:
-            self._transports["tcp"] = TcpTransport(self.name, timeout, connections_per_peer, slice_bytes)
+            self._transports["tcp"] = TcpTransport(self.name, timeout, connections_per_peer, slice_bytes, credential)
         if "shm" in transports:
             self._transports["shm"] = ShmTransport()
         if "rdma" in transports:
             self._transports["rdma"] = self._open_rdma(timeout, connections_per_peer, slice_bytes, rdma_device)
             if self._transports["rdma"] is None:
                 del self._transports["rdma"]
+            else:
+                self._transports["rdma"].credential = credential
 
     def _open_rdma(self, timeout: float, qps_per_peer: int, slice_bytes: int, device: Any):
         from transfer import rdma
@@ -129,7 +153,7 @@ class TransferEngine:
             offered = [t for t in self.transports if t != "shm" or shm_path is not None]
             rdma_ep = None
             if "rdma" in self._transports:
-                rdma_ep = self._transports["rdma"].register(name, view)
+                rdma_ep = self._transports["rdma"].register(name, view, remote_write=self._grants is None)
             desc = SegmentDescriptor(name=name, engine=self.name, host=self.host, port=self.port, size=len(view),
                                      transports=tuple(offered), host_id=local_host_id(), pid=os.getpid(),
                                      shm_path=shm_path, rdma=rdma_ep, seg_id=seg_id, version=DESCRIPTOR_VERSION)
@@ -137,6 +161,20 @@ class TransferEngine:
             self._owners[name] = buffer
             self._segments[seg_id] = (name, view)
         return desc
+
+    @property
+    def requires_grants(self) -> bool:
+        return self._grants is not None
+
+    def grant(self, seg_name: str, opcode: int, offset: int, length: int, ttl_s: float) -> bytes | None:
+        """A grant for `opcode` on [offset, offset + length) of our segment `seg_name`, valid
+        `ttl_s` seconds; None when this engine does not require grants."""
+        if self._grants is None:
+            return None
+        desc = self._descriptors.get(seg_name)
+        if desc is None:
+            raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}")
+        return self._grants.sign(opcode, desc.seg_id, offset, length, ttl_s)
 
     def unregister(self, seg_name: str) -> None:
         with self._lock:
@@ -201,6 +239,12 @@ class TransferEngine:
             name = self.choose(desc, transport)
             if chosen is not None:
                 chosen[id(desc)] = name
+        if name == "rdma" and op.opcode == WRITE and not desc.rdma.writable:
+            # registered READ-only (the owner requires grants): a WRITE goes where its grant is checked
+            if transport == "rdma" or "tcp" not in self._transports or not self._transports["tcp"].usable(desc):
+                raise InvalidOp(f"op {index}: segment {desc.name!r} of {desc.engine} takes no RDMA WRITE "
+                                "(registered read-only) and no tcp is shared")
+            name = "tcp"
         return name, local[lo:lo + length]
 
     def submit(self, ops: Sequence[Op], transport: str | None = None) -> Batch:
@@ -228,18 +272,18 @@ class TransferEngine:
         return batch
 
     def read(self, seg: SegmentDescriptor, remote_offset: int, local_buffer: Any, local_offset: int = 0,
-             length: int | None = None, transport: str | None = None) -> None:
+             length: int | None = None, transport: str | None = None, grant: bytes | None = None) -> None:
         """Copy `length` bytes of the remote segment into `local_buffer` (synchronously)."""
         if length is None:
             length = _nbytes(local_buffer) - local_offset
-        self._one(Op(READ, local_buffer, local_offset, seg, remote_offset, length), transport)
+        self._one(Op(READ, local_buffer, local_offset, seg, remote_offset, length, grant), transport)
 
     def write(self, seg: SegmentDescriptor, remote_offset: int, local_buffer: Any, local_offset: int = 0,
-              length: int | None = None, transport: str | None = None) -> None:
+              length: int | None = None, transport: str | None = None, grant: bytes | None = None) -> None:
         """Copy `length` bytes of `local_buffer` into the remote segment (synchronously)."""
         if length is None:
             length = _nbytes(local_buffer) - local_offset
-        self._one(Op(WRITE, local_buffer, local_offset, seg, remote_offset, length), transport)
+        self._one(Op(WRITE, local_buffer, local_offset, seg, remote_offset, length, grant), transport)
 
     def _one(self, op: Op, transport: str | None) -> None:
         if is_cuda_tensor(op.local):

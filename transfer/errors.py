@@ -47,3 +47,12 @@ class ProtocolError(TransferError):
 
 class TransportUnavailable(TransferError):
     """The requested transport is not offered by both sides (or not usable on this machine)."""
+
+
+class AccessDenied(TransferError, PermissionError):
+    """The peer refused: this connection did not authenticate, or the op has no valid grant
+    (none, forged, expired, or for another op or range). Nothing moved."""
+
+
+class LimitReached(TransferError):
+    """The peer refused the connection at one of its limits (connections per server or per peer)."""

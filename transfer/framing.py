@@ -9,6 +9,14 @@ the `Listener` that gives each accepted connection a thread.
 Errors: a peer that closes mid-frame raises `ConnectionError` (an `OSError`, which each
 protocol maps to its own error type); a kernel timeout raises the `OSError` the socket gives.
 Nothing here knows about a protocol's headers.
+
+Limits (`Limits`, one per server): the `Listener` caps connections per server and per peer
+address (a refused connection is answered by the protocol's `refuse` and closed); each accepted
+socket gets one kernel receive timeout, a *tick* (`Limits.tick`), set once at accept, so the
+hot path makes no timing syscalls. A receive that sees a whole tick pass without a byte raises
+`BlockingIOError`; a server counts those ticks for its idle timeout and its header timeout, and
+`recv_paced` cuts a body whose sender stalls (fewer than `min_rate` bytes per second over a
+tick). So a stalled sender holds its thread for about one tick, not forever.
 """
 
 from __future__ import annotations
@@ -18,11 +26,13 @@ import os
 import socket
 import struct
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 log = logging.getLogger("transfer.framing")
 
 IOV_MAX = 512  # buffers per sendmsg: well under the kernel's IOV_MAX
+DRAIN_SCRATCH = 256 << 10  # what dropping an unwanted payload costs a connection
 UNIX_SNDBUF = 4 << 20  # the kernel caps it at net.core.wmem_max
 DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 WAITALL = getattr(socket, "MSG_WAITALL", 0)
@@ -58,6 +68,28 @@ def tune(sock: socket.socket, timeout: float | None = None, buffers: int = 0) ->
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Kernel receive and send timeouts (the socket stays blocking; see `tune`): a send to a
+    peer that stopped reading also gives up after a tick without progress."""
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def refuse_after(sock: socket.socket, answer: bytes) -> None:
+    """Send `answer` (a protocol's refusal), then read what the peer already sent before the
+    socket is closed: closing over unread bytes resets the connection, and the peer would see
+    the reset instead of the answer. Bounded: at most 4 MiB or the socket's receive timeout."""
+    try:
+        sock.sendall(answer)
+        sock.shutdown(socket.SHUT_WR)
+        for _ in range(64):
+            if not sock.recv(1 << 16):
+                break
+    except OSError:
+        pass
+
+
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from a blocking socket. MSG_WAITALL: the kernel gathers the pieces (a unix
     socket delivers 64 KiB as two or three) instead of a return to Python per piece."""
@@ -67,6 +99,28 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
+
+
+class Stalled(ConnectionError):
+    """The peer sent a message body slower than the server's minimum rate (or not at all)."""
+
+
+def recv_paced(sock: socket.socket, view: memoryview, min_per_tick: int) -> None:
+    """`recv_exact_into` on a socket whose receive timeout is a tick: a call that comes back short
+    has waited a whole tick (MSG_WAITALL returns early only then), and must have brought at
+    least `min_per_tick` bytes, else the sender is cut (`Stalled`). No clock reads: a healthy
+    sender fills `view` in one call."""
+    got, n = 0, len(view)
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:] if got else view, n - got, WAITALL)
+        except BlockingIOError:
+            raise Stalled(f"peer sent nothing for a whole receive tick ({got} of {n} bytes in)") from None
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+        if got < n and k < min_per_tick:
+            raise Stalled(f"peer sends too slowly ({k} bytes in a receive tick; {got} of {n} bytes in)")
 
 
 def recv_polling(sock: socket.socket, view: memoryview, polls: int) -> None:
@@ -108,12 +162,13 @@ def send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
                 sent = 0
 
 
-def drain(sock: socket.socket, n: int) -> None:
-    """Read and drop the next `n` bytes (a payload nobody wants: the stream stays in frame)."""
-    scratch = memoryview(bytearray(min(n, 1 << 20)))
+def drain(sock: socket.socket, n: int, min_per_tick: int = 0) -> None:
+    """Read and drop the next `n` bytes (a payload nobody wants: the stream stays in frame).
+    `min_per_tick`: as `recv_paced` (0: only a whole silent tick cuts the sender)."""
+    scratch = memoryview(bytearray(min(n, DRAIN_SCRATCH)))
     while n > 0:
         k = min(n, len(scratch))
-        recv_exact_into(sock, scratch[:k])
+        recv_paced(sock, scratch[:k], min_per_tick)
         n -= k
 
 
@@ -133,17 +188,63 @@ def peer_pid(sock: socket.socket) -> int:
         return 0
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a server allows each connection; 0 turns a limit off.
+
+    `header_timeout_s`: a frame header (or the authentication hello) once started must complete
+    within this (within two ticks: the check runs at tick ends); it is also the tick, the socket's
+    receive timeout. `idle_timeout_s`: a connection with no request for this long is closed.
+    `min_rate`: bytes per second a message body or payload in flight must keep up (a sender
+    silent for a whole tick is cut even at 0). `max_conns`, `max_conns_per_peer`: open
+    connections per server and per peer address (IP; a unix socket's peers share one)."""
+
+    header_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0
+    min_rate: int = 64 << 10
+    max_conns: int = 1024
+    max_conns_per_peer: int = 256
+
+    @property
+    def tick(self) -> float | None:
+        return self.header_timeout_s or None
+
+    @property
+    def min_per_tick(self) -> int:
+        return int(self.min_rate * self.header_timeout_s)
+
+    def idle_ticks(self) -> int:
+        """Silent ticks between requests before a connection is idle-closed (0: never)."""
+        if not self.idle_timeout_s or not self.header_timeout_s:
+            return 0
+        return max(1, round(self.idle_timeout_s / self.header_timeout_s))
+
+
+NO_LIMITS = Limits(0, 0, 0, 0, 0)
+MAX_REFUSING = 16  # refusals being answered at once; beyond, a refused connection is just closed
+
+
 class Listener:
     """Accepts connections on `sockets` (listening) and serves each on a thread of its own:
     `serve(sock, peer)`, then the socket is closed. `close` stops accepting and wakes every
-    connection's thread (its socket sees EOF); a thread's `serve` must return on that."""
+    connection's thread (its socket sees EOF); a thread's `serve` must return on that.
+
+    `limits`: connection caps (see `Limits`); a connection over a cap is handed to `refuse(sock,
+    message)` (the protocol's own error frame) on a short-lived thread, then closed. `timeout`:
+    the kernel timeouts of each accepted socket (default: the limits' tick)."""
 
     def __init__(self, sockets: Sequence[socket.socket], serve: Callable[[socket.socket, Any], None], name: str,
-                 timeout: float | None = None, buffers: int = 0):
+                 timeout: float | None = None, buffers: int = 0, limits: Limits | None = None,
+                 refuse: Callable[[socket.socket, str], None] | None = None):
         self.sockets = [s for s in sockets if s is not None]
         self._serve = serve
         self.name = name
         self._tune = (timeout, buffers)
+        self.limits = limits or NO_LIMITS
+        self._refuse = refuse
+        self._refusing = threading.BoundedSemaphore(MAX_REFUSING)
+        self._per_peer: dict[Any, int] = {}
+        self.refused = 0  # connections refused at a cap (for tests and stats)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self.closed = False
@@ -177,14 +278,53 @@ class Listener:
                 log.exception("%s: accept failed", self.name)
                 continue
             tune(sock, *self._tune)
+            if self._tune[0] is None and self.limits.tick:
+                set_io_timeout(sock, self.limits.tick)
+            who = peer[0] if isinstance(peer, tuple) and peer else "unix"
+            limits = self.limits
             with self._lock:
-                self._conns.add(sock)
-            threading.Thread(target=self._run, args=(sock, peer), name=f"{self.name}-conn", daemon=True).start()
+                over = None
+                if limits.max_conns and len(self._conns) >= limits.max_conns:
+                    over = f"{self.name}: at its cap of {limits.max_conns} connections (max_conns); try again later"
+                elif limits.max_conns_per_peer and self._per_peer.get(who, 0) >= limits.max_conns_per_peer:
+                    over = (f"{self.name}: {who} already has {limits.max_conns_per_peer} connections open "
+                            "(max_conns_per_peer); close some or reuse them")
+                else:
+                    self._conns.add(sock)
+                    self._per_peer[who] = self._per_peer.get(who, 0) + 1
+            if over is not None:
+                self.refused += 1
+                log.warning("%s: refused a connection from %s: %s", self.name, who, over)
+                self._refuse_later(sock, over)
+                continue
+            threading.Thread(target=self._run, args=(sock, peer, who), name=f"{self.name}-conn", daemon=True).start()
 
-    def _run(self, sock: socket.socket, peer: Any) -> None:
+    def _refuse_later(self, sock: socket.socket, message: str) -> None:
+        if self._refuse is None or not self._refusing.acquire(blocking=False):
+            sock.close()
+            return
+
+        def run() -> None:
+            try:
+                set_io_timeout(sock, 0.5)
+                self._refuse(sock, message)
+            except OSError:
+                pass
+            finally:
+                sock.close()
+                self._refusing.release()
+
+        threading.Thread(target=run, name=f"{self.name}-refuse", daemon=True).start()
+
+    def _run(self, sock: socket.socket, peer: Any, who: Any = None) -> None:
         try:
             self._serve(sock, peer)
         finally:
             with self._lock:
                 self._conns.discard(sock)
+                left = self._per_peer.get(who, 1) - 1
+                if left > 0:
+                    self._per_peer[who] = left
+                else:
+                    self._per_peer.pop(who, None)
             sock.close()

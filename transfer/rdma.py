@@ -102,6 +102,7 @@ class RdmaTransport:
     def __init__(self, engine_name: str, server_addr: tuple[str, int], device: Any, timeout: float,
                  qps_per_peer: int, slice_bytes: int):
         self.engine_name = engine_name
+        self.credential = None  # what the control channel proves to peers (the engine's credential)
         self.server_addr = server_addr
         self.dev = device
         self.timeout = timeout
@@ -121,12 +122,13 @@ class RdmaTransport:
         self._poller.start()
 
     # -- registration ------------------------------------------------------------------------
-    def register(self, name: str, view: memoryview) -> RdmaEndpoint:
+    def register(self, name: str, view: memoryview, remote_write: bool = True) -> RdmaEndpoint:
+        """Register `view` for remote READ, and remote WRITE unless `remote_write` is False."""
         addr = buffer_address(view)
-        mr = self.dev.reg_mr(addr, len(view))
+        mr = self.dev.reg_mr(addr, len(view), remote_write=remote_write)
         with self._lock:
             self._segments[name] = mr
-        return RdmaEndpoint(addr=addr, rkey=mr.rkey)
+        return RdmaEndpoint(addr=addr, rkey=mr.rkey, writable=remote_write)
 
     def unregister(self, name: str) -> None:
         with self._lock:
@@ -167,7 +169,7 @@ class RdmaTransport:
 
             reply = control_call((desc.host, desc.port),
                                  wire.RdmaConnect(engine=self.engine_name, qps=[qp.info() for qp in qps]),
-                                 self.timeout)
+                                 self.timeout, self.credential)
             if not isinstance(reply, wire.RdmaAccept) or len(reply.qps) != len(qps):
                 raise TransferError(f"bad rdma handshake reply from {desc.engine}")
             for qp, remote in zip(qps, reply.qps):

@@ -12,6 +12,11 @@ Invariants:
 - a connection-level failure (reset, EOF, timeout, garbage reply) fails that connection's
   in-flight slices and every slice still queued for the peer, so a dead or stopped peer costs
   each affected op at most about one `timeout`, never a hang.
+
+Access: with a `credential` (principal, secret) every connection opens with `transfer.auth`'s
+handshake; an op's grant (`Op.grant`) rides with each of its slices (`wire.FLAG_GRANT`). A
+reply with req_id 0 and an error status is the server refusing the connection (no
+authentication, a connection cap): raised as the connection's error.
 """
 
 from __future__ import annotations
@@ -24,24 +29,27 @@ import socket
 import threading
 
 from transfer import framing, wire
+from transfer.auth import AuthError, client_handshake
 from transfer.batch import Batch, Op
 from transfer.descriptor import SegmentDescriptor
-from transfer.errors import PeerUnavailable, ProtocolError, TransferError
+from transfer.errors import AccessDenied, PeerUnavailable, ProtocolError, TransferError
 
 log = logging.getLogger("transfer.tcp")
 
 _STOP = None
 PIPELINE_DEPTH = 4  # 2..8 measured alike at >= 1 MiB; deeper helps 64 KiB slices a little
 
-# A slice: (batch, op index, opcode, local byte view, remote seg_id, remote offset)
+# A slice: (batch, op index, opcode, local byte view, remote seg_id, remote offset, grant or None)
 Slice = tuple
 
 
 class TcpTransport:
     name = "tcp"
 
-    def __init__(self, engine_name: str, timeout: float, connections_per_peer: int, slice_bytes: int):
+    def __init__(self, engine_name: str, timeout: float, connections_per_peer: int, slice_bytes: int,
+                 credential: tuple[str, bytes] | None = None):
         self.engine_name = engine_name
+        self.credential = credential
         self.timeout = timeout
         self.connections_per_peer = max(1, connections_per_peer)
         self.slice_bytes = max(1, slice_bytes)
@@ -60,9 +68,10 @@ class TcpTransport:
             length = op.length
             if length == 0:
                 continue
+            grant = op.grant
             for start in range(0, length, step):
                 stop = min(start + step, length)
-                slices.append((batch, index, op.opcode, view[start:stop], seg_id, op.remote_offset + start))
+                slices.append((batch, index, op.opcode, view[start:stop], seg_id, op.remote_offset + start, grant))
         total = sum(len(s) for s in per_peer.values())
         batch._expect(total)
         for addr, slices in per_peer.items():
@@ -135,7 +144,7 @@ class _Peer:
             while start < op.length:
                 stop = min(start + step, op.length)
                 try:
-                    conn.roundtrip(op.opcode, view[start:stop], seg_id, op.remote_offset + start)
+                    conn.roundtrip(op.opcode, view[start:stop], seg_id, op.remote_offset + start, op.grant)
                 except PeerUnavailable:
                     # An idle pooled connection may have been closed by a restarted peer: retry
                     # once on a fresh one (READ and WRITE of the same range are idempotent).
@@ -199,6 +208,9 @@ class _Conn:
             except OSError as exc:
                 raise wire.map_os_error(exc, f"connect to {self.peer.addr[0]}:{self.peer.addr[1]}") from exc
             framing.tune(sock, timeout, wire.SOCK_BUF)
+            credential = self.peer.transport.credential
+            if credential is not None:
+                authenticate(sock, credential, self.peer.addr, timeout)
             with self._sock_lock:
                 if self._interrupted:
                     sock.close()
@@ -230,13 +242,18 @@ class _Conn:
         self.close()
 
     # -- one request / response ------------------------------------------------------------
-    def send(self, opcode: int, view: memoryview, seg_id: int, offset: int) -> int:
+    def send(self, opcode: int, view: memoryview, seg_id: int, offset: int, grant: bytes | None = None) -> int:
         req_id = next(self.ids)
-        wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, 0, seg_id, req_id, offset, len(view))
-        if opcode == wire.OP_WRITE:
-            framing.send_all(self.sock, [self.hdr, view])
-        else:
-            self.sock.sendall(self.hdr)
+        if grant is None:
+            wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, 0, seg_id, req_id, offset, len(view))
+            if opcode == wire.OP_WRITE:
+                framing.send_all(self.sock, [self.hdr, view])
+            else:
+                self.sock.sendall(self.hdr)
+            return req_id
+        wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, wire.FLAG_GRANT, seg_id, req_id, offset,
+                           len(view))
+        framing.send_all(self.sock, [self.hdr, grant, view] if opcode == wire.OP_WRITE else [self.hdr, grant])
         return req_id
 
     def recv(self, opcode: int, view: memoryview, req_id: int) -> BaseException | None:
@@ -247,6 +264,11 @@ class _Conn:
         sock = self.sock
         framing.recv_exact_into(sock, self.resp_view)
         magic, version, status, _, got_id, length = wire.RESP.unpack_from(self.resp)
+        if magic == wire.MAGIC and got_id == 0 and status != wire.OK and length <= wire.MAX_CONTROL:
+            body = bytearray(length)  # the server refuses this connection, and closes it
+            framing.recv_exact_into(sock, memoryview(body))
+            raise wire.status_error(status, f"{self.peer.addr[0]}:{self.peer.addr[1]}: "
+                                            f"{body.decode(errors='replace')}")
         if magic != wire.MAGIC or got_id != req_id:
             raise ProtocolError(f"bad response from {self.peer.addr} (magic {magic:#x}, id {got_id} != {req_id})")
         if status != wire.OK:
@@ -264,10 +286,10 @@ class _Conn:
             framing.recv_exact_into(sock, view)
         return None
 
-    def roundtrip(self, opcode: int, view: memoryview, seg_id: int, offset: int) -> None:
+    def roundtrip(self, opcode: int, view: memoryview, seg_id: int, offset: int, grant: bytes | None = None) -> None:
         try:
             self.connect()
-            err = self.recv(opcode, view, self.send(opcode, view, seg_id, offset))
+            err = self.recv(opcode, view, self.send(opcode, view, seg_id, offset, grant))
         except OSError as exc:
             raise wire.map_os_error(exc, f"{self.peer.addr[0]}:{self.peer.addr[1]}") from exc
         if err is not None:
@@ -293,7 +315,7 @@ class _Conn:
                 while held or inflight:
                     if held and (held[0][2] != wire.OP_WRITE or reads == 0) and len(inflight) < PIPELINE_DEPTH:
                         nxt = held[0]
-                        req_id = self.send(nxt[2], nxt[3], nxt[4], nxt[5])
+                        req_id = self.send(nxt[2], nxt[3], nxt[4], nxt[5], nxt[6])
                         held.pop()
                         inflight.append((nxt, req_id))
                         reads += nxt[2] == wire.OP_READ
@@ -333,7 +355,17 @@ class _Conn:
                 self.close()
                 return
 
-def control_call(addr: tuple[str, int], msg: object, timeout: float) -> object:
+def authenticate(sock: socket.socket, credential: tuple[str, bytes], addr: tuple, timeout: float) -> None:
+    """Prove `credential` on a new data connection (channel "transfer"); `AccessDenied` if refused."""
+    try:
+        client_handshake(sock, credential[0], credential[1], "transfer", timeout=min(timeout, 10.0))
+    except AuthError as exc:
+        sock.close()
+        raise AccessDenied(f"{addr[0]}:{addr[1]}: {exc}") from None
+
+
+def control_call(addr: tuple[str, int], msg: object, timeout: float,
+                 credential: tuple[str, bytes] | None = None) -> object:
     """One control request on a fresh connection (connection set-up, not the data path)."""
     body = wire.CONTROL_ENCODER.encode(msg)
     hdr = bytearray(wire.REQ.size)
@@ -341,14 +373,18 @@ def control_call(addr: tuple[str, int], msg: object, timeout: float) -> object:
     try:
         with socket.create_connection(addr, timeout=timeout) as sock:
             framing.tune(sock, timeout, wire.SOCK_BUF)
+            if credential is not None:
+                authenticate(sock, credential, addr, timeout)
             framing.send_all(sock, [hdr, body])
             resp = bytearray(wire.RESP.size)
             framing.recv_exact_into(sock, memoryview(resp))
-            magic, _version, _status, _, _req, length = wire.RESP.unpack_from(resp)
+            magic, _version, status, _, req, length = wire.RESP.unpack_from(resp)
             if magic != wire.MAGIC or length > wire.MAX_CONTROL:
                 raise ProtocolError(f"bad control reply from {addr}")
             payload = bytearray(length)
             framing.recv_exact_into(sock, memoryview(payload))
+            if req == 0 and status != wire.OK:
+                raise wire.status_error(status, f"{addr[0]}:{addr[1]}: {payload.decode(errors='replace')}")
     except OSError as exc:
         raise wire.map_os_error(exc, f"control call to {addr[0]}:{addr[1]}") from exc
     try:

@@ -10,7 +10,16 @@ can take down the listener or other connections.
 A WRITE whose payload is cut short (the client died mid-frame) leaves that range partly
 written; the client sees an error for the op, and callers that need atomic visibility (the
 pool's two-phase put) publish a range only after every write to it succeeded. A client that
-stalls mid-frame holds only its own connection thread.
+stalls mid-frame holds only its own connection thread, and only for about a tick
+(`framing.Limits`): a header not finished, a body slower than the minimum rate, or a connection
+idle past the idle timeout is closed.
+
+With `auth` (principal -> secret), each connection must open with `transfer.auth`'s handshake
+(channel "transfer"); one that opens with anything else gets an E_UNAUTHORIZED reply (req_id 0)
+and is closed. With `grants`, every READ/WRITE must carry a grant (`transfer.grant`) that covers
+it: a missing, forged, expired, other-op or out-of-range grant gets E_FORBIDDEN and nothing
+moves (a WRITE's payload is drained, not written). Without either, anyone who reaches the port
+may READ and WRITE any registered byte, as before: the pool then listens on loopback only.
 """
 
 from __future__ import annotations
@@ -20,25 +29,44 @@ import socket
 from typing import Callable
 
 from transfer import framing, wire
+from transfer.auth import AuthError, SecretLookup, looks_like_hello, serve_handshake
 from transfer.errors import PeerUnavailable, TransferError
+from transfer.grant import SIZE as GRANT_SIZE, Grants, fields as grant_fields
 
 log = logging.getLogger("transfer.tcp_server")
+
+HOW_TO_AUTH = ("this transfer engine requires authentication: the client engine needs a credential "
+               "(TransferEngine(credential=(principal, secret)); the pool gives it KVPOOL_AUTH_FILE's)")
+
 
 class DataServer:
     """Accepts connections on `host:port` and serves `segments` (seg_id -> (name, byte view)).
 
     `segments` is owned by the engine; the server only reads it (dict reads are atomic).
     `control` handles OP_CONTROL payloads (decoded msgspec message -> reply message).
+    `auth`: principal -> secret (None: unknown), turns the handshake on; `grants`: turns grant
+    checks on; `limits`: per-connection limits and connection caps (`framing.Limits`).
     """
 
     def __init__(self, segments: dict[int, tuple[str, memoryview]], host: str, port: int,
-                 control: Callable[[object], object] | None = None, name: str = ""):
+                 control: Callable[[object], object] | None = None, name: str = "",
+                 auth: SecretLookup | None = None, grants: Grants | None = None,
+                 limits: framing.Limits | None = None):
         self.segments = segments
         self.control = control
         self.name = name
+        self.auth = auth
+        self.grants = grants
+        self.limits = limits if limits is not None else framing.Limits()
         listener = socket.create_server((host, port), backlog=128)
         self.host, self.port = listener.getsockname()[:2]
-        self._listener = framing.Listener([listener], self._serve, f"transfer-{self.port}", None, wire.SOCK_BUF)
+        self._listener = framing.Listener([listener], self._serve, f"transfer-{self.port}", None, wire.SOCK_BUF,
+                                          limits=self.limits, refuse=self._refuse)
+
+    @staticmethod
+    def _refuse(conn: socket.socket, message: str) -> None:
+        body = message.encode()
+        framing.refuse_after(conn, wire.RESP.pack(wire.MAGIC, wire.VERSION, wire.E_LIMIT, 0, 0, len(body)) + body)
 
     def start(self) -> None:
         self._listener.start()
@@ -49,6 +77,8 @@ class DataServer:
     def _serve(self, conn: socket.socket, addr) -> None:
         try:
             self._serve_frames(conn, addr)
+        except framing.Stalled as exc:
+            log.info("%s: cut the connection from %s: %s", self.name, addr, exc)
         except (PeerUnavailable, ConnectionError, TimeoutError) as exc:
             log.debug("%s: connection from %s ended: %s", self.name, addr, exc)
         except OSError as exc:
@@ -57,18 +87,88 @@ class DataServer:
         except Exception:
             log.exception("%s: unexpected error serving %s", self.name, addr)
 
+    def _open(self, conn: socket.socket, addr, hview: memoryview) -> int:
+        """Before the first frame: the handshake when this server has `auth` (or when a client
+        offers one: it is told there is none). Returns how many header bytes are already read."""
+        got = self._recv_header(conn, hview[:4], 1)
+        if got == 0:
+            return 0
+        if looks_like_hello(hview[:4]) or self.auth is not None:
+            if not looks_like_hello(hview[:4]):
+                got = 4 + self._recv_header(conn, hview[4:], 1, started=True)
+                req_id = wire.REQ.unpack_from(hview)[5] if got == len(hview) else 0
+                log.warning("%s: refused %s: no authentication hello", self.name, addr)
+                body = HOW_TO_AUTH.encode()
+                framing.refuse_after(conn, wire.RESP.pack(wire.MAGIC, wire.VERSION, wire.E_UNAUTHORIZED, 0, req_id,
+                                                          len(body)) + body)
+                return -1
+            try:
+                principal = serve_handshake(conn, bytes(hview[:4]), self.auth, "transfer")
+            except AuthError as exc:
+                log.warning("%s: refused %s: %s", self.name, addr, exc)
+                return -1
+            log.debug("%s: %s authenticated as %r", self.name, addr, principal)
+            return 0
+        return got
+
+    def _recv_header(self, conn: socket.socket, view: memoryview, idle_ticks: int, started: bool = False) -> int:
+        """Fill `view` (a frame header, or its first bytes); 0: the peer closed or stayed idle
+        past the idle timeout before sending a byte. A header once started must finish within
+        two ticks (the header timeout)."""
+        got, n, late = 0, len(view), 0
+        while got < n:
+            try:
+                k = conn.recv_into(view[got:] if got else view, n - got, socket.MSG_WAITALL)
+            except BlockingIOError:  # a tick without a byte
+                k = -1
+            if k == 0:
+                if got or started:
+                    raise ConnectionError(f"peer closed the connection mid-header ({got} of {n} bytes)")
+                return 0
+            if k > 0:
+                got += k
+            if got < n:
+                if got or started:
+                    late += 1
+                    if late >= 2:
+                        raise framing.Stalled(f"header not finished within the header timeout "
+                                              f"({self.limits.header_timeout_s}s)")
+                elif idle_ticks:
+                    idle_ticks -= 1
+                    if not idle_ticks:
+                        log.debug("%s: closing a connection idle for %ss", self.name, self.limits.idle_timeout_s)
+                        return 0
+        return got
+
     def _serve_frames(self, conn: socket.socket, addr) -> None:
         hdr = bytearray(wire.REQ.size)
         hview = memoryview(hdr)
         resp = bytearray(wire.RESP.size)
         segments = self.segments
+        grants = self.grants
+        grant = bytearray(GRANT_SIZE)
+        last_grant = b""  # the last grant checked on this connection (the slices of one op share it)
+        last_fields = None
+        idle = self.limits.idle_ticks() or -1  # -1: never idle-closed
+        pace = self.limits.min_per_tick
+        have = self._open(conn, addr, hview)
+        if have < 0:
+            return
         while True:
-            first = conn.recv_into(hview, len(hview), socket.MSG_WAITALL)
-            if first == 0:
-                return  # clean close between frames
+            if have:
+                first, have = have, 0
+            else:
+                try:
+                    first = conn.recv_into(hview, len(hview), socket.MSG_WAITALL)
+                except BlockingIOError:  # a tick between frames: count it towards the idle timeout
+                    first = self._recv_header(conn, hview, idle)
+                    if first == 0:
+                        return
+                if first == 0:
+                    return  # clean close between frames
             if first < len(hview):
-                framing.recv_exact_into(conn, hview[first:])
-            magic, version, opcode, _, seg_id, req_id, offset, length = wire.REQ.unpack_from(hdr)
+                self._recv_header(conn, hview[first:], 0, started=True)
+            magic, version, opcode, flags, seg_id, req_id, offset, length = wire.REQ.unpack_from(hdr)
             if magic != wire.MAGIC:
                 log.warning("%s: garbage from %s (bad magic %#x); closing that connection", self.name, addr, magic)
                 return
@@ -82,22 +182,38 @@ class DataServer:
                 self._reply_error(conn, resp, req_id, wire.E_BAD_REQUEST, "frame too large")
                 return
 
+            if flags & wire.FLAG_GRANT:
+                framing.recv_paced(conn, memoryview(grant), 0)
             if opcode == wire.OP_READ or opcode == wire.OP_WRITE:
-                entry = segments.get(seg_id)
                 err = seg = None
-                if entry is None:
-                    err = (wire.E_NO_SEGMENT, f"no segment #{seg_id} on {self.name} (never registered or "
-                                              "unregistered since)")
-                else:
-                    seg = entry[1]
-                    if offset + length > len(seg):
-                        err = (wire.E_RANGE, f"[{offset}, {offset + length}) outside segment "
-                                             f"{entry[0]!r} of {len(seg)} bytes")
+                if grants is not None:
+                    if not flags & wire.FLAG_GRANT:
+                        why = "no grant: this engine serves only granted ranges"
+                    elif grant == last_grant:
+                        why = grants.allows(last_fields, opcode, seg_id, offset, length)
+                    else:
+                        why = grants.check(grant, opcode, seg_id, offset, length)
+                        if why is None:
+                            last_grant, last_fields = bytes(grant), grant_fields(grant)
+                    if why is not None:
+                        log.info("%s: refused %s of [%d, +%d) on #%d from %s: %s", self.name,
+                                 "READ" if opcode == wire.OP_READ else "WRITE", offset, length, seg_id, addr, why)
+                        err = (wire.E_FORBIDDEN, why)
+                if err is None:
+                    entry = segments.get(seg_id)
+                    if entry is None:
+                        err = (wire.E_NO_SEGMENT, f"no segment #{seg_id} on {self.name} (never registered or "
+                                                  "unregistered since)")
+                    else:
+                        seg = entry[1]
+                        if offset + length > len(seg):
+                            err = (wire.E_RANGE, f"[{offset}, {offset + length}) outside segment "
+                                                 f"{entry[0]!r} of {len(seg)} bytes")
                 if opcode == wire.OP_WRITE:
                     if err is None:
-                        framing.recv_exact_into(conn, seg[offset:offset + length])
+                        framing.recv_paced(conn, seg[offset:offset + length], pace)
                     else:
-                        framing.drain(conn, length)
+                        framing.drain(conn, length, pace)
                 if err is not None:
                     self._reply_error(conn, resp, req_id, *err)
                     continue
@@ -108,15 +224,15 @@ class DataServer:
                     wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, 0)
                     conn.sendall(resp)
             elif opcode == wire.OP_PING:
-                framing.drain(conn, length)
+                framing.drain(conn, length, pace)
                 wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, 0)
                 conn.sendall(resp)
             elif opcode == wire.OP_CONTROL:
                 if length > wire.MAX_CONTROL:
                     self._reply_error(conn, resp, req_id, wire.E_BAD_REQUEST, "control message too large")
                     return
-                payload = bytearray(length)
-                framing.recv_exact_into(conn, memoryview(payload))
+                payload = bytearray(length)  # at most MAX_CONTROL (1 MiB)
+                framing.recv_paced(conn, memoryview(payload), pace)
                 reply = self._control(payload)
                 body = wire.CONTROL_ENCODER.encode(reply)
                 wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION,

@@ -76,8 +76,8 @@ class Device:
         self.mtu = port_attr.active_mtu
         self.gid = bytes.fromhex(str(self.ctx.query_gid(port, gid_index)).replace(":", ""))
 
-    def reg_mr(self, addr: int, length: int) -> "MemoryRegion":
-        return MemoryRegion(self, addr, length)
+    def reg_mr(self, addr: int, length: int, remote_write: bool = True) -> "MemoryRegion":
+        return MemoryRegion(self, addr, length, remote_write)
 
     def create_cq(self, depth: int) -> "CompletionQueue":
         return CompletionQueue(self, depth)
@@ -91,11 +91,16 @@ class Device:
 
 
 class MemoryRegion:
-    def __init__(self, dev: Device, addr: int, length: int):
+    """`remote_write=False`: peers may only READ it (a remote WRITE completes with a remote
+    access error on the writer)."""
+
+    def __init__(self, dev: Device, addr: int, length: int, remote_write: bool = True):
         import pyverbs.enums as e
         from pyverbs.mr import MR
 
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
+        if remote_write:
+            access |= e.IBV_ACCESS_REMOTE_WRITE
         self.mr = MR(dev.pd, length, access, address=addr)
         self.addr, self.length = addr, length
         self.lkey, self.rkey = self.mr.lkey, self.mr.rkey

@@ -1,13 +1,19 @@
 """The TCP data protocol: fixed-size little-endian frame headers, then raw bytes.
 
-Request  (36 bytes): magic u32 | version u8 | opcode u8 | 0 u16 | seg_id u32 | req_id u64 | offset u64 | length u64
-         then `length` payload bytes for WRITE (or a msgpack control message for CONTROL).
+Request  (36 bytes): magic u32 | version u8 | opcode u8 | flags u16 | seg_id u32 | req_id u64 | offset u64 | length u64
+         then, with FLAG_GRANT, a 48-byte grant (`transfer.grant`) covering the op's range, then
+         `length` payload bytes for WRITE (or a msgpack control message for CONTROL).
          `seg_id` is the number the owner gave the segment at registration (in its descriptor);
          ids are never reused within an engine's life, so a stale descriptor cannot reach a
          different buffer that was later registered under the same name.
 Response (24 bytes): magic u32 | version u8 | status u8 | 0 u16 | req_id u64 | length u64
          then `length` bytes: the payload of an OK READ, a UTF-8 message for an error, or a
-         msgpack control reply.
+         msgpack control reply. A response with req_id 0 and an error status refuses the whole
+         connection (no authentication, a connection cap): the server closes it after.
+
+A server with a keyring (`DataServer(auth=...)`) first runs `transfer.auth`'s handshake (channel
+"transfer") on each connection; one that requires grants serves a READ/WRITE only when its grant
+is valid and covers it (E_FORBIDDEN otherwise; a refused WRITE's payload is drained, never written).
 
 Headers are `struct` layouts, not msgspec, because they sit on the hot path (one
 `pack_into` into a reused buffer per slice); the control messages that set connections up
@@ -33,6 +39,8 @@ MAX_CONTROL = 1 << 20
 # Longest payload one frame may announce: a garbage header must not make the server drain forever.
 MAX_FRAME = 1 << 31
 
+FLAG_GRANT = 1  # request flags: a grant follows the header
+
 # opcodes (READ/WRITE match transfer.batch)
 OP_READ = 1
 OP_WRITE = 2
@@ -46,6 +54,9 @@ E_RANGE = 2
 E_VERSION = 3
 E_BAD_REQUEST = 4
 E_INTERNAL = 5
+E_FORBIDDEN = 6  # no grant, or one that does not cover the op (forged, expired, other op or range)
+E_UNAUTHORIZED = 7  # the connection did not authenticate (req_id 0: the server closes it)
+E_LIMIT = 8  # a limit of the server (connection caps); req_id 0: the server closes the connection
 
 SOCK_BUF = 8 << 20  # kernel buffers of a data connection, each way (`framing.tune`)
 
@@ -98,8 +109,12 @@ def map_os_error(exc: OSError, what: str) -> Exception:
 
 
 def status_error(status: int, message: str) -> Exception:
-    from transfer.errors import InvalidOp, SegmentNotFound, TransferError
+    from transfer.errors import AccessDenied, InvalidOp, LimitReached, SegmentNotFound, TransferError
 
+    if status in (E_FORBIDDEN, E_UNAUTHORIZED):
+        return AccessDenied(message)
+    if status == E_LIMIT:
+        return LimitReached(message)
     if status == E_NO_SEGMENT:
         return SegmentNotFound(message)
     if status == E_RANGE:

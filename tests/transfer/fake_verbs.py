@@ -38,8 +38,9 @@ class FakeFabric:
 
 
 class FakeMR:
-    def __init__(self, dev: "FakeDevice", addr: int, length: int):
+    def __init__(self, dev: "FakeDevice", addr: int, length: int, remote_write: bool = True):
         self.dev, self.addr, self.length = dev, addr, length
+        self.remote_write = remote_write
         self.lkey = self.rkey = dev.fabric.next_id()
         self.closed = False
         dev.fabric.mrs[self.rkey] = self
@@ -107,7 +108,8 @@ class FakeQP:
         if local is None or local.dev is not self.dev or not local.covers(local_addr, length):
             self.cq.entries.append((wr_id, False, "IBV_WC_LOC_PROT_ERR"))
             return
-        if remote is None or remote.dev is not peer.dev or not remote.covers(remote_addr, length):
+        if remote is None or remote.dev is not peer.dev or not remote.covers(remote_addr, length) or \
+                (write and not remote.remote_write):
             self.cq.entries.append((wr_id, False, "IBV_WC_REM_ACCESS_ERR"))
             return
         if write:
@@ -130,8 +132,8 @@ class FakeDevice:
         self.qps: set[FakeQP] = set()
         self.closed = False
 
-    def reg_mr(self, addr: int, length: int) -> FakeMR:
-        return FakeMR(self, addr, length)
+    def reg_mr(self, addr: int, length: int, remote_write: bool = True) -> FakeMR:
+        return FakeMR(self, addr, length, remote_write)
 
     def create_cq(self, depth: int) -> FakeCQ:
         return FakeCQ()
