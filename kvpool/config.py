@@ -21,7 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
@@ -60,6 +60,26 @@ class RpcSettings(BaseSettings):
     # `principal` from it. None: off, and services listen on loopback only (protected mode).
     auth_file: str | None = None
     principal: str | None = None
+    # Limits of every pool RPC and transfer data connection (`transfer.framing.Limits`); 0: off.
+    # A stalled or slow peer holds its connection for about one header timeout (the tick), no more.
+    header_timeout_s: float = Field(10.0, ge=0)  # a started frame header must finish within this (2 ticks)
+    idle_timeout_s: float = Field(300.0, ge=0)  # a server closes a connection with no request for this long
+    min_body_rate: int = 64 << 10  # bytes/s a message body or payload in flight must keep up
+    max_connections: int = Field(1024, ge=0)  # open connections per server
+    max_connections_per_peer: int = Field(256, ge=0)  # ... per peer address (IP; unix peers share one)
+    max_reply_bytes: int = 1 << 30  # a client refuses a reply (message + payload) announcing more
+
+    @field_validator("min_body_rate", "max_reply_bytes", mode="before")
+    @classmethod
+    def _limit_size(cls, value: Any) -> int:
+        return parse_size(value)
+
+    def limits(self) -> Any:
+        """These limits as `transfer.framing.Limits` (the pool RPC and the data server share them)."""
+        from transfer.framing import Limits
+
+        return Limits(self.header_timeout_s, self.idle_timeout_s, self.min_body_rate, self.max_connections,
+                      self.max_connections_per_peer)
 
 
 class Settings(RpcSettings):
@@ -95,7 +115,8 @@ class Settings(RpcSettings):
     # KV.
     chunk_tokens: int = Field(256, ge=1)
 
-    admin_token: str | None = None  # bearer token for mutating admin endpoints
+    admin_token: str | None = None  # bearer token of the admin API (every endpoint but /health, /ready)
+    admin_token_file: str | None = None  # ... read from this file (a mounted secret); never put it on argv
     log_level: str = "INFO"
 
     @field_validator("dram_capacity", "ssd_capacity", "hbm_capacity", mode="before")
@@ -128,12 +149,35 @@ class Settings(RpcSettings):
         # An empty KVPOOL_ADMIN_TOKEN= means "no token", not "the empty string is the token".
         return None if value == "" else value
 
+    @model_validator(mode="after")
+    def _token_file(self) -> "Settings":
+        if self.admin_token_file and not self.admin_token:
+            self.admin_token = read_secret_file(self.admin_token_file, "admin_token_file")
+        return self
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, value: Any) -> Any:
         if isinstance(value, str) and value.upper() in LOG_LEVELS:
             return value.upper()
         raise ValueError(f"log_level must be one of {list(LOG_LEVELS)}, got {value!r}")
+
+
+def read_secret_file(path: str | os.PathLike, what: str) -> str:
+    """A token from a file (its first line, stripped). Refused when others may read it: a mounted
+    Kubernetes secret is group-readable (fsGroup) but not world-readable."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+        text = p.read_text()
+    except OSError as exc:
+        raise InvalidArgument(f"{what} {p}: {exc.strerror or exc}") from None
+    if mode & 0o007:
+        raise InvalidArgument(f"{what} {p} is readable by others (mode {mode & 0o777:o}); run: chmod 600 {p}")
+    token = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not token:
+        raise InvalidArgument(f"{what} {p} is empty")
+    return token
 
 
 def _explain(exc: Exception) -> str:

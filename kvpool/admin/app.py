@@ -14,8 +14,9 @@ Invariants:
 - Every error reaches the client as `ErrorBody` with the status of its `kvpool.errors` class
   (400 malformed input, 401 token, 404 unknown key or node, 413, 503, ...); an unexpected
   exception is logged here and answered 500 without a traceback. The app keeps serving.
-- Mutating endpoints (drain, remove, evict, PATCH config) require the bearer token when one is
-  configured (`settings.admin_token`); a refused request never reaches the master.
+- With a bearer token configured (`settings.admin_token`, or `admin_token_file`), every endpoint
+  but the probes and the schema requires it (`kvpool.admin.auth`); a refused request never
+  reaches the master. A request body over 1 MiB is answered 413 (`kvpool.http_guard`).
 - `admin_token` is never returned by `GET /v1/config`.
 """
 
@@ -25,7 +26,7 @@ import inspect
 import logging
 from typing import Any, Callable
 
-from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -33,7 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.admin import schemas as s
-from kvpool.admin.auth import token_guard
+from kvpool.admin.auth import HttpGuard, needs_token
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins
 from kvpool.contract import check_key
 from kvpool.config import Settings
@@ -42,7 +43,7 @@ from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 log = logging.getLogger(__name__)
 
 REDACTED = "***"
-_SECRET_FIELDS = ("admin_token",)
+_SECRET_FIELDS = ("admin_token", "admin_token_file")
 
 
 async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -56,9 +57,12 @@ async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return to_builtins(result)
 
 
+def _error_doc(code: str, message: str) -> dict[str, Any]:
+    return s.ErrorBody(error=s.ErrorDetail(code=code, message=message)).model_dump()
+
+
 def _error(status: int, code: str, message: str) -> JSONResponse:
-    body = s.ErrorBody(error=s.ErrorDetail(code=code, message=message))
-    return JSONResponse(status_code=status, content=body.model_dump(),
+    return JSONResponse(status_code=status, content=_error_doc(code, message),
                         headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
 
 
@@ -195,13 +199,12 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     def current_token() -> str | None:
         return settings.admin_token
 
-    read = [Depends(token_guard(current_token, mutating=False))]
-    write = [Depends(token_guard(current_token, mutating=True))]
     errors = {c: {"model": s.ErrorBody} for c in (400, 401, 404, 413, 500, 503)}
 
     app = FastAPI(title="kvpool admin", version=str(s.API_VERSION), responses=errors,
                   description="Admin API of a kvpool master: nodes, stats, keys, eviction, config.")
     app.state.master = svc
+    app.state.authenticated = lambda: bool(settings.admin_token)  # protected mode (server.py)
     app.state.metrics = metrics
 
     @app.exception_handler(KVPoolError)
@@ -219,6 +222,9 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         return _error(exc.status_code, code, str(exc.detail))
 
     app.add_middleware(_CatchAll)
+    # Outermost: the token and the body cap are checked before anything else runs.
+    app.add_middleware(HttpGuard, token=current_token, needs_token=needs_token, what="the admin API",
+                       error_body=lambda status, code, message: _error_doc(code, message))
 
     @app.get("/health", response_model=s.Health, tags=["health"])
     async def health() -> s.Health:
@@ -236,47 +242,47 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
             return s.Health(status="ok", detail=detail)
         return JSONResponse(status_code=503, content=s.Health(status="not ready", detail=detail).model_dump())
 
-    @app.get("/v1/nodes", response_model=s.Nodes, dependencies=read, tags=["nodes"])
+    @app.get("/v1/nodes", response_model=s.Nodes, tags=["nodes"])
     async def nodes() -> s.Nodes:
         """Every registered store node: address, state, capacity and use per tier, heartbeat."""
         return s.Nodes(nodes=await _call(svc.nodes))
 
-    @app.get("/v1/nodes/{node_id}", response_model=s.Node, dependencies=read, tags=["nodes"])
+    @app.get("/v1/nodes/{node_id}", response_model=s.Node, tags=["nodes"])
     async def node(node_id: str) -> s.Node:
         return s.Node(node=await _call(svc.node, node_id))
 
-    @app.post("/v1/nodes/{node_id}/drain", response_model=s.Done, dependencies=write, tags=["nodes"])
+    @app.post("/v1/nodes/{node_id}/drain", response_model=s.Done, tags=["nodes"])
     async def drain(node_id: str) -> s.Done:
         """Stop placing new objects on the node; existing ones stay readable."""
         return s.Done(result=await _call(svc.drain_node, node_id))
 
-    @app.post("/v1/nodes/{node_id}/undrain", response_model=s.Done, dependencies=write, tags=["nodes"])
+    @app.post("/v1/nodes/{node_id}/undrain", response_model=s.Done, tags=["nodes"])
     async def undrain(node_id: str) -> s.Done:
         """Place new objects on the node again."""
         return s.Done(result=await _call(_method(svc, "undrain_node"), node_id))
 
-    @app.delete("/v1/nodes/{node_id}", response_model=s.Done, dependencies=write, tags=["nodes"])
+    @app.delete("/v1/nodes/{node_id}", response_model=s.Done, tags=["nodes"])
     async def remove(node_id: str) -> s.Done:
         """Forget the node and drop its replicas from the index."""
         return s.Done(result=await _call(svc.remove_node, node_id))
 
-    @app.get("/v1/stats", response_model=s.Stats, dependencies=read, tags=["stats"])
+    @app.get("/v1/stats", response_model=s.Stats, tags=["stats"])
     async def stats() -> s.Stats:
         """Per tier: capacity, used, hits, misses, evictions, bytes in/out; and pool totals."""
         return s.Stats(stats=_with_node_tiers(await _call(svc.stats), await _call(svc.nodes)))
 
-    @app.get("/v1/keys", response_model=s.Keys, dependencies=read, tags=["keys"])
+    @app.get("/v1/keys", response_model=s.Keys, tags=["keys"])
     async def list_keys(prefix: str = "", limit: int = Query(100, ge=1, le=10_000)) -> s.Keys:
         """Complete keys starting with `prefix` (at most `limit`; the order is the master's)."""
         return s.Keys(keys=await _call(_method(svc, "keys"), prefix=prefix, limit=limit))
 
-    @app.get("/v1/keys/{key:path}", response_model=s.KeyInfo, dependencies=read, tags=["keys"])
+    @app.get("/v1/keys/{key:path}", response_model=s.KeyInfo, tags=["keys"])
     async def key_info(key: str) -> s.KeyInfo:
         """Replicas, size, state and lease of one object (`tail/...` keys may contain '/')."""
         check_key(key)
         return s.KeyInfo(key=key, info=await _call(svc.key_info, key))
 
-    @app.post("/v1/evict", response_model=s.Done, dependencies=write, tags=["keys"])
+    @app.post("/v1/evict", response_model=s.Done, tags=["keys"])
     async def evict(request: s.EvictRequest) -> s.Done:
         """Evict `keys`, or evict by the tiers' policy until `target_bytes` are freed."""
         _check_version(request.version)
@@ -284,11 +290,11 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
             check_key(key)
         return s.Done(result=await _call(svc.evict, target_bytes=request.target_bytes, keys=request.keys))
 
-    @app.get("/v1/config", response_model=s.Config, dependencies=read, tags=["config"])
+    @app.get("/v1/config", response_model=s.Config, tags=["config"])
     async def get_config() -> s.Config:
         return s.Config(config=_redact(await _call(svc.config)))
 
-    @app.patch("/v1/config", response_model=s.Config, dependencies=write, tags=["config"])
+    @app.patch("/v1/config", response_model=s.Config, tags=["config"])
     async def patch_config(changes: dict[str, Any] = Body(..., examples=[{"lease_s": 5.0}])) -> s.Config:
         """Change settings at run time (e.g. replicas, lease_s, put_timeout_s, high_watermark);
         answers the whole config after the change. Fields the master cannot change live: 400."""

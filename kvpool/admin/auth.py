@@ -1,50 +1,27 @@
-"""Bearer-token check for the admin API.
+"""Bearer-token rule of the admin API.
 
-Invariants: when a token is configured, a mutating request without `Authorization: Bearer
-<token>` or with any other token is answered 401 before the handler runs, so it never reaches
-the master and never returns data. A read request may omit the header; one that presents a
-wrong token is also refused (a client holding a wrong secret should learn it). With no token
-configured, every request passes. Tokens are compared in constant time.
+Invariants: when a token is configured (`admin_token`, `KVPOOL_ADMIN_TOKEN`, or the file named
+by `admin_token_file` / `KVPOOL_ADMIN_TOKEN_FILE`), every request without `Authorization: Bearer
+<token>`, or with any other token, is answered 401 before any handler runs (so it never reaches
+the master and never returns data), except the paths in `OPEN_PATHS`:
+
+- `/health`, `/ready`: liveness and readiness probes, which cannot present a secret; they say
+  "ok" or why not (a standby master names its leader's address), nothing of the pool's keys.
+- `/openapi.json`, `/docs`, `/docs/oauth2-redirect`, `/redoc`: the API's shape, which is public
+  (it is this source tree's).
+
+`/metrics` needs the token too: it carries per-node addresses and usage, and Prometheus presents a
+bearer token from a file (`authorization: {credentials_file: ...}` in its scrape config).
+With no token configured, every request passes (the default on loopback; protected mode refuses a
+non-loopback admin bind without a token). Tokens are compared in constant time.
 """
 
 from __future__ import annotations
 
-import hmac
-from typing import Callable
+from kvpool.http_guard import HttpGuard  # noqa: F401  (re-exported: the middleware the app installs)
 
-from fastapi import Request
-
-from kvpool.errors import Unauthorized
+OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
-def _presented(request: Request) -> str | None:
-    header = request.headers.get("authorization")
-    if header is None:
-        return None
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() != "bearer" or not value.strip():
-        raise Unauthorized("Authorization header must be 'Bearer <token>'")
-    return value.strip()
-
-
-def _matches(presented: str, expected: str) -> bool:
-    return hmac.compare_digest(presented.encode(), expected.encode())
-
-
-def token_guard(get_token: Callable[[], str | None], *, mutating: bool) -> Callable[[Request], None]:
-    """A FastAPI dependency enforcing the rules above; `get_token` is read per request so a
-    token changed through the config takes effect at once."""
-
-    def guard(request: Request) -> None:
-        expected = get_token()
-        if not expected:
-            return
-        presented = _presented(request)
-        if presented is None:
-            if mutating:
-                raise Unauthorized("this endpoint requires a bearer token (Authorization: Bearer <token>)")
-            return
-        if not _matches(presented, expected):
-            raise Unauthorized("wrong bearer token")
-
-    return guard
+def needs_token(path: str) -> bool:
+    return path not in OPEN_PATHS

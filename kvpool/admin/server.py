@@ -3,6 +3,9 @@
 Invariants: `serve_in_thread` returns only once the socket is bound and the server accepts
 connections (or raises `Unavailable`); `handle.port` is the real port even when 0 was asked;
 `handle.stop()` is idempotent and returns once the thread has finished.
+
+Protected mode: an app that declares `app.state.authenticated` (the admin app: whether a bearer
+token is configured) is refused a non-loopback address while that is false.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import threading
 import time
 from typing import Any
 
-from kvpool.errors import Unavailable
+from kvpool.auth import is_loopback
+from kvpool.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +28,13 @@ class ServerHandle:
     def __init__(self, app: Any, host: str, port: int, log_level: str = "warning"):
         import uvicorn
 
+        authenticated = getattr(getattr(app, "state", None), "authenticated", None)
+        if authenticated is not None and not authenticated() and not is_loopback(host):
+            raise InvalidArgument(
+                f"admin API: refusing to listen on {host} without a bearer token (protected mode): anyone who "
+                "reaches it could list keys and evict everything. Either listen on 127.0.0.1, set admin_port = 0, "
+                "or give it a token in a file: KVPOOL_ADMIN_TOKEN_FILE=admin.token (`kvpool auth init` writes "
+                "one; see docs/security.md).")
         # Bind ourselves so port 0 works and the port is known before the thread starts.
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

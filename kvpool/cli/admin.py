@@ -45,18 +45,21 @@ def _size(n: Any) -> str:
 @click.group()
 @click.option("--url", envvar="KVPOOL_ADMIN_URL",
               help="Admin API base URL [default: http://<host>:<admin_port> from settings].")
-@click.option("--token", help="Bearer token for mutating calls [default: settings' admin_token, KVPOOL_ADMIN_TOKEN].")
+@click.option("--token-file", type=click.Path(dir_okay=False),
+              help="File holding the API's bearer token [default: settings' admin_token_file / admin_token, "
+                   "KVPOOL_ADMIN_TOKEN_FILE, KVPOOL_ADMIN_TOKEN]. Never on the command line: argv is public.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Settings file (TOML or JSON).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.pass_context
-def admin(ctx: click.Context, url: str | None, token: str | None, config_file: str | None, as_json: bool) -> None:
+def admin(ctx: click.Context, url: str | None, token_file: str | None, config_file: str | None, as_json: bool) -> None:
     """Inspect and operate a running pool (nodes, stats, keys, eviction, drain, config)."""
     import logging
 
-    from kvpool.config import load_settings
+    from kvpool.config import load_settings, read_secret_file
 
     # httpx logs every request at INFO; for a CLI that is noise around the one line that matters
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    token = read_secret_file(token_file, "--token-file") if token_file else None
     settings = load_settings(config_file, admin_token=token)
     if url is None:
         if not settings.admin_port:

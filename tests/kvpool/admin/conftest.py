@@ -36,9 +36,9 @@ def _serve(master, settings):
 
 @pytest.fixture
 def admin(master):
-    """(handle, client) of an app WITH a bearer token configured."""
+    """(handle, client) of an app WITH a bearer token configured; the client presents it."""
     handle = _serve(master, Settings(admin_token=TOKEN))
-    with httpx.Client(base_url=handle.url, timeout=10) as client:
+    with httpx.Client(base_url=handle.url, timeout=10, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
         yield handle, client
     handle.stop()
 

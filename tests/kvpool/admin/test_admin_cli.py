@@ -1,4 +1,4 @@
-"""`kvpool admin ...` against a live admin API: output, --json, token from flag / env / file,
+"""`kvpool admin ...` against a live admin API: output, --json, token from --token-file / env / file,
 and one readable line (no traceback) for each kind of error."""
 
 from __future__ import annotations
@@ -25,8 +25,21 @@ def clean_env(monkeypatch):
             monkeypatch.delenv(name)
 
 
-def run(url, *args, token=None):
-    base = ["admin", "--url", url, "--json"] + (["--token", token] if token else [])
+@pytest.fixture(autouse=True)
+def token_file(tmp_path):
+    """TOKEN in a 0600 file: the API needs it for every call (reads included)."""
+    global TOKEN_FILE, WRONG_FILE
+    TOKEN_FILE, WRONG_FILE = tmp_path / "admin.token", tmp_path / "wrong.token"
+    for path, text in ((TOKEN_FILE, TOKEN), (WRONG_FILE, "wrong")):
+        path.write_text(text + "\n")
+        path.chmod(0o600)
+
+
+TOKEN_FILE = WRONG_FILE = None
+
+
+def run(url, *args, token=True):
+    base = ["admin", "--url", url, "--json"] + (["--token-file", str(TOKEN_FILE)] if token else [])
     result = CliRunner().invoke(cli, base + list(args), catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return json.loads(result.output)
@@ -72,16 +85,17 @@ def test_nodes_stats_key_json(admin):
 def test_tables_render(admin):
     handle, _ = admin
     for args in (["nodes"], ["stats"]):
-        result = CliRunner().invoke(cli, ["admin", "--url", handle.url, *args], catch_exceptions=False)
+        result = CliRunner().invoke(cli, ["admin", "--url", handle.url, "--token-file", str(TOKEN_FILE), *args],
+                                   catch_exceptions=False)
         assert result.exit_code == 0 and "node-a" in result.output or "dram" in result.output
 
 
 def test_mutations_with_token(master, admin):
     handle, _ = admin
-    assert run(handle.url, "evict", "--key", "key-0", token=TOKEN)["evicted"] == 1
-    assert run(handle.url, "evict", "--bytes", "1KiB", token=TOKEN)["evicted"] >= 1
-    assert run(handle.url, "config", "--set", "lease_s=2.5", token=TOKEN)["lease_s"] == 2.5
-    assert run(handle.url, "drain", "node-a", token=TOKEN)["state"] == "draining"
+    assert run(handle.url, "evict", "--key", "key-0")["evicted"] == 1
+    assert run(handle.url, "evict", "--bytes", "1KiB")["evicted"] >= 1
+    assert run(handle.url, "config", "--set", "lease_s=2.5")["lease_s"] == 2.5
+    assert run(handle.url, "drain", "node-a")["state"] == "draining"
     assert master.admin.node("node-a")["state"] == "draining"
 
 
@@ -97,36 +111,47 @@ def test_token_from_env_and_config_file(master, admin, tmp_path, monkeypatch, ca
                                      "config", "--set", "replicas=2")
     assert code == 0, err
     assert json.loads(out)["replicas"] == 2
-    # a flag beats the file: a wrong --token is refused even though the file has the right one
-    code, _, err = main_in_process(monkeypatch, capsys, "--url", handle.url, "--config", str(cfg), "--token", "bad",
-                                   "drain", "node-a")
+    # a flag beats the file: a wrong --token-file is refused even though the file has the right one
+    code, _, err = main_in_process(monkeypatch, capsys, "--url", handle.url, "--config", str(cfg),
+                                   "--token-file", str(WRONG_FILE), "drain", "node-a")
     assert code == 2 and "wrong bearer token" in err
+    monkeypatch.setenv("KVPOOL_ADMIN_TOKEN_FILE", str(TOKEN_FILE))  # the file named in the environment
+    code, _, err = main_in_process(monkeypatch, capsys, "--url", handle.url, "--json", "nodes")
+    assert code == 0, err
+    TOKEN_FILE.chmod(0o644)  # a token file others can read is refused, as a readable keyring is
+    code, _, err = main_in_process(monkeypatch, capsys, "--url", handle.url, "--json", "nodes")
+    assert code == 2 and "readable by others" in err
 
 
 def test_url_from_settings(admin, tmp_path, monkeypatch, capsys):
     handle, _ = admin
     cfg = tmp_path / "kvpool.json"
-    cfg.write_text(json.dumps({"host": "127.0.0.1", "admin_port": handle.port}))
+    cfg.write_text(json.dumps({"host": "127.0.0.1", "admin_port": handle.port, "admin_token": TOKEN}))
     code, out, err = main_in_process(monkeypatch, capsys, "--config", str(cfg), "--json", "nodes")
     assert code == 0, err
     assert json.loads(out)[0]["node_id"] == "node-a"
     monkeypatch.setenv("KVPOOL_ADMIN_PORT", str(handle.port))  # the environment works the same way
+    monkeypatch.setenv("KVPOOL_ADMIN_TOKEN", TOKEN)
     code, out, err = main_in_process(monkeypatch, capsys, "--json", "nodes")
     assert code == 0, err
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["drain", "node-a"], "requires a bearer token"),
-    (["--token", "wrong", "drain", "node-a"], "wrong bearer token"),
-    (["node", "ghost"], "not found"),
-    (["key", "tail/ghost"], "not found"),
+    (["drain", "node-a"], "no bearer token"),
+    (["nodes"], "no bearer token"),
+    (["keys"], "no bearer token"),
+    (["config"], "no bearer token"),
+    (["--token-file", "WRONG", "drain", "node-a"], "wrong bearer token"),
+    (["--token-file", "TOKEN", "node", "ghost"], "not found"),
+    (["--token-file", "TOKEN", "key", "tail/ghost"], "not found"),
     (["evict"], "--bytes"),
     (["evict", "--bytes", "many"], "not a size"),
     (["config", "--set", "lease_s"], "FIELD=VALUE"),
-    (["--token", TOKEN, "config", "--set", "port=1"], "cannot be changed"),
+    (["--token-file", "TOKEN", "config", "--set", "port=1"], "cannot be changed"),
 ])
 def test_errors_are_one_readable_line(master, admin, args, needle, monkeypatch, capsys):
     handle, _ = admin
+    args = [{"WRONG": str(WRONG_FILE), "TOKEN": str(TOKEN_FILE)}.get(a, a) for a in args]
     code, _, err = main_in_process(monkeypatch, capsys, "--url", handle.url, *args)
     assert code == 2
     assert needle in err and err.startswith("error: ") and err.count("\n") == 1

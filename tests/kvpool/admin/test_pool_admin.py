@@ -36,7 +36,7 @@ def client(served):
 
 @pytest.fixture
 def http(served):
-    with httpx.Client(base_url=served[1], timeout=10) as c:
+    with httpx.Client(base_url=served[1], timeout=10, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
         yield c
 
 
@@ -73,7 +73,7 @@ def test_evict_through_rest_makes_a_miss(client, http):
 
 def test_cli_against_the_pool(served, client):
     client.put("e2e/cli", b"c" * 777)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | {"KVPOOL_ADMIN_TOKEN": TOKEN}
     kv = str(Path(sys.executable).with_name("kvpool"))
     r = subprocess.run([kv, "admin", "--url", served[1], "--json", "key", "e2e/cli"], capture_output=True, text=True,
                        timeout=60, env=env)
@@ -131,9 +131,12 @@ def test_rest_malformed_json(client, http):
 
 def test_rest_wrong_or_missing_token(client, http):
     client.put("e2e/guarded", b"g" * 10)
-    for headers in ({}, {"Authorization": "Bearer not-the-token"}):
-        r = http.post("/v1/evict", json={"keys": ["e2e/guarded"]}, headers=headers)
-        assert r.status_code == 401 and set(r.json()) == {"version", "error"}
+    with httpx.Client(base_url=http.base_url, timeout=10) as bare:
+        for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+            r = bare.post("/v1/evict", json={"keys": ["e2e/guarded"]}, headers=headers)
+            assert r.status_code == 401 and set(r.json()) == {"version", "error"}
+            r = bare.get("/v1/keys/e2e/guarded", headers=headers)
+            assert r.status_code == 401 and set(r.json()) == {"version", "error"}
     assert client.get("e2e/guarded") == b"g" * 10  # nothing was evicted
     _still_serving(client, http)
 
