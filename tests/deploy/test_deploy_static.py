@@ -193,7 +193,7 @@ def test_compose_file_matches_the_compose_spec():
     errors = [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(doc)]
     assert not errors, "\n".join(errors)
     # and the schema is strict enough to notice a typo
-    doc["services"]["pool"]["ipcc"] = "host"
+    doc["services"]["router"]["ipcc"] = "host"
     assert list(validator.iter_errors(doc))
 
 
@@ -205,8 +205,11 @@ def test_compose_file_parses_with_podman_compose():
                        timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     services = yaml.safe_load(r.stdout)["services"]
-    assert set(services) == {"pool", "prefill", "decode"}
-    assert services["prefill"]["ipc"] == "service:pool" and services["pool"]["ipc"] == "shareable"
+    assert set(services) == {"etcd", "master-a", "master-b", "node-a", "node-b", "prefill", "decode", "router"}
+    # the YAML anchors were merged: master-b is master-a with its own published port
+    assert services["master-b"]["command"] == services["master-a"]["command"]
+    published = [p for svc in services.values() for p in svc.get("ports", [])]
+    assert published and all(str(p).startswith("127.0.0.1:") for p in published), published
 
 
 def test_compose_services_are_hardened():
