@@ -1,14 +1,29 @@
 """The one chunk reader: every adapter and worker reads chunk objects from the pool through it.
 
-`ChunkReader(pool, layout)` fetches chunk objects in batches, verifies each one (header, layout
-hash, checksum, token count) and hands out `kvpool.chunk_format.ChunkView`s: layer-major payload views,
-so a caller can place layer i of a chunk before it looks at layer i + 1.
+`ChunkReader(pool, layout, auth=...)` fetches chunk objects in batches, verifies each one (header,
+binding to our namespace and to the key it was read from, MAC when `auth` has a MAC key, layout
+hash, checksum, token count) and hands out `kvpool.chunk_format.ChunkView`s: layer-major payload
+views, so a caller can place layer i of a chunk before it looks at layer i + 1.
 
-The one rule for a damaged chunk (checksum or format error, another layout's header under our
-key, a wrong token count): it is a miss, never KV. It is counted, removed from the pool and
-reported through `on_removed(key)`, because chunk keys are content addressed and a put never
-overwrites (the first writer wins): a damaged copy left in place would be a miss forever, while
-a removed one is healed by the next save of the same tokens.
+The one rule for a chunk that fails: it is a miss, never KV, and it is counted (`damaged`) and
+logged. Whether the reader also removes it depends on whether the chunk is provably ours, since
+a removal on a failed check is a deletion anyone who can put bytes there (or name a key in a
+forged handle) could trigger:
+- With a MAC key (a keyring): never removed. A chunk that fails the MAC, names another namespace
+  or key, or holds another token count than expected is reported (`rejected`, and
+  `on_rejected(key, error)`) and left in place; it leaves the pool by eviction or an admin's
+  removal. Nothing a writer without the tenant's key does, and nothing a handle names, makes this
+  reader delete an object. The price: a chunk of ours damaged in storage stays a miss (recomputed
+  on every use) until it is evicted, since a put never overwrites.
+- Without a MAC key (authentication off, where anyone local may remove any key anyway): removed
+  only when its header names our namespace and this very key (our chunk, damaged: checksum,
+  layout or token count), so the next save of the same tokens heals it (chunk keys are content
+  addressed and a put never overwrites: a damaged copy left in place would be a miss forever);
+  reported through `on_removed(key)`. A malformed header (a version 1 chunk included), another
+  namespace or another key is rejected as above and left in place: a forged handle naming
+  another tenant's key deletes nothing.
+With authentication on, the pool also scopes keys per tenant principal, so a reader never even
+sees another tenant's objects.
 
 A layout with a codec (`KVLayout.codec`, `kvpool.codec`): each chunk is decoded as it is
 verified, and the views hold the decoded KV; a chunk of another codec is another layout (a miss).
@@ -20,7 +35,7 @@ Three forms, one rule:
 - `read(keys, tokens)`: per key, its view or None (a page store such as SGLang's, where any key
   may miss on its own).
 - `exact(keys, tokens)`: all or nothing (a KV handle): `KeyNotFound` for a missing object,
-  `CorruptObject` for a damaged one (after removing it).
+  `CorruptObject` for one that fails (after removing it where the rule above says so).
 
 Pool errors (`KVPoolError` from the client) are raised to the caller, which decides whether a
 failed read is a miss (the engine plug-ins) or a failed request.
@@ -31,7 +46,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterator, Sequence
 
-from kvpool.chunk_format import ChunkView, KVLayout, decode_chunk
+from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, decode_chunk, key_digest, read_header
 from kvpool.codec import get_codec
 from kvpool.errors import CorruptObject, KeyNotFound, KVPoolError, LayoutMismatch
 
@@ -42,18 +57,25 @@ BATCH_BYTES = 48 << 20  # one get_batch asks for about this much: few round trip
 
 class ChunkReader:
     """Verified reads of chunk objects of one `KVLayout`. Safe to share between threads (the pool
-    client is); `fetched` and `damaged` are statistics, not exact under concurrent reads."""
+    client is); `fetched`, `damaged` and `rejected` are statistics, not exact under concurrent reads.
+    `auth` is required: every read checks that a chunk names our namespace and its key."""
 
-    def __init__(self, pool: Any, layout: KVLayout, *, on_removed: Callable[[str], None] | None = None,
-                 batch_bytes: int = BATCH_BYTES):
+    def __init__(self, pool: Any, layout: KVLayout, *, auth: ChunkAuth,
+                 on_removed: Callable[[str], None] | None = None,
+                 on_rejected: Callable[[str, Exception], None] | None = None, batch_bytes: int = BATCH_BYTES):
+        if not isinstance(auth, ChunkAuth):
+            raise TypeError("ChunkReader needs auth=ChunkAuth(namespace digest, mac key or None)")
         self.pool = pool
         self.layout = layout
+        self.auth = auth
         # a layout with a codec (kvpool.codec) is decoded here, so a payload that does not decode is a miss too
         self.codec = get_codec(layout.codec) if layout.codec != "none" else None
         self.on_removed = on_removed
+        self.on_rejected = on_rejected
         self.batch_chunks = max(1, batch_bytes // layout.object_nbytes())
         self.fetched = 0  # verified chunks handed out
-        self.damaged = 0  # chunks that failed verification (each removed, or tried)
+        self.damaged = 0  # chunks that failed verification (removed or rejected)
+        self.rejected = 0  # of those, left in place: not provably ours (see the module docstring)
 
     def match(self, keys: Sequence[str]) -> int:
         """n such that keys[0..n) are all in the pool (one match_prefix round trip)."""
@@ -92,7 +114,8 @@ class ChunkReader:
                 raise KeyNotFound(f"KV object {key} is not in the pool (evicted, expired or released)")
             view = self._verify(key, blob, want)
             if view is None:
-                raise CorruptObject(f"KV object {key} was damaged (it has been removed from the pool)")
+                raise CorruptObject(f"KV object {key} failed verification (damaged, or not written by this "
+                                    "tenant's workers for this key)")
             views.append(view)
         self.fetched += len(views)
         return views
@@ -101,18 +124,33 @@ class ChunkReader:
 
     def _verify(self, key: str, blob: Any, tokens: int) -> ChunkView | None:
         try:
-            view = decode_chunk(blob, self.layout, codec=self.codec)
+            view = decode_chunk(blob, self.layout, key=key, auth=self.auth, codec=self.codec)
             if view.tokens != tokens:
                 raise CorruptObject(f"holds {view.tokens} tokens, expected {tokens}")
             return view
         except (CorruptObject, LayoutMismatch) as exc:
-            self.discard(key, exc)
+            self.discard(key, exc, ours=not self.auth.keyed and self._names_us(key, blob))
             return None
 
-    def discard(self, key: str, why: Exception) -> None:
-        """A stored object failed verification: count it, remove it (so a later save can store a
-        good copy) and report it; best effort, a failed removal is logged."""
+    def _names_us(self, key: str, blob: Any) -> bool:
+        """The header parses and names our namespace and this key (all an unkeyed reader can know)."""
+        try:
+            header = read_header(blob)
+        except CorruptObject:
+            return False
+        return header.namespace == bytes(self.auth.namespace) and header.key_digest == key_digest(key)
+
+    def discard(self, key: str, why: Exception, *, ours: bool = False) -> None:
+        """A stored object failed verification: count it, and remove it (so a later save can store
+        a good copy) only when it is provably our own damaged chunk (module docstring); otherwise
+        report it and leave it. Best effort: a failed removal is logged."""
         self.damaged += 1
+        if not ours or self.auth.keyed:
+            self.rejected += 1
+            log.warning("chunk %s rejected (%s); a miss, left in the pool (not provably ours to remove)", key, why)
+            if self.on_rejected is not None:
+                self.on_rejected(key, why)
+            return
         log.warning("chunk %s failed verification (%s); removing it and treating it as a miss", key, why)
         try:
             # Our own read holds a lease that would defer the removal (and make the re-store of a

@@ -18,8 +18,9 @@ import numpy as np
 
 from engine_adapters.base import KVEvent, SaveResult
 from engine_adapters.chunk_reader import ChunkReader
-from kvpool.chunk_format import ChunkView, seal_into
+from kvpool.chunk_format import ChunkAuth, ChunkView, seal_into
 from kvpool.codec import encode_raw_object
+from kvpool.auth import chunk_mac_key, load_keyring
 from kvpool.contract import PoolClient
 from kvpool.errors import AlreadyExists, InvalidArgument, KVPoolError, LayoutMismatch
 from kvpool.handle import KVHandle
@@ -39,6 +40,15 @@ class PlannedObject:
     tokens: int
     is_tail: bool
     buffer: bytearray
+
+
+def plugin_mac_key(keyring=None) -> bytes | None:
+    """The chunk MAC key of an engine plug-in (vLLM connector, SGLang backend), which serves one
+    principal: with a keyring (`KVPOOL_AUTH_FILE`), the key derived from the secret of the
+    principal its pool client authenticates as (`KVPOOL_PRINCIPAL`; a tenant's, so its chunks are
+    those of that tenant's workers); without one, None (unkeyed chunks)."""
+    keyring = keyring if keyring is not None else load_keyring()
+    return chunk_mac_key(keyring.credential().secret) if keyring is not None else None
 
 
 def check_token_ids(token_ids: Sequence[int]) -> list[int]:
@@ -61,17 +71,22 @@ class ChunkStore:
     An adapter owns one and only converts between its engine's KV and `ChunkView`s / payload
     buffers. Thread-safe for concurrent requests (the pool client is; listeners are called from the
     thread that made the change, outside any lock).
+
+    Every chunk it writes names its namespace and key and, given `mac_key` (the tenant's
+    `kvpool.auth.chunk_mac_key`, with a keyring), carries a MAC under it; its reader accepts only
+    such chunks (`engine_adapters.chunk_reader`).
     """
 
-    def __init__(self, pool: PoolClient, namespace: Namespace):
+    def __init__(self, pool: PoolClient, namespace: Namespace, *, mac_key: bytes | None = None):
         self.pool = pool
         self.namespace = namespace
         self.layout = namespace.layout
         self._ns_digest = namespace.digest()
         self.namespace_hex = self._ns_digest.hex()
+        self.auth = ChunkAuth(self._ns_digest, mac_key)
         self._listeners: list[Callable[[KVEvent], None]] = []
         self._lock = threading.Lock()
-        self.reader = ChunkReader(pool, self.layout, on_removed=self._removed)
+        self.reader = ChunkReader(pool, self.layout, auth=self.auth, on_removed=self._removed)
 
     # -- keys and lookups -------------------------------------------------------------------
 
@@ -117,14 +132,22 @@ class ChunkStore:
         return self.reader.run(keys[:self.reader.match(keys)]) if keys else []
 
     def check_handle(self, handle: KVHandle) -> KVHandle:
+        """Refuse a handle that is not of this namespace or does not name exactly its own prompt's
+        keys: token ids are required, every chunk key is re-derived from them (our namespace, the
+        tenant salt included), and the tail is `tail/<request_id>`. (A signature, with a keyring,
+        is checked by the caller that knows the tenant: `KVHandle.verify`.)"""
         handle.validate()
         if handle.namespace != self.namespace_hex:
             raise LayoutMismatch(f"KV handle was written under namespace {handle.namespace}, "
                                  f"this adapter reads {self.namespace_hex} (other model, dtype, chunk size or tenant)")
         if handle.chunk_tokens != self.chunk_tokens:
             raise LayoutMismatch(f"KV handle uses {handle.chunk_tokens}-token chunks, adapter {self.chunk_tokens}")
-        if handle.token_ids is not None and self.chunk_keys(handle.token_ids) != list(handle.chunk_keys):
+        if handle.token_ids is None:
+            raise InvalidArgument("KV handle carries no token ids: a loader re-derives the keys it names from them")
+        if self.chunk_keys(handle.token_ids) != list(handle.chunk_keys):
             raise InvalidArgument("KV handle chunk keys do not match its token ids")
+        if handle.tail_key is not None and (handle.request_id is None or handle.tail_key != tail_key(handle.request_id)):
+            raise InvalidArgument("KV handle tail key is not its request's tail/<request id>")
         return handle
 
     def fetch_handle(self, handle: KVHandle) -> list[ChunkView]:
@@ -173,9 +196,9 @@ class ChunkStore:
         codec = self.reader.codec  # planned buffers hold the KV's own bytes; a codec encodes them here
         for obj in planned:
             if codec is None:
-                seal_into(obj.buffer, self.layout, obj.tokens)
+                seal_into(obj.buffer, self.layout, obj.tokens, key=obj.key, auth=self.auth)
             else:
-                obj.buffer = encode_raw_object(codec, self.layout, obj.buffer, obj.tokens)
+                obj.buffer = encode_raw_object(codec, self.layout, obj.buffer, obj.tokens, key=obj.key, auth=self.auth)
         if any(obj.is_tail for obj in planned):
             self._flush_releases()
             for obj in planned:

@@ -199,7 +199,7 @@ class HFAdapter(ChunkStoreAdapter):
     under a wrong layout could be loaded by the wrong model.
     """
 
-    def __init__(self, pool: PoolClient, model: Any, namespace: Namespace):
+    def __init__(self, pool: PoolClient, model: Any, namespace: Namespace, *, mac_key: bytes | None = None):
         self.model = model
         layout = layout_for_model(model, namespace.chunk_tokens, namespace.layout.codec)
         if layout != namespace.layout:
@@ -208,7 +208,7 @@ class HFAdapter(ChunkStoreAdapter):
         self.layout = layout
         self.torch_dtype = model.dtype
         self.device = model.device  # loaded KV goes here; saved KV is copied to the host first
-        self.store = ChunkStore(pool, namespace)
+        self.store = ChunkStore(pool, namespace, mac_key=mac_key)  # mac_key: chunks MACed per tenant
 
     # -- engine format ---------------------------------------------------------------------
 

@@ -22,10 +22,12 @@ Semantics:
   chosen by SGLang when the extra config has `"interface_v1": 1`), which reads and writes the
   host pool's buffer in place without an intermediate flat page.
 - These methods run on SGLang's prefetch/backup threads, which are never restarted: they never
-  raise. A missing, damaged (checksum) or foreign-layout page is a miss (None / False), and a
-  pool error is logged and reported the same way. Pages are read through the adapters' one
-  reader (`engine_adapters.chunk_reader`): a damaged page is also removed from the pool, so the
-  next backup of that page stores a good copy (a put never overwrites). Configuration errors
+  raise. A missing, damaged (checksum), unauthenticated or foreign-layout page is a miss (None /
+  False), and a pool error is logged and reported the same way. Pages are read through the
+  adapters' one reader (`engine_adapters.chunk_reader`), whose rule decides whether a failed page
+  is removed (so the next backup stores a good copy) or left: each page names its namespace and
+  pool key, and with a keyring (`KVPOOL_AUTH_FILE`) carries a MAC under the chunk MAC key of the
+  principal the pool client authenticates as (`KVPOOL_PRINCIPAL`, a tenant). Configuration errors
   raise at construction or `register_mem_pool_host`, with a typed `kvpool.errors` error.
 """
 
@@ -38,7 +40,8 @@ from typing import Any, List, Optional
 import torch
 
 from engine_adapters.chunk_reader import ChunkReader
-from kvpool.chunk_format import ChunkView, KVLayout, encode_into
+from engine_adapters.chunk_store import plugin_mac_key
+from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, encode_into
 from kvpool.contract import PoolClient
 from kvpool.errors import InvalidArgument, KVPoolError
 from kvpool.keys import Namespace
@@ -128,6 +131,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self._perm = _PAGE_TO_CHUNK[host_layout]
         ns = Namespace(self.model_id, self.weights_fingerprint, self.layout, self.tp_rank, self.tp_size, self.tenant_salt)
         self._prefix = f"sglang/{ns.hex()}/"
+        self._auth = ChunkAuth(ns.digest(), plugin_mac_key())
         logger.info("kvpool HiCache backend: %s layout, page %d tokens, %d B per page, namespace %s",
                     host_layout, self.layout.chunk_tokens, self.layout.bytes_per_chunk, ns.hex())
 
@@ -155,19 +159,19 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             return buf[:, index:index + page]
         return buf[:, index // page]
 
-    def _encode(self, page: torch.Tensor) -> bytearray:
-        """Page (5-d view in the host layout) -> chunk object."""
+    def _encode(self, page: torch.Tensor, key: str) -> bytearray:
+        """Page (5-d view in the host layout) -> chunk object bound to the pool key of `key`."""
         lay = self.layout
         chunk = page.permute(self._perm).contiguous()  # the one copy into layer-major order
         out = bytearray(lay.object_nbytes())
-        encode_into(out, lay, chunk, lay.chunk_tokens)
+        encode_into(out, lay, chunk, lay.chunk_tokens, key=self.pool_key(key), auth=self._auth)
         return out
 
     def _read_pages(self, keys: List[str]) -> list[ChunkView | None]:
         """Verified pages (None: missing, or damaged and removed), one batched read."""
         pool_keys = [self.pool_key(k) for k in keys]  # refuses page IO before register_mem_pool_host
         if self._reader is None or self._reader.layout != self.layout:
-            self._reader = ChunkReader(self.client, self.layout)
+            self._reader = ChunkReader(self.client, self.layout, auth=self._auth)
         damaged = self._reader.damaged
         views = self._reader.read(pool_keys)
         self.stats["corrupt"] += self._reader.damaged - damaged
@@ -240,7 +244,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if any(p is None for p in pages):
             self.stats["set_failed"] += len(keys)
             return False
-        return all(self._put(keys, [self._encode(p) for p in pages]))
+        return all(self._put(keys, [self._encode(p, k) for p, k in zip(pages, keys)]))
 
     def _put(self, keys: List[str], blobs: list[bytearray]) -> list[bool]:
         try:
@@ -295,7 +299,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         todo = [i for i, p in enumerate(present) if not p]
         result = [True] * len(keys)
         if todo:
-            ok = self._put([keys[i] for i in todo], [self._encode(self._host_page(starts[i])) for i in todo])
+            ok = self._put([keys[i] for i in todo], [self._encode(self._host_page(starts[i]), keys[i]) for i in todo])
             for i, good in zip(todo, ok):
                 result[i] = good
         return result

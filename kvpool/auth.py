@@ -236,6 +236,12 @@ def tenant_salt(tenant: str, tenant_secret: bytes) -> str:
     return f"{tenant}/{_derive(tenant_secret, 'tenant-salt/v1').hex()[:32]}"
 
 
+def handle_key(secret: bytes) -> bytes:
+    """The key a prefill worker signs KV handles with, and a decode worker checks them with: from
+    the tenant's secret (or, for untenanted requests, the workers' own principal's)."""
+    return _derive(secret, "kv-handle/v1")
+
+
 def grant_key(node_secret: bytes) -> bytes:
     """The key masters and nodes sign data-plane grants with."""
     return _derive(node_secret, "grant/v1")

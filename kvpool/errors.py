@@ -78,6 +78,14 @@ class ChecksumMismatch(CorruptObject):
     code = "checksum"
 
 
+class UntrustedChunk(CorruptObject):
+    """A chunk that does not prove it belongs where it was read: another namespace or key in its
+    header, or a MAC that does not verify under the reader's tenant key. A miss; never removed by
+    a reader (it is not provably the reader's own object)."""
+
+    code = "untrusted_chunk"
+
+
 class LayoutMismatch(KVPoolError):
     """The chunk was written for another KV layout (model, dtype, chunk size...)."""
 

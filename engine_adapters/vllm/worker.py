@@ -15,7 +15,9 @@ Invariants:
   of later chunks is written to the paged cache, and every block of the request's load range
   from that chunk on is reported by `get_block_ids_with_load_errors` (vLLM then recomputes them
   with `"kv_load_failure_policy": "recompute"`; its default, "fail", fails the request).
-  A damaged chunk is also removed from the pool (a "removed" event) so a later save replaces it.
+  A chunk that names another namespace or key, or fails its MAC (with a keyring), is a miss too;
+  whether the reader also removes it (a "removed" event, so a later save replaces it) is the
+  reader's rule (`engine_adapters.chunk_reader`: only our own damaged chunks, only unkeyed).
 - A loaded request whose layers were not all scattered before their attention ran (hooks
   skipped) computed on missing KV: its loaded blocks are reported as load errors.
 - Saves copy the KV out of the paged buffer before `wait_for_save` returns, so vLLM may reuse the
@@ -35,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine_adapters.chunk_store import ChunkStore, PlannedObject
+from engine_adapters.chunk_store import ChunkStore, PlannedObject, plugin_mac_key
 from engine_adapters.vllm.layouts import attention_layers, layer_backend
 from engine_adapters.vllm.metadata import KVPoolConnectorMetadata, LoadSpec, SaveSpec
 from engine_adapters.vllm.pages import PageMapIO, ViewIO, kernel_block_ids, resolve_block_io
@@ -90,7 +92,8 @@ class WorkerSide:
     def store(self) -> ChunkStore:
         """The adapters' engine-free half: keys, the one chunk reader, writes, events."""
         if self._store is None:
-            self._store = ChunkStore(self._pool(), self.settings.namespace(self._tp_rank))
+            # with a keyring, chunks are MACed under the key of the principal the pool client runs as
+            self._store = ChunkStore(self._pool(), self.settings.namespace(self._tp_rank), mac_key=plugin_mac_key())
         return self._store
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -127,9 +127,9 @@ def encode(codec: Codec, layout: KVLayout, kv: Any) -> bytearray:
     return out
 
 
-def encode_object(codec: Codec, layout: KVLayout, kv: Any) -> bytearray:
+def encode_object(codec: Codec, layout: KVLayout, kv: Any, *, key: str | None = None, auth: Any = None) -> bytearray:
     """A whole chunk object (`kvpool.chunk_format`: header with the codec's id, encoded payload) of
-    `kv` for `layout`, whose codec must be this one."""
+    `kv` for `layout`, whose codec must be this one; `key`/`auth` bind it (`chunk_format.seal_into`)."""
     from kvpool.chunk_format import HEADER_SIZE, seal_into
 
     if layout.codec != codec.name:
@@ -140,13 +140,14 @@ def encode_object(codec: Codec, layout: KVLayout, kv: Any) -> bytearray:
     if HEADER_SIZE + n != len(out):  # a variable-rate codec: keep what it wrote (a copy of the smaller part)
         out = bytearray(memoryview(out)[:HEADER_SIZE + n])
     if codec.name == "none":  # the plain chunk format
-        seal_into(out, layout, tokens)
+        seal_into(out, layout, tokens, key=key, auth=auth)
     else:
-        seal_into(out, layout, tokens, payload_nbytes=n, codec_id=codec.codec_id)
+        seal_into(out, layout, tokens, key=key, auth=auth, payload_nbytes=n, codec_id=codec.codec_id)
     return out
 
 
-def encode_raw_object(codec: Codec, layout: KVLayout, raw: Any, tokens: int) -> bytearray:
+def encode_raw_object(codec: Codec, layout: KVLayout, raw: Any, tokens: int, *, key: str | None = None,
+                      auth: Any = None) -> bytearray:
     """`encode_object` of a buffer laid out as an uncompressed chunk object (header space, then the
     KV's own bytes layer-major), as writers that fill payloads in place build them."""
     from kvpool.chunk_format import HEADER_SIZE
@@ -154,7 +155,7 @@ def encode_raw_object(codec: Codec, layout: KVLayout, raw: Any, tokens: int) -> 
 
     nbytes = layout.payload_nbytes(tokens)
     kv = byte_view(raw, HEADER_SIZE + nbytes)[HEADER_SIZE:].view(torch_dtype(layout)).view(layout.shape(tokens))
-    return encode_object(codec, layout, kv)
+    return encode_object(codec, layout, kv, key=key, auth=auth)
 
 
 def decode(codec: Codec, layout: KVLayout, payload: Any, tokens: int) -> Any:

@@ -19,7 +19,7 @@ from engine_adapters import vllm as conn
 from fakes.dict_pool import DictPoolForConnectorTests
 from fakes.vllm_api import FakeCacheConfig, FakeKVConnectorRole, FakeKVTransferConfig, FakeModelConfig, FakeVllmConfig
 from fakes.vllm_engine import FakeRequest, FakeVllmEngine
-from kvpool.chunk_format import KVLayout, decode_chunk
+from kvpool.chunk_format import HEADER_SIZE, KVLayout, decode_chunk
 from kvpool.client import connect
 from kvpool.config import load_settings
 from kvpool.embedded import EmbeddedPool
@@ -202,7 +202,7 @@ def test_chunked_prefill_saves_each_chunk_once_computed(pool):
     assert pool.calls["put_batch"] == 3
 
 
-def corrupt(pool, key, offset=100):
+def corrupt(pool, key, offset=HEADER_SIZE + 36):
     data = bytearray(pool.get(key))
     data[offset] ^= 0xFF  # a payload byte: the header's checksum no longer matches
     getattr(pool, "flush", lambda: None)()  # the real client unpins what it read on its next call

@@ -14,8 +14,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.errors import ChecksumMismatch, CorruptObject, FormatError, InvalidArgument, LayoutMismatch
-from kvpool.chunk_format import HEADER_SIZE, KVLayout, decode_chunk, encode_chunk, encode_into, read_header
+from kvpool.errors import ChecksumMismatch, CorruptObject, FormatError, InvalidArgument, LayoutMismatch, UntrustedChunk
+from kvpool.chunk_format import (HEADER_SIZE, ChunkAuth, KVLayout, decode_chunk, encode_chunk, encode_into, key_digest,
+                                 read_header)
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "vectors.json").read_text())["layout"]
 SMALL = KVLayout(num_layers=2, kv_heads=1, head_dim=4, dtype="float32", chunk_tokens=4)
@@ -36,16 +37,21 @@ def test_layout_hash_golden(case):
 
 @pytest.mark.parametrize("case", GOLDEN["chunks"], ids=lambda c: f"{c['layout']['dtype']}-{c['tokens']}")
 def test_chunk_golden(case):
+    """Version 2: bound to a key and a namespace, MACed (BLAKE3 keyed) under a fixed test key."""
     lay = KVLayout(**case["layout"])
     kv = _golden_values(case["layout"], case["tokens"])
-    encoded = bytes(encode_chunk(lay, kv, case["tokens"]))
+    auth = ChunkAuth(bytes.fromhex(case["namespace_hex"]), bytes.fromhex(case["mac_key_hex"]))
+    encoded = bytes(encode_chunk(lay, kv, case["tokens"], key=case["key"], auth=auth))
     assert encoded.hex() == case["encoded_hex"]
     # The header, read by hand from the documented table.
-    magic, version, hlen, lhash, tokens, flags, nbytes, checksum = struct.unpack_from("<4sHHQIIQQ", encoded)
-    assert (magic, version, hlen, tokens, flags) == (b"KVPC", 1, 64, case["tokens"], 0)
-    assert lhash == lay.layout_hash and nbytes == len(encoded) - 64
-    assert checksum == xxhash.xxh3_64_intdigest(encoded[64:]) and encoded[40:64] == bytes(24)
-    view = decode_chunk(bytes.fromhex(case["encoded_hex"]), lay)
+    magic, version, hlen, lhash, tokens, flags, nbytes, checksum, ns, kd = struct.unpack_from("<4sHHQIIQQ16s16s", encoded)
+    assert (magic, version, hlen, tokens, flags) == (b"KVPC", 2, 128, case["tokens"], 1 << 8)
+    assert lhash == lay.layout_hash and nbytes == len(encoded) - 128
+    assert checksum == xxhash.xxh3_64_intdigest(encoded[128:]) and encoded[72:96] == bytes(24)
+    assert ns == auth.namespace and kd == key_digest(case["key"])
+    from blake3 import blake3
+    assert encoded[96:128] == blake3(encoded[:96] + encoded[128:], key=auth.mac_key).digest()
+    view = decode_chunk(bytes.fromhex(case["encoded_hex"]), lay, key=case["key"], auth=auth)
     assert view.tokens == case["tokens"]
     if case["layout"]["dtype"] == "bfloat16":
         assert torch.equal(view.as_torch(), kv)
@@ -74,20 +80,25 @@ def test_roundtrip(layers, heads, dim, chunk, dtype, data):
     assert bytes(out[: len(obj)]) == bytes(obj)
 
 
+SMALL_AUTH = ChunkAuth(b"n" * 16)
+SMALL_KEYED = ChunkAuth(b"n" * 16, b"k" * 32)
+
+
 @settings(max_examples=300, deadline=None)
-@given(pos=st.integers(0, SMALL.object_nbytes() - 1), flip=st.integers(1, 255))
-def test_corrupt_byte_never_decodes_to_wrong_data(pos, flip):
+@given(pos=st.integers(0, SMALL.object_nbytes() - 1), flip=st.integers(1, 255), keyed=st.booleans())
+def test_corrupt_byte_never_decodes_to_wrong_data(pos, flip, keyed):
     kv = np.arange(np.prod(SMALL.shape(4)), dtype=np.float32).reshape(SMALL.shape(4))
-    obj = encode_chunk(SMALL, kv)
+    auth = SMALL_KEYED if keyed else SMALL_AUTH
+    obj = encode_chunk(SMALL, kv, key="k", auth=auth)
     obj[pos] ^= flip
     try:
-        view = decode_chunk(obj, SMALL)
+        view = decode_chunk(obj, SMALL, key="k", auth=auth)
     except (CorruptObject, LayoutMismatch) as exc:
-        if pos >= HEADER_SIZE:
-            assert isinstance(exc, ChecksumMismatch)  # payload damage is caught by the checksum
+        if pos >= HEADER_SIZE:  # payload damage is caught by the MAC, or by the checksum without one
+            assert isinstance(exc, UntrustedChunk if keyed else ChecksumMismatch)
         return
-    # Only the reserved / flags bytes are not load-bearing: the payload must then be intact.
-    assert 20 <= pos < 24 or 40 <= pos < 64
+    # With a MAC every byte is load-bearing; without one, only the reserved bytes and the tag are not.
+    assert not keyed and 72 <= pos < HEADER_SIZE
     np.testing.assert_array_equal(view.as_numpy(), kv)
 
 
@@ -100,15 +111,47 @@ def test_truncated_is_format_error(cut):
 
 
 def test_header_damage_is_typed():
-    obj = encode_chunk(SMALL, np.zeros(SMALL.shape(4), np.float32))
+    obj = encode_chunk(SMALL, np.zeros(SMALL.shape(4), np.float32), key="k", auth=SMALL_AUTH)
     for pos, exc in ((0, FormatError), (4, FormatError), (6, FormatError), (8, LayoutMismatch),
-                     (16, FormatError), (24, FormatError), (32, ChecksumMismatch)):
+                     (16, FormatError), (22, FormatError), (24, FormatError), (32, ChecksumMismatch),
+                     (40, UntrustedChunk), (56, UntrustedChunk)):
         bad = bytearray(obj)
         bad[pos] ^= 0x40
         with pytest.raises(exc):
-            decode_chunk(bad, SMALL)
+            decode_chunk(bad, SMALL, key="k", auth=SMALL_AUTH)
     with pytest.raises(FormatError):
         read_header(b"KVPC")
+
+
+def test_binding_and_mac():
+    kv = np.ones(SMALL.shape(4), np.float32)
+    keyed = encode_chunk(SMALL, kv, key="k", auth=SMALL_KEYED)
+    np.testing.assert_array_equal(decode_chunk(keyed, SMALL, key="k", auth=SMALL_KEYED).as_numpy(), kv)
+    refusals = [dict(key="other", auth=SMALL_KEYED),  # a valid chunk copied under another key
+                dict(key="k", auth=ChunkAuth(b"m" * 16, b"k" * 32)),  # another namespace (tenant)
+                dict(key="k", auth=ChunkAuth(b"n" * 16, b"x" * 32))]  # another tenant's MAC key
+    for kw in refusals:
+        with pytest.raises(UntrustedChunk):
+            decode_chunk(keyed, SMALL, **kw)
+    # an unkeyed chunk, however well bound, is refused by a keyed reader; an unkeyed reader reads both
+    plain = encode_chunk(SMALL, kv, key="k", auth=SMALL_AUTH)
+    with pytest.raises(UntrustedChunk, match="no MAC"):
+        decode_chunk(plain, SMALL, key="k", auth=SMALL_KEYED)
+    assert decode_chunk(keyed, SMALL, key="k", auth=SMALL_AUTH).tokens == 4
+    # a writer without the key cannot fix up the checksum and pass: the MAC covers the header too
+    forged = bytearray(keyed)
+    forged[HEADER_SIZE] ^= 1
+    forged[32:40] = xxhash.xxh3_64_intdigest(bytes(forged[HEADER_SIZE:])).to_bytes(8, "little")
+    with pytest.raises(UntrustedChunk, match="checksum intact"):
+        decode_chunk(forged, SMALL, key="k", auth=SMALL_KEYED)
+    with pytest.raises(InvalidArgument):
+        ChunkAuth(b"n" * 16, b"short")
+
+
+def test_version_1_is_a_clean_miss():
+    v1 = struct.pack("<4sHHQIIQQ24x", b"KVPC", 1, 64, SMALL.layout_hash, 4, 0, SMALL.payload_nbytes(4), 0)
+    with pytest.raises(FormatError, match="version 1"):
+        decode_chunk(v1 + bytes(SMALL.payload_nbytes(4)), SMALL)
 
 
 def test_bad_encode_input():
