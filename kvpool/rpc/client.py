@@ -22,7 +22,7 @@ import msgspec
 
 from kvpool.auth import Credential, load_keyring
 from kvpool.config import RpcSettings
-from kvpool.errors import InvalidArgument, Unauthorized, Unavailable, error_from_code
+from kvpool.errors import InvalidArgument, LimitExceeded, Unauthorized, Unavailable, error_from_code
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, frame, parse_address,
                                reply_decoder, unix_name)
@@ -32,6 +32,8 @@ from transfer.auth import AuthError, client_handshake
 from transfer.framing import DONTWAIT, peer_pid, recv_exact_into, recv_polling, sched_yield, send_all, tune
 
 log = logging.getLogger("kvpool.rpc")
+
+BIG_MESSAGE = 1 << 20  # a reply message longer than this is read as it arrives, not allocated up front
 
 
 class RpcClient:
@@ -57,6 +59,7 @@ class RpcClient:
         self._unix_ok = settings.rpc_unix and UNIX_SUPPORTED
         self._sock: socket.socket | None = None
         self._header = bytearray(HEADER.size)
+        self.max_reply = settings.max_reply_bytes or MAX_PAYLOAD  # a reply announcing more is refused
         self.payload_left = 0
         self._local: tuple | None = None  # this connection's address, while in `local.clients`
         self._spin = Spin(0)  # polls before a blocking wait for a reply (cap 0 to a local server)
@@ -212,11 +215,23 @@ class RpcClient:
                 raise ConnectionError(f"server speaks protocol {version}, this client {PROTOCOL_VERSION}")
             if msg_len > MAX_MESSAGE or payload_len > MAX_PAYLOAD:  # before allocating anything for it
                 raise ConnectionError(f"bad reply frame: message {msg_len} bytes, payload {payload_len} bytes")
-            body = sock.recv(msg_len, socket.MSG_WAITALL) if msg_len else b""
-            if len(body) != msg_len:  # interrupted part-way: finish into one buffer
-                got = len(body)
-                body = bytearray(body) + bytearray(msg_len - got)
-                recv_exact_into(sock, memoryview(body)[got:])
+            if msg_len + payload_len > self.max_reply:
+                self.close()  # the stream cannot be kept in frame without reading it all
+                raise LimitExceeded(f"reply from {self.address} announces {msg_len} + {payload_len} bytes, over "
+                                    f"this client's max_reply_bytes ({self.max_reply}); connection closed")
+            if msg_len <= BIG_MESSAGE:
+                body = sock.recv(msg_len, socket.MSG_WAITALL) if msg_len else b""
+                if len(body) != msg_len:  # interrupted part-way: finish into one buffer
+                    got = len(body)
+                    body = bytearray(body) + bytearray(msg_len - got)
+                    recv_exact_into(sock, memoryview(body)[got:])
+            else:  # grown as its bytes arrive: a lying header alone allocates nothing
+                body = bytearray()
+                while len(body) < msg_len:
+                    part = sock.recv(min(msg_len - len(body), BIG_MESSAGE))
+                    if not part:
+                        raise ConnectionError("peer closed the connection mid-reply")
+                    body += part
         except (OSError, ConnectionError) as exc:
             raise self._broken(exc) from None
         self.payload_left = payload_len

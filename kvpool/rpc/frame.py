@@ -22,7 +22,7 @@ import msgspec
 from kvpool.errors import InvalidArgument
 from kvpool.messages import PROTOCOL_VERSION, Reply, Request
 from kvpool.rpc.spin import STREAM_POLLS, STREAM_SPIN_MIN, Spin, SpinPolicy
-from transfer.framing import DONTWAIT, drain, recv_exact_into, recv_polling, sched_yield
+from transfer.framing import DONTWAIT, drain, recv_paced, recv_polling, sched_yield
 
 HEADER = struct.Struct("<HHIQ")
 FLAG_ONEWAY = 1
@@ -132,16 +132,21 @@ class Reader:
 
 
 class Payload:
-    """The payload of the frame being handled; read it once, in order, or leave it to be drained."""
+    """The payload of the frame being handled; read it once, in order, or leave it to be drained.
+    Its bytes arrive straight into the reader's buffers: nothing is allocated for an announced
+    length (`read` allocates what it is asked for). `pace`: bytes each receive tick must bring
+    (`transfer.framing.recv_paced`; a server's minimum body rate), else the sender is cut."""
 
-    __slots__ = ("_sock", "length", "remaining", "_reader", "spin")
+    __slots__ = ("_sock", "length", "remaining", "_reader", "spin", "pace")
 
-    def __init__(self, sock: socket.socket, length: int, reader: Reader | None = None, spin: bool = False):
+    def __init__(self, sock: socket.socket, length: int, reader: Reader | None = None, spin: bool = False,
+                 pace: int = 0):
         self._sock = sock
         self.length = length
         self.remaining = length
         self._reader = reader  # its buffered bytes come first
         self.spin = spin  # the sole active client's: poll for large payloads instead of sleeping
+        self.pace = pace
 
     def read_into(self, view: memoryview) -> None:
         n = len(view)
@@ -153,7 +158,7 @@ class Payload:
             if self.spin and len(rest) >= STREAM_SPIN_MIN:
                 recv_polling(self._sock, rest, STREAM_POLLS)
             else:
-                recv_exact_into(self._sock, rest)
+                recv_paced(self._sock, rest, self.pace)
         self.remaining -= n
 
     def read(self, n: int | None = None) -> bytearray:
@@ -169,7 +174,7 @@ class Payload:
             self.remaining -= k
             n -= k
         if n:
-            drain(self._sock, n)
+            drain(self._sock, n, self.pace)
             self.remaining -= n
 
     def drain(self) -> None:

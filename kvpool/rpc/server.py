@@ -19,6 +19,12 @@ and `_dispatch` authorizes every request against it and scopes a tenant's keys
 saying how to configure a credential, and is closed. The unix socket also takes only peers of
 this process's uid or root (`SO_PEERCRED`), keyring or not: an abstract socket has no file
 permissions. Without a keyring every connection is `kvpool.auth.ANYONE`.
+
+Limits (`RpcSettings`: header and idle timeouts, minimum body rate, connection caps; see
+`transfer.framing.Limits`): a connection over a cap gets one `Err("limit_exceeded")` and is
+closed; a header that stalls, a body slower than the minimum rate, or an idle connection is
+closed. A message is grown as its bytes arrive and a payload goes straight where it belongs, so
+an announced length allocates nothing. Each socket's kernel timeout is set once at accept.
 """
 
 from __future__ import annotations
@@ -29,20 +35,21 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import msgspec
 
 from kvpool.auth import ANYONE, Keyring, Principal, load_keyring
 from kvpool.config import RpcSettings
-from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, Unavailable
+from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, LimitExceeded, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
                               frame, request_decoder, unix_name)
 from kvpool.rpc.authz import ROLE_NAMES, rank, rule, scope_of
 from kvpool.rpc.spin import SpinPolicy, local
 from transfer.auth import HANDSHAKE_TIMEOUT, MAGIC, AuthError, looks_like_hello, peer_uid, serve_handshake
-from transfer.framing import Listener, peer_pid, send_all
+from transfer.framing import Listener, Stalled, peer_pid, refuse_after, send_all
 
 log = logging.getLogger("kvpool.rpc")
 
@@ -118,7 +125,11 @@ class RpcServer:
                 log.info("%s: no unix socket (%s); same-host clients use TCP", name, exc)
             else:
                 self._unix_sock, self.unix_address = usock, uname
-        self._listener = Listener([self._sock, self._unix_sock], self._serve, name)
+        # Limits (`RpcSettings.limits`): connection caps here, the receive tick set once per socket.
+        self.limits = settings.limits()
+        self._idle_ticks = self.limits.idle_ticks()
+        self._listener = Listener([self._sock, self._unix_sock], self._serve, name, limits=self.limits,
+                                  refuse=self._refuse_at_limit)
 
     @property
     def address(self) -> str:
@@ -179,6 +190,44 @@ class RpcServer:
         except OSError:
             pass
 
+    @staticmethod
+    def _refuse_at_limit(sock: socket.socket, why: str) -> None:
+        body = encoder.encode(Err(LimitExceeded.code, why))
+        refuse_after(sock, HEADER.pack(PROTOCOL_VERSION, 0, len(body), 0) + body)
+
+    def _quiet_tick(self, reader: Reader, peer: str, ticks: list[int]) -> bool:
+        """A receive tick passed with no byte while waiting for a header: whether to keep the
+        connection (`ticks` = [idle ticks, ticks since a header started])."""
+        if reader.end > reader.start:  # a header started and stalled
+            ticks[1] += 1
+            if ticks[1] >= 2:
+                log.info("%s: closing %s: frame header not finished within the header timeout (%.3gs)",
+                         self.name, peer, self.limits.header_timeout_s)
+                return False
+            return True
+        ticks[0] += 1
+        if self._idle_ticks and ticks[0] >= self._idle_ticks:
+            log.debug("%s: closing %s: idle for %.3gs", self.name, peer, self.limits.idle_timeout_s)
+            return False
+        return True
+
+    def _recv_message(self, sock: socket.socket, reader: Reader, msg_len: int) -> bytearray:
+        """A message longer than the read-ahead buffer, grown as its bytes arrive (an announced
+        length alone allocates nothing), at the minimum body rate (`transfer.framing.Limits`)."""
+        body = bytearray(reader.view[reader.start:reader.end])
+        reader.start = reader.end
+        rate, grace = self.limits.min_rate, self.limits.header_timeout_s
+        t0 = time.monotonic()
+        while len(body) < msg_len:
+            part = sock.recv(min(msg_len - len(body), 1 << 20))  # a silent tick raises BlockingIOError
+            if not part:
+                raise ConnectionError("peer closed the connection mid-message")
+            body += part
+            late = time.monotonic() - t0 - grace
+            if rate and late > 0 and len(body) < rate * late:
+                raise Stalled(f"message body arrives slower than min_body_rate ({len(body)} of {msg_len} bytes)")
+        return body
+
     def _serve(self, sock: socket.socket, addr: Any) -> None:
         if sock.family == socket.AF_UNIX:
             pid = peer_pid(sock)
@@ -197,6 +246,8 @@ class RpcServer:
         unpack_from = HEADER.unpack_from
         decode = request_decoder.decode
         me = threading.get_ident()
+        ticks = [0, 0]  # receive ticks with no byte: while idle, since a header started
+        pace = self.limits.min_per_tick
         try:
             while True:
                 busy.discard(me)
@@ -209,8 +260,13 @@ class RpcServer:
                             spinning.discard(me)
                     else:
                         reader.fill(hsize)
+                except BlockingIOError:  # a receive tick passed without a byte
+                    if self._quiet_tick(reader, peer, ticks):
+                        continue
+                    return
                 except (ConnectionError, OSError):
                     return
+                ticks[0] = ticks[1] = 0
                 busy.add(me)
                 now = policy.request_from(me)
                 conn.flags = FLAG_SPIN if spin.cap and policy.sole_client(now) else 0
@@ -225,15 +281,9 @@ class RpcServer:
                     reader.fill(msg_len)
                     body = reader.view[reader.start:reader.start + msg_len]
                     reader.start += msg_len
-                else:  # grown as its bytes arrive: an announced length alone allocates nothing
-                    body = bytearray(reader.view[reader.start:reader.end])
-                    reader.start = reader.end
-                    while len(body) < msg_len:
-                        part = sock.recv(min(msg_len - len(body), 1 << 20))
-                        if not part:
-                            raise ConnectionError("peer closed the connection mid-message")
-                        body += part
-                payload = Payload(sock, payload_len, reader, spin=bool(conn.flags & FLAG_SPIN))
+                else:
+                    body = self._recv_message(sock, reader, msg_len)
+                payload = Payload(sock, payload_len, reader, spin=bool(conn.flags & FLAG_SPIN), pace=pace)
                 conn.oneway = bool(flags & FLAG_ONEWAY)
                 conn.replied = False
                 try:
@@ -244,6 +294,11 @@ class RpcServer:
                     continue
                 del body  # a view of the buffer, which the next recv reuses
                 self._dispatch(msg, payload, conn)
+        except Stalled as exc:
+            log.info("%s: cut the connection from %s: %s", self.name, peer, exc)
+        except BlockingIOError:
+            log.info("%s: cut the connection from %s: a receive or send tick (%.3gs) passed without progress "
+                     "mid-frame", self.name, peer, self.limits.header_timeout_s)
         except (ConnectionError, OSError) as exc:
             log.debug("%s: connection from %s ended: %s", self.name, peer, exc)
         finally:
