@@ -8,22 +8,50 @@
   outside the lock, each removal naming the put that wrote the copy; runs drain copies.
 - `make_room_locked`: when no node can take a new object, evict LRU unleased replicas from
   the roomiest node; `AllPinned` when only leased objects stand in the way.
-Eviction order is the master's own access recency (it sees every lookup); each node's store
-additionally evicts by its own policy (s3fifo/LRU) under local pressure and reports it.
+Eviction order is the master's own access recency (it sees every lookup), fair across tenants
+(`fair_order`: the least recently used object of the tenant holding the most bytes on that node
+goes first, so one tenant's flood evicts its own objects before another's working set); each
+node's store additionally evicts by its own policy (fair too, `kvpool.tiers.policy.FairPolicy`)
+under local pressure and reports it.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
+from typing import Any, Iterable, Iterator
 
 from kvpool.errors import AllPinned
 from kvpool.master.migration import Migration
 from kvpool.master.state import MasterState
 from kvpool.master.tables import COMPLETE, NODE_UP, PENDING
+from kvpool.tiers.policy import tenant_of
 
 log = logging.getLogger("kvpool.master.service")
+
+
+def fair_order(objects: Iterable[Any]) -> Iterator[Any]:
+    """`objects` (with `key`, `size`, `last_access`) in eviction order: each next one is the least
+    recently used of the tenant that holds the most bytes among those not yet yielded."""
+    by_tenant: dict[str, list[Any]] = {}
+    for obj in objects:
+        by_tenant.setdefault(tenant_of(obj.key), []).append(obj)
+    if len(by_tenant) == 1:  # one tenant (authentication off): plain LRU
+        yield from sorted(next(iter(by_tenant.values())), key=lambda o: o.last_access)
+        return
+    heap = []
+    for tenant, objs in by_tenant.items():
+        objs.sort(key=lambda o: o.last_access, reverse=True)  # pop() gives the oldest
+        heap.append((-sum(o.size for o in objs), tenant))
+    heapq.heapify(heap)
+    while heap:
+        neg_bytes, tenant = heapq.heappop(heap)
+        obj = by_tenant[tenant].pop()
+        yield obj
+        if by_tenant[tenant]:
+            heapq.heappush(heap, (neg_bytes + obj.size, tenant))
 
 
 class Housekeeping:
@@ -39,7 +67,7 @@ class Housekeeping:
             return
         node = max(candidates, key=lambda n: n.free)
         pinned = False
-        mine = sorted((o for o in st.objects.values() if node.node_id in o.replicas), key=lambda o: o.last_access)
+        mine = fair_order(o for o in st.objects.values() if node.node_id in o.replicas and o.state == COMPLETE)
         for obj in mine:
             if node.free >= size:
                 return
@@ -74,8 +102,8 @@ class Housekeeping:
                 cap = node.total_capacity
                 if cap and node.used > st.high_watermark * cap:
                     target = node.used - int(st.low_watermark * cap)
-                    victims = sorted((o for o in st.objects.values() if node.node_id in o.replicas
-                                      and o.state == COMPLETE and not o.removing), key=lambda o: o.last_access)
+                    victims = fair_order(o for o in st.objects.values() if node.node_id in o.replicas
+                                         and o.state == COMPLETE and not o.removing)
                     for obj in victims:
                         if target <= 0:
                             break

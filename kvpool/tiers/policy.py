@@ -12,6 +12,8 @@ S3-FIFO (Yang et al., SOSP 2023): new keys enter a small FIFO (10% of the bytes)
 from it that was hit meanwhile moves to the main FIFO, otherwise it leaves a ghost entry; a key
 inserted again while it is a ghost goes straight to main. Main is a FIFO with up to 3 second
 chances. One-hit keys of a scan therefore pass through the small queue without flushing main.
+
+`FairPolicy` runs one of these per tenant, so one tenant cannot flush another's hot set.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Protocol
 
+from kvpool.contract import SCOPE_SEP
 from kvpool.errors import InvalidArgument
 
 Evictable = Callable[[str], bool]
@@ -247,6 +250,76 @@ class ARCPolicy:
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
+
+
+def tenant_of(key: str) -> str:
+    """The tenant a stored key belongs to ("<tenant>\\x00<key>", `kvpool.contract`); "" unscoped."""
+    sep = key.find(SCOPE_SEP)
+    return key[:sep] if sep > 0 else ""
+
+
+class FairPolicy:
+    """Eviction fair across tenants: one inner policy per tenant (`tenant_of`), and a victim is
+    taken first from the tenant holding the most bytes of the tier, that is the one most over
+    its fair share (the capacity split evenly among the tenants present). A tenant flooding the
+    tier therefore evicts its own objects before another tenant's working set; within a tenant
+    the inner policy (LRU, S3-FIFO, ARC) decides. With one tenant (authentication off, unscoped
+    keys) it is exactly the inner policy.
+
+    Invariants (besides the Protocol's): `bytes_of(t)` is the sum of the sizes of t's tracked
+    keys; a victim comes from a tenant with at least as many bytes as every tenant that had an
+    evictable key."""
+
+    def __init__(self, make: Callable[[], EvictionPolicy]):
+        self._make = make
+        first = make()
+        self.name = first.name
+        self._tenants: dict[str, EvictionPolicy] = {"": first}
+        self._bytes: dict[str, int] = {"": 0}
+        self._sizes: dict[str, int] = {}
+
+    def bytes_of(self, tenant: str) -> int:
+        return self._bytes.get(tenant, 0)
+
+    def insert(self, key: str, size: int) -> None:
+        tenant = tenant_of(key)
+        policy = self._tenants.get(tenant)
+        if policy is None:
+            policy = self._tenants[tenant] = self._make()
+            self._bytes[tenant] = 0
+        policy.insert(key, size)
+        if key not in self._sizes:
+            self._sizes[key] = size
+            self._bytes[tenant] += size
+
+    def access(self, key: str) -> None:
+        policy = self._tenants.get(tenant_of(key))
+        if policy is not None:
+            policy.access(key)
+
+    def remove(self, key: str) -> None:
+        size = self._sizes.pop(key, None)
+        if size is None:
+            return
+        tenant = tenant_of(key)
+        self._tenants[tenant].remove(key)
+        self._bytes[tenant] -= size
+
+    def evict(self, evictable: Evictable) -> str | None:
+        tenants = self._tenants
+        order = tenants if len(tenants) == 1 else sorted(tenants, key=self._bytes.__getitem__, reverse=True)
+        for tenant in order:
+            victim = tenants[tenant].evict(evictable)
+            if victim is not None:
+                self._bytes[tenant] -= self._sizes.pop(victim)
+                return victim
+        return None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
 
 
 POLICIES: dict[str, type] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "arc": ARCPolicy}

@@ -34,13 +34,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from kvpool.contract import check_stored_key as check_key
+from kvpool.auth import load_keyring
 from kvpool.errors import AllPinned, AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.base import Location, Reservation, readable_view, writable_view
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.hbm import open_hbm
-from kvpool.tiers.policy import make_policy
+from kvpool.tiers.policy import FairPolicy, make_policy
 from kvpool.tiers.ssd import SsdShelf, SsdTier
 from kvpool.tiers.stats import StoreStats
+from kvpool.tiers.tenants import TenantIndex, check_quota, tenant_quotas
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +73,16 @@ class TieredStore:
     def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
                  policy: str = "s3fifo", shm_name: str | None = None, hbm_capacity: int = 0, *,
                  on_event: EventHook | None = None, prefault: bool = True, ssd_durable: bool = False,
-                 index_slots: int = -1):
+                 index_slots: int = -1, quotas: dict[str, tuple[int, int]] | None = None):
+        """`quotas`: tenant -> (bytes, keys) it may hold on this node (0: no limit); a reservation
+        past either raises `QuotaExceeded`. Eviction is fair across tenants (`FairPolicy`)."""
         if ssd_path is not None and ssd_capacity <= 0:
             raise InvalidArgument("an SSD tier needs ssd_capacity > 0")
         self._lock = threading.Lock()
         self._promoted = threading.Condition(self._lock)  # notified when a promotion ends
-        self._dram_policy = make_policy(policy, max(1, dram_capacity))  # validates the name first
+        self.quotas = dict(quotas or {})
+        dram_cap = max(1, dram_capacity)
+        self._dram_policy = FairPolicy(lambda: make_policy(policy, dram_cap))  # validates the name first
         self.policy = policy
         self.dram = DramTier(dram_capacity, shm_name, prefault=prefault, index_slots=index_slots)
         self.ssd: SsdTier | None = None
@@ -90,17 +96,20 @@ class TieredStore:
             self.close()
             raise
         self.on_event = on_event
-        self._entries: dict[str, _Entry] = {}
+        self._entries: TenantIndex = TenantIndex()
         self._stats = StoreStats()
         self._shelf: SsdShelf | None = None
         if self.ssd is not None:  # objects that survived a restart are visible again
-            self._shelf = SsdShelf(self.ssd, make_policy(policy, self.ssd.capacity), self._stats.ssd)
+            ssd_cap = self.ssd.capacity
+            self._shelf = SsdShelf(self.ssd, FairPolicy(lambda: make_policy(policy, ssd_cap)), self._stats.ssd)
             for key, size in self.ssd.keys():
                 self._entries[key] = _Entry(size, ssd=True)
 
     @classmethod
     def from_settings(cls, settings: Any, **kwargs: Any) -> "TieredStore":
         """A store sized from `kvpool.config.Settings` (dram/ssd/hbm capacity, ssd_path, eviction)."""
+        if "quotas" not in kwargs and getattr(settings, "auth_file", None):
+            kwargs["quotas"] = tenant_quotas(load_keyring(settings.auth_file))
         return cls(settings.dram_capacity, ssd_path=settings.ssd_path,
                    ssd_capacity=settings.ssd_capacity if settings.ssd_path else 0,
                    policy=settings.eviction, hbm_capacity=settings.hbm_capacity,
@@ -184,9 +193,17 @@ class TieredStore:
             raise ObjectTooLarge(f"object of {size} bytes exceeds the DRAM tier ({self.dram.capacity} bytes)")
         if key in self._entries:
             raise AlreadyExists(f"key {key!r} is being written or removed; retry later")
+        if self.quotas:
+            check_quota(self.quotas, self._entries.usage, key, size)
         res = self._make_room(key, size, events)
         self._entries[key] = _Entry(size, writing=True)
         return res
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(bytes, keys) `tenant` holds in this store ("" for unscoped keys)."""
+        with self._lock:
+            used = self._entries.usage.get(tenant, (0, 0))
+            return used[0], used[1]
 
     def _make_room(self, key: str, size: int, events: list) -> Reservation:
         """A DRAM reservation of `size` bytes, evicting (demoting) unpinned objects as needed."""

@@ -38,7 +38,8 @@ class Served:
     def __init__(self, keyring: Path, log: Path, *args: str):
         self.log = log
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("kvpool")), "--log-level", "INFO", "serve", "--port", "0", *args],
+            [str(Path(sys.executable).with_name("kvpool")), "--log-level", "INFO", "serve", "--port", "0",
+             "--admin-port", "0", *args],
             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
             env=clean_env(KVPOOL_AUTH_FILE=str(keyring)))
         line = self.proc.stdout.readline().strip()

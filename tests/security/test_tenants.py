@@ -134,3 +134,61 @@ def test_shm_fast_path_serves_a_tenant_its_own_scoped_keys(pool):
         with kvpool.connect(pool.address, credential=cred("beta")) as beta:
             assert beta.get("shm/own") is None  # beta's scoped lookup finds nothing
             assert not any("shm/own" in k for nc in beta._nodes.values() for k in nc.touched)
+
+
+@pytest.fixture(scope="module")
+def quota_pool(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pool-quotas")
+    keyring = write_keyring(tmp / "keyring.toml", {"acme": {"quota_bytes": "1MiB", "quota_keys": 40},
+                                                   "beta": {"quota_keys": 3}})
+    served = Served(keyring, tmp / "serve.log", "--dram-capacity", "32MiB")
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+def test_quotas_answer_quota_exceeded_and_count_per_tenant(quota_pool):
+    from kvpool.errors import QuotaExceeded
+
+    with kvpool.connect(quota_pool.address, credential=cred("acme")) as acme, \
+            kvpool.connect(quota_pool.address, credential=cred("beta")) as beta:
+        for i in range(3):
+            acme.put(f"q/{i}", b"x" * (300 << 10))
+        with pytest.raises(QuotaExceeded, match="quota_bytes"):
+            acme.put("q/3", b"x" * (300 << 10))  # 1.2 MiB > 1 MiB
+        assert acme.get("q/3") is None
+        assert acme.put_batch([("q/small", b"s" * 1000)]) == [None]  # what still fits is taken
+        for i in range(3):
+            beta.put(f"k/{i}", b"y")
+        with pytest.raises(QuotaExceeded, match="quota_keys"):
+            beta.put("k/3", b"y")
+        assert beta.remove("k/0")  # freeing a key frees its quota
+        beta.put("k/3", b"y")
+        # another tenant's quota is not this one's: an unquota'd principal is unaffected
+        with kvpool.connect(quota_pool.address, credential=cred("ops")) as ops:
+            ops.put("big", b"z" * (2 << 20))
+            assert ops.get("big") == b"z" * (2 << 20)
+        acme.remove("q/0")
+        acme.put("q/3", b"x" * (300 << 10))
+
+
+def test_a_tenants_flood_does_not_flush_another_tenants_working_set(pool):
+    """beta's hot working set (4 MiB) survives acme writing (and re-reading) 48 MiB through a
+    32 MiB pool: eviction takes acme's own objects first."""
+    chunk = 256 << 10
+    with kvpool.connect(pool.address, credential=cred("beta")) as beta, \
+            kvpool.connect(pool.address, credential=cred("acme")) as acme:
+        hot = {f"hot/{i}": os.urandom(chunk) for i in range(16)}
+        assert beta.put_batch(list(hot.items())) == [None] * 16
+        for _ in range(2):
+            assert beta.get_batch(list(hot)) == list(hot.values())
+        filler = os.urandom(chunk)
+        for i in range(192):  # acme's flood is hot too: each object read twice right away
+            acme.put(f"flood/{i}", filler)
+            acme.get(f"flood/{i}")
+            acme.get(f"flood/{i}")
+        assert beta.get_batch(list(hot)) == list(hot.values())
+        assert sum(v is not None for v in acme.get_batch([f"flood/{i}" for i in range(192)])) < 192  # it did evict
+        for i in range(192):
+            acme.remove(f"flood/{i}")

@@ -1,0 +1,73 @@
+"""Tenants in one node's store: how much each holds, and its quota.
+
+A tenant's keys are stored scoped, "<tenant>\x00<key>" (`kvpool.contract`, `kvpool.rpc.authz`);
+unscoped keys (authentication off, admins, nodes) count as tenant "". Quotas come from the
+keyring (`quota_bytes`, `quota_keys`) and hold per node: a tenant's use is what this node's store
+holds of it, reserved, stored (DRAM or SSD) or still being removed. Eviction fairness across
+tenants is `kvpool.tiers.policy.FairPolicy`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.auth import Keyring
+from kvpool.errors import QuotaExceeded
+from kvpool.tiers.policy import tenant_of
+
+
+class TenantIndex(dict):
+    """The store's index (key -> entry with a `size`), keeping each tenant's use in step:
+    `usage[tenant] = [bytes, keys]` of its entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.usage: dict[str, list[int]] = {}
+
+    def __setitem__(self, key: str, entry: Any) -> None:
+        if key in self:
+            del self[key]
+        super().__setitem__(key, entry)
+        use = self.usage.setdefault(tenant_of(key), [0, 0])
+        use[0] += entry.size
+        use[1] += 1
+
+    def __delitem__(self, key: str) -> None:
+        entry = self[key]
+        super().__delitem__(key)
+        use = self.usage[tenant_of(key)]
+        use[0] -= entry.size
+        use[1] -= 1
+
+    def pop(self, key: str, *default: Any) -> Any:  # keep `usage` right whichever way an entry goes
+        if key not in self:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        entry = self[key]
+        del self[key]
+        return entry
+
+
+def tenant_quotas(keyring: Keyring | None) -> dict[str, tuple[int, int]]:
+    """tenant -> (quota_bytes, quota_keys) of the keyring's tenants that have a quota."""
+    if keyring is None:
+        return {}
+    return {e.principal.tenant: (e.quota_bytes, e.quota_keys) for e in keyring.entries.values()
+            if e.principal.tenant and (e.quota_bytes or e.quota_keys)}
+
+
+def check_quota(quotas: dict[str, tuple[int, int]], usage: dict[str, list[int]], key: str, size: int) -> None:
+    """Raise `QuotaExceeded` when storing `size` more bytes under `key` takes its tenant past a quota."""
+    tenant = tenant_of(key)
+    quota = quotas.get(tenant)
+    if quota is None:
+        return
+    max_bytes, max_keys = quota
+    used_bytes, used_keys = usage.get(tenant, (0, 0))
+    if max_bytes and used_bytes + size > max_bytes:
+        raise QuotaExceeded(f"tenant {tenant!r} would hold {used_bytes + size} bytes on this node, over its quota "
+                            f"of {max_bytes} (quota_bytes in the keyring); remove some of its keys")
+    if max_keys and used_keys + 1 > max_keys:
+        raise QuotaExceeded(f"tenant {tenant!r} holds {used_keys} keys on this node, its quota (quota_keys in "
+                            "the keyring); remove some of its keys")

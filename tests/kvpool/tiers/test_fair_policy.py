@@ -1,0 +1,61 @@
+"""`FairPolicy` (eviction fair across tenants): the policy Protocol's invariants, and each
+victim comes from the tenant holding the most bytes among those with an evictable key."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.tiers.policy import FairPolicy, make_policy, tenant_of
+
+KEYS = [f"{t}\x00k{i}" if t else f"k{i}" for t in ("", "a", "b") for i in range(6)]
+op = st.tuples(st.sampled_from(["insert", "access", "remove", "evict", "pin", "unpin"]), st.sampled_from(KEYS),
+               st.integers(1, 5))
+
+
+@pytest.mark.parametrize("name", ["lru", "s3fifo", "arc"])
+@settings(max_examples=150, deadline=None)
+@given(program=st.lists(op, max_size=150))
+def test_tracking_exact_pins_respected_and_victims_fair(name, program):
+    policy = FairPolicy(lambda: make_policy(name, 1000))
+    tracked: dict[str, int] = {}
+    pinned: set[str] = set()
+    for action, key, size in program:
+        if action == "insert" and key not in tracked:
+            policy.insert(key, size)
+            tracked[key] = size
+        elif action == "access":
+            policy.access(key)
+        elif action == "remove":
+            policy.remove(key)
+            tracked.pop(key, None)
+        elif action == "pin":
+            pinned.add(key)
+        elif action == "unpin":
+            pinned.discard(key)
+        elif action == "evict":
+            held: dict[str, int] = {}
+            for k, n in tracked.items():
+                held[tenant_of(k)] = held.get(tenant_of(k), 0) + n
+            victim = policy.evict(lambda k: k not in pinned)
+            if victim is None:
+                assert set(tracked) <= pinned
+            else:
+                assert victim in tracked and victim not in pinned
+                candidates = {tenant_of(k) for k in tracked if k not in pinned}
+                assert held[tenant_of(victim)] == max(held[t] for t in candidates)
+                del tracked[victim]
+        assert len(policy) == len(tracked)
+        assert all(k in policy for k in tracked)
+        for tenant in ("", "a", "b"):
+            assert policy.bytes_of(tenant) == sum(n for k, n in tracked.items() if tenant_of(k) == tenant)
+
+
+def test_one_tenant_is_the_inner_policy():
+    fair, plain = FairPolicy(lambda: make_policy("lru", 10)), make_policy("lru", 10)
+    for p in (fair, plain):
+        for k in "abcd":
+            p.insert(k, 1)
+        p.access("a")
+    assert [fair.evict(lambda k: True) for _ in range(4)] == [plain.evict(lambda k: True) for _ in range(4)]
