@@ -18,6 +18,13 @@ encode the answer. KV bytes never travel here (see `kvpool/worker_api.py`).
 While draining, prefill/decode/generate answer 503 `unavailable` ("... draining ..."); streams
 already open run to their end.
 
+Guard (kvpool.http_guard): a request body over 1 MiB is answered 413; with a keyring configured
+(`KVPOOL_AUTH_FILE`), every path but /health needs `Authorization: Bearer <internal token>` (derived
+from the keyring's node secret: the router and these workers share the keyring), else 401.
+
+Tenant: prefill, decode and generate run for the tenant named by the `X-KVPool-Tenant` header
+(the router sets it, next to the bearer token; see `tenants.py`); without it, untenanted.
+
 Errors are `{"code", "message"}` with the status of the `kvpool.errors` class; an unexpected
 exception is logged here and answered 500 `internal`, never a traceback to the client.
 """
@@ -33,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpool import worker_api as m
 from kvpool.errors import KVPoolError
+from kvpool.http_guard import TENANT_HEADER, HttpGuard, internal_token
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,8 @@ async def _ndjson(events: AsyncIterator[m.TokenEvent], worker: Any) -> AsyncIter
 
 def create_app(worker: Any) -> FastAPI:
     app = FastAPI(title=f"kvpool {worker.config.role} worker", version=str(m.WIRE_VERSION))
+    token = internal_token()  # None without a keyring: nothing to check
+    app.add_middleware(HttpGuard, token=lambda: token, what=f"the {worker.config.role} worker")
 
     @app.exception_handler(KVPoolError)
     async def _kvpool_error(request: Request, exc: KVPoolError) -> JSONResponse:
@@ -105,18 +115,18 @@ def create_app(worker: Any) -> FastAPI:
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> Response:
         req = m.decode(await request.body(), m.PrefillRequest)
-        return _json(await worker.prefill(req))
+        return _json(await worker.prefill(req, tenant=request.headers.get(TENANT_HEADER)))
 
     @app.post("/v1/decode")
     async def decode(request: Request) -> StreamingResponse:
         req = m.decode(await request.body(), m.DecodeRequest)
-        stream = await worker.open_decode(req)
+        stream = await worker.open_decode(req, tenant=request.headers.get(TENANT_HEADER))
         return StreamingResponse(_ndjson(stream, worker), media_type=m.NDJSON)
 
     @app.post("/v1/generate")
     async def generate(request: Request) -> StreamingResponse:
         req = m.decode(await request.body(), m.GenerateRequest)
-        stream = await worker.open_generate(req)
+        stream = await worker.open_generate(req, tenant=request.headers.get(TENANT_HEADER))
         return StreamingResponse(_ndjson(stream, worker), media_type=m.NDJSON)
 
     @app.post("/v1/cache/clear")

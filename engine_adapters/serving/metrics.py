@@ -46,7 +46,7 @@ class WorkerMetrics:
         Gauge("kvpool_worker_local_cache_tokens", "Tokens in the local prefix cache", registry=r
               ).set_function(lambda: worker.cache.tokens)
         Gauge("kvpool_worker_corrupt_chunks", "Damaged chunks found in the pool (recomputed)", registry=r
-              ).set_function(lambda: worker.reader.damaged)
+              ).set_function(lambda: worker.damaged_chunks)
         info = Gauge("kvpool_worker_info", "Worker role", ["role"], registry=r)
         info.labels(role=role).set(1)
 

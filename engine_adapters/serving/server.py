@@ -27,6 +27,8 @@ import time
 from typing import Any, Callable, Iterator
 
 from engine_adapters.serving.service import Worker, WorkerConfig
+from kvpool.auth import check_bind, load_keyring
+from kvpool.http_guard import internal_headers
 from kvpool.listen import bind, url_of, write_ready
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,8 @@ class RouterRegistration:
 
         url = self.router_url + path
         try:
-            resp = httpx.post(url, json={"url": self.worker_url}, timeout=self.timeout_s)
+            resp = httpx.post(url, json={"url": self.worker_url}, timeout=self.timeout_s,
+                              headers=internal_headers())  # the router's /admin needs it with a keyring
         except httpx.HTTPError as exc:
             self._failed(f"POST {url}: {type(exc).__name__}: {exc}")
             return False
@@ -171,8 +174,8 @@ def build_worker(config: WorkerConfig, *, model_cache: str | None = None, dtype:
     started = time.perf_counter()
     rm = load_reference_model(cache_dir=model_cache, dtype=dtype)
     log.info("model %s loaded in %.1f s", rm.model_id, time.perf_counter() - started)
-    pool = kvpool.connect(config.pool)
-    return Worker(config, rm, pool)
+    pool = kvpool.connect(config.pool)  # untenanted requests; with a keyring, each tenant gets its own
+    return Worker(config, rm, pool, keyring=load_keyring())
 
 
 def serve(config: WorkerConfig, *, host: str = "127.0.0.1", port: int = 0, ready_file: str | None = None,
@@ -185,6 +188,7 @@ def serve(config: WorkerConfig, *, host: str = "127.0.0.1", port: int = 0, ready
 
     from engine_adapters.serving.app import create_app
 
+    check_bind(host, load_keyring() is not None, "kvpool worker")  # protected mode
     sock = bind(host, port)  # first, so a taken port fails before the slow model load
     if threads:
         import torch

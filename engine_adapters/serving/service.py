@@ -13,6 +13,13 @@ Decode of a handle: the chunks come from the local cache where it has them, the 
 from the pool (all or nothing); the sequence joins the running batch; the tail is released when
 the sequence ends.
 
+Tenants (`tenants.py`): every prefill/decode/generate runs as the tenant the router names (the
+`tenant` argument, from `X-KVPool-Tenant`), in that tenant's namespace, on its pool principal,
+with its chunk MAC key; prefill signs the handle for that tenant and decode refuses, before any
+side effect, a handle without token ids, of another namespace or tenant, or with a bad signature
+(`KVHandle.verify`, `ChunkStore.check_handle`), so `release=true` removes only the tail a valid
+handle names. Without a keyring there is one untenanted namespace, as before.
+
 Draining (SIGTERM, see `server.py`): new prefill/decode/generate calls get `Unavailable`; the
 process exits once `idle()`: nothing accepted is in flight (`admission.py`), nothing in the scheduler.
 
@@ -45,6 +52,7 @@ from engine_adapters.serving.prefix_cache import LocalPrefixCache
 from engine_adapters.serving.runner import ModelRunner
 from engine_adapters.serving.scheduler import Scheduler
 from engine_adapters.serving.sequence import DecodeSequence, PrefillJob
+from engine_adapters.serving.tenants import Tenants, TenantKV
 from kvpool.codec import get_codec
 from kvpool.errors import InvalidArgument, KVPoolError, LayoutMismatch
 
@@ -109,21 +117,25 @@ class _Detokenizer:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, model: Any, pool: Any):
-        from engine_adapters.hf import HFAdapter
-
+    def __init__(self, config: WorkerConfig, model: Any, pool: Any, *, keyring: Any = None,
+                 connect: Any = None):
+        """`pool`: the client of untenanted requests; `keyring` (a `kvpool.auth.Keyring`): serve
+        tenants (`tenants.py`), each on a pool client `connect(credential)` makes (default
+        `kvpool.connect(config.pool, credential=...)`)."""
         self.config = config
         self.rm = model  # engine_adapters.model.ReferenceModel
         self.pool = pool
         namespace = model.namespace(config.chunk_tokens, config.tenant_salt)
         self.namespace = replace(namespace, layout=replace(namespace.layout, codec=config.kv_codec))
         self.layout = self.namespace.layout
-        self.adapter = HFAdapter(pool, model.model, self.namespace)
-        self.reader = self.adapter.store.reader  # the adapters' one chunk reader, and its rule for damage
-        self.cache = LocalPrefixCache(config.local_cache_bytes)
+        self.cache = LocalPrefixCache(config.local_cache_bytes)  # keys are per namespace: tenants never share one
         self.events = EventLog()
         self.cache.add_listener(lambda ev: self.events.append(ev.kind, ev.keys, "local"))
-        self.adapter.add_listener(lambda ev: self.events.append(ev.kind, ev.keys, "pool"))
+        self.tenants = Tenants(model.model, self.namespace, pool, keyring,
+                               on_adapter=lambda ad: ad.add_listener(lambda ev: self.events.append(ev.kind, ev.keys, "pool")),
+                               connect=connect or self._connect)
+        self.adapter = self.tenants.default.adapter  # untenanted requests' adapter
+        self.reader = self.adapter.store.reader  # the adapters' one chunk reader, and its rule for damage
         self.eos = frozenset(model.eos_token_ids)
         self.metrics = WorkerMetrics(config.role, self)
         self.runner = ModelRunner(model.model)
@@ -149,6 +161,17 @@ class Worker:
 
     def stop(self) -> None:
         self.scheduler.stop()
+        self.tenants.close()
+
+    def _connect(self, credential: Any) -> Any:
+        import kvpool
+
+        return kvpool.connect(self.config.pool, credential=credential)
+
+    @property
+    def damaged_chunks(self) -> int:
+        """Chunks that failed verification, over every tenant's reader."""
+        return sum(kv.reader.damaged for kv in self.tenants.all())
 
     def start_drain(self) -> None:
         """Refuse new prefill/decode/generate calls from now on; what was accepted runs to its end."""
@@ -239,28 +262,28 @@ class Worker:
             raise InvalidArgument(f"this is a {self.config.role} worker; that call needs role {' or '.join(roles)}")
 
     # -- prefill -------------------------------------------------------------------------------
-    def _find_prefix(self, ids: list[int]) -> _Prefix:
-        keys = self.adapter.chunk_keys(ids)
+    def _find_prefix(self, kv: TenantKV, ids: list[int]) -> _Prefix:
+        keys = kv.adapter.chunk_keys(ids)
         local = self.cache.get_run(keys)
         fetched: list[Any] = []
         fetch_ms = 0.0
         if len(local) < len(keys):
             started = time.perf_counter()
-            in_pool = self.reader.match(keys)
+            in_pool = kv.reader.match(keys)
             if in_pool > len(local):
-                fetched = [view.as_torch() for view in self.reader.run(keys[len(local):in_pool])]
+                fetched = [view.as_torch() for view in kv.reader.run(keys[len(local):in_pool])]
             fetch_ms = (time.perf_counter() - started) * 1e3
             if fetched:
                 self.cache.put_many(zip(keys[len(local):], fetched))
         return _Prefix(keys, local + fetched, len(local), len(fetched), fetch_ms)
 
-    async def run_prefill(self, ids: list[int], request_id: str,
-                          params: SamplingParams | None = None) -> tuple[PrefillJob, _Prefix]:
+    async def run_prefill(self, ids: list[int], request_id: str, params: SamplingParams | None = None,
+                          kv: TenantKV | None = None) -> tuple[PrefillJob, _Prefix]:
         """Find the cached prefix, compute the rest; the job holds the cache, the last logits and
         the first token (picked per `params`)."""
         self._unsubmitted_tokens += len(ids)  # event loop only: no lock
         try:
-            prefix = await asyncio.to_thread(self._find_prefix, ids)
+            prefix = await asyncio.to_thread(self._find_prefix, kv or self.tenants.default, ids)
             cached = len(prefix.chunks) * self.layout.chunk_tokens
             usable = min(cached, len(ids) - 1)  # compute at least one token: its logits give the first token
             cache = await asyncio.to_thread(cache_from_chunks, prefix.chunks, usable)
@@ -271,26 +294,29 @@ class Worker:
         await asyncio.wrap_future(job.future)
         return job, prefix
 
-    def _publish(self, ids: list[int], job: PrefillJob, prefix: _Prefix, request_id: str | None) -> Any:
+    def _publish(self, kv: TenantKV, ids: list[int], job: PrefillJob, prefix: _Prefix, request_id: str | None) -> Any:
         """New full chunks into the local cache; missing chunks (and the tail) into the pool."""
         c = self.layout.chunk_tokens
         full = len(ids) // c
         have = len(prefix.chunks)
         if full > have:
             self.cache.put_many(zip(prefix.keys[have:full], chunks_from_cache(job.cache, have, full, c)))
-        return self.adapter.save(ids, job.cache, request_id=request_id, start_token=0)
+        return kv.adapter.save(ids, job.cache, request_id=request_id, start_token=0)
 
-    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+    async def prefill(self, req: PrefillRequest, tenant: str | None = None) -> PrefillResponse:
         self._require("prefill", "both")
         started = time.perf_counter()
         ids = self._check_tokens(list(req.token_ids))
         params = sampling.check(req.sampling)
         rid = _unique(req.request_id)
         with self.admission.request():
-            job, prefix = await self.run_prefill(ids, rid, params)
+            kv = await asyncio.to_thread(self.tenants.get, tenant)
+            job, prefix = await self.run_prefill(ids, rid, params, kv)
             pushed = time.perf_counter()
-            saved = await asyncio.to_thread(self._publish, ids, job, prefix, rid)
-            handle = self.adapter.make_handle(ids, saved)
+            saved = await asyncio.to_thread(self._publish, kv, ids, job, prefix, rid)
+            handle = kv.adapter.make_handle(ids, saved)
+            if kv.handle_key is not None:  # with a keyring: only this tenant's decode workers accept it
+                handle = handle.signed(kv.handle_key, kv.tenant)
             head = self._prefill_response(rid, ids, job, prefix, handle, started)
             head.push_ms = round((time.perf_counter() - pushed) * 1e3, 3)
             return head
@@ -322,37 +348,40 @@ class Worker:
                                fetch_ms=round(prefix.fetch_ms, 3), compute_ms=round(job.compute_s * 1e3, 3))
 
     # -- decode --------------------------------------------------------------------------------
-    def _load_handle(self, handle: KVHandle) -> Any:
-        self.adapter.store.check_handle(handle)
+    def _load_handle(self, kv: TenantKV, handle: KVHandle) -> Any:
+        kv.adapter.store.check_handle(handle)
         keys = list(handle.chunk_keys)
         local = self.cache.get_run(keys)
         rest = keys[len(local):]
         wanted = rest + ([handle.tail_key] if handle.tail_key else [])
         tokens = [self.layout.chunk_tokens] * len(rest) + ([handle.tail_tokens] if handle.tail_key else [])
-        fetched = [view.as_torch() for view in self.reader.exact(wanted, tokens)]
+        fetched = [view.as_torch() for view in kv.reader.exact(wanted, tokens)]
         self.cache.put_many(zip(rest, fetched[:len(rest)]))
         self.metrics.decode_loaded(len(local) * self.layout.chunk_tokens,
                                    handle.num_tokens - len(local) * self.layout.chunk_tokens)
         return cache_from_chunks(local + fetched, handle.num_tokens)
 
-    def _release(self, handle: KVHandle) -> None:
+    def _release(self, kv: TenantKV, handle: KVHandle) -> None:
         try:
-            self.adapter.release_handle(handle)
+            kv.adapter.release_handle(handle)
         except KVPoolError as exc:  # the tail's lease reclaims it anyway
             log.warning("could not release the tail of %s: %s", handle.request_id, exc)
 
-    async def open_decode(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
+    async def open_decode(self, req: DecodeRequest, tenant: str | None = None) -> AsyncIterator[TokenEvent]:
         """Validate, load the KV and join the batch; the returned iterator streams the tokens.
 
         Errors before the stream starts (bad handle, KV gone) raise here, so the HTTP layer can
-        answer with a status code; later errors end the stream with an error line.
+        answer with a status code; later errors end the stream with an error line. The handle is
+        checked before any side effect (a refused handle releases nothing).
         """
         self._require("decode", "both")
-        handle = req.handle.validate()
-        if handle.namespace != self.namespace.hex():
+        kv = await asyncio.to_thread(self.tenants.get, tenant)
+        handle = req.handle.validate().verify(kv.handle_key, kv.tenant)
+        if handle.namespace != kv.namespace.hex():
             raise LayoutMismatch("the KV handle was written by another model, dtype, chunk size or tenant")
         if handle.num_tokens <= 0:
             raise InvalidArgument("the KV handle covers no tokens")
+        kv.adapter.store.check_handle(handle)  # token ids required; keys and tail re-derived from them
         self._check_tokens([req.first_token])
         if req.max_tokens < 1:
             raise InvalidArgument("max_tokens must be >= 1")
@@ -364,20 +393,20 @@ class Worker:
         try:
             if req.first_token in stop or req.max_tokens == 1:
                 if req.release:
-                    await asyncio.to_thread(self._release, handle)
+                    await asyncio.to_thread(self._release, kv, handle)
                 reason = "stop" if req.first_token in stop else "length"
                 done = TokenEvent(request_id=rid, done=True, finish_reason=reason)
                 return self.admission.watch(_single(done), slot)
             try:
-                cache = await asyncio.to_thread(self._load_handle, handle)
+                cache = await asyncio.to_thread(self._load_handle, kv, handle)
             except BaseException:
                 if req.release:
-                    await asyncio.to_thread(self._release, handle)
+                    await asyncio.to_thread(self._release, kv, handle)
                 raise
         except BaseException:
             slot.release()
             raise
-        on_done = (lambda: self._release(handle)) if req.release else None
+        on_done = (lambda: self._release(kv, handle)) if req.release else None
         events = self._stream(rid, cache, req.first_token, req.max_tokens - 1, stop, params, on_done)
         return self.admission.watch(events, slot)
 
@@ -421,7 +450,7 @@ class Worker:
                 await asyncio.to_thread(on_done)
 
     # -- generate: prefill and decode here, no pool round trip ----------------------------------
-    async def open_generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def open_generate(self, req: GenerateRequest, tenant: str | None = None) -> AsyncIterator[TokenEvent]:
         """Role `both`, and `decode` (a router's short uncached prompts). The stream counts as open
         from acceptance, its prefill included."""
         self._require("decode", "both")
@@ -433,9 +462,10 @@ class Worker:
         rid = _unique(req.request_id)
         slot = self.admission.open_stream()
         try:
-            job, prefix = await self.run_prefill(ids, rid, params)
+            kv = await asyncio.to_thread(self.tenants.get, tenant)
+            job, prefix = await self.run_prefill(ids, rid, params, kv)
             # Full chunks still go to the local cache and the pool (prefix reuse); no tail, no handle.
-            await asyncio.to_thread(self._publish, ids, job, prefix, None)
+            await asyncio.to_thread(self._publish, kv, ids, job, prefix, None)
             head = self._prefill_response(rid, ids, job, prefix, None, started)
         except BaseException:
             slot.release()

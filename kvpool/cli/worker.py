@@ -1,13 +1,42 @@
 """`kvpool worker`: a reference prefill / decode worker on the reference model.
 
 The CLI is the one place in `kvpool` that sees `engine_adapters` (imported on use).
+
+The tenant salt is a secret (it keys the namespace), so it never comes from argv, which any local
+user reads in `ps`: `--tenant-salt-file FILE` or `KVPOOL_TENANT_SALT`. With a keyring
+(`KVPOOL_AUTH_FILE`) a worker derives each tenant's salt itself (engine_adapters/serving/tenants.py).
 """
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from kvpool.config import load_settings, parse_size
+
+TENANT_SALT_ENV = "KVPOOL_TENANT_SALT"
+
+
+def _refuse_salt_on_argv(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        raise click.UsageError(f"--tenant-salt is no longer accepted: a salt on the command line is visible to "
+                               f"every local user (ps). Put it in a file readable only by you and pass "
+                               f"--tenant-salt-file FILE, or set {TENANT_SALT_ENV}.")
+
+
+def read_tenant_salt(path: str | None) -> str:
+    """The salt from `path` (stripped of surrounding whitespace), else from `KVPOOL_TENANT_SALT`, else ""."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                salt = f.read().strip()
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint="--tenant-salt-file")
+        if not salt:
+            raise click.BadParameter(f"{path} is empty", param_hint="--tenant-salt-file")
+        return salt
+    return os.environ.get(TENANT_SALT_ENV, "")
 
 
 @click.command()
@@ -27,7 +56,11 @@ from kvpool.config import load_settings, parse_size
               help="Prefill at most this many tokens between decode steps (default: whole prompt on 'prefill'; "
                    "512 on 'both' and 'decode').")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--tenant-salt", default="", help="Keeps this tenant's KV apart from others'.")
+@click.option("--tenant-salt-file", type=click.Path(dir_okay=False), metavar="FILE",
+              help=f"File holding the salt that keeps this tenant's KV apart from others' (or set {TENANT_SALT_ENV}; "
+                   "never on the command line). With a keyring, tenants' salts are derived per request instead.")
+@click.option("--tenant-salt", expose_value=False, hidden=True, callback=_refuse_salt_on_argv,
+              help="Removed: use --tenant-salt-file or KVPOOL_TENANT_SALT.")
 @click.option("--kv-codec", default="none", show_default=True, metavar="CODEC",
               help="How KV chunks are stored in the pool: none (lossless), int8, fp8, or one of those + '+zstd' "
                    "(`kvpool bench codec` measures what each costs). Part of the namespace: workers of different "
@@ -45,7 +78,7 @@ from kvpool.config import load_settings, parse_size
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="KVPOOL_CONFIG",
               help="Settings file (JSON or TOML).")
 def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch, max_kv_tokens,
-           prefill_chunk_tokens, dtype, tenant_salt, kv_codec, model_cache, ready_file, router_url, drain_timeout, threads,
+           prefill_chunk_tokens, dtype, tenant_salt_file, kv_codec, model_cache, ready_file, router_url, drain_timeout, threads,
            config_file) -> None:
     """Serve a reference worker's HTTP API (/v1/prefill, /v1/decode, /v1/generate, /load, /metrics).
 
@@ -58,7 +91,8 @@ def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch,
     config = WorkerConfig(role=role, pool=pool_address or settings.master, chunk_tokens=settings.chunk_tokens,
                           local_cache_bytes=parse_size(local_cache), max_batch=max_batch,
                           max_kv_tokens=max_kv_tokens or None,
-                          prefill_chunk_tokens=prefill_chunk_tokens, tenant_salt=tenant_salt, kv_codec=kv_codec)
+                          prefill_chunk_tokens=prefill_chunk_tokens, tenant_salt=read_tenant_salt(tenant_salt_file),
+                          kv_codec=kv_codec)
     serve(config, host=settings.host, port=port, ready_file=ready_file, model_cache=model_cache, dtype=dtype,
           on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"), router=router_url,
           drain_timeout=drain_timeout, threads=threads)
