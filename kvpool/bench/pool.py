@@ -18,6 +18,12 @@ Correctness is checked, not assumed: every key holds distinct bytes, the warm-up
 of every system and compares it, and each timed repetition compares the last value it read.
 Goals (issue): TCP get >= 1.3x Mooncake at >= 1 MiB and >= 1x at 64 KiB (single and batched);
 shm get >= 3x Mooncake's TCP; ahead of Redis at every size. They are printed as notes.
+
+`--auth` also runs a second `kvpool serve` with a keyring (issue 13) and a tenant client of it
+over TCP and same-host (`ours_tcp+auth`, `ours_shm+auth`), each compared with its counterpart
+without authentication in the same run (goal: under 5% cost). What authentication adds per
+operation: a role check and the tenant's key scoping on each request; the HMAC handshake runs
+once per connection, and no MAC is computed over bulk bytes on this path.
 """
 
 from __future__ import annotations
@@ -59,10 +65,12 @@ SAME_HOST_PEERS = ("redis_unix",)  # compared with ours_shm only
 class PoolProcess:
     """`kvpool serve` on a free loopback port in a child process."""
 
-    def __init__(self, dram_capacity: int):
+    def __init__(self, dram_capacity: int, auth_file: str | None = None):
         exe = Path(sys.executable).with_name("kvpool")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from kvpool.cli import main; main()"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+        if auth_file:
+            env["KVPOOL_AUTH_FILE"] = auth_file
         self.proc = subprocess.Popen(
             cmd + ["--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", "0", "--admin-port", "0",
                    "--dram-capacity", str(dram_capacity)],
@@ -78,18 +86,21 @@ class PoolProcess:
 
 
 ENGINE = "ours_tcp-engine"
-SHARES_POOL = ("ours_shm", ENGINE)  # clients of ours_tcp's pool: nothing of their own to load or clean
+AUTH = "+auth"  # suffix of the systems whose pool has a keyring (--auth)
+# clients of ours_tcp's pool (or of ours_tcp+auth's): nothing of their own to load or clean
+SHARES_POOL = ("ours_shm", ENGINE, "ours_shm" + AUTH)
 
 
 class Ours:
     """The SDK client as a bench system; `use_shm=False` forces every request over TCP;
     `data_path="engine"` moves the bytes through the transfer engine (over TCP)."""
 
-    def __init__(self, address: str, use_shm: bool, name: str, data_path: str = "rpc"):
+    def __init__(self, address: str, use_shm: bool, name: str, data_path: str = "rpc", credential: Any = None):
         import kvpool
 
         self.name = name
-        self.client = kvpool.connect(address, use_shm=use_shm, data_path=data_path, transports=("tcp",))
+        self.client = kvpool.connect(address, use_shm=use_shm, data_path=data_path, transports=("tcp",),
+                                     credential=credential)
 
     def put(self, key: str, value: np.ndarray) -> None:
         self.client.put_from(key, value)
@@ -193,8 +204,10 @@ def _sizes(text: str) -> list[int]:
 @click.option("--peers", default="redis,mooncake", show_default=True, help="Baselines to run (redis, mooncake).")
 @click.option("--no-put", is_flag=True, help="Measure gets only.")
 @click.option("--no-engine", is_flag=True, help="Leave out the transfer-engine data path (tcp-engine).")
+@click.option("--auth", is_flag=True, help="Also run a pool with a keyring and a tenant client (TCP and shm), "
+              "compared with the pool without (authentication's cost).")
 def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int, batch: int, peers: str,
-         no_put: bool, no_engine: bool) -> None:
+         no_put: bool, no_engine: bool, auth: bool) -> None:
     """SDK put/get GB/s and ops/s (TCP forced and same-host shm) vs Redis and Mooncake Store (TCP)."""
     from kvpool.config import parse_size
 
@@ -217,6 +230,12 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
         for use_shm, name, data_path in ours:
             systems.append(Ours(server.address, use_shm, name, data_path))
             closers.append(systems[-1].close)
+        if auth:
+            secured, credential, cleanup = _auth_pool(max(1 << 30, 4 * working_set))
+            closers.append(cleanup)
+            for use_shm, name in ((False, "ours_tcp"), (True, "ours_shm")):
+                systems.append(Ours(secured.address, use_shm, name + AUTH, "rpc", credential))
+                closers.append(systems[-1].close)
         if "redis" in wanted:
             try:
                 for unix in (False, True):
@@ -249,6 +268,35 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
                 log.warning("cleanup failed", exc_info=True)
     _check_goals(report)
     report.emit(as_json)
+
+
+def _auth_pool(dram_capacity: int) -> tuple[PoolProcess, Any, Callable[[], None]]:
+    """A pool with a keyring of a node and one tenant (a file 0600 in a private temp directory),
+    the tenant's credential, and how to stop it and delete the keyring."""
+    import secrets
+    import shutil
+    import tempfile
+
+    from kvpool.auth import Credential
+
+    folder = tempfile.mkdtemp(prefix="kvpool-bench-auth-")
+    path = os.path.join(folder, "keyring.toml")
+    node, tenant = secrets.token_hex(24), secrets.token_hex(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f'[principals.node]\nrole = "node"\nsecret = "{node}"\n'
+                f'[principals.bench]\nrole = "tenant:bench"\nsecret = "{tenant}"\n')
+    try:
+        server = PoolProcess(dram_capacity, auth_file=path)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+    def cleanup() -> None:
+        server.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    return server, Credential("bench", tenant.encode()), cleanup
 
 
 def _run(report: Report, systems: list[Any], workloads: list[Workload], reps: int, no_put: bool) -> None:
@@ -289,6 +337,8 @@ def _add_rows(report: Report, op: str, w: Workload, figures: dict[str, list[floa
         rows = [p for p in peers if p in figures and (mine == "ours_shm" or p not in SAME_HOST_PEERS)] or [None]
         if mine == ENGINE and "ours_tcp" in figures:  # the two data paths, side by side
             rows.insert(0, "ours_tcp")
+        if mine.endswith(AUTH):  # authentication's cost: against the same path without it
+            rows = [mine.removesuffix(AUTH)] if mine.removesuffix(AUTH) in figures else [None]
         for peer in rows:
             ops_s = [v * 1e9 / w.size for v in figures[mine]]
             extra = {"ops_per_s": round(float(np.median(ops_s)), 1), "count": w.count}
@@ -302,6 +352,10 @@ def _add_rows(report: Report, op: str, w: Workload, figures: dict[str, list[floa
 
 def _check_goals(report: Report) -> None:
     for r in report.results:
+        if r.case.endswith(AUTH) and r.ratio is not None:
+            verdict = "met" if r.ratio >= 0.95 else "MISSED"
+            report.notes.append(f"auth cost {r.case} at {r.size} B: {r.ratio:.3f}x of no auth (goal >= 0.95x) "
+                                f"{verdict}")
         for (case, baseline, lo, hi), goal in GOALS.items():
             if r.case != case or r.baseline != baseline or r.ratio is None:
                 continue
