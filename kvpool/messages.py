@@ -238,11 +238,14 @@ class NodePin(Msg):
 
 
 class Pins(Msg):
-    """offsets[i] == -1 with sizes[i] >= 0: the object is small and follows in the payload."""
+    """offsets[i] == -1 with sizes[i] >= 0: the object is small and follows in the payload.
+    `grants[i]`: the node's READ grant of that range (`transfer.grant`) when its transfer engine
+    requires grants (authentication on); empty otherwise."""
 
     pin_id: int
     offsets: list[int]
     sizes: list[int]  # -1: absent
+    grants: list[bytes] = []
 
 
 class NodeUnpin(Msg):
@@ -281,6 +284,7 @@ class Slot(Msg):
 
     put_id: int
     offset: int
+    grant: bytes = b""  # the node's WRITE grant of [offset, +size) until the put's deadline (auth on)
 
 
 class Slots(Msg):

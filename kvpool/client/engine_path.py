@@ -6,6 +6,10 @@ pin released with the next request (a pinned object is never freed, so a read ne
 another object's bytes). A failed node or transfer is reported to the caller (another replica,
 or that replica fails); the node aborts a reservation whose writer's connection closed or whose
 put timed out. Not thread-safe: the owning client serializes calls.
+
+Authentication on: the engine this path opens proves the same credential as the node RPC
+(`RpcClient.credential`) to the nodes' data servers, and each op carries the node's grant for
+its range (`Pins.grants`, `Slot.grant`): the data server moves nothing without one.
 """
 
 from __future__ import annotations
@@ -35,13 +39,22 @@ class EnginePath:
         self._timeout = timeout
         self._rdma_missing = False
         self.transport = "rdma" if rdma_only else None
+        self._credential: Any = None  # what our own engine proves to nodes: the RPC's credential
 
     def engine(self):
         if self._engine is None:
             from transfer import TransferEngine
 
-            self._engine = TransferEngine(transports=self._transports, timeout=self._timeout).start()
+            cred = self._credential
+            self._engine = TransferEngine(transports=self._transports, timeout=self._timeout,
+                                          credential=(cred.principal, cred.secret) if cred else None).start()
         return self._engine
+
+    def _learn_credential(self, work: Sequence[tuple[NodeConn, list[int]]]) -> None:
+        if self._credential is None and self._engine is None:
+            for conn, _ in work:
+                self._credential = getattr(conn.rpc, "credential", None)
+                break
 
     def has_rdma(self) -> bool:
         """Whether this client's engine has an rdma device (asked once)."""
@@ -70,7 +83,7 @@ class EnginePath:
             if len(ops) == 1:  # a single op runs on this thread: no hand-off to the engine's threads
                 op = ops[0]
                 move = engine.read if op.opcode == READ else engine.write
-                move(op.remote, op.remote_offset, op.local, op.local_offset, op.length, self.transport)
+                move(op.remote, op.remote_offset, op.local, op.local_offset, op.length, self.transport, op.grant)
                 return {}
             batch = engine.submit(ops, self.transport)
         except TransferError as exc:  # a single op's failure, or a batch refused before any byte moved
@@ -90,6 +103,7 @@ class EnginePath:
         Returns (indexes to retry on another replica, addresses of nodes that are gone)."""
         from transfer import READ, Op
 
+        self._learn_credential(work)
         retry: list[int] = []
         dead: list[str] = []
         ops: list[Op] = []
@@ -104,7 +118,8 @@ class EnginePath:
                 continue
             pin_ids.append((conn, pins.pin_id))
             desc = conn.transfer_segment()
-            for i, offset, n in zip(idx, pins.offsets, pins.sizes):
+            grants = pins.grants or [None] * len(idx)
+            for i, offset, n, grant in zip(idx, pins.offsets, pins.sizes, grants):
                 if n < 0:
                     continue
                 if offset < 0:  # could not be pinned (DRAM full of pins): read from SSD, in the reply
@@ -124,7 +139,7 @@ class EnginePath:
                     continue
                 else:
                     dest = views[i]
-                ops.append(Op(READ, dest, 0, desc, offset, n))
+                ops.append(Op(READ, dest, 0, desc, offset, n, grant or None))
                 dests.append((i, dest))
         try:
             failures = self._run(ops)
@@ -149,6 +164,7 @@ class EnginePath:
         (embedded). Returns {(address, i): Placed | EXISTS | a KVPoolError}."""
         from transfer import WRITE, Op
 
+        self._learn_credential(work)
         result: dict[tuple[str, int], Any] = {}
         reserved = []
         ops: list[Op] = []
@@ -168,7 +184,7 @@ class EnginePath:
                 elif slot.offset < 0:
                     result[(conn.address, i)] = EXISTS
                 else:
-                    ops.append(Op(WRITE, views[i], 0, desc, slot.offset, views[i].nbytes))
+                    ops.append(Op(WRITE, views[i], 0, desc, slot.offset, views[i].nbytes, slot.grant or None))
                     owners.append((len(reserved), pos))
             reserved.append(entry)
         failures = self._run(ops)

@@ -5,6 +5,10 @@ node sending a `NodeGet` reply) never sees another object's bytes.
 Invariant: a pin handed to a reader (`hold`) is released exactly once, by the reader (`release`),
 the close of its connection (`conn_closed`) or the end of its lease (`expire`): whoever pops the
 pin id under the lock unpins its keys.
+
+Grants: when the node's transfer engine requires them (authentication on), each pinned range
+handed to a reader comes with a READ grant (`grants`) that expires with the pin's lease, so the
+data server serves that reader exactly the pinned bytes, and only while they are pinned.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ class Pins:
     def __init__(self, store: Any, lease_s: float, visible: Callable[[str], bool] | None = None):
         self.store = store
         self.lease_s = lease_s
+        # (op, offset, length, ttl_s) -> a grant of our transfer segment, or None: no grants
+        self.sign: Callable[[int, int, int, float], bytes | None] | None = None
         self._visible = visible
         self._held: dict[int, tuple[list[str], float]] = {}  # pin id -> (keys, until)
         self._seq = 0
@@ -62,6 +68,16 @@ class Pins:
             offsets.append(loc.offset)
             sizes.append(loc.length)
         return pinned, offsets, sizes, copies
+
+    def grants(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
+        """A READ grant per pinned range (b"" for misses and inline objects), valid for the pin's
+        lease; [] when the transfer engine takes no grants."""
+        sign = self.sign
+        if sign is None:
+            return []
+        from transfer import READ
+
+        return [sign(READ, o, n, self.lease_s) or b"" if n >= 0 and o >= 0 else b"" for o, n in zip(offsets, sizes)]
 
     def unpin(self, keys: list[str]) -> None:
         store = self.store

@@ -26,6 +26,7 @@ from kvpool.config import Settings
 from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import (Bools, Held, Info, NodeCommit, NodeCopy, NodeData, NodeGet, NodeInfo, NodePin, NodeRemove,
                              NodeReserve, NodeStats, NodeUnpin, NodeWrite, Pins, Slots, WriteReply, per_item)
+from kvpool.node import grants
 from kvpool.node.master_channel import MasterChannel
 from kvpool.node.pins import Pins as PinTable
 from kvpool.node.writes import Writes
@@ -150,9 +151,12 @@ class StoreNode:
             if self.engine is None:
                 transports = [t for t in self.settings.transports if t in ("shm", "tcp", "rdma")]
                 self.engine = TransferEngine(name=f"kvpool-{self.node_id}", host=self.settings.host,
-                                             transports=transports or ("tcp",)).start()
+                                             transports=transports or ("tcp",), limits=self.settings.limits(),
+                                             **grants.engine_access(getattr(self.rpc, "keyring", None))).start()
             desc = self.engine.register(self.store.arena.buffer, name=self.segment, shm_path=self.store.arena.path)
             self.transfer_segment = desc.to_bytes()
+            grants.attach(self.engine, self.segment, self.pins, self.writes, getattr(self.rpc, "keyring", None),
+                          self.node_id)
         except Exception as exc:  # an optional path: log and carry on
             log.warning("node %s: transfer engine unavailable (%s); serving over the pool RPC only",
                         self.node_id, exc)
@@ -253,7 +257,7 @@ class StoreNode:
             offsets[i] = -1
         pin_id = self.pins.hold(kept, conn) if kept else 0
         try:
-            conn.reply(Pins(pin_id, offsets, sizes), views)
+            conn.reply(Pins(pin_id, offsets, sizes, self.pins.grants(offsets, sizes)), views)
         finally:
             self.pins.unpin([msg.keys[i] for i in inline])
 

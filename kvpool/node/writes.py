@@ -12,7 +12,14 @@ Invariant: an open reservation lives in `_open` until exactly one of commit, abo
 naming its put, the close of its writer's connection, or its deadline (`put_timeout_s`); whoever
 pops it under the lock finishes it. Known limit: one-sided writes cannot be recalled, so a writer
 must finish within the put timeout; a write landing after its reservation was aborted and reused
-would corrupt the new object.
+would corrupt the new object. With grants (authentication on) the WRITE grant handed out with a
+reservation expires at its deadline, so the data server refuses any later WRITE frame; a frame
+already being received at the deadline can still land (bounded by the minimum body rate).
+
+Deadlines: a `NodeWrite` whose payload is still arriving at its put deadline has its connection
+cut (`Payload.cut`; the reservation is then aborted by the write itself, so no byte lands in a
+reused range), and an open reservation past its deadline is aborted: a stalled writer never
+holds arena space past `put_timeout_s` (checked each heartbeat).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.contract import check_stored_key as check_key
@@ -43,7 +50,8 @@ class _Open:
 class Writes:
     """`store`: the node's `TieredStore`; `master`: the in-process `MasterService` (embedded
     mode) or None; `node_id`, `segment`: what a `Placed` names; `put_timeout_s`: how long an
-    open reservation may wait for its commit."""
+    open reservation may wait for its commit. `sign`: (op, offset, length, ttl_s) -> a grant of
+    the transfer segment, set once the engine is up (None: no grants)."""
 
     def __init__(self, store: Any, node_id: str, segment: str, put_timeout_s: float, master: Any = None):
         self.store = store
@@ -51,8 +59,10 @@ class Writes:
         self.node_id = node_id
         self.segment = segment
         self.put_timeout_s = put_timeout_s
+        self.sign: Callable[[int, int, int, float], bytes | None] | None = None
         self._put_ids: dict[str, int] = {}  # key -> the put that wrote our copy
         self._open: dict[str, _Open] = {}
+        self._filling: dict[int, tuple[float, Payload]] = {}  # NodeWrite payloads being received: id -> (deadline, payload)
         self._lock = threading.Lock()
         self.credential: Any = None  # shown to the source node of a `copy` (the node principal)
 
@@ -143,6 +153,9 @@ class Writes:
             if local:
                 self.master.put_abort(key, put_id)
             raise
+        token = id(payload)
+        with self._lock:
+            self._filling[token] = (time.monotonic() + self.put_timeout_s, payload)
         try:
             payload.read_into(self.store.arena.buffer[res.offset:res.offset + size])
         except BaseException:
@@ -150,6 +163,9 @@ class Writes:
             if local:
                 self.master.put_abort(key, put_id)
             raise
+        finally:
+            with self._lock:
+                self._filling.pop(token, None)
         return self.publish(key, put_id, res.offset, local)
 
     def copy(self, keys: list[str], put_ids: list[int], source: str) -> list[Placed | Err]:
@@ -200,7 +216,12 @@ class Writes:
             self._open[key] = _Open(put_id, res.offset, time.monotonic() + self.put_timeout_s, local, conn)
         if conn is not None:
             conn.state.setdefault("writing", set()).add((key, put_id))
-        return Slot(put_id, res.offset)
+        sign = self.sign
+        if sign is None:
+            return Slot(put_id, res.offset)
+        from transfer import WRITE
+
+        return Slot(put_id, res.offset, sign(WRITE, res.offset, size, self.put_timeout_s) or b"")
 
     def commit(self, key: str, put_id: int, ok: bool, conn: Any) -> Placed | Err:
         """Publish (ok) or abort the open reservation of put `put_id` of `key`."""
@@ -245,6 +266,13 @@ class Writes:
         now = time.monotonic()
         with self._lock:
             stale = [(k, w.put_id) for k, w in self._open.items() if w.deadline <= now]
+            late = [p for deadline, p in self._filling.values() if deadline <= now]
+        for payload in late:
+            # Its thread is blocked receiving into the reservation: cutting the socket wakes it,
+            # and it aborts the reservation itself (nothing else may free a range being written).
+            log.info("node %s: a NodeWrite payload still arriving at its put deadline (%.3gs); closing its connection",
+                     self.node_id, self.put_timeout_s)
+            payload.cut()
         for key, put_id in stale:
             if self.abort(key, put_id):
                 log.info("node %s: reservation of %r (put %d) expired without a commit", self.node_id, key, put_id)

@@ -179,3 +179,11 @@ class Payload:
 
     def drain(self) -> None:
         self.skip(self.remaining)
+
+    def cut(self) -> None:
+        """Close the connection under this payload (from another thread): its reader wakes with
+        an error. For a sender past a deadline."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

@@ -1,0 +1,47 @@
+"""Data-plane grants of one node: how its transfer engine is locked down when a keyring is
+configured, and who signs the ranges it hands out.
+
+With a keyring, the node's transfer engine authenticates every data connection against it
+(any principal of the keyring: a tenant's client reads through it too), proves the node
+principal when it connects out, and serves only granted ranges (`transfer.grant`, signed with
+`kvpool.auth.grant_key` of the node principal's secret). The node signs a READ grant for each
+range it pins for a reader (`Pins.grants`, until the pin's lease ends) and a WRITE grant for
+each reservation (`Writes.open`, until the put's deadline). The RPC that hands the ranges out is
+itself authorized per principal (`kvpool.rpc.authz`): a tenant only ever pins or reserves its
+own keys, so it only ever holds grants to its own objects' bytes.
+
+Without a keyring nothing changes: no handshake, no grants, the data port serves any range
+(and the pool listens on loopback only).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvpool.auth import Keyring, grant_key
+
+log = logging.getLogger("kvpool.node")
+
+
+def engine_access(keyring: Keyring | None) -> dict[str, Any]:
+    """`TransferEngine` keyword arguments for a node's engine: auth, credential, grant key."""
+    if keyring is None:
+        return {}
+    node = keyring.node_credential()
+    return {"auth": keyring.secret, "credential": (node.principal, node.secret), "grant_key": grant_key(node.secret)}
+
+
+def attach(engine: Any, segment: str, pins: Any, writes: Any, keyring: Keyring | None, node_id: str) -> None:
+    """Have `pins` and `writes` sign grants of `segment` when `engine` requires them."""
+    if not getattr(engine, "requires_grants", False):
+        if keyring is not None:
+            log.warning("node %s: authentication is on but the transfer engine passed in takes no grants: its data "
+                        "port serves any range of the arena to whoever reaches it", node_id)
+        return
+
+    def sign(op: int, offset: int, length: int, ttl_s: float) -> bytes | None:
+        return engine.grant(segment, op, offset, length, ttl_s)
+
+    pins.sign = sign
+    writes.sign = sign
