@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "up": "kvpool.cli.up:up",
     "router": "kvpool.cli.router:router",
     "sim": "kvpool.cli.sim:sim",
+    "chaos": "kvpool.cli.chaos:chaos",
 }
 
 

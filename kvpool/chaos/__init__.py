@@ -1,0 +1,8 @@
+"""Chaos campaigns: a real cluster on loopback (etcd, masters, nodes with DRAM and SSD), load
+clients in other processes, a seeded fault schedule, and a checker of what the pool promises.
+
+- `procs`: the processes (start, SIGKILL, SIGSTOP/SIGCONT, restart on the same port).
+- `proxy`: a TCP proxy that delays, blackholes or cuts connections.
+- `cluster`: the cluster and its proxies; `faults`: the schedule; `load`: one load client.
+- `checker`: the promises, checked; `campaign`: all of it, end to end (`kvpool chaos`).
+"""
