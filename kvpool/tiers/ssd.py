@@ -97,6 +97,24 @@ def _private_files(path: str) -> None:
             pass
 
 
+LOCK_FILE_BYTES = 64 << 10  # more than lmdb's reader table for max_readers=512 (~33 KiB)
+
+
+def _reserve_lock_file(path: str) -> None:
+    """Allocate lmdb's lock file before lmdb maps it: lmdb writes it through a shared mapping, and
+    on a full filesystem that is SIGBUS; allocated here, a full disk is an OSError (ENOSPC)."""
+    fd = os.open(os.path.join(path, "lock.mdb"), os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
+    finally:
+        os.close(fd)
+
+
+class DiskFull(CapacityError):
+    """The filesystem under the SSD tier refused a write, though the tier's own account had room
+    (the disk is full or failing); the object is not stored, and freeing tier space does not help."""
+
+
 class SsdTier:
     """Objects in an lmdb environment at `path` holding up to `capacity` bytes of payload."""
 
@@ -121,13 +139,16 @@ class SsdTier:
         self._index: dict[str, tuple[int, int]] = {}  # key -> (payload length, xxh3-64)
         self._used = 0
         try:
-            self.env = lmdb.open(path, map_size=capacity * MAP_FACTOR + MAP_SLACK, max_dbs=2, writemap=True,
+            _reserve_lock_file(path)
+            # No writemap: lmdb would write through a shared mapping of a sparse file, and a full
+            # filesystem answers that with SIGBUS (the node dies); written with pwrite, it is ENOSPC.
+            self.env = lmdb.open(path, map_size=capacity * MAP_FACTOR + MAP_SLACK, max_dbs=2, writemap=False,
                                  sync=durable, metasync=durable, lock=True, max_readers=512, mode=FILE_MODE)
             _private_files(path)
             self._meta = self.env.open_db(b"meta")
             self._data = self.env.open_db(b"data")
             self._recover()
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             os.close(self._lock_fd)
             raise InvalidArgument(f"cannot open the SSD tier at {path}: {exc}") from None
         except BaseException:
@@ -203,6 +224,8 @@ class SsdTier:
                 txn.put(lkey, meta, db=self._meta)
         except lmdb.MapFullError:
             raise CapacityError(f"SSD tier {self.path}: lmdb map full (fragmented); evict and retry") from None
+        except lmdb.Error as exc:  # the filesystem refused the write (ENOSPC, EIO): nothing was committed
+            raise DiskFull(f"SSD tier {self.path}: the write failed: {exc}") from None
         self._index[key] = (src.nbytes, checksum)
         self._used += _accounted(src.nbytes)
 
@@ -294,6 +317,8 @@ class SsdShelf:
             if self.tier.room_for(size):
                 try:
                     self.tier.put(key, view)
+                except DiskFull:  # evicting more would not help: this object is not stored
+                    return False, evicted
                 except CapacityError:  # lmdb map fragmented: free more and retry
                     pass
                 else:
