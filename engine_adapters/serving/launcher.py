@@ -30,7 +30,9 @@ from typing import Callable
 
 import httpx
 
+from kvpool.auth import AUTH_FILE_ENV, load_keyring
 from kvpool.errors import Unavailable
+from kvpool.http_guard import internal_headers
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +217,9 @@ class LocalCluster:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                listed = httpx.get(f"{self.router_url}/admin/workers", timeout=5).json()["workers"]
+                listed = httpx.get(f"{self.router_url}/admin/workers", timeout=5,
+                                   headers=internal_headers(load_keyring(self.env.get(AUTH_FILE_ENV)))
+                                   ).json()["workers"]
                 if want <= {w["url"] for w in listed if w["status"] == "up"}:
                     say(f"router has {len(want)} workers")
                     return

@@ -17,6 +17,7 @@ from kvpool.errors import KVPoolError
 # command name -> "module:attribute"
 COMMANDS: dict[str, str] = {
     "admin": "kvpool.cli.admin:admin",
+    "auth": "kvpool.cli.auth:auth",
     "keys": "kvpool.cli.keys:keys",
     "bench": "kvpool.cli.bench:bench",
     "serve": "kvpool.cli.serve:serve",

@@ -2,11 +2,14 @@
 reference model, the router with its OpenAI API in front), serving until Ctrl-C. `--demo` sends
 two chat requests that share a long prefix through the router with the OpenAI client, prints the
 answers with their TTFT and cached tokens, and stops. `--engine vllm` runs vLLM OpenAI servers
-with the kvpool connector instead of the reference workers (engine_adapters/vllm_serve.py)."""
+with the kvpool connector instead of the reference workers (engine_adapters/vllm_serve.py).
+`--auth-file KEYRING` (from `kvpool auth init`) turns authentication on: every process it starts
+gets KVPOOL_AUTH_FILE, and the router then wants a tenant's API key (docs/security.md)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -88,8 +91,11 @@ def _load_config(path: str | None) -> dict:
               help="--engine vllm: the Python that runs the servers (default: this one; it must import vllm).")
 @click.option("--vllm-arg", "vllm_args", multiple=True, metavar="FLAG",
               help="--engine vllm: extra flag for every vLLM server, e.g. --vllm-arg=--max-num-seqs=8 (repeatable).")
+@click.option("--auth-file", type=click.Path(dir_okay=False, exists=True),
+              help="Keyring (`kvpool auth init`): authentication on every port, API keys at the router; passed "
+                   "to every process as KVPOOL_AUTH_FILE [default: none, everything open on loopback].")
 def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args, worker_args, demo, max_tokens,
-       workdir, ssd_path, engine, dtype, chunk_tokens, vllm_python, vllm_args) -> None:
+       workdir, ssd_path, engine, dtype, chunk_tokens, vllm_python, vllm_args, auth_file) -> None:
     """Start the pool, the workers and the router as separate processes on loopback.
 
     The router's OpenAI-compatible API is at http://127.0.0.1:PORT/v1; Ctrl-C stops everything.
@@ -103,6 +109,13 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
     if port is None:  # the demo needs no fixed port; a server keeps the usual one
         port = 0 if demo else 8000
 
+    api_key = "unused"
+    if auth_file:
+        from kvpool.auth import AUTH_FILE_ENV, Keyring
+
+        keyring = Keyring.load(auth_file)  # a bad or readable file fails here, not in five processes
+        os.environ[AUTH_FILE_ENV] = str(Path(auth_file).resolve())  # inherited by every process started below
+        api_key = next((k for e in keyring.entries.values() for k in e.api_keys), api_key)
     config = _load_config(config_file)
     pool_table = dict(config["pool"])
     if ssd_path:
@@ -140,11 +153,12 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
             click.echo(f"{name:<10} {proc.url}")
         click.echo(f"logs     {workdir}")
         click.echo(f"\nOpenAI API: {base}   (policy {policy}; workers: {cluster.router_url}/admin/workers)")
-        click.echo(f"try: curl -s {base}/chat/completions -H 'content-type: application/json' "
+        auth_header = f"-H 'authorization: Bearer {api_key}' " if auth_file else ""
+        click.echo(f"try: curl -s {base}/chat/completions {auth_header}-H 'content-type: application/json' "
                    f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": "
                    f"\"What is a KV cache?\"}}], \"max_tokens\": 32}}'\n")
         if demo:
-            _demo(base, max_tokens)
+            _demo(base, max_tokens, api_key)
             return
         click.echo("serving; Ctrl-C stops the cluster")
         while True:
@@ -175,13 +189,13 @@ def _worker_tables(tables: list[dict], n_prefill: int | None, n_decode: int | No
     return list(tables)
 
 
-def _demo(base_url: str, max_tokens: int) -> None:
+def _demo(base_url: str, max_tokens: int, api_key: str = "unused") -> None:
     """Two chat requests sharing a long system prompt, through the router with the OpenAI client."""
     import time
 
     from openai import OpenAI
 
-    client = OpenAI(base_url=base_url, api_key="unused")
+    client = OpenAI(base_url=base_url, api_key=api_key)
     model = client.models.list().data[0].id
     for i, question in enumerate(DEMO_QUESTIONS, 1):
         click.echo(f"\n[{i}] {question}\n    ", nl=False)

@@ -7,6 +7,13 @@ parse, call `Router`, shape the answer (see `openai_api.py`).
     POST /admin/workers/drain {"url"}  (no new requests; it leaves once idle)
     DELETE /admin/workers?url=URL      (forget it now)
     GET  /admin/route?prompt=...       (the decision for a prompt, without running it)
+
+Guard: a request body over 1 MiB is answered 413 (kvpool.http_guard, in OpenAI's error shape).
+With a keyring (`KVPOOL_AUTH_FILE`) whose tenants have `api_keys`, `/v1/*` needs
+`Authorization: Bearer <API key>` and runs as that key's tenant (service.py); no key or a wrong
+one is a 401 shaped as OpenAI's. With any keyring, `/admin/*` and `/metrics` need the internal
+token (workers registering themselves hold it; see docs/security.md); `/health` stays open.
+Prompts are tokenized on a thread pool, never on the event loop.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpool import worker_api as wire
+from kvpool.auth import Entry
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.http_guard import HttpGuard, internal_token
 from kvpool.router import openai_api as oa
 from kvpool.router.service import Outcome, Piece, Rejected, Router
 
@@ -66,6 +75,22 @@ def create_app(router: Router) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="kvpool router", lifespan=lifespan)
+    token = internal_token(router.keyring) if router.keyring is not None else None
+    app.add_middleware(HttpGuard, token=lambda: token, what="this router",
+                       needs_token=lambda path: path.startswith("/admin") or path == "/metrics",
+                       error_body=lambda status, code, message: oa.OpenAIError(status, message, code=code).body())
+
+    def tenant_of(request: Request) -> Entry | None:
+        """The keyring entry of the request's API key; None when API keys are off."""
+        if not router.api_keys:
+            return None
+        scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise oa.missing_api_key()
+        entry = router.keyring.tenant_of_api_key(key.strip())
+        if entry is None:
+            raise oa.invalid_api_key(key.strip())
+        return entry
 
     # KVPoolError (OpenAIError included) is an answer, not a crash: handled inside the app. A
     # handler for Exception runs in Starlette's outermost middleware, which re-raises afterwards.
@@ -96,32 +121,36 @@ def create_app(router: Router) -> FastAPI:
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        tenant_of(request)
         name = router.model_name
         data = [] if name is None else [{"id": name, "object": "model", "created": 0, "owned_by": "kvpool"}]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        entry = tenant_of(request)
         req = oa.parse(oa.ChatRequest, await _body(request))
         _check_model(router, req.model)
         try:
-            ids = router.tokenizer.encode_chat(req.chat())
+            ids = await router.tokenized(router.tokenizer.encode_chat, req.chat())
         except ValueError as exc:
             raise oa.bad_request(str(exc), param="messages") from None
-        return await _complete(router, "chat", req, ids, req.token_budget(), router.config.default_max_tokens)
+        return await _complete(router, "chat", req, ids, req.token_budget(), router.config.default_max_tokens,
+                               entry)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        entry = tenant_of(request)
         req = oa.parse(oa.CompletionRequest, await _body(request))
         _check_model(router, req.model)
         if isinstance(req.prompt, str):
-            ids = router.tokenizer.encode(req.prompt)
+            ids = await router.tokenized(router.tokenizer.encode, req.prompt)
         else:
             ids = list(req.prompt)
             if any(t < 0 for t in ids):
                 raise oa.bad_request("prompt token ids must not be negative", param="prompt")
-        return await _complete(router, "completions", req, ids, req.token_budget(), 16)
+        return await _complete(router, "completions", req, ids, req.token_budget(), 16, entry)
 
     @app.get("/admin/workers")
     async def list_workers() -> dict:
@@ -146,7 +175,7 @@ def create_app(router: Router) -> FastAPI:
     async def explain(prompt: str, max_tokens: int = 16) -> dict:
         if router.tokenizer is None:
             raise Unavailable("no worker has registered yet")
-        decision, req, _ = await router.route(router.tokenizer.encode(prompt), max_tokens)
+        decision, req, _ = await router.route(await router.tokenized(router.tokenizer.encode, prompt), max_tokens)
         return {"decision": decision.__dict__, "request": req.__dict__}
 
     return app
@@ -166,7 +195,7 @@ def _check_model(router: Router, model: str) -> None:
 
 
 async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], budget: int | None,
-                    default_budget: int) -> Response:
+                    default_budget: int, entry: Entry | None) -> Response:
     arrived = time.perf_counter()
     context = router.max_positions
     if not ids:
@@ -183,7 +212,7 @@ async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], bud
     shape = oa.Shape(endpoint == "chat", req.model, include_usage=bool(req.stream_options
                                                                        and req.stream_options.include_usage))
     out = Outcome()
-    pieces = router.generate(ids, max_tokens, sampling, out, shape.id)
+    pieces = router.generate(ids, max_tokens, sampling, out, shape.id, entry)
     stops = oa.StopMatcher(req.stop)
     if not req.stream:
         text, finish = "", "stop"

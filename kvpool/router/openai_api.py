@@ -37,6 +37,22 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, param=param, code=code)
 
 
+def missing_api_key() -> OpenAIError:
+    """401 for a request without a key, worded and shaped as OpenAI's (whose code is null)."""
+    err = OpenAIError(401, "You didn't provide an API key. You need to provide your API key in an Authorization "
+                           "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY). Ask the operator of "
+                           "this router for a key.")
+    err.code = None
+    return err
+
+
+def invalid_api_key(presented: str) -> OpenAIError:
+    """401 for a key no tenant holds; shows at most its first 3 and last 4 characters, as OpenAI does."""
+    shown = f"{presented[:3]}***{presented[-4:]}" if len(presented) >= 12 else "***"
+    return OpenAIError(401, f"Incorrect API key provided: {shown}. Ask the operator of this router for a key.",
+                       code="invalid_api_key")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 

@@ -1,6 +1,9 @@
 """Run the router process: bind first (so `--port 0` works and a taken port fails at once), serve
 the app with uvicorn, announce the URL on stdout and, when asked, in a ready file (one atomic
-rename of `{"url", "port", "pid"}`), and stop on SIGINT/SIGTERM."""
+rename of `{"url", "port", "pid"}`), and stop on SIGINT/SIGTERM.
+
+Protected mode: a non-loopback address needs a keyring whose tenants have API keys (else the
+OpenAI API, and through it every worker, would be open to whoever reaches the address)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import threading
 import time
 from typing import Callable
 
+from kvpool.auth import AUTH_FILE_ENV, is_loopback
+from kvpool.errors import InvalidArgument
 from kvpool.listen import bind, url_of, write_ready
 from kvpool.router.app import create_app
 from kvpool.router.service import Router, RouterConfig
@@ -21,11 +26,18 @@ def serve(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0, ready
           on_ready: Callable[[str], None] | None = None) -> None:
     import uvicorn
 
+    router = Router(config)
+    if not router.api_keys and not is_loopback(host):
+        raise InvalidArgument(
+            f"kvpool router: refusing to listen on {host} without API keys (protected mode): anyone who reaches "
+            f"it could use the workers and the pool. Either listen on 127.0.0.1, or create a keyring with tenants "
+            f"(`kvpool auth init --out DIR --tenant NAME`) and set {AUTH_FILE_ENV}=DIR/keyring.toml "
+            "(see docs/security.md).")
     sock = bind(host, port)
     actual = sock.getsockname()[1]
     url = url_of(host, sock)
     loop = "uvloop" if _has("uvloop") else "asyncio"
-    server = uvicorn.Server(uvicorn.Config(create_app(Router(config)), log_level="warning", access_log=False,
+    server = uvicorn.Server(uvicorn.Config(create_app(router), log_level="warning", access_log=False,
                                            loop=loop, http="httptools" if _has("httptools") else "h11",
                                            timeout_graceful_shutdown=5))
 

@@ -10,6 +10,13 @@
               prefill worker, a decode (same handle: the KV is in the pool) on another decode
               worker. After the first token is sent, a failure ends the stream with an error.
 
+Tenants (with a keyring whose tenants have `api_keys`, see app.py): a request runs as the tenant
+its API key names. Its chunk keys are the worker namespace salted with `kvpool.auth.tenant_salt`
+(the same salt the worker derives from the `X-KVPool-Tenant` header), `match_prefix` asks the
+pool as that tenant's principal (one pool client per tenant, made on its first request), and each
+call to a worker carries `X-KVPool-Tenant: <id>` with the internal bearer token (every call to a
+reference worker carries the token when a keyring is configured).
+
 Invariants: the router never holds KV bytes (handles name pool objects); every request it
 counts in flight on a worker (`inflight_*`) is uncounted exactly once, however it ends; the
 cost model only learns from successful prefills.
@@ -19,17 +26,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
+import xxhash
 
 from kvpool import worker_api as wire
+from kvpool.auth import Credential, Entry, load_keyring, tenant_salt
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable, error_from_code
-from kvpool.keys import chunk_keys_hex, parse_namespace_hex
+from kvpool.http_guard import TENANT_HEADER, internal_headers
+from kvpool.keys import NAMESPACE_PREFIX, chunk_keys_hex, parse_namespace_hex
 from kvpool.router.cost import CostModel
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, make_policy, prefill_estimate,
@@ -56,6 +68,8 @@ class RouterConfig:
     workers: list[str] = field(default_factory=list)  # "URL" or "ROLE=URL" (the role: --engine vllm only)
     engine: str = "kvpool"  # the workers' API: "kvpool" (reference workers) or "vllm" (vllm_backend.py)
     vllm: Any = None  # VLLMSettings, with engine "vllm"
+    auth_file: str | None = None  # keyring (default: KVPOOL_AUTH_FILE); its tenants' api_keys admit requests
+    tokenize_threads: int = 4  # prompts are tokenized on these threads, off the event loop
 
 
 @dataclass
@@ -95,13 +109,21 @@ class Router:
         self.metrics = RouterMetrics(self.policy.name, self._pressure, self._worker_counts)
         self.backend = make_backend(config.engine, config.vllm)  # None: the reference workers' API
         self._joining: list[asyncio.Task] = []
+        self.keyring = load_keyring(config.auth_file)
+        # API keys are checked (app.py) exactly when some tenant of the keyring has one.
+        self.api_keys = self.keyring is not None and any(e.api_keys for e in self.keyring.entries.values())
+        self._namespace_doc: dict[str, Any] | None = None
+        self._tenants: dict[str, _Tenant] = {}
+        self._tokenize = ThreadPoolExecutor(max(1, config.tokenize_threads), thread_name_prefix="tokenize")
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "Router":
         # aiohttp, not httpx: its asyncio client costs ~0.5 ms less per call here, and the prefill
         # call is on every request's TTFT.
+        # The internal token goes to reference workers only (a vLLM server has its own --api-key).
+        headers = internal_headers(self.keyring) if self.keyring is not None and self.backend is None else {}
         self.http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=300),
+            headers=headers, connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.config.request_timeout_s))
         self.workers = Workers(self.http, poll_s=self.config.poll_s, fail_after=self.config.fail_after,
                                on_join=self._on_join, on_load=self._on_load, backend=self.backend)
@@ -136,9 +158,16 @@ class Router:
             await self.workers.stop()
         if self.http is not None:
             await self.http.close()
-        if self.pool is not None:
-            with contextlib.suppress(Exception):
-                await self.pool.close()
+        for pool in [self.pool, *(t.pool for t in self._tenants.values())]:
+            if pool is not None:
+                with contextlib.suppress(Exception):
+                    await pool.close()
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+
+    async def tokenized(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        """`fn(*args)` (a tokenizer call) on the tokenizing threads: a 100k-token prompt takes ~0.1 s
+        to render and encode, which must not stall the other requests' streams."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
 
     async def _on_join(self, url: str, info: wire.WorkerInfo) -> None:
         """The first worker teaches the router the model: tokenizer, context, chunking."""
@@ -157,6 +186,7 @@ class Router:
         self.bytes_per_token = info.bytes_per_token
         self.eos_ids = list(info.eos_token_ids)
         self._namespace = parse_namespace_hex(info.namespace)
+        self._namespace_doc = json.loads(info.namespace_doc) if info.namespace_doc else None
         log.info("router serves %s (context %d, chunks of %d tokens)", info.model_id, self.max_positions,
                  self.chunk_tokens)
 
@@ -177,12 +207,49 @@ class Router:
         snap = Snapshot(views, self.cost.params(), self.targets)
         return without_workers(snap, exclude) if exclude else snap
 
-    async def route(self, ids: list[int], max_tokens: int) -> tuple[Decision, RouteRequest, list[str]]:
-        keys = chunk_keys_hex(self._namespace, ids, self.chunk_tokens) if self._namespace else []
+    # -- tenants ------------------------------------------------------------------------------
+    def _tenant(self, entry: Entry | None) -> "_Tenant | None":
+        if entry is None or entry.principal.tenant is None:
+            return None
+        tenant = self._tenants.get(entry.principal.tenant)
+        if tenant is None:
+            salt = tenant_salt(entry.principal.tenant, entry.secret)
+            tenant = self._tenants[entry.principal.tenant] = _Tenant(
+                entry.principal.tenant, Credential(entry.principal.name, entry.secret), salt)
+        if tenant.namespace is None and self._namespace_doc is not None:
+            doc = {**self._namespace_doc, "tenant_salt": tenant.salt}
+            canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            tenant.namespace = xxhash.xxh3_128_digest(NAMESPACE_PREFIX + canonical.encode())
+        return tenant
+
+    async def _pool_of(self, tenant: "_Tenant | None") -> Any:
+        if tenant is None or not self.config.pool:
+            return self.pool
+        if tenant.pool is None:
+            async with tenant.lock:  # one client per tenant, however many first requests race
+                if tenant.pool is None:
+                    from kvpool.client import connect_async
+
+                    tenant.pool = await connect_async(self.config.pool, credential=tenant.credential)
+                    log.info("pool client for tenant %s connected as %s", tenant.id, tenant.credential.principal)
+        return tenant.pool
+
+    def _headers(self, tenant: "_Tenant | None") -> dict[str, str]:
+        return {**_JSON, TENANT_HEADER: tenant.id} if tenant is not None and self.backend is None else _JSON
+
+    async def route(self, ids: list[int], max_tokens: int,
+                    tenant: "_Tenant | None" = None) -> tuple[Decision, RouteRequest, list[str]]:
+        namespace = self._namespace
+        if tenant is not None:
+            # A worker that does not describe its namespace cannot be salted per tenant: no keys,
+            # so nothing is matched (never another tenant's prefix).
+            namespace = tenant.namespace
+        keys = chunk_keys_hex(namespace, ids, self.chunk_tokens) if namespace else []
         pool_chunks = 0
-        if keys and self.pool is not None:
+        if keys and self.config.pool:
             try:
-                pool_chunks = await self.pool.match_prefix(keys)
+                pool = await self._pool_of(tenant)
+                pool_chunks = await pool.match_prefix(keys)
             except KVPoolError as exc:  # a pool outage costs reuse, not the request
                 log.warning("match_prefix failed, routing as if nothing were cached: %s", exc)
         self._seq += 1
@@ -193,13 +260,16 @@ class Router:
 
     # -- execution -----------------------------------------------------------------------------
     async def generate(self, ids: list[int], max_tokens: int, sampling: wire.SamplingParams,
-                       out: Outcome, request_id: str) -> AsyncIterator[Piece]:
-        """Route and run one request; yields text pieces, the last with its finish reason.
+                       out: Outcome, request_id: str, entry: Entry | None = None) -> AsyncIterator[Piece]:
+        """Route and run one request (for the tenant of keyring `entry`, if given); yields text
+        pieces, the last with its finish reason.
 
         Raises `OpenAIError`-mappable `KVPoolError`s before the first piece (429 reject, 503 no
         worker); after it, a failure raises too and the HTTP layer ends the stream with an error."""
         started = time.perf_counter()
-        decision, req, keys = await self.route(ids, max_tokens)
+        tenant = self._tenant(entry)
+        headers = self._headers(tenant)
+        decision, req, keys = await self.route(ids, max_tokens, tenant)
         out.route_s = time.perf_counter() - started
         self.metrics.route.observe(out.route_s)
         out.prompt_tokens, out.decision = len(ids), decision
@@ -215,9 +285,10 @@ class Router:
                 if self.backend is not None:
                     stream = self.backend.run(self, decision, ids, max_tokens, sampling, out, request_id)
                 elif decision.prefill is None:
-                    stream = self._colocated(decision, ids, max_tokens, sampling, out, request_id)
+                    stream = self._colocated(decision, ids, max_tokens, sampling, out, request_id, headers)
                 else:
-                    stream = self._disaggregated(decision, keys, req, ids, max_tokens, sampling, out, request_id)
+                    stream = self._disaggregated(decision, keys, req, ids, max_tokens, sampling, out, request_id,
+                                                 headers)
                 async for piece in stream:
                     yield piece
                 return
@@ -233,7 +304,7 @@ class Router:
                 log.warning("request %s: retrying on %s after %s", request_id, decision.decode, exc.error)
 
     async def _colocated(self, d: Decision, ids: list[int], max_tokens: int, sampling: wire.SamplingParams,
-                         out: Outcome, rid: str) -> AsyncIterator[Piece]:
+                         out: Outcome, rid: str, headers: dict[str, str]) -> AsyncIterator[Piece]:
         worker = self.workers.by_name(d.decode)
         msg = wire.GenerateRequest(token_ids=ids, max_tokens=max_tokens, request_id=rid, sampling=sampling)
         uncached = len(ids) - d.cached_tokens
@@ -241,7 +312,7 @@ class Router:
         worker.decode_sent()
         prefilled = True
         try:
-            async for event in self._stream(worker, "/v1/generate", msg, before_first=True):
+            async for event in self._stream(worker, "/v1/generate", msg, headers, before_first=True):
                 if event.prefill is not None:
                     self._learn(event.prefill, worker, time.perf_counter())
                     prefilled = False
@@ -259,9 +330,9 @@ class Router:
 
     async def _disaggregated(self, d: Decision, keys: list[str], req: RouteRequest, ids: list[int],
                              max_tokens: int, sampling: wire.SamplingParams, out: Outcome,
-                             rid: str) -> AsyncIterator[Piece]:
+                             rid: str, headers: dict[str, str]) -> AsyncIterator[Piece]:
         p = self.workers.by_name(d.prefill)
-        head = await self._prefill(p, ids, d, sampling, rid)
+        head = await self._prefill(p, ids, d, sampling, rid, headers)
         out.cached_tokens = head.cached_tokens
         out.completion_tokens = 1
         yield Piece(head.text)
@@ -272,7 +343,7 @@ class Router:
         for attempt in range(2):
             decoder.decode_sent()
             try:
-                async for event in self._stream(decoder, "/v1/decode", msg, before_first=True):
+                async for event in self._stream(decoder, "/v1/decode", msg, headers, before_first=True):
                     if event.done:
                         yield Piece(finish=event.finish_reason or "stop")
                         return
@@ -295,13 +366,13 @@ class Router:
                 decoder.decode_done()
 
     async def _prefill(self, p: WorkerState, ids: list[int], d: Decision, sampling: wire.SamplingParams,
-                       rid: str) -> wire.PrefillResponse:
+                       rid: str, headers: dict[str, str]) -> wire.PrefillResponse:
         uncached = len(ids) - d.cached_tokens
         p.prefill_sent(uncached)
         sent = time.perf_counter()
         try:
             body = await self._post(p, "/v1/prefill", wire.PrefillRequest(token_ids=ids, request_id=rid,
-                                                                          sampling=sampling))
+                                                                          sampling=sampling), headers)
             head = wire.decode(body, wire.PrefillResponse)
         finally:
             p.prefill_done(uncached)
@@ -318,10 +389,10 @@ class Router:
         self.metrics.prompt_tokens.labels(source="cached").inc(head.cached_tokens)
         self.metrics.prompt_tokens.labels(source="computed").inc(head.computed_tokens)
 
-    async def _post(self, worker: WorkerState, path: str, msg: Any) -> bytes:
+    async def _post(self, worker: WorkerState, path: str, msg: Any, headers: dict[str, str] = None) -> bytes:
         """The body of a 2xx answer; a worker that fails or answers 5xx/503 raises `_BeforeFirst`."""
         try:
-            async with self.http.post(worker.url + path, data=wire.encode(msg), headers=_JSON) as resp:
+            async with self.http.post(worker.url + path, data=wire.encode(msg), headers=headers or _JSON) as resp:
                 body = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -331,10 +402,11 @@ class Router:
             raise self._error_of(worker, path, status, body)
         return body
 
-    async def _stream(self, worker: WorkerState, path: str, msg: Any, before_first: bool) -> AsyncIterator[wire.TokenEvent]:
+    async def _stream(self, worker: WorkerState, path: str, msg: Any, headers: dict[str, str],
+                      before_first: bool) -> AsyncIterator[wire.TokenEvent]:
         got_any = False
         try:
-            async with self.http.post(worker.url + path, data=wire.encode(msg), headers=_JSON) as resp:
+            async with self.http.post(worker.url + path, data=wire.encode(msg), headers=headers) as resp:
                 if resp.status >= 400:
                     raise self._error_of(worker, path, resp.status, await resp.read())
                 async for line in resp.content:  # NDJSON: one event per line
@@ -398,6 +470,18 @@ class Router:
 
 
 _JSON = {"content-type": "application/json"}
+
+
+@dataclasses.dataclass
+class _Tenant:
+    """What the router keeps per tenant: its pool principal, salt and namespace, and its pool client."""
+
+    id: str
+    credential: Credential
+    salt: str
+    namespace: bytes | None = None  # set once a worker has described its namespace
+    pool: Any = None
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
 
 class Rejected(KVPoolError):
