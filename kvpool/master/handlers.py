@@ -41,11 +41,12 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
         return BatchResult(per_item(service.put_end, msg.keys, msg.put_ids, msg.written))
 
     def lookup(msg: Lookup, payload, conn) -> LookupReply:
-        lease_id, entries = service.lookup(msg.keys, lease=msg.lease, release=msg.release)
+        release = service.owned_leases(msg.release, conn.scope) if conn.scope and msg.release else msg.release
+        lease_id, entries = service.lookup(msg.keys, lease=msg.lease, release=release)
         return LookupReply(lease_id, entries)
 
     def release(msg: Release, payload, conn) -> None:
-        service.release(msg.lease_ids)
+        service.release(service.owned_leases(msg.lease_ids, conn.scope) if conn.scope else msg.lease_ids)
 
     def register(msg: RegisterNode, payload, conn) -> Ok:
         service.register_node(msg.info, msg.objects)

@@ -326,6 +326,14 @@ class MasterService:
                 lease_id = 0
         return lease_id, out
 
+    def owned_leases(self, lease_ids: Sequence[int], prefix: str) -> list[int]:
+        """The leases among `lease_ids` that cover only keys under `prefix` (a tenant's scope):
+        lease ids are sequential, so a tenant must not end another tenant's leases."""
+        with self.state.lock:
+            leases = self.state.lease_keys
+            return [lid for lid in lease_ids
+                    if (held := leases.get(lid)) is not None and all(k.startswith(prefix) for k in held[0])]
+
     def release(self, lease_ids: Sequence[int]) -> None:
         """The reader is done: leases end, deferred removals finish."""
         with self.state.lock:

@@ -210,3 +210,58 @@ def test_protected_mode_refuses_a_public_address_without_a_keyring(tmp_path):
         assert proc.returncode != 0
         assert "protected mode" in proc.stderr and "KVPOOL_AUTH_FILE" in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
+
+
+def test_a_tenant_cannot_end_another_tenants_lease(pool):
+    with kvpool.connect(pool.address, credential=cred("beta")) as beta:
+        beta.put("lease/k", b"l" * 1000)
+    holder = RpcClient(pool.address, credential=cred("beta"))
+    thief = RpcClient(pool.address, credential=cred("acme"))
+    try:
+        lease_id = holder.call(m.Lookup(["lease/k"])).lease_id
+        assert lease_id
+        thief.send_oneway(m.Release([lease_id]))
+        thief.call(m.Lookup(["x"], release=[lease_id]))
+        with kvpool.connect(pool.address, credential=cred("ops")) as ops:
+            assert ops.admin("key_info", key="beta\x00lease/k")["lease"]["active"] is True
+            holder.call(m.Lookup([], release=[lease_id]))  # its holder ends it
+            assert ops.admin("key_info", key="beta\x00lease/k")["lease"]["active"] is False
+    finally:
+        holder.close()
+        thief.close()
+
+
+CHILD = """
+import os, socket, sys
+os.setuid(65534)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+s.connect("\\0" + sys.argv[1])  # an abstract socket
+data = b""
+while True:
+    part = s.recv(65536)
+    if not part:
+        break
+    data += part
+sys.stdout.write(data.hex())
+"""
+
+
+def test_unix_socket_refuses_another_uid(pool):
+    if os.getuid() != 0:
+        pytest.skip("needs root to connect as another uid")
+    rpc = RpcClient(pool.address, credential=cred("node"))
+    try:
+        unix = rpc.call(m.Hello(PROTOCOL_VERSION, "t")).unix
+    finally:
+        rpc.close()
+    if not unix:
+        pytest.skip("no unix socket on this platform")
+    out = subprocess.run([sys.executable, "-I", "-c", CHILD, unix[1:]], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr
+    raw = bytes.fromhex(out.stdout)
+    _, _, msg_len, _ = HEADER.unpack_from(raw)
+    err = msgspec.msgpack.decode(raw[HEADER.size:HEADER.size + msg_len], type=m.Err)
+    assert err.code == "unauthorized" and "uid" in err.message
+    _legit_roundtrip(pool)
