@@ -60,7 +60,7 @@ class Client:
         self._rpc_settings = RpcSettings()
         self.credential = credential if credential is not None else credential_from(self._rpc_settings)
         self.scope = ""  # how the pool stores our keys (a tenant's: "<tenant>\x00" + key), from its hello
-        self._meta = address if address.startswith(("etcd://", "http://")) else None
+        self._meta = address if address.startswith(("etcd://", "http://", "etcds://", "https://")) else None
         self._static = None if self._meta else address
         self._etcd = None
         self._lock = threading.RLock()

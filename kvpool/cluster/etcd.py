@@ -3,12 +3,19 @@ and leader election: leases, put, get, prefix range, delete, and create-if-absen
 
 Why not a gRPC client: the pool's control loops are plain threads, and the gateway ships with
 every etcd (3.4 included) with no extra dependency. Every failure becomes `Unavailable`.
+
+TLS: `etcds://host:port` (or https://) speaks TLS, checking etcd's certificate against the CA in
+`KVPOOL_ETCD_CA_FILE` (else the system's), and presents the client certificate in
+`KVPOOL_ETCD_CERT_FILE` + `KVPOOL_ETCD_KEY_FILE` when set: with etcd's `--client-cert-auth`,
+only holders of a certificate from its CA reach it at all (docs/security.md, deploy/k8s/etcd.yaml).
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import os
+import ssl
 from typing import Any
 
 import httpx
@@ -36,20 +43,38 @@ def _prefix_end(prefix: bytes) -> bytes:
     return b"\x00"
 
 
+TLS_ENV = ("KVPOOL_ETCD_CA_FILE", "KVPOOL_ETCD_CERT_FILE", "KVPOOL_ETCD_KEY_FILE")
+
+
 def parse_etcd_url(meta: str) -> str:
-    """"etcd://host:port" (or http://) -> "http://host:port"; a comma list uses the first."""
+    """"etcd://host:port" (or http://) -> "http://host:port", "etcds://host:port" (or https://) ->
+    "https://host:port"; a comma list uses the first."""
     if not isinstance(meta, str) or "://" not in meta:
-        raise InvalidArgument(f"meta must look like etcd://host:port, got {meta!r}")
+        raise InvalidArgument(f"meta must look like etcd://host:port or etcds://host:port, got {meta!r}")
     scheme, _, rest = meta.partition("://")
-    if scheme not in ("etcd", "http") or not rest:
-        raise InvalidArgument(f"meta must look like etcd://host:port, got {meta!r}")
-    return "http://" + rest.split(",")[0].rstrip("/")
+    if scheme not in ("etcd", "http", "etcds", "https") or not rest:
+        raise InvalidArgument(f"meta must look like etcd://host:port or etcds://host:port, got {meta!r}")
+    return ("https://" if scheme in ("etcds", "https") else "http://") + rest.split(",")[0].rstrip("/")
+
+
+def _tls_context() -> ssl.SSLContext:
+    ca, cert, key = (os.environ.get(name) or None for name in TLS_ENV)
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+        if cert or key:
+            if not (cert and key):
+                raise InvalidArgument("etcd client certificate: set both KVPOOL_ETCD_CERT_FILE and KVPOOL_ETCD_KEY_FILE")
+            ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgument(f"etcd TLS files ({', '.join(TLS_ENV)}): {exc}") from None
+    return ctx
 
 
 class EtcdClient:
     def __init__(self, meta: str, timeout: float = 2.0):
         self.url = parse_etcd_url(meta)
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        verify = _tls_context() if self.url.startswith("https://") else True
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, verify=verify)
 
     def close(self) -> None:
         self._http.close()
