@@ -32,9 +32,11 @@ def _raise_for(resp: httpx.Response) -> None:
 
 
 class WorkerClient:
-    def __init__(self, url: str, timeout: float = 600.0):
+    def __init__(self, url: str, timeout: float = 600.0, headers: dict[str, str] | None = None):
+        """`headers` go with every request: with a keyring, the internal bearer token
+        (`kvpool.http_guard.internal_headers`) and the tenant (`X-KVPool-Tenant`)."""
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0))
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0), headers=headers)
 
     def close(self) -> None:
         self._http.close()
