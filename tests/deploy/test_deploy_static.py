@@ -4,14 +4,20 @@ always run); the compose file against the compose specification's JSON schema an
 `podman-compose config`; the Dockerfile's user. No image is built and no container runs here.
 
 Accepted findings, each annotated in the manifest it concerns: images are pinned by tag, not
-digest (kvpool:local is built on the machines, no registry), and pulled IfNotPresent; etcd's TLS
-and the NetworkPolicy (checkov CKV2_K8S_6, skipped below) belong to issue 13 (auth).
+digest (kvpool:local is built on the machines, no registry), and pulled IfNotPresent; the single
+etcd member's peer URL is on loopback (no peer TLS).
+
+Secure by default (issue 13): every service that listens beyond loopback has the keyring
+(protected mode would refuse it otherwise), secrets are files from Secret volumes (never
+environment values or argv), etcd speaks TLS and wants client certificates, and NetworkPolicies
+deny every ingress but the router's and the pods' own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +31,7 @@ DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
 COMPOSE = DEPLOY / "docker-compose.yml"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
-CHECKOV_SKIPS = ["CKV2_K8S_6"]  # NetworkPolicy: issue 13
+CHECKOV_SKIPS: list[str] = []
 
 
 def _docs():
@@ -110,13 +116,13 @@ def security_findings(name: str, doc: dict) -> list[str]:
                 if r not in (res.get(kind) or {}):
                     out.append(f"{cw}: no {r} {kind[:-1]}")
         for probe in ("livenessProbe", "readinessProbe"):
-            if probe not in c:
+            if probe not in c and c in pod["containers"]:  # init containers may not have probes
                 out.append(f"{cw}: no {probe}")
         for m in c.get("volumeMounts", []):
             if m["name"] not in mounts_allowed:
                 out.append(f"{cw}: mounts unknown volume {m['name']}")
         paths = {m["mountPath"] for m in c.get("volumeMounts", [])}
-        if c.get("image", "").startswith("kvpool:") and "/tmp" not in paths:
+        if c.get("image", "").startswith("kvpool:") and "/tmp" not in paths and c in pod["containers"]:
             out.append(f"{cw}: read-only root but no writable /tmp")
     return out
 
@@ -124,6 +130,61 @@ def security_findings(name: str, doc: dict) -> list[str]:
 def test_workloads_pass_the_security_rules():
     problems = [p for name, doc in _docs() for p in security_findings(name, doc)]
     assert not problems, "\n".join(problems)
+
+
+def _containers():
+    for name, doc in _docs():
+        if doc["kind"] in WORKLOADS:
+            pod = doc["spec"]["template"]["spec"]
+            for c in pod["containers"]:
+                yield f"{name} {doc['metadata']['name']}/{c['name']}", doc, pod, c
+
+
+def test_public_listeners_have_the_keyring_and_secrets_are_files():
+    for where, doc, pod, c in _containers():
+        argv = c.get("command", []) + c.get("args", [])
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert not any("secretKeyRef" in (e.get("valueFrom") or {}) for e in env.values()), f"{where}: secret in env"
+        on_argv = [a for a in argv if re.fullmatch(r"--[\w-]*(token|secret|password|salt)(=.*)?", a, re.I)]
+        assert not on_argv, f"{where}: a secret on argv (ps shows it): {on_argv}"
+        if not c["image"].startswith("kvpool:"):
+            continue
+        host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
+        if host not in ("127.0.0.1", "localhost"):  # protected mode: the keyring, from a mounted file
+            path = env.get("KVPOOL_AUTH_FILE", {}).get("value", "")
+            mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
+            assert path and any(path.startswith(m + "/") for m in mounts), f"{where}: listens on {host} without a keyring"
+        if "--admin-port" in argv:
+            assert "KVPOOL_ADMIN_TOKEN_FILE" in env, f"{where}: an admin API without a token"
+        if "--meta" in argv:
+            meta = argv[argv.index("--meta") + 1]
+            assert meta.startswith("etcds://") and {"KVPOOL_ETCD_CERT_FILE", "KVPOOL_ETCD_KEY_FILE"} <= set(env), where
+
+
+def test_etcd_wants_tls_client_certificates():
+    (where, _, _, c), = [x for x in _containers() if x[3]["name"] == "etcd"]
+    argv = " ".join(c.get("command", []) + c.get("args", []))
+    for flag in ("--client-cert-auth=true", "--trusted-ca-file=", "--cert-file=", "--key-file=",
+                 "--listen-client-urls=https://"):
+        assert flag in argv, (where, flag)
+    assert "http://0.0.0.0:2379" not in argv
+
+
+def test_network_policies_deny_by_default_and_expose_only_the_router():
+    policies = [d for _, d in _docs() if d["kind"] == "NetworkPolicy"]
+    deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
+    assert deny and "Ingress" in deny[0]["spec"]["policyTypes"]
+    open_to_all = [p["spec"]["podSelector"] for p in policies
+                   for rule in p["spec"].get("ingress", []) if not rule.get("from")]
+    assert open_to_all == [{"matchLabels": {"app": "kvpool-router"}}], open_to_all
+    apps = {d["spec"]["template"]["metadata"]["labels"]["app"] for _, d in _docs() if d["kind"] in WORKLOADS}
+    covered = set()
+    for p in policies:
+        sel = p["spec"]["podSelector"]
+        covered |= set(sel.get("matchLabels", {}).values())
+        for e in sel.get("matchExpressions", []):
+            covered |= set(e["values"])
+    assert apps <= covered, apps - covered  # each workload has its own rule besides the default deny
 
 
 def test_security_rules_catch_a_bad_workload():
