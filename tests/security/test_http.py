@@ -9,6 +9,7 @@ start) and the legitimate client, holding the right secret, is still served.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -174,6 +175,40 @@ def test_router_serves_each_tenant_with_its_key(cluster, keys):
         out = client.chat.completions.create(model=model, max_tokens=4, temperature=0,
                                              messages=[{"role": "user", "content": "Name a colour."}])
         assert out.choices[0].message.content and out.usage.completion_tokens >= 1
+
+
+@needs_model
+def test_router_hashes_a_tenants_prompt_into_the_keys_its_worker_wrote(cluster, keys, internal, secrets_dir):
+    """The router's per-tenant chunk keys (worker namespace_doc salted with the tenant's salt) are
+    the keys the worker stored for that tenant, so match_prefix as the tenant finds them; the other
+    tenant finds nothing, whether it hashes the prompt itself or asks for the first one's keys."""
+    import kvpool
+    from kvpool.auth import Credential, Keyring
+    from kvpool.keys import chunk_keys_hex
+    from kvpool.router.service import Router, RouterConfig
+
+    ring = Keyring.load(secrets_dir / "keyring.toml")
+    info = httpx.get(f"{cluster.url('both')}/v1/info", headers=internal, timeout=30).json()
+    router = Router(RouterConfig(auth_file=str(secrets_dir / "keyring.toml")))
+    router._namespace_doc = json.loads(info["namespace_doc"])
+    ids = [1000 + (i * 37) % 20000 for i in range(2 * info["chunk_tokens"] + 10)]  # two full chunks
+    out = _openai(cluster, keys["acme"]).completions.create(model=info["model_id"], prompt=ids, max_tokens=1)
+    assert out.usage.prompt_tokens == len(ids)
+    tenant_keys = {t: chunk_keys_hex(router._tenant(ring.tenant_entry(t)).namespace, ids, info["chunk_tokens"])
+                   for t in ("acme", "beta")}
+    assert tenant_keys["acme"] != tenant_keys["beta"]
+    assert tenant_keys["acme"][0] not in chunk_keys_hex(bytes.fromhex(info["namespace"]), ids, info["chunk_tokens"])
+    pools = {t: kvpool.connect(cluster.pool_address, credential=Credential(t, ring.secret(t))) for t in ("acme", "beta")}
+    try:
+        deadline = time.monotonic() + 20  # chunks are published after the answer
+        while pools["acme"].match_prefix(tenant_keys["acme"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pools["acme"].match_prefix(tenant_keys["acme"]) == 2
+        assert pools["beta"].match_prefix(tenant_keys["beta"]) == 0
+        assert pools["beta"].match_prefix(tenant_keys["acme"]) == 0
+    finally:
+        for pool in pools.values():
+            pool.close()
 
 
 @needs_model
