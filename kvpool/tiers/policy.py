@@ -124,9 +124,12 @@ class S3FIFOPolicy:
         # Every step either evicts, moves a key small -> main, or spends one second chance of a
         # main key; pinned keys cycle without spending. Bound the work so an all-pinned tier ends.
         budget = (self.MAX_FREQ + 2) * (len(self._freq) + 1)
+        stuck = 0  # main keys in a row that could not go (pinned): past a whole round, try small
         while budget > 0 and self._freq:
             budget -= 1
-            if self._small and (self._small_bytes >= self.SMALL_FRACTION * self.capacity or not self._main):
+            if self._small and (self._small_bytes >= self.SMALL_FRACTION * self.capacity or not self._main
+                                or stuck >= len(self._main)):
+                stuck = 0
                 key, size = self._small.popitem(last=False)
                 self._small_bytes -= size
                 if not evictable(key) or self._freq[key] > 0:
@@ -139,7 +142,9 @@ class S3FIFOPolicy:
             key, size = self._main.popitem(last=False)
             if not evictable(key):
                 self._main[key] = size
+                stuck += 1
                 continue
+            stuck = 0
             if self._freq[key] > 0:
                 self._freq[key] -= 1
                 self._main[key] = size

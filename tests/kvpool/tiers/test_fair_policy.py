@@ -59,3 +59,23 @@ def test_one_tenant_is_the_inner_policy():
             p.insert(k, 1)
         p.access("a")
     assert [fair.evict(lambda k: True) for _ in range(4)] == [plain.evict(lambda k: True) for _ in range(4)]
+
+
+def test_scoped_keys_of_the_longest_kind_in_dram_ssd_and_after_a_restart(tmp_path):
+    """A tenant's stored key is "<tenant>\\x00<user key>": with a 64-character tenant and a 512-byte
+    user key it is longer than lmdb's 511-byte key limit; every tier and a restart take it."""
+    from kvpool.tiers import TieredStore
+
+    tenant = "t" * 64
+    keys = [f"{tenant}\x00" + "k" * 511 + str(i) for i in range(4)]
+    path = str(tmp_path / "ssd")
+    with TieredStore(1 << 20, ssd_path=path, ssd_capacity=8 << 20) as store:
+        for i, key in enumerate(keys):
+            store.put(key, bytes([i]) * (400 << 10))  # 4 x 400 KiB through 1 MiB of DRAM: demotions
+        assert store.stats()["tiers"]["ssd"]["objects"] >= 2
+        assert store.usage(tenant) == (4 * (400 << 10), 4)
+        for i, key in enumerate(keys):
+            assert store.get(key) == bytes([i]) * (400 << 10)
+    with TieredStore(1 << 20, ssd_path=path, ssd_capacity=8 << 20) as store:
+        assert sum(store.get(k) is not None for k in keys) >= 2  # what was on SSD survived, still scoped
+        assert store.usage(tenant)[1] >= 2 and store.usage("")[1] == 0

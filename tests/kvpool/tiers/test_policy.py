@@ -85,3 +85,17 @@ def test_scan_resistant(cls):
 def test_unknown_policy():
     with pytest.raises(InvalidArgument):
         make_policy("mru", 100)
+
+
+def test_s3fifo_takes_from_small_when_main_is_all_pinned():
+    """Regression (found by the FairPolicy property test): small below its 10% share and every
+    main key pinned used to spin the budget away and answer None with evictable keys in small."""
+    p = S3FIFOPolicy(1000)
+    p.insert("hot", 2)
+    p.access("hot")
+    p.insert("pinned", 2)
+    p.insert("new", 2)
+    assert p.evict(lambda k: k != "hot") == "pinned"  # hot had a hit: it goes to main
+    p.insert("pinned", 2)
+    p.insert("x", 2)
+    assert p.evict(lambda k: k not in ("hot", "pinned")) in ("new", "x")
