@@ -10,12 +10,11 @@
               prefill worker, a decode (same handle: the KV is in the pool) on another decode
               worker. After the first token is sent, a failure ends the stream with an error.
 
-Tenants (with a keyring whose tenants have `api_keys`, see app.py): a request runs as the tenant
-its API key names. Its chunk keys are the worker namespace salted with `kvpool.auth.tenant_salt`
-(the same salt the worker derives from the `X-KVPool-Tenant` header), `match_prefix` asks the
-pool as that tenant's principal (one pool client per tenant, made on its first request), and each
-call to a worker carries `X-KVPool-Tenant: <id>` with the internal bearer token (every call to a
-reference worker carries the token when a keyring is configured).
+Tenants (with a keyring whose tenants have `api_keys`, see app.py and tenants.py): a request
+runs as the tenant its API key names: its chunk keys are in that tenant's salted namespace,
+`match_prefix` asks the pool as its principal, and each call to a worker carries
+`X-KVPool-Tenant: <id>`. Every call to a reference worker carries the internal bearer token when
+a keyring is configured.
 
 Invariants: the router never holds KV bytes (handles name pool objects); every request it
 counts in flight on a worker (`inflight_*`) is uncounted exactly once, however it ends; the
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
@@ -35,17 +33,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
-import xxhash
 
 from kvpool import worker_api as wire
-from kvpool.auth import Credential, Entry, load_keyring, tenant_salt
+from kvpool.auth import Entry, load_keyring
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable, error_from_code
 from kvpool.http_guard import TENANT_HEADER, internal_headers
-from kvpool.keys import NAMESPACE_PREFIX, chunk_keys_hex, parse_namespace_hex
+from kvpool.keys import chunk_keys_hex, parse_namespace_hex
 from kvpool.router.cost import CostModel
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, make_policy, prefill_estimate,
                                   tbt_estimate, without_workers)
+from kvpool.router.tenants import Tenant, Tenants
 from kvpool.router.tokenizer import RouterTokenizer
 from kvpool.router.vllm_backend import make_backend
 from kvpool.router.workers import DOWN, DRAINING, UP, Workers, WorkerState
@@ -110,10 +108,8 @@ class Router:
         self.backend = make_backend(config.engine, config.vllm)  # None: the reference workers' API
         self._joining: list[asyncio.Task] = []
         self.keyring = load_keyring(config.auth_file)
-        # API keys are checked (app.py) exactly when some tenant of the keyring has one.
-        self.api_keys = self.keyring is not None and any(e.api_keys for e in self.keyring.entries.values())
-        self._namespace_doc: dict[str, Any] | None = None
-        self._tenants: dict[str, _Tenant] = {}
+        self.tenants = Tenants(self.keyring, config.pool)
+        self.api_keys = self.tenants.api_keys  # app.py admits only requests with a tenant's API key
         self._tokenize = ThreadPoolExecutor(max(1, config.tokenize_threads), thread_name_prefix="tokenize")
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -158,10 +154,10 @@ class Router:
             await self.workers.stop()
         if self.http is not None:
             await self.http.close()
-        for pool in [self.pool, *(t.pool for t in self._tenants.values())]:
-            if pool is not None:
-                with contextlib.suppress(Exception):
-                    await pool.close()
+        await self.tenants.close()
+        if self.pool is not None:
+            with contextlib.suppress(Exception):
+                await self.pool.close()
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
     async def tokenized(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
@@ -186,7 +182,7 @@ class Router:
         self.bytes_per_token = info.bytes_per_token
         self.eos_ids = list(info.eos_token_ids)
         self._namespace = parse_namespace_hex(info.namespace)
-        self._namespace_doc = json.loads(info.namespace_doc) if info.namespace_doc else None
+        self.tenants.learn(info.namespace_doc)
         log.info("router serves %s (context %d, chunks of %d tokens)", info.model_id, self.max_positions,
                  self.chunk_tokens)
 
@@ -207,48 +203,17 @@ class Router:
         snap = Snapshot(views, self.cost.params(), self.targets)
         return without_workers(snap, exclude) if exclude else snap
 
-    # -- tenants ------------------------------------------------------------------------------
-    def _tenant(self, entry: Entry | None) -> "_Tenant | None":
-        if entry is None or entry.principal.tenant is None:
-            return None
-        tenant = self._tenants.get(entry.principal.tenant)
-        if tenant is None:
-            salt = tenant_salt(entry.principal.tenant, entry.secret)
-            tenant = self._tenants[entry.principal.tenant] = _Tenant(
-                entry.principal.tenant, Credential(entry.principal.name, entry.secret), salt)
-        if tenant.namespace is None and self._namespace_doc is not None:
-            doc = {**self._namespace_doc, "tenant_salt": tenant.salt}
-            canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-            tenant.namespace = xxhash.xxh3_128_digest(NAMESPACE_PREFIX + canonical.encode())
-        return tenant
-
-    async def _pool_of(self, tenant: "_Tenant | None") -> Any:
-        if tenant is None or not self.config.pool:
-            return self.pool
-        if tenant.pool is None:
-            async with tenant.lock:  # one client per tenant, however many first requests race
-                if tenant.pool is None:
-                    from kvpool.client import connect_async
-
-                    tenant.pool = await connect_async(self.config.pool, credential=tenant.credential)
-                    log.info("pool client for tenant %s connected as %s", tenant.id, tenant.credential.principal)
-        return tenant.pool
-
-    def _headers(self, tenant: "_Tenant | None") -> dict[str, str]:
+    def _headers(self, tenant: Tenant | None) -> dict[str, str]:
         return {**_JSON, TENANT_HEADER: tenant.id} if tenant is not None and self.backend is None else _JSON
 
     async def route(self, ids: list[int], max_tokens: int,
-                    tenant: "_Tenant | None" = None) -> tuple[Decision, RouteRequest, list[str]]:
-        namespace = self._namespace
-        if tenant is not None:
-            # A worker that does not describe its namespace cannot be salted per tenant: no keys,
-            # so nothing is matched (never another tenant's prefix).
-            namespace = tenant.namespace
+                    tenant: Tenant | None = None) -> tuple[Decision, RouteRequest, list[str]]:
+        namespace = self._namespace if tenant is None else tenant.namespace  # tenants.py
         keys = chunk_keys_hex(namespace, ids, self.chunk_tokens) if namespace else []
         pool_chunks = 0
         if keys and self.config.pool:
             try:
-                pool = await self._pool_of(tenant)
+                pool = self.pool if tenant is None else await self.tenants.pool(tenant)
                 pool_chunks = await pool.match_prefix(keys)
             except KVPoolError as exc:  # a pool outage costs reuse, not the request
                 log.warning("match_prefix failed, routing as if nothing were cached: %s", exc)
@@ -267,7 +232,7 @@ class Router:
         Raises `OpenAIError`-mappable `KVPoolError`s before the first piece (429 reject, 503 no
         worker); after it, a failure raises too and the HTTP layer ends the stream with an error."""
         started = time.perf_counter()
-        tenant = self._tenant(entry)
+        tenant = self.tenants.of(entry)
         headers = self._headers(tenant)
         decision, req, keys = await self.route(ids, max_tokens, tenant)
         out.route_s = time.perf_counter() - started
@@ -470,18 +435,6 @@ class Router:
 
 
 _JSON = {"content-type": "application/json"}
-
-
-@dataclasses.dataclass
-class _Tenant:
-    """What the router keeps per tenant: its pool principal, salt and namespace, and its pool client."""
-
-    id: str
-    credential: Credential
-    salt: str
-    namespace: bytes | None = None  # set once a worker has described its namespace
-    pool: Any = None
-    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
 
 class Rejected(KVPoolError):

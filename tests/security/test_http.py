@@ -9,7 +9,6 @@ start) and the legitimate client, holding the right secret, is still served.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -185,16 +184,16 @@ def test_router_hashes_a_tenants_prompt_into_the_keys_its_worker_wrote(cluster, 
     import kvpool
     from kvpool.auth import Credential, Keyring
     from kvpool.keys import chunk_keys_hex
-    from kvpool.router.service import Router, RouterConfig
+    from kvpool.router.tenants import Tenants
 
     ring = Keyring.load(secrets_dir / "keyring.toml")
     info = httpx.get(f"{cluster.url('both')}/v1/info", headers=internal, timeout=30).json()
-    router = Router(RouterConfig(auth_file=str(secrets_dir / "keyring.toml")))
-    router._namespace_doc = json.loads(info["namespace_doc"])
+    tenants = Tenants(ring, cluster.pool_address)  # what the router keeps
+    tenants.learn(info["namespace_doc"])
     ids = [1000 + (i * 37) % 20000 for i in range(2 * info["chunk_tokens"] + 10)]  # two full chunks
     out = _openai(cluster, keys["acme"]).completions.create(model=info["model_id"], prompt=ids, max_tokens=1)
     assert out.usage.prompt_tokens == len(ids)
-    tenant_keys = {t: chunk_keys_hex(router._tenant(ring.tenant_entry(t)).namespace, ids, info["chunk_tokens"])
+    tenant_keys = {t: chunk_keys_hex(tenants.of(ring.tenant_entry(t)).namespace, ids, info["chunk_tokens"])
                    for t in ("acme", "beta")}
     assert tenant_keys["acme"] != tenant_keys["beta"]
     assert tenant_keys["acme"][0] not in chunk_keys_hex(bytes.fromhex(info["namespace"]), ids, info["chunk_tokens"])

@@ -1,0 +1,94 @@
+"""The router's tenants: who a request runs as, its chunk keys' namespace, and its pool client.
+
+With a keyring whose tenants have `api_keys` (`api_keys` is then true and app.py admits only
+requests bearing one), each request runs as the tenant its key belongs to. For tenant T:
+- the namespace is the workers' namespace (`WorkerInfo.namespace_doc`, its canonical JSON) with
+  `tenant_salt` replaced by `kvpool.auth.tenant_salt(T, secret)`: the same salt a worker derives
+  when the router names T in `X-KVPool-Tenant`, so both hash T's prompts into the same keys, and
+  nobody without T's secret can compute them;
+- `match_prefix` asks the pool as T's principal, through one client per tenant made on its first
+  request (the pool scopes a tenant's keys, so T never matches another tenant's prefix).
+
+Invariants: a `Tenant` is made once per tenant id and only gains its namespace (once a worker
+has described its namespace) and its pool client (once); only the event loop thread touches them.
+Without a namespace description (a worker of an older version), a tenant has no namespace and
+its prompts get no keys: nothing is matched, rather than another namespace's keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from kvpool.auth import Credential, Entry, Keyring, tenant_salt
+from kvpool.keys import NAMESPACE_PREFIX
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tenant:
+    id: str
+    credential: Credential  # its pool principal
+    salt: str
+    namespace: bytes | None = None  # set once a worker has described its namespace
+    pool: Any = None  # its pool client, made on its first match_prefix
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def salted_namespace(namespace_doc: dict[str, Any], salt: str) -> bytes:
+    """The digest of `namespace_doc` (a `kvpool.keys.Namespace`'s canonical JSON, parsed) with its
+    tenant salt replaced by `salt`: `Namespace.digest()` of the same namespace with that salt."""
+    canonical = json.dumps({**namespace_doc, "tenant_salt": salt}, sort_keys=True, separators=(",", ":"),
+                           ensure_ascii=False)
+    return xxhash.xxh3_128_digest(NAMESPACE_PREFIX + canonical.encode())
+
+
+class Tenants:
+    def __init__(self, keyring: Keyring | None, pool_address: str | None):
+        self.keyring = keyring
+        self.pool_address = pool_address
+        # API keys are checked (app.py) exactly when some tenant of the keyring has one.
+        self.api_keys = keyring is not None and any(e.api_keys for e in keyring.entries.values())
+        self._namespace_doc: dict[str, Any] | None = None
+        self._by_id: dict[str, Tenant] = {}
+
+    def learn(self, namespace_doc: str) -> None:
+        """The workers' namespace (`WorkerInfo.namespace_doc`; "" from a worker that sends none)."""
+        self._namespace_doc = json.loads(namespace_doc) if namespace_doc else None
+
+    def of(self, entry: Entry | None) -> Tenant | None:
+        """The tenant of keyring `entry` (the one an API key named), or None for none."""
+        if entry is None or entry.principal.tenant is None:
+            return None
+        tenant = self._by_id.get(entry.principal.tenant)
+        if tenant is None:
+            tenant = self._by_id[entry.principal.tenant] = Tenant(
+                entry.principal.tenant, Credential(entry.principal.name, entry.secret),
+                tenant_salt(entry.principal.tenant, entry.secret))
+        if tenant.namespace is None and self._namespace_doc is not None:
+            tenant.namespace = salted_namespace(self._namespace_doc, tenant.salt)
+        return tenant
+
+    async def pool(self, tenant: Tenant) -> Any:
+        """`tenant`'s pool client, connected as its principal on first use."""
+        if tenant.pool is None:
+            async with tenant.lock:  # one client per tenant, however many first requests race
+                if tenant.pool is None:
+                    from kvpool.client import connect_async
+
+                    tenant.pool = await connect_async(self.pool_address, credential=tenant.credential)
+                    log.info("pool client for tenant %s connected as %s", tenant.id, tenant.credential.principal)
+        return tenant.pool
+
+    async def close(self) -> None:
+        for tenant in self._by_id.values():
+            if tenant.pool is not None:
+                with contextlib.suppress(Exception):
+                    await tenant.pool.close()
