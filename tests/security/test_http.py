@@ -107,6 +107,9 @@ def test_admin_body_over_1mib_is_413(admin, secrets_dir):
         assert http.get("/v1/config", headers=auth).json()["config"]["lease_s"] != 5.0
         ok = http.post("/v1/evict", json={"keys": ["absent"]}, headers=auth)  # a small body is still served
         assert ok.status_code == 200
+        # a chunked body announces no length: it is counted as it arrives
+        r = http.post("/v1/evict", content=(b"x" * 65536 for _ in range(24)), headers=auth)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 # -- a secured local cluster --------------------------------------------------------------------
