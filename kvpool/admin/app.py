@@ -34,11 +34,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.admin import schemas as s
-from kvpool.admin.auth import HttpGuard, needs_token
+from kvpool.admin.auth import needs_token
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins
 from kvpool.contract import check_key
 from kvpool.config import Settings
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.http_guard import HttpGuard
 
 log = logging.getLogger(__name__)
 

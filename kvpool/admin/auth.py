@@ -13,12 +13,11 @@ the master and never returns data), except the paths in `OPEN_PATHS`:
 `/metrics` needs the token too: it carries per-node addresses and usage, and Prometheus presents a
 bearer token from a file (`authorization: {credentials_file: ...}` in its scrape config).
 With no token configured, every request passes (the default on loopback; protected mode refuses a
-non-loopback admin bind without a token). Tokens are compared in constant time.
+non-loopback admin bind without a token). Tokens are compared in constant time
+(`kvpool.http_guard.HttpGuard`, which the app installs with `needs_token`).
 """
 
 from __future__ import annotations
-
-from kvpool.http_guard import HttpGuard  # noqa: F401  (re-exported: the middleware the app installs)
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
