@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 MAX_KEY_BYTES = 512
@@ -86,11 +87,17 @@ def scope_prefix(tenant: str | None) -> str:
     return tenant + SCOPE_SEP if tenant else ""
 
 
+_SCOPED_ASCII = re.compile(r"[A-Za-z0-9._-]{1,%d}\x00[^\x00]{1,%d}" % (MAX_TENANT_BYTES, MAX_KEY_BYTES))
+
+
 def check_stored_key(key: Any) -> str:
     """Validate a key as the pool stores it: a user key (`check_key`), or a tenant-scoped one,
     "<tenant>\\x00<user key>". For code behind the RPC boundary (master, node, tiers)."""
-    if type(key) is str and key.isascii() and 0 < len(key) <= MAX_KEY_BYTES and SCOPE_SEP not in key:
-        return key
+    if type(key) is str and key.isascii():  # fast paths: each put and get checks its key several times
+        if 0 < len(key) <= MAX_KEY_BYTES and SCOPE_SEP not in key:
+            return key
+        if _SCOPED_ASCII.fullmatch(key):
+            return key
     if isinstance(key, str) and SCOPE_SEP in key:
         tenant, _, rest = key.partition(SCOPE_SEP)
         if 0 < len(tenant) <= MAX_TENANT_BYTES and tenant.isascii() and all(c.isalnum() or c in "-_." for c in tenant):
