@@ -18,11 +18,11 @@ import numpy as np
 
 from engine_adapters.base import KVEvent, SaveResult
 from engine_adapters.chunk_reader import ChunkReader
-from kvpool.chunk_format import ChunkAuth, ChunkView, seal_into
+from kvpool.chunk_format import ChunkAuth, ChunkView, decode_chunk, seal_into
 from kvpool.codec import encode_raw_object
 from kvpool.auth import chunk_mac_key, load_keyring
 from kvpool.contract import PoolClient
-from kvpool.errors import AlreadyExists, InvalidArgument, KVPoolError, LayoutMismatch
+from kvpool.errors import AlreadyExists, CorruptObject, InvalidArgument, KVPoolError, LayoutMismatch
 from kvpool.handle import KVHandle
 from kvpool.keys import Namespace, chunk_keys_hex, tail_key
 
@@ -240,11 +240,27 @@ class ChunkStore:
                         tail_key=saved.tail_key if len(ids) % self.chunk_tokens else None,
                         token_ids=ids).validate()
 
-    def release_handle(self, handle: KVHandle) -> None:
-        """Remove the handle's tail (chunks stay: they are shared, content-addressed cache)."""
+    def release_handle(self, handle: KVHandle, *, verified: bool = False) -> bool:
+        """Remove the handle's tail (chunks stay: they are shared, content-addressed cache); True
+        when removed. Unless the caller has just read it through this store's reader (`verified`),
+        the tail is read first and removed only if it verifies as this store's object under that
+        key (its namespace, and with a MAC key its MAC): a handle naming another tenant's tail
+        (request-scoped keys are not namespaced) removes nothing."""
         self.check_handle(handle)
-        if handle.tail_key:
-            self.pool.remove(handle.tail_key)
+        if not handle.tail_key:
+            return False
+        if not verified:
+            blob = self.pool.get(handle.tail_key)
+            if blob is None:
+                return False
+            try:
+                decode_chunk(blob, self.layout, key=handle.tail_key, auth=self.auth, codec=self.reader.codec)
+            except (CorruptObject, LayoutMismatch) as exc:
+                log.warning("not releasing %s: it is not this namespace's object (%s)", handle.tail_key, exc)
+                return False
+            del blob
+            self._flush_releases()  # our read's lease would defer the removal
+        return bool(self.pool.remove(handle.tail_key))
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
         """Remove chunk objects (e.g. an operator evicting a prefix) and report them."""

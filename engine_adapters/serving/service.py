@@ -201,8 +201,7 @@ class Worker:
         return WorkerInfo(role=self.config.role, model_id=self.rm.model_id, namespace=self.namespace.hex(),
                           chunk_tokens=self.layout.chunk_tokens, dtype=self.layout.dtype, pool=self.config.pool,
                           eos_token_ids=sorted(self.eos), max_positions=self.runner.max_positions,
-                          bytes_per_token=self.layout.bytes_per_token, kv_codec=self.layout.codec,
-                          namespace_doc=self.namespace.canonical_json())
+                          bytes_per_token=self.layout.bytes_per_token, kv_codec=self.layout.codec)
 
     def load(self) -> LoadReport:
         per_token = self.layout.bytes_per_token
@@ -362,9 +361,9 @@ class Worker:
                                    handle.num_tokens - len(local) * self.layout.chunk_tokens)
         return cache_from_chunks(local + fetched, handle.num_tokens)
 
-    def _release(self, kv: TenantKV, handle: KVHandle) -> None:
+    def _release(self, kv: TenantKV, handle: KVHandle, verified: bool = False) -> None:
         try:
-            kv.adapter.release_handle(handle)
+            kv.adapter.store.release_handle(handle, verified=verified)
         except KVPoolError as exc:  # the tail's lease reclaims it anyway
             log.warning("could not release the tail of %s: %s", handle.request_id, exc)
 
@@ -407,7 +406,7 @@ class Worker:
         except BaseException:
             slot.release()
             raise
-        on_done = (lambda: self._release(kv, handle)) if req.release else None
+        on_done = (lambda: self._release(kv, handle, verified=True)) if req.release else None  # loaded: verified
         events = self._stream(rid, cache, req.first_token, req.max_tokens - 1, stop, params, on_done)
         return self.admission.watch(events, slot)
 

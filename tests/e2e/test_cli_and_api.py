@@ -32,7 +32,7 @@ def test_bad_requests_get_typed_errors_not_tracebacks(cluster, prefill, decode):
         decode.prefill([1, 2, 3])
     ns = prefill.info().namespace
     gone = KVHandle(namespace=ns, request_id="nope", num_tokens=3, chunk_tokens=256, chunk_keys=[],
-                    tail_key="tail/nope")
+                    tail_key="tail/nope", token_ids=[1, 2, 3])  # a decode worker refuses a handle without them
     with pytest.raises(KeyNotFound):
         list(decode.decode(gone, 5, 4))
     other = KVHandle(namespace="0" * 32, request_id="x", num_tokens=3, chunk_tokens=256, chunk_keys=[],

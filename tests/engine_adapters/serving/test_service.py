@@ -151,3 +151,36 @@ def test_bad_requests_raise_typed_errors(worker_factory):
                      tail_key="tail/r")
     with pytest.raises(LayoutMismatch):
         asyncio.run(d.open_decode(m.DecodeRequest(handle=other, first_token=1)))
+
+
+def test_without_a_keyring_decode_still_checks_token_ids_and_namespace(worker_factory, pool):
+    """No keyring: handles are unsigned, but a handle without token ids, or of another tenant's
+    namespace (salt), is refused before anything is released; a request naming a tenant is refused."""
+    import msgspec
+
+    p, d = worker_factory(role="prefill"), worker_factory(role="decode")
+    head = asyncio.run(p.prefill(m.PrefillRequest(token_ids=ids_of(300, seed=40))))
+    assert head.handle.signature is None and head.handle.token_ids is not None
+    stripped = msgspec.structs.replace(head.handle, token_ids=None)
+    with pytest.raises(InvalidArgument, match="token ids"):
+        asyncio.run(d.open_decode(m.DecodeRequest(handle=stripped, first_token=head.first_token, max_tokens=1)))
+    other = worker_factory(role="prefill", tenant_salt="another-tenant")
+    theirs = asyncio.run(other.prefill(m.PrefillRequest(token_ids=ids_of(300, seed=40))))
+    with pytest.raises(LayoutMismatch):
+        asyncio.run(d.open_decode(m.DecodeRequest(handle=theirs.handle, first_token=theirs.first_token, max_tokens=1)))
+    # our namespace and token ids, but another tenant's tail (tails are not namespaced): released unread
+    # (first token a stop token), the tail is checked first and left, as it names another namespace
+    aimed = msgspec.structs.replace(head.handle, tail_key=theirs.handle.tail_key, request_id=theirs.handle.request_id)
+    stream = asyncio.run(d.open_decode(m.DecodeRequest(handle=aimed, first_token=head.first_token, max_tokens=1)))
+    asyncio.run(_drain(stream))
+    assert pool.exists_batch([head.handle.tail_key, theirs.handle.tail_key]) == [True, True]
+    stream = asyncio.run(d.open_decode(m.DecodeRequest(handle=head.handle, first_token=head.first_token, max_tokens=1)))
+    asyncio.run(_drain(stream))
+    pool.flush()
+    assert pool.exists_batch([head.handle.tail_key, theirs.handle.tail_key]) == [False, True], "a valid release works"
+    with pytest.raises(InvalidArgument, match="keyring"):
+        asyncio.run(p.prefill(m.PrefillRequest(token_ids=[1, 2, 3]), tenant="acme"))
+
+
+async def _drain(stream) -> list:
+    return [event async for event in stream]
