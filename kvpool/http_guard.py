@@ -2,7 +2,7 @@
 bearer token where one is required. Used by the admin API, the router and the workers' app.
 
 `HttpGuard` is ASGI middleware:
-- Body cap (`max_body`, default 1 MiB): a request body over the cap is answered 413 before the
+- Body cap (`max_body`, default `KVPOOL_HTTP_MAX_BODY`, else 1 MiB): a request body over the cap is answered 413 before the
   app runs. The body is read as it arrives and dropped once over the cap (never more than
   `max_body` bytes are held); the rest is read and discarded up to `DRAIN_LIMIT`, so the client,
   still sending, reads the 413 instead of a connection reset. A larger body gets the 413 and the
@@ -24,13 +24,16 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 from typing import Any, Callable
 
 from kvpool.auth import internal_http_token, load_keyring
+from kvpool.config import parse_size
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20  # 1 MiB: a 100k-token prompt is ~400 KB of JSON
+MAX_BODY_ENV = "KVPOOL_HTTP_MAX_BODY"
 DRAIN_LIMIT = 64 << 20  # read and drop at most this much of an oversized body before answering
 TENANT_HEADER = "x-kvpool-tenant"  # router -> worker: the tenant a request is for (with the internal token)
 
@@ -70,13 +73,13 @@ def same_token(presented: str | None, expected: str) -> bool:
 
 
 class HttpGuard:
-    def __init__(self, app: Any, *, error_body: ErrorBody = plain_error, max_body: int = MAX_BODY,
+    def __init__(self, app: Any, *, error_body: ErrorBody = plain_error, max_body: int | None = None,
                  token: Callable[[], str | None] | None = None,
                  needs_token: Callable[[str], bool] = lambda path: path != "/health",
                  what: str = "this service"):
         self.app = app
         self.error_body = error_body
-        self.max_body = max_body
+        self.max_body = max_body if max_body is not None else parse_size(os.environ.get(MAX_BODY_ENV) or MAX_BODY)
         self.token = token
         self.needs_token = needs_token
         self.what = what
@@ -130,7 +133,7 @@ class HttpGuard:
         log.info("request body of %d bytes refused (limit %d)", size, self.max_body)
         await self._answer(send, 413, "request_too_large",
                            f"the request body is {'at least ' if close else ''}{size} bytes; {self.what} accepts "
-                           f"at most {self.max_body} bytes ({self.max_body >> 20} MiB)",
+                           f"at most {self.max_body} bytes ({MAX_BODY_ENV})",
                            {"connection": "close"} if close else None)
 
     async def _answer(self, send: Any, status: int, code: str, message: str,

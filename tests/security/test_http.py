@@ -103,13 +103,33 @@ def test_admin_body_over_1mib_is_413(admin, secrets_dir):
     with httpx.Client(base_url=admin, timeout=30) as http:
         r = http.patch("/v1/config", content=b'{"lease_s": 5.0, "x": "' + b"a" * MIB + b'"}', headers=auth)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-        assert "1048576" in r.json()["error"]["message"]
+        assert "at most 1048576 bytes" in r.json()["error"]["message"]
         assert http.get("/v1/config", headers=auth).json()["config"]["lease_s"] != 5.0
         ok = http.post("/v1/evict", json={"keys": ["absent"]}, headers=auth)  # a small body is still served
         assert ok.status_code == 200
         # a chunked body announces no length: it is counted as it arrives
         r = http.post("/v1/evict", content=(b"x" * 65536 for _ in range(24)), headers=auth)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_the_body_cap_is_a_setting(secrets_dir, tmp_path):
+    token = (secrets_dir / "admin.token").read_text().strip()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([KVPOOL, "--log-level", "WARNING", "serve", "--port", "0", "--admin-port", str(port),
+                             "--dram-capacity", "32MiB"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=_env(KVPOOL_ADMIN_TOKEN=token, KVPOOL_HTTP_MAX_BODY="4KiB"))
+    try:
+        assert proc.stdout.readline().startswith("kvpool serving at ")
+        auth = {"Authorization": f"Bearer {token}"}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/evict", json={"keys": ["k" * 100] * 80}, headers=auth, timeout=30)
+        assert r.status_code == 413 and "at most 4096 bytes" in r.json()["error"]["message"]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/evict", json={"keys": ["absent"]}, headers=auth, timeout=30)
+        assert r.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(15)
 
 
 # -- a secured local cluster --------------------------------------------------------------------
