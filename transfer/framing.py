@@ -15,7 +15,7 @@ address (a refused connection is answered by the protocol's `refuse` and closed)
 socket gets one kernel receive timeout, a *tick* (`Limits.tick`), set once at accept, so the
 hot path makes no timing syscalls. A receive that sees a whole tick pass without a byte raises
 `BlockingIOError`; a server counts those ticks for its idle timeout and its header timeout, and
-`recv_paced` cuts a body whose sender stalls (fewer than `min_rate` bytes per second over a
+`recv_paced` cuts a body whose sender stalls (fewer than `min_body_rate` bytes per second over a
 tick). So a stalled sender holds its thread for about one tick, not forever.
 """
 
@@ -123,11 +123,11 @@ def recv_paced(sock: socket.socket, view: memoryview, min_per_tick: int) -> None
             raise Stalled(f"peer sends too slowly ({k} bytes in a receive tick; {got} of {n} bytes in)")
 
 
-def recv_polling(sock: socket.socket, view: memoryview, polls: int) -> None:
+def recv_polling(sock: socket.socket, view: memoryview, polls: int, min_per_tick: int = 0) -> None:
     """`recv_exact_into`, polling while the bytes stream in: a large payload arrives in many
     pieces, and taking each as it lands (the sender copying on one core, us on the other) beats
     sleeping until MSG_WAITALL is satisfied, which wakes us per piece anyway. Blocks after
-    `polls` empty polls in a row."""
+    `polls` empty polls in a row; a blocking wait is paced as in `recv_paced`."""
     got, n, misses = 0, len(view), 0
     while got < n:
         try:
@@ -137,7 +137,12 @@ def recv_polling(sock: socket.socket, view: memoryview, polls: int) -> None:
             if misses < polls:
                 sched_yield()
                 continue
-            k = sock.recv_into(view[got:], n - got, WAITALL)
+            try:
+                k = sock.recv_into(view[got:], n - got, WAITALL)
+            except BlockingIOError:
+                raise Stalled(f"peer sent nothing for a whole receive tick ({got} of {n} bytes in)") from None
+            if 0 < k < n - got and k < min_per_tick:
+                raise Stalled(f"peer sends too slowly ({k} bytes in a receive tick; {got + k} of {n} bytes in)")
         if k == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
@@ -180,6 +185,17 @@ def shutdown(sock: socket.socket) -> None:
         pass
 
 
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the other end has closed `sock` (EOF or an error waiting), without blocking: a
+    pooled connection that sat idle may have been closed by the server's idle timeout."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def peer_pid(sock: socket.socket) -> int:
     """The process id at the other end of a unix socket (0 when unknown)."""
     try:
@@ -195,15 +211,15 @@ class Limits:
     `header_timeout_s`: a frame header (or the authentication hello) once started must complete
     within this (within two ticks: the check runs at tick ends); it is also the tick, the socket's
     receive timeout. `idle_timeout_s`: a connection with no request for this long is closed.
-    `min_rate`: bytes per second a message body or payload in flight must keep up (a sender
-    silent for a whole tick is cut even at 0). `max_conns`, `max_conns_per_peer`: open
+    `min_body_rate`: bytes per second a message body or payload in flight must keep up (a sender
+    silent for a whole tick is cut even at 0). `max_connections`, `max_connections_per_peer`: open
     connections per server and per peer address (IP; a unix socket's peers share one)."""
 
     header_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0
-    min_rate: int = 64 << 10
-    max_conns: int = 1024
-    max_conns_per_peer: int = 256
+    min_body_rate: int = 64 << 10
+    max_connections: int = 1024
+    max_connections_per_peer: int = 256
 
     @property
     def tick(self) -> float | None:
@@ -211,7 +227,7 @@ class Limits:
 
     @property
     def min_per_tick(self) -> int:
-        return int(self.min_rate * self.header_timeout_s)
+        return int(self.min_body_rate * self.header_timeout_s)
 
     def idle_ticks(self) -> int:
         """Silent ticks between requests before a connection is idle-closed (0: never)."""
@@ -284,11 +300,12 @@ class Listener:
             limits = self.limits
             with self._lock:
                 over = None
-                if limits.max_conns and len(self._conns) >= limits.max_conns:
-                    over = f"{self.name}: at its cap of {limits.max_conns} connections (max_conns); try again later"
-                elif limits.max_conns_per_peer and self._per_peer.get(who, 0) >= limits.max_conns_per_peer:
-                    over = (f"{self.name}: {who} already has {limits.max_conns_per_peer} connections open "
-                            "(max_conns_per_peer); close some or reuse them")
+                if limits.max_connections and len(self._conns) >= limits.max_connections:
+                    over = (f"{self.name}: at its cap of {limits.max_connections} connections (max_connections); "
+                            "try again later")
+                elif limits.max_connections_per_peer and self._per_peer.get(who, 0) >= limits.max_connections_per_peer:
+                    over = (f"{self.name}: {who} already has {limits.max_connections_per_peer} connections open "
+                            "(max_connections_per_peer); close some or reuse them")
                 else:
                     self._conns.add(sock)
                     self._per_peer[who] = self._per_peer.get(who, 0) + 1

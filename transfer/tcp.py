@@ -27,6 +27,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 
 from transfer import framing, wire
 from transfer.auth import AuthError, client_handshake
@@ -38,6 +39,8 @@ log = logging.getLogger("transfer.tcp")
 
 _STOP = None
 PIPELINE_DEPTH = 4  # 2..8 measured alike at >= 1 MiB; deeper helps 64 KiB slices a little
+STALE_CHECK_S = 1.0  # a connection quiet this long is checked for a close by the server before reuse
+
 
 # A slice: (batch, op index, opcode, local byte view, remote seg_id, remote offset, grant or None)
 Slice = tuple
@@ -191,6 +194,7 @@ class _Conn:
         self.resp = bytearray(wire.RESP.size)
         self.resp_view = memoryview(self.resp)
         self.ids = itertools.count(1)
+        self.used = 0.0  # when a request was last sent (`peer_closed` checks after STALE_CHECK_S of quiet)
         self._sock_lock = threading.Lock()
         self._interrupted = False
         self.thread = None
@@ -244,6 +248,7 @@ class _Conn:
     # -- one request / response ------------------------------------------------------------
     def send(self, opcode: int, view: memoryview, seg_id: int, offset: int, grant: bytes | None = None) -> int:
         req_id = next(self.ids)
+        self.used = time.monotonic()
         if grant is None:
             wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, 0, seg_id, req_id, offset, len(view))
             if opcode == wire.OP_WRITE:
@@ -304,6 +309,9 @@ class _Conn:
             if item is _STOP:
                 self.close()
                 return
+            if self.sock is not None and time.monotonic() - self.used > STALE_CHECK_S and \
+                    framing.peer_closed(self.sock):
+                self.close()  # the server closed it while we were idle (its idle timeout): reconnect
             stop = False
             # Slices taken off the queue but not in `inflight` yet: a WRITE waits here while READ
             # responses are due, because sending its payload could block against a server that

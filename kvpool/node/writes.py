@@ -62,7 +62,8 @@ class Writes:
         self.sign: Callable[[int, int, int, float], bytes | None] | None = None
         self._put_ids: dict[str, int] = {}  # key -> the put that wrote our copy
         self._open: dict[str, _Open] = {}
-        self._filling: dict[int, tuple[float, Payload]] = {}  # NodeWrite payloads being received: id -> (deadline, payload)
+        # NodeWrite payloads being received into a reservation: id -> (put deadline, payload)
+        self._filling: dict[int, tuple[float, Payload]] = {}
         self._lock = threading.Lock()
         self.credential: Any = None  # shown to the source node of a `copy` (the node principal)
 

@@ -29,11 +29,13 @@ from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_P
 from kvpool.rpc.server import UNIX_SUPPORTED
 from kvpool.rpc.spin import STREAM_POLLS, STREAM_SPIN_MIN_CLIENT, Spin, local
 from transfer.auth import AuthError, client_handshake
-from transfer.framing import DONTWAIT, peer_pid, recv_exact_into, recv_polling, sched_yield, send_all, tune
+from transfer.framing import (DONTWAIT, peer_closed, peer_pid, recv_exact_into, recv_polling, sched_yield, send_all,
+                              tune)
 
 log = logging.getLogger("kvpool.rpc")
 
 BIG_MESSAGE = 1 << 20  # a reply message longer than this is read as it arrives, not allocated up front
+STALE_CHECK_S = 1.0  # a connection quiet this long is checked for a close by the server before reuse
 
 
 class RpcClient:
@@ -60,6 +62,7 @@ class RpcClient:
         self._sock: socket.socket | None = None
         self._header = bytearray(HEADER.size)
         self.max_reply = settings.max_reply_bytes or MAX_PAYLOAD  # a reply announcing more is refused
+        self._used = 0.0  # when this connection last sent (`_open_sock`)
         self.payload_left = 0
         self._local: tuple | None = None  # this connection's address, while in `local.clients`
         self._spin = Spin(0)  # polls before a blocking wait for a reply (cap 0 to a local server)
@@ -154,8 +157,20 @@ class RpcClient:
         self.close()
         return Unavailable(f"connection to {self.address} failed: {exc}")
 
+    def _open_sock(self) -> socket.socket:
+        """The connection, reopened when it sat idle and the server has closed it meanwhile
+        (its idle timeout, a restart): checked only after `STALE_CHECK_S` of quiet, so a busy
+        client pays one clock read per call and no syscall."""
+        sock = self._sock
+        if sock is not None and time.monotonic() - self._used > STALE_CHECK_S and peer_closed(sock):
+            log.debug("connection to %s was closed by the server while idle; reconnecting", self.address)
+            self.close()
+            sock = None
+        return sock or self._connect()
+
     def send_oneway(self, msg: Any) -> None:
-        sock = self._sock or self._connect()
+        sock = self._open_sock()
+        self._used = time.monotonic()
         if self.payload_left:
             self.skip_payload()
         try:
@@ -169,7 +184,8 @@ class RpcClient:
 
     def send_request(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
         """First half of `call`: lets a caller send to several servers before waiting on any."""
-        sock = self._sock or self._connect()
+        sock = self._open_sock()
+        self._used = time.monotonic()
         if self.payload_left:
             self.skip_payload()
         try:

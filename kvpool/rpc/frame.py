@@ -156,7 +156,7 @@ class Payload:
         if got < n:
             rest = view[got:] if got else view
             if self.spin and len(rest) >= STREAM_SPIN_MIN:
-                recv_polling(self._sock, rest, STREAM_POLLS)
+                recv_polling(self._sock, rest, STREAM_POLLS, self.pace)
             else:
                 recv_paced(self._sock, rest, self.pace)
         self.remaining -= n

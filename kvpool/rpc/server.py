@@ -216,7 +216,7 @@ class RpcServer:
         length alone allocates nothing), at the minimum body rate (`transfer.framing.Limits`)."""
         body = bytearray(reader.view[reader.start:reader.end])
         reader.start = reader.end
-        rate, grace = self.limits.min_rate, self.limits.header_timeout_s
+        rate, grace = self.limits.min_body_rate, self.limits.header_timeout_s
         t0 = time.monotonic()
         while len(body) < msg_len:
             part = sock.recv(min(msg_len - len(body), 1 << 20))  # a silent tick raises BlockingIOError

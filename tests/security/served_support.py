@@ -44,12 +44,13 @@ class Serve:
         """The node's arena as the transfer engine serves it (what `Hello`/`NodeStats` hand out)."""
         return SegmentDescriptor.from_bytes(self.stats()["transfer_segment"])
 
-    def rss(self) -> int:
+    def rss_anon(self) -> int:
+        """Private memory (heap, stacks): what an allocation costs; the arena is shared memory."""
         with open(f"/proc/{self.pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith("RssAnon:"):
                     return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
+        raise AssertionError("no RssAnon")
 
     def log_text(self) -> str:
         return self.log.read_text()
