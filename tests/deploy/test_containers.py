@@ -1,0 +1,238 @@
+"""deploy/ for real (issue 14): the image is built from this repository (deploy/build-image.sh,
+podman, no registry), deploy/docker-compose.yml runs under podman-compose (etcd, two masters, two
+nodes, a prefill and a decode worker, the router), and the stack is used through its published
+127.0.0.1 ports only: the router's OpenAI API with the official `openai` client, the masters'
+admin API. Then the leading master's container and a node's container are killed, and the stack
+must still serve: the standby master takes over, the router answers again.
+
+Skipped, with the reason, where podman, podman-compose or a working container runtime is missing.
+Everything it starts belongs to one compose project named kvpool-test-<pid>; teardown removes
+exactly that project's containers, volumes, network and secrets, by name.
+
+Slow (a few minutes: the image build is incremental, the workers load the model).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+BASE_IMAGE = os.environ.get("KVPOOL_BASE_IMAGE", "localhost/kvpool-base:bookworm")
+API_KEY = "sk-deploy-" + secrets.token_hex(12)
+ADMIN_TOKEN = secrets.token_hex(24)
+UID = 10001  # the image's user: the secret files must be readable by it
+
+
+def _podman_compose() -> str | None:
+    exe = Path(sys.executable).with_name("podman-compose")
+    return str(exe) if exe.exists() else shutil.which("podman-compose")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], timeout: float, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def _write_secret(path: Path, text: str) -> Path:
+    path.write_text(text)
+    os.chmod(path, 0o600)
+    if os.getuid() == 0:
+        os.chown(path, UID, UID)  # the containers run as uid 10001; the keyring must stay 0600
+    return path
+
+
+def _keyring_text() -> str:
+    def secret() -> str:
+        return secrets.token_hex(24)
+    return (f'[principals.node]\nrole = "node"\nsecret = "{secret()}"\n\n'
+            f'[principals.ops]\nrole = "admin"\nsecret = "{secret()}"\n\n'
+            f'[principals.acme]\nrole = "tenant:acme"\nsecret = "{secret()}"\napi_keys = ["{API_KEY}"]\n')
+
+
+class Stack:
+    """One compose project: up, the containers' names, logs, down."""
+
+    def __init__(self, workdir: Path):
+        self.project = f"kvpool-test-{os.getpid()}"
+        self.pc = _podman_compose()
+        self.router_port, self.admin_a, self.admin_b = _free_port(), _free_port(), _free_port()
+        keyring = _write_secret(workdir / "keyring.toml", _keyring_text())
+        token = _write_secret(workdir / "admin-token", ADMIN_TOKEN + "\n")
+        self.env = dict(os.environ, KVPOOL_KEYRING=str(keyring), KVPOOL_ADMIN_TOKEN_SECRET=str(token),
+                        KVPOOL_ETCD_IMAGE=BASE_IMAGE, KVPOOL_ROUTER_PORT=str(self.router_port),
+                        KVPOOL_ADMIN_PORT_A=str(self.admin_a), KVPOOL_ADMIN_PORT_B=str(self.admin_b))
+
+    def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        return _run([self.pc, "-p", self.project, "-f", str(COMPOSE), *args], timeout, env=self.env, check=check)
+
+    def containers(self) -> list[str]:
+        r = _run(["podman", "ps", "-a", "--filter", f"label=io.podman.compose.project={self.project}",
+                  "--format", "{{.Names}}"], 60, check=False)
+        return [n for n in r.stdout.split() if n]
+
+    def name(self, service: str) -> str:
+        found = [n for n in self.containers() if n.startswith(f"{self.project}_{service}_")]
+        assert found, (service, self.containers())
+        return found[0]
+
+    def logs(self) -> str:
+        out = []
+        for name in self.containers():
+            r = _run(["podman", "logs", "--tail", "25", name], 60, check=False)
+            out.append(f"---- {name}\n{r.stdout[-2500:]}{r.stderr[-2500:]}")
+        return "\n".join(out)
+
+    def down(self) -> None:
+        self.compose("down", "-v", "-t", "5", timeout=300, check=False)
+        for name in self.containers():  # whatever down left, by name
+            _run(["podman", "rm", "-f", "-t", "2", name], 120, check=False)
+        for kind in ("volume", "network"):
+            r = _run(["podman", kind, "ls", "--format", "{{.Name}}"], 60, check=False)
+            for name in r.stdout.split():
+                if name.startswith(self.project + "_") or name.startswith(self.project.replace("-", "") + "_"):
+                    _run(["podman", kind, "rm", "-f", name], 60, check=False)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed (apt-get install podman runc debootstrap)")
+    if _podman_compose() is None:
+        pytest.skip("podman-compose is not installed (pip install -e '.[dev]')")
+    setup = subprocess.run([str(DEPLOY / "podman-setup.sh")], capture_output=True, text=True, timeout=300)
+    if setup.returncode == 3:
+        pytest.skip(f"podman cannot start containers here: {setup.stderr.strip()[-800:]}")
+    if not podman_image_exists(BASE_IMAGE) and (os.getuid() != 0 or shutil.which("debootstrap") is None):
+        pytest.skip(f"{BASE_IMAGE} is missing and debootstrap (as root) is not available to make it")
+    t0 = time.monotonic()
+    build = subprocess.run([str(DEPLOY / "build-image.sh")], capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    print(f"image built in {time.monotonic() - t0:.0f} s")
+    s = Stack(tmp_path_factory.mktemp("deploy"))
+    s.down()  # a previous run of this pid's project, if any
+    try:
+        t0 = time.monotonic()
+        s.compose("up", "-d", "--no-build", timeout=600)
+        s.up_s = time.monotonic() - t0
+        yield s
+    finally:
+        if os.environ.get("KVPOOL_KEEP_STACK") != "1":
+            s.down()
+
+
+def podman_image_exists(image: str) -> bool:
+    return subprocess.run(["podman", "image", "exists", image], timeout=60).returncode == 0
+
+
+def _openai(stack: Stack):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.router_port}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+def _complete(stack: Stack, deadline_s: float, what: str) -> tuple[str, float]:
+    """A chat completion through the router, retried until `deadline_s`; (text, seconds taken)."""
+    client = _openai(stack)
+    t0 = time.monotonic()
+    last: Exception | None = None
+    while time.monotonic() - t0 < deadline_s:
+        try:
+            model = client.models.list().data[0].id
+            resp = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=12,
+                temperature=0)
+            text = resp.choices[0].message.content or ""
+            assert resp.usage.completion_tokens > 0, resp
+            return text, time.monotonic() - t0
+        except Exception as exc:  # not served yet: retry until the deadline, then report the last error
+            last = exc
+            time.sleep(2)
+    raise AssertionError(f"{what}: no completion within {deadline_s:.0f} s: {last!r}\n{stack.logs()}")
+
+
+def _admin(stack: Stack, port: int, path: str) -> httpx.Response:
+    return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10,
+                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+
+
+def _leader_port(stack: Stack, deadline_s: float) -> int:
+    """The published admin port of the master that leads: its /ready answers 200 (a standby's 503
+    names the leader)."""
+    t0 = time.monotonic()
+    seen = {}
+    while time.monotonic() - t0 < deadline_s:
+        for port in (stack.admin_a, stack.admin_b):
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+                seen[port] = (r.status_code, r.text[:200])
+                if r.status_code == 200:
+                    return port
+            except httpx.HTTPError as exc:
+                seen[port] = repr(exc)
+        time.sleep(1)
+    raise AssertionError(f"no leading master within {deadline_s:.0f} s: {seen}\n{stack.logs()}")
+
+
+def _nodes_up(stack: Stack, port: int) -> set[str]:
+    r = _admin(stack, port, "/v1/nodes")
+    assert r.status_code == 200, r.text
+    return {n["node_id"] for n in r.json()["nodes"] if n.get("state") == "up"}
+
+
+def test_stack_serves_and_survives_killed_containers(stack: Stack):
+    services = {n.split("_")[1] for n in stack.containers()}
+    assert services == {"etcd", "master-a", "master-b", "node-a", "node-b", "prefill", "decode", "router"}, services
+    # the router's OpenAI API through its published port, with an API key from the keyring
+    text, first_s = _complete(stack, 300, "fresh stack")
+    print(f"up -d {stack.up_s:.0f} s; first completion after {first_s:.0f} s more: {text!r}")
+    # without the key: refused
+    r = httpx.post(f"http://127.0.0.1:{stack.router_port}/v1/chat/completions", timeout=10,
+                   json={"model": "x", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 401, r.text
+    # the admin API: one leader, both nodes registered; the standby refuses or redirects
+    leader = _leader_port(stack, 60)
+    t0 = time.monotonic()
+    while _nodes_up(stack, leader) != {"node-a", "node-b"} and time.monotonic() - t0 < 60:
+        time.sleep(1)
+    assert _nodes_up(stack, leader) == {"node-a", "node-b"}, _admin(stack, leader, "/v1/nodes").text
+    assert httpx.get(f"http://127.0.0.1:{leader}/v1/nodes", timeout=10).status_code == 401
+
+    # kill the leading master: the other one takes over; the router still serves
+    dead = "master-a" if leader == stack.admin_a else "master-b"
+    _run(["podman", "kill", stack.name(dead)], 60)
+    t0 = time.monotonic()
+    other = stack.admin_b if leader == stack.admin_a else stack.admin_a
+    new_leader = _leader_port(stack, 90)
+    failover_s = time.monotonic() - t0
+    assert new_leader == other or new_leader == leader  # a restarted container may lead again
+    text, served_s = _complete(stack, 180, f"after killing {dead}")
+    print(f"killed {dead}: a leader again after {failover_s:.1f} s, served after {served_s:.1f} s: {text!r}")
+
+    # kill a node: the pool keeps serving with the other node
+    _run(["podman", "kill", stack.name("node-a")], 60)
+    text, served_s = _complete(stack, 180, "after killing node-a")
+    print(f"killed node-a: served after {served_s:.1f} s: {text!r}")
+    leader = _leader_port(stack, 90)
+    assert "node-b" in _nodes_up(stack, leader)
