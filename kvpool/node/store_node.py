@@ -301,10 +301,12 @@ class StoreNode:
 
     def _on_stats(self, msg: NodeStats, payload: Payload, conn: ServerConn) -> Info:
         arena = self.store.arena
-        return Info({"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
-                     "shm_path": arena.path, "arena_size": arena.size, "transfer_segment": self.transfer_segment,
-                     "index_path": self._index_path(), "unix": self.rpc.unix_address,
-                     **self.store.stats()})
+        doc = {"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
+               "shm_path": arena.path, "arena_size": arena.size, "transfer_segment": self.transfer_segment,
+               "index_path": self._index_path(), "unix": self.rpc.unix_address}
+        if conn is None or not conn.scope:  # a tenant learns how to reach the node, not the pool's traffic
+            doc.update(self.store.stats())
+        return Info(doc)
 
     # ------------------------------------------------------------------ the embedded master's link (no socket)
 

@@ -192,3 +192,15 @@ def test_a_tenants_flood_does_not_flush_another_tenants_working_set(pool):
         assert sum(v is not None for v in acme.get_batch([f"flood/{i}" for i in range(192)])) < 192  # it did evict
         for i in range(192):
             acme.remove(f"flood/{i}")
+
+
+def test_node_stats_tell_a_tenant_how_to_reach_the_node_not_the_pools_traffic(pool):
+    tenant = RpcClient(pool.address, credential=cred("acme"))
+    node = RpcClient(pool.address, credential=cred("node"))
+    try:
+        mine, full = tenant.call(m.NodeStats()).doc, node.call(m.NodeStats()).doc
+    finally:
+        tenant.close()
+        node.close()
+    assert mine["shm_path"] == full["shm_path"] and mine["arena_size"] == full["arena_size"]
+    assert "total" in full and "total" not in mine and "tiers" not in mine  # no hit/miss counters
