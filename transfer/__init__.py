@@ -11,16 +11,23 @@ It knows nothing about keys or KV caches and imports nothing from `kvpool`.
 from transfer.batch import READ, WRITE, Batch, Op
 from transfer.descriptor import RdmaEndpoint, SegmentDescriptor
 from transfer.engine import PREFERENCE, TransferEngine
-from transfer.errors import (InvalidOp, PeerUnavailable, ProtocolError, SegmentNotFound, TransferError,
-                             TransferTimeout, TransportUnavailable)
+from transfer.errors import (AccessDenied, InvalidOp, LimitReached, PeerUnavailable, ProtocolError, SegmentNotFound,
+                             TransferError, TransferTimeout, TransportUnavailable)
+from transfer.framing import Limits
+from transfer.grant import Grants
 from transfer.shm import create_shm_buffer
 
 __all__ = [
     "PREFERENCE",
     "READ",
     "WRITE",
+    "AccessDenied",
     "Batch",
+    "create_shm_buffer",
+    "Grants",
     "InvalidOp",
+    "LimitReached",
+    "Limits",
     "Op",
     "PeerUnavailable",
     "ProtocolError",
@@ -31,5 +38,4 @@ __all__ = [
     "TransferError",
     "TransferTimeout",
     "TransportUnavailable",
-    "create_shm_buffer",
 ]
