@@ -201,7 +201,8 @@ class Worker:
         return WorkerInfo(role=self.config.role, model_id=self.rm.model_id, namespace=self.namespace.hex(),
                           chunk_tokens=self.layout.chunk_tokens, dtype=self.layout.dtype, pool=self.config.pool,
                           eos_token_ids=sorted(self.eos), max_positions=self.runner.max_positions,
-                          bytes_per_token=self.layout.bytes_per_token, kv_codec=self.layout.codec)
+                          bytes_per_token=self.layout.bytes_per_token, kv_codec=self.layout.codec,
+                          namespace_doc=self.namespace.canonical_json())
 
     def load(self) -> LoadReport:
         per_token = self.layout.bytes_per_token
