@@ -40,7 +40,7 @@ from typing import Any, List, Optional
 import torch
 
 from engine_adapters.chunk_reader import ChunkReader
-from engine_adapters.chunk_store import plugin_mac_key
+from engine_adapters.chunk_store import plugin_mac_key, plugin_tenant_salt
 from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, encode_into
 from kvpool.contract import PoolClient
 from kvpool.errors import InvalidArgument, KVPoolError
@@ -91,7 +91,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.model_id = str(extra.get("model_id") or getattr(storage_config, "model_name", None) or "unknown-model")
         self.weights_fingerprint = str(extra.get("weights_fingerprint", "unversioned"))
         # pipeline stages hold different layers: the salt keeps their pages apart
-        salt = str(extra.get("tenant_salt", ""))
+        salt = plugin_tenant_salt(extra)
         self.tenant_salt = salt if self.pp_rank == 0 else f"{salt}/pp{self.pp_rank}"
         self.address = str(extra.get("kvpool_address", os.environ.get("KVPOOL_MASTER", "127.0.0.1:7600")))
         self._client = client

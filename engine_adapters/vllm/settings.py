@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from engine_adapters.chunk_store import plugin_tenant_salt
 from engine_adapters.vllm.layouts import PAGED_LAYOUTS
 from kvpool.chunk_format import KVLayout
 from kvpool.errors import InvalidArgument
@@ -77,7 +78,7 @@ class ConnectorSettings:
             tp_size=int(getattr(parallel, "tensor_parallel_size", 1)),
             model_id=str(extra.get("model_id", model.model)),
             weights_fingerprint=str(extra.get("weights_fingerprint", getattr(model, "revision", None) or "unversioned")),
-            tenant_salt=str(extra.get("tenant_salt", "")),
+            tenant_salt=plugin_tenant_salt(extra),
             address=str(extra.get("kvpool_address", os.environ.get("KVPOOL_MASTER", "127.0.0.1:7600"))),
             kv_role=kv_role,
             async_save=bool(extra.get("async_save", False)),
