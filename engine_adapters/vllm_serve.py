@@ -29,7 +29,9 @@ import httpx
 
 from engine_adapters.serving.launcher import (_PRCTL, LocalCluster, PoolSpec, Proc, RouterSpec, _die_with_parent,
                                               _reap, _terminate)
+from kvpool.auth import load_keyring
 from kvpool.errors import InvalidArgument, Unavailable
+from kvpool.http_guard import internal_headers
 
 ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
@@ -189,7 +191,8 @@ class VLLMCluster:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                listed = httpx.get(f"{self.router_url}/admin/workers", timeout=5).json()["workers"]
+                listed = httpx.get(f"{self.router_url}/admin/workers", timeout=5,
+                                   headers=internal_headers(load_keyring())).json()["workers"]
                 if want <= {w["url"] for w in listed if w["status"] == "up"}:
                     say(f"router has {len(want)} vLLM servers")
                     return

@@ -28,7 +28,9 @@ from typing import Any
 import click
 import httpx
 
+from kvpool.auth import AUTH_FILE_ENV, load_keyring
 from kvpool.bench.report import Report, progress
+from kvpool.http_guard import internal_headers
 
 _BUSY = re.compile(r"^kvpool_worker_(?:decode_step|prefill_chunk)_seconds_sum (\S+)$", re.M)
 
@@ -199,7 +201,8 @@ def disagg(n_workers, configs, num_requests, input_len, output_len, range_ratio,
                     row = {"rate": rate, **_row(res), "busy": busy, "busy_mean": statistics.fmean(busy.values())}
                     table.setdefault(name, []).append(row)
                     step()
-            fitted = httpx.get(f"{cluster.router_url}/admin/workers", timeout=10).json()
+            fitted = httpx.get(f"{cluster.router_url}/admin/workers", timeout=10,
+                               headers=internal_headers(load_keyring(cluster.env.get(AUTH_FILE_ENV)))).json()
             report.notes.append(f"{name}: router's fitted cost model after the runs ({fitted['cost_samples']} "
                                 f"prefills): " + ", ".join(f"{k}={v:.3g}" for k, v in fitted["cost"].items()))
         finally:
