@@ -176,6 +176,11 @@ class TransferEngine:
             raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}")
         return self._grants.sign(opcode, desc.seg_id, offset, length, ttl_s)
 
+    def revoke(self, grant: bytes | None) -> None:
+        """Refuse a grant this engine signed from now on (see `transfer.grant`)."""
+        if self._grants is not None and grant:
+            self._grants.revoke(grant)
+
     def unregister(self, seg_name: str) -> None:
         with self._lock:
             if seg_name not in self._descriptors:

@@ -9,7 +9,7 @@ may have what: it only checks the signature, the op, the range and the time.
 
 Wire (48 bytes, little-endian, after the request header):
 
-    op u8 | 0 (3) | seg_id u32 | offset u64 | length u64 | expires u64 (unix ms) | mac (16)
+    op u8 | serial u16 | 0 u8 | seg_id u32 | offset u64 | length u64 | expires u64 (unix ms) | mac (16)
 
     mac = HMAC-SHA256(key, "kvpool-grant/v1" | 0 | engine name | 0 | the 32 bytes before it)[:16]
 
@@ -17,58 +17,85 @@ The engine's name is in the MAC but not on the wire, so a grant for one engine's
 not one for another engine's segment #1 (the pool's nodes share one grant key). Expiry is wall
 clock (`time.time()`): the signer and the checker are one process in the pool, and a grant
 handed across hosts needs their clocks within the grant's lifetime of each other.
+
+Revocation: the signer revokes a grant whose range stops being the holder's before the grant
+expires (a pin released, a reservation committed or aborted), so the range can be reused for
+another object without the old holder reaching it. A WRITE frame already being received when
+its grant is revoked still lands (bounded by the minimum body rate): the pool's reservation
+invariant keeps such a range out of reuse only until the put's deadline (`kvpool.node.writes`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import struct
 import time
 
 READ, WRITE = 1, 2  # as transfer.batch
-GRANT = struct.Struct("<BxxxIQQQ16s")
+GRANT = struct.Struct("<BHxIQQQ16s")  # op, serial, seg_id, offset, length, expires ms, mac
 SIZE = GRANT.size  # 48
-_SIGNED = struct.Struct("<BxxxIQQQ")
+SIGNED = SIZE - 16
+_SIGNED = struct.Struct("<BHxIQQQ")
 _LABEL = b"kvpool-grant/v1\0"
 _OPS = {READ: "READ", WRITE: "WRITE"}
+_MAX_REVOKED = 4096  # entries before the expired ones are swept
 
 
 class Grants:
-    """Signs and checks the grants of one engine's segments (`engine`: its name, `key`: the
-    shared grant key, at least 16 bytes)."""
+    """Signs, checks and revokes the grants of one engine's segments (`engine`: its name, `key`:
+    the shared grant key, at least 16 bytes). Thread-safe: the node's threads sign and revoke
+    while the data server's threads check."""
 
     def __init__(self, key: bytes, engine: str):
         if len(key) < 16:
             raise ValueError("a grant key must be at least 16 bytes")
         self._key = bytes(key)
         self._prefix = _LABEL + engine.encode() + b"\0"
+        self._serial = itertools.count(1)
+        self._revoked: dict[bytes, int] = {}  # signed part of a revoked grant -> its expiry (ms)
+        self._last: tuple = (b"", None)  # the last grant whose signature checked, and its fields
 
     def _mac(self, signed: bytes) -> bytes:
         return hmac.digest(self._key, self._prefix + signed, "sha256")[:16]
 
     def sign(self, op: int, seg_id: int, offset: int, length: int, ttl_s: float) -> bytes:
-        """A grant for `op` on [offset, offset + length) of segment `seg_id`, valid `ttl_s` seconds."""
+        """A grant for `op` on [offset, offset + length) of segment `seg_id`, valid `ttl_s` seconds.
+        Each grant is distinct (a serial), so revoking one never revokes a later one of the range."""
         if op not in _OPS:
             raise ValueError(f"grant op must be READ or WRITE, got {op!r}")
         expires = int((time.time() + ttl_s) * 1000)
-        signed = _SIGNED.pack(op, seg_id, offset, length, expires)
+        signed = _SIGNED.pack(op, next(self._serial) & 0xFFFF, seg_id, offset, length, expires)
         return signed + self._mac(signed)
+
+    def revoke(self, grant: bytes) -> None:
+        """Refuse `grant` from now on, before it expires (the pin it came with was released, the
+        reservation ended): its range may soon hold another object."""
+        if len(grant) != SIZE:
+            return
+        now = time.time() * 1000
+        revoked = self._revoked
+        if len(revoked) >= _MAX_REVOKED:
+            revoked = self._revoked = {k: t for k, t in list(revoked.items()) if t > now}
+        expires = GRANT.unpack(grant)[5]
+        if expires > now:
+            revoked[bytes(grant[:SIGNED])] = expires
 
     def check(self, grant: bytes | bytearray | memoryview, op: int, seg_id: int, offset: int,
               length: int) -> str | None:
-        """Why `grant` does not allow `op` on [offset, offset + length) of `seg_id` (None: it does)."""
+        """Why `grant` does not allow `op` on [offset, offset + length) of `seg_id` (None: it does).
+        The slices of one op carry the same grant: its signature is checked once."""
         if len(grant) != SIZE:
             return "malformed grant"
-        g_op, g_seg, g_off, g_len, expires, mac = GRANT.unpack(grant)
-        if not hmac.compare_digest(mac, self._mac(bytes(grant[:SIZE - 16]))):
-            return "grant signature is not valid (forged, altered, or for another engine)"
-        return self.allows((g_op, g_seg, g_off, g_len, expires), op, seg_id, offset, length)
-
-    @staticmethod
-    def allows(fields: tuple, op: int, seg_id: int, offset: int, length: int) -> str | None:
-        """The checks after the signature: op, segment, range, expiry."""
-        g_op, g_seg, g_off, g_len, expires = fields
+        last, known = self._last
+        if grant == last:
+            g_op, g_seg, g_off, g_len, expires = known
+        else:
+            g_op, _, g_seg, g_off, g_len, expires, mac = GRANT.unpack(grant)
+            if not hmac.compare_digest(mac, self._mac(bytes(grant[:SIGNED]))):
+                return "grant signature is not valid (forged, altered, or for another engine)"
+            self._last = (bytes(grant), (g_op, g_seg, g_off, g_len, expires))
         if g_op != op:
             return f"a {_OPS.get(g_op, g_op)} grant does not allow a {_OPS.get(op, op)}"
         if g_seg != seg_id:
@@ -77,9 +104,12 @@ class Grants:
             return f"[{offset}, {offset + length}) is outside the granted [{g_off}, {g_off + g_len})"
         if expires <= time.time() * 1000:
             return "grant expired"
+        if self._revoked and bytes(grant[:SIGNED]) in self._revoked:
+            return "grant revoked (its pin was released or its reservation ended)"
         return None
 
 
 def fields(grant: bytes | bytearray | memoryview) -> tuple:
     """(op, seg_id, offset, length, expires ms) of a grant, unchecked (for logs and tests)."""
-    return GRANT.unpack(grant)[:5]
+    op, _, seg_id, offset, length, expires, _ = GRANT.unpack(grant)
+    return op, seg_id, offset, length, expires

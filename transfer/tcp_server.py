@@ -31,7 +31,7 @@ from typing import Callable
 from transfer import framing, wire
 from transfer.auth import AuthError, SecretLookup, looks_like_hello, serve_handshake
 from transfer.errors import PeerUnavailable, TransferError
-from transfer.grant import SIZE as GRANT_SIZE, Grants, fields as grant_fields
+from transfer.grant import SIZE as GRANT_SIZE, Grants
 
 log = logging.getLogger("transfer.tcp_server")
 
@@ -147,8 +147,6 @@ class DataServer:
         segments = self.segments
         grants = self.grants
         grant = bytearray(GRANT_SIZE)
-        last_grant = b""  # the last grant checked on this connection (the slices of one op share it)
-        last_fields = None
         idle = self.limits.idle_ticks() or -1  # -1: never idle-closed
         pace = self.limits.min_per_tick
         have = self._open(conn, addr, hview)
@@ -189,12 +187,8 @@ class DataServer:
                 if grants is not None:
                     if not flags & wire.FLAG_GRANT:
                         why = "no grant: this engine serves only granted ranges"
-                    elif grant == last_grant:
-                        why = grants.allows(last_fields, opcode, seg_id, offset, length)
                     else:
                         why = grants.check(grant, opcode, seg_id, offset, length)
-                        if why is None:
-                            last_grant, last_fields = bytes(grant), grant_fields(grant)
                     if why is not None:
                         log.info("%s: refused %s of [%d, +%d) on #%d from %s: %s", self.name,
                                  "READ" if opcode == wire.OP_READ else "WRITE", offset, length, seg_id, addr, why)

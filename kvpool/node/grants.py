@@ -5,8 +5,9 @@ With a keyring, the node's transfer engine authenticates every data connection a
 (any principal of the keyring: a tenant's client reads through it too), proves the node
 principal when it connects out, and serves only granted ranges (`transfer.grant`, signed with
 `kvpool.auth.grant_key` of the node principal's secret). The node signs a READ grant for each
-range it pins for a reader (`Pins.grants`, until the pin's lease ends) and a WRITE grant for
-each reservation (`Writes.open`, until the put's deadline). The RPC that hands the ranges out is
+range it pins for a reader (`Pins.grants`, until the pin's lease ends, revoked when the pin is
+released) and a WRITE grant for each reservation (`Writes.open`, until the put's deadline,
+revoked at its commit or abort). The RPC that hands the ranges out is
 itself authorized per principal (`kvpool.rpc.authz`): a tenant only ever pins or reserves its
 own keys, so it only ever holds grants to its own objects' bytes.
 
@@ -43,5 +44,5 @@ def attach(engine: Any, segment: str, pins: Any, writes: Any, keyring: Keyring |
     def sign(op: int, offset: int, length: int, ttl_s: float) -> bytes | None:
         return engine.grant(segment, op, offset, length, ttl_s)
 
-    pins.sign = sign
-    writes.sign = sign
+    pins.sign = writes.sign = sign
+    pins.revoke = writes.revoke = engine.revoke

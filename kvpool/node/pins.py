@@ -7,8 +7,10 @@ the close of its connection (`conn_closed`) or the end of its lease (`expire`): 
 pin id under the lock unpins its keys.
 
 Grants: when the node's transfer engine requires them (authentication on), each pinned range
-handed to a reader comes with a READ grant (`grants`) that expires with the pin's lease, so the
-data server serves that reader exactly the pinned bytes, and only while they are pinned.
+handed to a reader comes with a READ grant (`grants`) that expires with the pin's lease and is
+revoked when the pin is released (whoever releases it), so the data server serves that reader
+exactly the pinned bytes, and only while they are pinned: once unpinned, the range may hold
+another tenant's object.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Pins:
         self.lease_s = lease_s
         # (op, offset, length, ttl_s) -> a grant of our transfer segment, or None: no grants
         self.sign: Callable[[int, int, int, float], bytes | None] | None = None
+        self.revoke: Callable[[bytes], None] | None = None
+        self._grants: dict[int, list[bytes]] = {}  # pin id -> the grants handed out with it
         self._visible = visible
         self._held: dict[int, tuple[list[str], float]] = {}  # pin id -> (keys, until)
         self._seq = 0
@@ -69,15 +73,20 @@ class Pins:
             sizes.append(loc.length)
         return pinned, offsets, sizes, copies
 
-    def grants(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
-        """A READ grant per pinned range (b"" for misses and inline objects), valid for the pin's
-        lease; [] when the transfer engine takes no grants."""
+    def grants(self, offsets: list[int], sizes: list[int], pin_id: int) -> list[bytes]:
+        """A READ grant per range pinned under `pin_id` (b"" for misses and inline objects),
+        valid for the pin's lease and revoked with the pin; [] when the engine takes no grants."""
         sign = self.sign
-        if sign is None:
+        if sign is None or not pin_id:
             return []
         from transfer import READ
 
-        return [sign(READ, o, n, self.lease_s) or b"" if n >= 0 and o >= 0 else b"" for o, n in zip(offsets, sizes)]
+        out = [sign(READ, o, n, self.lease_s) or b"" if n >= 0 and o >= 0 else b"" for o, n in zip(offsets, sizes)]
+        with self._lock:
+            if pin_id in self._held:
+                self._grants[pin_id] = [g for g in out if g]
+                return out
+        return []  # released meanwhile (its connection closed): nothing to hand out
 
     def unpin(self, keys: list[str]) -> None:
         store = self.store
@@ -107,6 +116,10 @@ class Pins:
         for pid in pin_ids:
             with self._lock:
                 entry = self._held.pop(pid, None)
+                granted = self._grants.pop(pid, ())
+            if granted and self.revoke is not None:
+                for grant in granted:  # before the unpin: the range may be reused right after
+                    self.revoke(grant)
             if entry is not None:
                 self.unpin(entry[0])
             if conn is not None:

@@ -13,8 +13,9 @@ naming its put, the close of its writer's connection, or its deadline (`put_time
 pops it under the lock finishes it. Known limit: one-sided writes cannot be recalled, so a writer
 must finish within the put timeout; a write landing after its reservation was aborted and reused
 would corrupt the new object. With grants (authentication on) the WRITE grant handed out with a
-reservation expires at its deadline, so the data server refuses any later WRITE frame; a frame
-already being received at the deadline can still land (bounded by the minimum body rate).
+reservation expires at its deadline and is revoked when the reservation ends (commit, abort,
+expiry, its writer's connection closing), so the data server refuses any later WRITE frame; a
+frame already being received at that moment can still land (bounded by the minimum body rate).
 
 Deadlines: a `NodeWrite` whose payload is still arriving at its put deadline has its connection
 cut (`Payload.cut`; the reservation is then aborted by the write itself, so no byte lands in a
@@ -45,6 +46,7 @@ class _Open:
     deadline: float
     local: bool  # planned by the in-process master: publish / abort there too
     conn: object = None
+    grant: bytes = b""  # the WRITE grant handed out with it (revoked when it ends)
 
 
 class Writes:
@@ -60,6 +62,7 @@ class Writes:
         self.segment = segment
         self.put_timeout_s = put_timeout_s
         self.sign: Callable[[int, int, int, float], bytes | None] | None = None
+        self.revoke: Callable[[bytes], None] | None = None
         self._put_ids: dict[str, int] = {}  # key -> the put that wrote our copy
         self._open: dict[str, _Open] = {}
         # NodeWrite payloads being received into a reservation: id -> (put deadline, payload)
@@ -213,16 +216,16 @@ class Writes:
             if local:
                 self.master.put_abort(key, put_id)
             raise
+        grant = b""
+        if self.sign is not None:
+            from transfer import WRITE
+
+            grant = self.sign(WRITE, res.offset, size, self.put_timeout_s) or b""
         with self._lock:
-            self._open[key] = _Open(put_id, res.offset, time.monotonic() + self.put_timeout_s, local, conn)
+            self._open[key] = _Open(put_id, res.offset, time.monotonic() + self.put_timeout_s, local, conn, grant)
         if conn is not None:
             conn.state.setdefault("writing", set()).add((key, put_id))
-        sign = self.sign
-        if sign is None:
-            return Slot(put_id, res.offset)
-        from transfer import WRITE
-
-        return Slot(put_id, res.offset, sign(WRITE, res.offset, size, self.put_timeout_s) or b"")
+        return Slot(put_id, res.offset, grant)
 
     def commit(self, key: str, put_id: int, ok: bool, conn: Any) -> Placed | Err:
         """Publish (ok) or abort the open reservation of put `put_id` of `key`."""
@@ -245,7 +248,10 @@ class Writes:
             write = self._open.get(key)
             if write is None or write.put_id != put_id:
                 return None
-            return self._open.pop(key)
+            write = self._open.pop(key)
+        if write.grant and self.revoke is not None:
+            self.revoke(write.grant)  # committed or aborted: its writer may write no more
+        return write
 
     def _abort(self, key: str, write: _Open) -> None:
         try:

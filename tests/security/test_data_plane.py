@@ -17,13 +17,14 @@ import pytest
 
 import kvpool
 from kvpool.auth import grant_key
+from kvpool import messages as m
 from kvpool.messages import NodePin, NodeReserve
 from kvpool.rpc import RpcClient
 from pool_auth_support import SECRETS, cred, write_keyring
 from served_support import Serve
 from transfer import READ, WRITE, Op, TransferEngine, TransferError, wire
 from transfer.errors import AccessDenied, InvalidOp
-from transfer.grant import GRANT, Grants
+from transfer.grant import GRANT, Grants, fields
 
 VALUE = bytes(range(256)) * 256  # 64 KiB the victim stores
 
@@ -44,6 +45,8 @@ def pool(tmp_path_factory):
             victim.put("victim", VALUE)
         yield served
     finally:
+        while HOLDERS:
+            HOLDERS.pop().close()
         served.stop()
 
 
@@ -57,14 +60,17 @@ def open_pool(tmp_path_factory):
         served.stop()
 
 
+# The owner's connections: closing one releases its pins (and revokes their grants).
+HOLDERS: list[RpcClient] = []
+
+
 def victim_pin(pool: Serve) -> tuple[int, int, bytes]:
-    """(offset, size, READ grant) of the victim's object, as the node hands them to its owner."""
+    """(offset, size, READ grant) of the victim's object, as the node hands them to its owner,
+    who keeps the pin (until its 2 s lease ends)."""
     rpc = RpcClient(pool.address, credential=cred("acme"))
-    try:
-        pins = rpc.call(NodePin(["victim"], inline=False))
-        return pins.offsets[0], pins.sizes[0], pins.grants[0]
-    finally:
-        rpc.close()
+    HOLDERS.append(rpc)
+    pins = rpc.call(NodePin(["victim"], inline=False))
+    return pins.offsets[0], pins.sizes[0], pins.grants[0]
 
 
 def victim_intact(pool: Serve) -> None:
@@ -100,13 +106,13 @@ def test_engine_path_with_grants_serves_the_owner(pool, size):
 
 def test_the_node_hands_out_grants_for_exactly_what_it_pins_and_reserves(pool):
     offset, size, grant = victim_pin(pool)
-    op, seg_id, g_off, g_len, expires = GRANT.unpack(grant)[:5]
+    op, seg_id, g_off, g_len, expires = fields(grant)
     assert (op, g_off, g_len) == (READ, offset, size) and seg_id == pool.segment().seg_id
     assert 0 < expires / 1000 - time.time() <= 2.5  # the pin's lease (KVPOOL_LEASE_S=2)
     rpc = RpcClient(pool.address, credential=cred("acme"))
     try:
         slot = rpc.call(NodeReserve(["reserved"], [4096], [0])).results[0]
-        op, _, g_off, g_len, _ = GRANT.unpack(slot.grant)[:5]
+        op, _, g_off, g_len, _ = fields(slot.grant)
         assert (op, g_off, g_len) == (WRITE, slot.offset, 4096)
     finally:
         rpc.close()  # the reservation is aborted with its connection
@@ -157,9 +163,9 @@ def test_authenticated_peer_without_a_grant_moves_nothing(pool, opcode):
 
 
 def _forge(grant: bytes, **changes) -> bytes:
-    fields = dict(zip(("op", "seg", "offset", "length", "expires", "mac"), GRANT.unpack(grant)))
-    fields.update(changes)
-    return GRANT.pack(*fields.values())
+    parts = dict(zip(("op", "serial", "seg", "offset", "length", "expires", "mac"), GRANT.unpack(grant)))
+    parts.update(changes)
+    return GRANT.pack(*parts.values())
 
 
 def test_forged_and_altered_grants_are_refused(pool):
@@ -167,12 +173,12 @@ def test_forged_and_altered_grants_are_refused(pool):
     offset, size, grant = victim_pin(pool)
     eng = engine("beta")
     try:
-        mac = GRANT.unpack(grant)[5]
+        mac = GRANT.unpack(grant)[6]
         cases = {
             "flipped mac": (READ, offset, size, _forge(grant, mac=bytes([mac[0] ^ 1]) + mac[1:])),
             "widened range": (READ, 0, seg.size, _forge(grant, offset=0, length=seg.size)),
             "turned into a WRITE": (WRITE, offset, size, _forge(grant, op=WRITE)),
-            "extended expiry": (READ, offset, size, _forge(grant, expires=GRANT.unpack(grant)[4] + 3_600_000)),
+            "extended expiry": (READ, offset, size, _forge(grant, expires=fields(grant)[4] + 3_600_000)),
             "signed with another key": (READ, offset, size,
                                         Grants(b"k" * 32, seg.engine).sign(READ, seg.seg_id, offset, size, 60)),
             "garbage": (READ, offset, size, os.urandom(48)),
@@ -214,12 +220,40 @@ def test_a_valid_grant_covers_only_its_op_range_segment_and_time(pool):
 def test_a_pin_grant_expires_with_the_pin_lease(pool):
     seg = pool.segment()
     offset, size, grant = victim_pin(pool)
-    time.sleep(max(0.0, GRANT.unpack(grant)[4] / 1000 - time.time()) + 0.2)
+    time.sleep(max(0.0, fields(grant)[4] / 1000 - time.time()) + 0.2)
     eng = engine("acme")
     try:
         assert "expired" in str(attempt(eng, READ, seg, offset, size, grant))
     finally:
         eng.close()
+
+
+def test_a_grant_is_revoked_when_its_pin_is_released_or_its_reservation_ends(pool):
+    seg = pool.segment()
+    rpc = RpcClient(pool.address, credential=cred("acme"))
+    eng = engine("acme")
+    try:
+        pins = rpc.call(NodePin(["victim"], inline=False))
+        offset, size, grant = pins.offsets[0], pins.sizes[0], pins.grants[0]
+        buf = bytearray(size)
+        eng.read(seg, offset, buf, 0, size, None, grant)  # while pinned: served
+        rpc.call(NodePin([], [pins.pin_id]))  # released: the range may now be evicted and reused
+        assert "revoked" in str(attempt(eng, READ, seg, offset, size, grant))
+        again = rpc.call(NodePin(["victim"], inline=False))  # a new pin of the same range: a new grant
+        assert again.offsets[0] == offset and again.grants[0] != grant
+        eng.read(seg, offset, buf, 0, size, None, again.grants[0])
+        assert bytes(buf) == VALUE
+        # a reservation's WRITE grant ends with its commit: no writing into a published object
+        slot = rpc.call(NodeReserve(["revoked-w"], [4096], [0])).results[0]
+        eng.write(seg, slot.offset, bytearray(b"w" * 4096), 0, 4096, None, slot.grant)
+        assert isinstance(rpc.call(m.NodeCommit(["revoked-w"], [slot.put_id], [True])).results[0], m.Placed)
+        assert "revoked" in str(attempt(eng, WRITE, seg, slot.offset, 4096, slot.grant))
+    finally:
+        eng.close()
+        rpc.close()
+    with kvpool.connect(pool.address, credential=cred("acme"), data_path="rpc") as client:
+        assert client.get("revoked-w") == b"w" * 4096
+    victim_intact(pool)
 
 
 def test_the_refusals_are_logged(pool):
