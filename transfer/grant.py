@@ -40,7 +40,7 @@ SIGNED = SIZE - 16
 _SIGNED = struct.Struct("<BHxIQQQ")
 _LABEL = b"kvpool-grant/v1\0"
 _OPS = {READ: "READ", WRITE: "WRITE"}
-_MAX_REVOKED = 4096  # entries before the expired ones are swept
+SWEEP_AT = 4096  # revoked entries before the expired ones are swept (then twice what is left)
 
 
 class Grants:
@@ -55,6 +55,7 @@ class Grants:
         self._prefix = _LABEL + engine.encode() + b"\0"
         self._serial = itertools.count(1)
         self._revoked: dict[bytes, int] = {}  # signed part of a revoked grant -> its expiry (ms)
+        self._sweep_at = SWEEP_AT
         self._last: tuple = (b"", None)  # the last grant whose signature checked, and its fields
 
     def _mac(self, signed: bytes) -> bytes:
@@ -76,8 +77,9 @@ class Grants:
             return
         now = time.time() * 1000
         revoked = self._revoked
-        if len(revoked) >= _MAX_REVOKED:
+        if len(revoked) >= self._sweep_at:  # amortized: a sweep per doubling, not per revoke
             revoked = self._revoked = {k: t for k, t in list(revoked.items()) if t > now}
+            self._sweep_at = max(SWEEP_AT, 2 * len(revoked))
         expires = GRANT.unpack(grant)[5]
         if expires > now:
             revoked[bytes(grant[:SIGNED])] = expires
