@@ -34,6 +34,7 @@ from transfer.auth import AuthError, client_handshake
 from transfer.batch import Batch, Op
 from transfer.descriptor import SegmentDescriptor
 from transfer.errors import AccessDenied, PeerUnavailable, ProtocolError, TransferError
+from transfer.grant import SIZE as GRANT_SIZE
 
 log = logging.getLogger("transfer.tcp")
 
@@ -191,6 +192,7 @@ class _Conn:
         self.peer = peer
         self.sock: socket.socket | None = None
         self.hdr = bytearray(wire.REQ.size)
+        self.granted_hdr = bytearray(wire.REQ.size + GRANT_SIZE)
         self.resp = bytearray(wire.RESP.size)
         self.resp_view = memoryview(self.resp)
         self.ids = itertools.count(1)
@@ -256,9 +258,14 @@ class _Conn:
             else:
                 self.sock.sendall(self.hdr)
             return req_id
-        wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, wire.FLAG_GRANT, seg_id, req_id, offset,
+        head = self.granted_hdr  # header and grant in one buffer: one plain send for a READ
+        wire.REQ.pack_into(head, 0, wire.MAGIC, wire.VERSION, opcode, wire.FLAG_GRANT, seg_id, req_id, offset,
                            len(view))
-        framing.send_all(self.sock, [self.hdr, grant, view] if opcode == wire.OP_WRITE else [self.hdr, grant])
+        head[wire.REQ.size:] = grant
+        if opcode == wire.OP_WRITE:
+            framing.send_all(self.sock, [head, view])
+        else:
+            self.sock.sendall(head)
         return req_id
 
     def recv(self, opcode: int, view: memoryview, req_id: int) -> BaseException | None:

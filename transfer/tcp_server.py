@@ -147,6 +147,7 @@ class DataServer:
         segments = self.segments
         grants = self.grants
         grant = bytearray(GRANT_SIZE)
+        gview = memoryview(grant)
         idle = self.limits.idle_ticks() or -1  # -1: never idle-closed
         pace = self.limits.min_per_tick
         have = self._open(conn, addr, hview)
@@ -181,7 +182,9 @@ class DataServer:
                 return
 
             if flags & wire.FLAG_GRANT:
-                framing.recv_paced(conn, memoryview(grant), 0)
+                got = conn.recv_into(gview, GRANT_SIZE, socket.MSG_WAITALL)  # sent with the header: there already
+                if got != GRANT_SIZE:
+                    framing.recv_paced(conn, gview[got:], 0)
             if opcode == wire.OP_READ or opcode == wire.OP_WRITE:
                 err = seg = None
                 if grants is not None:
