@@ -57,6 +57,7 @@ class ShmTransport:
         self._maps: dict[tuple[str, str], tuple[mmap.mmap, memoryview]] = {}
         self._lock = threading.Lock()
         self._alive: dict[int, tuple[float, bool]] = {}  # pid -> (checked at, alive)
+        self._openable: dict[str, bool] = {}  # shm path -> whether this process may map it
 
     def _owner_alive(self, pid: int) -> bool:
         now = time.monotonic()
@@ -68,7 +69,14 @@ class ShmTransport:
         return alive
 
     def usable(self, desc: SegmentDescriptor) -> bool:
-        return "shm" in desc.transports and bool(desc.shm_path) and same_host(desc)
+        """Offered, on this host, and a file we may open: segments are 0600, so a process of
+        another uid on the same host goes over tcp (where the owner's grants are checked)."""
+        if not ("shm" in desc.transports and desc.shm_path and same_host(desc)):
+            return False
+        ok = self._openable.get(desc.shm_path)
+        if ok is None:
+            ok = self._openable[desc.shm_path] = os.access(desc.shm_path, os.R_OK | os.W_OK)
+        return ok
 
     def view(self, desc: SegmentDescriptor) -> memoryview:
         """Our (cached) mapping of the segment's file, as a byte view."""
