@@ -89,10 +89,11 @@ class DataServer:
 
     def _open(self, conn: socket.socket, addr, hview: memoryview) -> int:
         """Before the first frame: the handshake when this server has `auth` (or when a client
-        offers one: it is told there is none). Returns how many header bytes are already read."""
+        offers one: it is told there is none). Returns how many header bytes are already read,
+        or -1: close the connection (refused, closed, or silent for its first tick)."""
         got = self._recv_header(conn, hview[:4], 1)
-        if got == 0:
-            return 0
+        if got == 0:  # closed, or silent for a whole tick: a new connection speaks at once
+            return -1
         if looks_like_hello(hview[:4]) or self.auth is not None:
             if not looks_like_hello(hview[:4]):
                 got = 4 + self._recv_header(conn, hview[4:], 1, started=True)

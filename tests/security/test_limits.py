@@ -148,6 +148,13 @@ def test_idle_connection_is_closed_at_the_idle_timeout(tight):
         sock.sendall(rpc_frame(m.Hello(PROTOCOL_VERSION, "idle")))
         waited = closed_within(sock, 6)
     assert 1.0 < waited < 4.0  # KVPOOL_IDLE_TIMEOUT_S=2, counted in 0.5 s ticks
+    seg = tight.segment()
+    with socket.create_connection((tight.host, seg.port)) as sock:  # the data port: same after a frame
+        sock.sendall(wire.REQ.pack(wire.MAGIC, wire.VERSION, wire.OP_PING, 0, 0, 1, 0, 0))
+        assert len(sock.recv(wire.RESP.size, socket.MSG_WAITALL)) == wire.RESP.size
+        assert 1.0 < closed_within(sock, 6) < 4.0
+    with socket.create_connection((tight.host, seg.port)) as sock:  # ... and a new one must speak at once
+        assert closed_within(sock, 6) < 1.6
 
 
 def test_a_started_header_must_finish_within_the_header_timeout(tight):
