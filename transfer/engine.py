@@ -176,6 +176,13 @@ class TransferEngine:
             raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}")
         return self._grants.sign(opcode, desc.seg_id, offset, length, ttl_s)
 
+    def signer(self, seg_name: str) -> Any:
+        """`grant` bound to one segment: (opcode, offset, length, ttl_s) -> grant; None when
+        this engine does not require grants."""
+        if self._grants is None:
+            return None
+        return self._grants.signer(self.descriptor(seg_name).seg_id)
+
     def revoke(self, grant: bytes | None) -> None:
         """Refuse a grant this engine signed from now on (see `transfer.grant`)."""
         if self._grants is not None and grant:

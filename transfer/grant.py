@@ -34,12 +34,14 @@ import hmac
 import itertools
 import struct
 import time
+from typing import Callable
 
 READ, WRITE = 1, 2  # as transfer.batch
 GRANT = struct.Struct("<BHxIQQQ16s")  # op, serial, seg_id, offset, length, expires ms, mac
 SIZE = GRANT.size  # 48
 SIGNED = SIZE - 16
 _SIGNED = struct.Struct("<BHxIQQQ")
+_EXPIRES, _EXPIRES_AT = struct.Struct("<Q"), SIGNED - 8
 _LABEL = b"kvpool-grant/v1\0"
 _OPS = {READ: "READ", WRITE: "WRITE"}
 SWEEP_AT = 4096  # revoked entries before the expired ones are swept (then twice what is left)
@@ -63,6 +65,16 @@ class Grants:
     def _mac(self, signed: bytes) -> bytes:
         return hashlib.blake2b(self._prefix + signed, key=self._key, digest_size=16).digest()
 
+    def signer(self, seg_id: int) -> Callable[[int, int, int, float], bytes]:
+        """`sign` for one segment: (op, offset, length, ttl_s) -> grant (the node's hot path)."""
+        serial, pack, mac, now = self._serial, _SIGNED.pack, self._mac, time.time
+
+        def sign(op: int, offset: int, length: int, ttl_s: float) -> bytes:
+            signed = pack(op, next(serial) & 0xFFFF, seg_id, offset, length, int((now() + ttl_s) * 1000))
+            return signed + mac(signed)
+
+        return sign
+
     def sign(self, op: int, seg_id: int, offset: int, length: int, ttl_s: float) -> bytes:
         """A grant for `op` on [offset, offset + length) of segment `seg_id`, valid `ttl_s` seconds.
         Each grant is distinct (a serial), so revoking one never revokes a later one of the range."""
@@ -82,7 +94,7 @@ class Grants:
         if len(revoked) >= self._sweep_at:  # amortized: a sweep per doubling, not per revoke
             revoked = self._revoked = {k: t for k, t in list(revoked.items()) if t > now}
             self._sweep_at = max(SWEEP_AT, 2 * len(revoked))
-        expires = GRANT.unpack(grant)[5]
+        expires = _EXPIRES.unpack_from(grant, _EXPIRES_AT)[0]
         if expires > now:
             revoked[bytes(grant[:SIGNED])] = expires
 

@@ -41,8 +41,5 @@ def attach(engine: Any, segment: str, pins: Any, writes: Any, keyring: Keyring |
                         "port serves any range of the arena to whoever reaches it", node_id)
         return
 
-    def sign(op: int, offset: int, length: int, ttl_s: float) -> bytes | None:
-        return engine.grant(segment, op, offset, length, ttl_s)
-
-    pins.sign = writes.sign = sign
+    pins.sign = writes.sign = engine.signer(segment)
     pins.revoke = writes.revoke = engine.revoke

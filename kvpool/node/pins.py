@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 
 from kvpool.errors import CapacityError, KVPoolError
+from transfer import READ
 
 log = logging.getLogger("kvpool.node")
 
@@ -79,9 +80,8 @@ class Pins:
         sign = self.sign
         if sign is None or not pin_id:
             return []
-        from transfer import READ
-
-        out = [sign(READ, o, n, self.lease_s) or b"" if n >= 0 and o >= 0 else b"" for o, n in zip(offsets, sizes)]
+        lease = self.lease_s
+        out = [sign(READ, o, n, lease) if n >= 0 and o >= 0 else b"" for o, n in zip(offsets, sizes)]
         with self._lock:
             if pin_id in self._held:
                 self._grants[pin_id] = [g for g in out if g]

@@ -35,6 +35,7 @@ from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.contract import check_stored_key as check_key
 from kvpool.messages import Err, NodeGet, Placed, Slot
 from kvpool.rpc import Payload, RpcClient
+from transfer import WRITE
 
 log = logging.getLogger("kvpool.node")
 
@@ -216,11 +217,7 @@ class Writes:
             if local:
                 self.master.put_abort(key, put_id)
             raise
-        grant = b""
-        if self.sign is not None:
-            from transfer import WRITE
-
-            grant = self.sign(WRITE, res.offset, size, self.put_timeout_s) or b""
+        grant = b"" if self.sign is None else self.sign(WRITE, res.offset, size, self.put_timeout_s)
         with self._lock:
             self._open[key] = _Open(put_id, res.offset, time.monotonic() + self.put_timeout_s, local, conn, grant)
         if conn is not None:
