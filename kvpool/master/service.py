@@ -380,6 +380,10 @@ class MasterService:
         out = []
         now = time.monotonic()
         with st.lock:
+            # A key this new leader does not know yet may be on a node still to re-report: "not
+            # found" now would leave the object to come back with that report (found by chaos).
+            if st.recovering_locked(now) and any(k not in st.objects for k in keys):
+                raise Unavailable("master is recovering after a failover; retry shortly")
             for key in keys:
                 obj = st.objects.get(key)
                 if obj is None or obj.removing:
