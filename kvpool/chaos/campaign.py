@@ -120,7 +120,8 @@ def _evictions(counters: list[tuple[str, dict]]) -> int | None:
         return None
     total = 0
     for i, (leader, c) in enumerate(counters):
-        if i + 1 == len(counters) or counters[i + 1][0] != leader or counters[i + 1][1].get("evictions", 0) < c.get("evictions", 0):
+        following = counters[i + 1] if i + 1 < len(counters) else None
+        if following is None or following[0] != leader or following[1].get("evictions", 0) < c.get("evictions", 0):
             total += int(c.get("evictions", 0))
     return total
 

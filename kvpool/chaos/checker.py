@@ -18,7 +18,8 @@ master's eviction count so that this premise is checked too):
    what it holds).
 6. resurrected: a key whose remove was acknowledged must read as a miss afterwards, unless a
    failover overlapped (counted apart, as stale_after_failover).
-7. slow_recovery: after each fault the pool serves again (a probe put + get) within
+7. crashed: no process dies unless the schedule killed it (a negative exit is the signal).
+8. slow_recovery: after each fault the pool serves again (a probe put + get) within
    `SERVE_BOUND_S` of the injection, and the faulted part is back within `RECOVER_BOUND_S` of
    the heal.
 """
@@ -121,7 +122,8 @@ def check(ops: list[dict], faults: list[dict], crashes: list[dict], sweep: dict[
             if nodes is None:
                 healthy = [] if any(w.hit(s, put["t0"], op["t1"]) for s in w.node_any.values()) else ["?"]
             if healthy and not w.hit(w.control, op["t0"] - GRACE_S, op["t1"]):
-                violation("replica_miss", op, f"replicas {nodes} ({put['rep']} asked), {healthy} had no fault since the put")
+                violation("replica_miss", op,
+                          f"replicas {nodes} ({put['rep']} asked), {healthy} had no fault since the put")
             else:
                 transient[f"rep{put['rep']}"] += 1
         elif kind == "removed" and res == "ok":
@@ -154,6 +156,8 @@ def check(ops: list[dict], faults: list[dict], crashes: list[dict], sweep: dict[
             violation("lost", {"op": "sweep", **put},
                       f"missing at the end; replicas {nodes}, of which only {lost_with} were killed or disk-full since")
 
+    for c in crashes:
+        violations.append({"kind": "crashed", "why": f"{c['name']} died by itself (exit {c['returncode']})", "op": c})
     for f in faults:
         if f["serve_s"] is None or f["serve_s"] > SERVE_BOUND_S:
             violations.append({"kind": "slow_recovery", "why": f"served again after {f['serve_s']} s", "op": f})

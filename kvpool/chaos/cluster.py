@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import kvpool
 from kvpool.chaos.procs import Etcd, Service, start_all
@@ -42,6 +43,7 @@ class ChaosCluster:
         self.leader_proxy: FaultProxy | None = None
         self.full_disk: Path | None = None  # the tmpfs under the last node's SSD directory
         self.disk_note = ""
+        self.memory_cgroup = _own_memory_cgroup()  # None: no memory-pressure faults
         self._stop = threading.Event()
         self._mounted = False
         hb = ["--heartbeat-s", str(heartbeat_s)]
@@ -101,6 +103,12 @@ class ChaosCluster:
                 p.close()
         if self._mounted:
             subprocess.run(["umount", "-l", str(self.full_disk)], capture_output=True)
+        if self.memory_cgroup is not None:  # a campaign stopped during memory pressure
+            for child in self.memory_cgroup.glob(f"kvpool-chaos-{os.getpid()}-*"):
+                try:
+                    child.rmdir()
+                except OSError:
+                    pass
 
     # ------------------------------------------------------------------ what is up
 
@@ -160,6 +168,30 @@ class ChaosCluster:
         except KVPoolError:
             return []
 
+    def squeeze_memory(self, node: Service, limit: int) -> Callable[[], str]:
+        """Memory pressure on one node: move it into a cgroup (v1) of its own whose memory limit
+        is `limit` bytes beyond what it charges from now on (charges made before stay with the
+        parent), so its page cache is reclaimed and a growing heap meets the OOM killer.
+        Returns the heal, which lifts the limit, moves the node back and says what happened."""
+        child = self.memory_cgroup / f"kvpool-chaos-{os.getpid()}-{node.name}"
+        child.mkdir(exist_ok=True)
+        (child / "memory.limit_in_bytes").write_text(str(limit))
+        (child / "cgroup.procs").write_text(str(node.proc.pid))
+
+        def heal() -> str:
+            failcnt = (child / "memory.failcnt").read_text().strip()
+            (child / "memory.limit_in_bytes").write_text("-1")
+            code = None if node.alive else node.proc.returncode
+            if code is None:
+                (self.memory_cgroup / "cgroup.procs").write_text(str(node.proc.pid))
+            child.rmdir()
+            if code is not None:
+                node.start()
+                return f"OOM-killed (exit {code}), restarted; limit hit {failcnt} times"
+            return f"limit hit {failcnt} times"
+
+        return heal
+
     def fill_disk(self) -> Path | None:
         """Take every free byte of the SSD tmpfs (a file of zeros); returns the file to delete."""
         if self.full_disk is None:
@@ -173,3 +205,16 @@ class ChaosCluster:
             except OSError:  # ENOSPC: the disk is full, as wanted
                 pass
         return filler
+
+
+def _own_memory_cgroup() -> Path | None:
+    """This process's cgroup-v1 memory directory, when we may create children in it."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                d = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+                return d if (d / "memory.limit_in_bytes").exists() and os.access(d, os.W_OK) else None
+    except (OSError, ValueError):
+        pass
+    return None

@@ -1,7 +1,8 @@
 """The fault schedule: two lanes of faults, each drawn from its own seeded random stream.
 
 - node lane: one node at a time is SIGKILLed and restarted, SIGSTOPped for longer than its
-  lease, cut off from etcd, or (the node on a tmpfs) has its SSD filesystem filled.
+  lease, cut off from etcd, squeezed by a memory cgroup (page cache reclaimed; the OOM killer if
+  it grows), or (the node on a tmpfs) has its SSD filesystem filled.
 - control lane: the leading master is SIGKILLed and restarted or SIGSTOPped past its lease,
   etcd is SIGKILLed and restarted, the leader's etcd link is cut, the link from the
   static-address clients to the leader is delayed, blackholed or cut, the clients' etcd link is
@@ -31,8 +32,11 @@ from kvpool.errors import KVPoolError
 
 log = logging.getLogger(__name__)
 
-NODE_LOSS = ("kill_node", "disk_full")  # faults after which a node's replicas may be gone for good
-NODE_KINDS = {"kill_node": 3, "pause_node": 3, "node_etcd_cut": 2, "disk_full": 2}
+# Faults after which a node's replicas may be gone for good (its DRAM died with it, or a demotion
+# found no room on the full disk; memory pressure may end in the OOM killer).
+NODE_LOSS = ("kill_node", "disk_full", "memory_pressure")
+NODE_KINDS = {"kill_node": 3, "pause_node": 3, "node_etcd_cut": 2, "disk_full": 2, "memory_pressure": 2}
+MEMORY_LIMIT = 3 << 20  # bytes a squeezed node may charge beyond what it held already
 CONTROL_KINDS = {"kill_leader": 3, "pause_leader": 2, "etcd_restart": 2, "master_etcd_cut": 2,
                  "client_master_delay": 1, "client_master_blackhole": 1, "client_master_cut": 1,
                  "clients_etcd_cut": 1, "kill_standby": 1}
@@ -81,7 +85,8 @@ class Lane:
         while keep_going():
             last_ok = self._restart_crashed(last_ok)
             kind = self.rng.choices(list(self.kinds), weights=list(self.kinds.values()))[0]
-            if kind == "disk_full" and self.cluster.full_disk is None:
+            if (kind == "disk_full" and self.cluster.full_disk is None) or (
+                    kind == "memory_pressure" and self.cluster.memory_cgroup is None):
                 kind = "kill_node"
             fault = self._draw(kind)
             try:
@@ -100,7 +105,8 @@ class Lane:
         if kind == "disk_full":
             node = c.nodes[-1]
         duration = {"kill_node": r.uniform(0.5, 3), "pause_node": r.uniform(4, 6), "node_etcd_cut": r.uniform(3, 6),
-                    "disk_full": r.uniform(4, 8), "kill_leader": r.uniform(0.5, 3), "pause_leader": r.uniform(4, 6),
+                    "disk_full": r.uniform(4, 8), "memory_pressure": r.uniform(4, 8),
+                    "kill_leader": r.uniform(0.5, 3), "pause_leader": r.uniform(4, 6),
                     "etcd_restart": r.uniform(0.5, 3), "master_etcd_cut": r.uniform(3, 6),
                     "client_master_delay": r.uniform(3, 5), "client_master_blackhole": r.uniform(2, 4),
                     "client_master_cut": r.uniform(1, 3), "clients_etcd_cut": r.uniform(2, 4),
@@ -138,6 +144,12 @@ class Lane:
             if f.kind == "node_etcd_cut":
                 proxy.cut()
                 return proxy.heal
+            if f.kind == "memory_pressure":
+                squeezed = c.squeeze_memory(node, MEMORY_LIMIT)
+
+                def heal() -> None:
+                    f.note = squeezed()
+                return heal
             filler = c.fill_disk()
             return lambda: filler.unlink(missing_ok=True)
         if f.kind == "etcd_restart":

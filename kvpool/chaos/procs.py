@@ -171,7 +171,8 @@ class Service(Managed):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.workdir}/{self.name}.log")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; "
+                                   f"see {self.workdir}/{self.name}.log")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                     return

@@ -68,3 +68,8 @@ def test_a_read_after_an_acknowledged_remove_is_a_resurrection():
 def test_a_fault_the_pool_did_not_recover_from_is_a_violation():
     slow = {**fault("kill_node", "n0", 1, 2), "serve_s": None}
     assert kinds(check([], [slow], [], {}, 10, 0)) == ["slow_recovery"]
+
+
+def test_a_process_that_died_by_itself_is_a_violation():
+    crash = {"name": "n3", "returncode": -7, "t_seen": 5.0, "t_last_ok": 4.0}
+    assert kinds(check([], [], [crash], {}, 10, 0)) == ["crashed"]
