@@ -14,6 +14,11 @@ and measures, in rotating order:
   pool, no worker, no HTTP; the cache is computed untimed). It is the floor of `cached_90`:
   `ttft_cached_90_vs_floor` is `cached_90` with this as its baseline (goal: ratio >= 1/1.1).
 
+- `tcp_cached_90_none` / `tcp_cached_90_<codec>` (the codec column, `--codec`, default int8):
+  `cached_90` in two more workers whose pool client reads over loopback TCP as a client on
+  another host does (no shared-memory path), one storing chunks uncompressed, one with the
+  codec; `ttft_tcp_cached_90_<codec>` has the uncompressed one as its baseline.
+
 TTFT is the prefill call from arrival to first token with the KV pushed to the pool.
 
 `--engine vllm` adds, in the same run and against the same pool, `vllm_ttft_cold` and
@@ -28,6 +33,7 @@ import asyncio
 import random
 import sys
 import time
+from dataclasses import replace
 
 import click
 
@@ -43,9 +49,11 @@ from kvpool.bench.report import Report, progress
 @click.option("--vllm-dtype", default="float32", show_default=True, help="dtype of the vLLM engine.")
 @click.option("--vllm-python", default=None, help="Python of an environment with vLLM and kvpool "
               "(default: .venv-vllm/bin/python, else this one).")
+@click.option("--codec", "codec_name", default="int8", show_default=True,
+              help="The codec column: 90%-cached TTFT over TCP with this codec vs none ('none': no column).")
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON line.")
 def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: str, vllm_python: str | None,
-            as_json: bool) -> None:
+            codec_name: str, as_json: bool) -> None:
     """TTFT of a long prompt: cold vs 50% and 90% cached (fetched from the pool)."""
     if engine == "vllm":
         from engine_adapters.bench.adapter_vllm import vllm_python as find_vllm_python
@@ -75,7 +83,20 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: 
         client = kvpool.connect(pool_server.address)
         worker = Worker(WorkerConfig(role="prefill", pool=pool_server.address, chunk_tokens=chunk_tokens,
                                      local_cache_bytes=0), rm, client).start()
+        tcp_client = kvpool.connect(pool_server.address, use_shm=False)  # loopback TCP, as from another host
+        tcp_workers = {name: Worker(WorkerConfig(role="prefill", pool=pool_server.address, chunk_tokens=chunk_tokens,
+                                                 local_cache_bytes=0, kv_codec=name), rm, tcp_client).start()
+                       for name in (("none", codec_name) if codec_name != "none" else ())}
+        tcp_fetch: dict[str, list[float]] = {name: [] for name in tcp_workers}
         try:
+            def tcp_cached_90(name: str) -> tuple[float, int]:
+                ids = fresh_prompt()
+                tcp_worker = tcp_workers[name]
+                asyncio.run(tcp_worker.prefill(PrefillRequest(token_ids=ids[: int(tokens * 0.9)])))  # not timed
+                resp = asyncio.run(tcp_worker.prefill(PrefillRequest(token_ids=ids)))
+                tcp_fetch[name].append(resp.fetch_ms)
+                return resp.prefill_ms, resp.cached_tokens
+
             stages: dict[str, list[float]] = {"fetch_ms": [], "compute_ms": [], "push_ms": []}  # of cached_90
 
             def ttft(ids: list[int], record: bool = False) -> tuple[float, int]:
@@ -109,7 +130,8 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: 
                 return (time.perf_counter() - started) * 1e3, floor_cached
 
             cases = {"cold": lambda: ttft(fresh_prompt()), "cached_50": lambda: cached(0.5),
-                     "cached_90": lambda: cached(0.9), "floor_90": floor_ms, "model_forward": forward_ms}
+                     "cached_90": lambda: cached(0.9), "floor_90": floor_ms, "model_forward": forward_ms,
+                     **{f"tcp_cached_90_{name}": (lambda name=name: tcp_cached_90(name)) for name in tcp_workers}}
             samples: dict[str, list[float]] = {name: [] for name in cases}
             cached_tokens: dict[str, int] = {}
             bar, advance = progress((reps + 1) * len(cases), f"adapter bench ({tokens}-token prompt)")
@@ -124,8 +146,12 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: 
                             cached_tokens[name] = n_cached
                         advance()
             stages = {name: values[1:] for name, values in stages.items()}  # the warm-up's left out
+            tcp_fetch = {name: values[1:] for name, values in tcp_fetch.items()}
         finally:
             worker.stop()
+            for tcp_worker in tcp_workers.values():
+                tcp_worker.stop()
+            tcp_client.close()
             client.close()
         vllm = None
         if engine == "vllm":
@@ -152,6 +178,23 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: 
                       "push_ms": _median(stages["push_ms"])})
     report.add("ttft_cold", samples["cold"], "ms", baseline="model_forward", baseline_values=samples["model_forward"],
                extra={"prompt_tokens": tokens, "cached_tokens": 0, "computed_tokens": tokens})
+    if tcp_workers:
+        from kvpool.codec import get_codec
+
+        layout = rm.layout(chunk_tokens)
+        plain = layout.payload_nbytes(chunk_tokens)
+        # a bound for a variable-rate codec (+zstd), exact for a fixed-rate one
+        packed = get_codec(codec_name).max_encoded_nbytes(replace(layout, codec=codec_name), chunk_tokens)
+        tcp = {name: samples[f"tcp_cached_90_{name}"] for name in tcp_workers}
+        report.add(f"ttft_tcp_cached_90_{codec_name}", tcp[codec_name], "ms", baseline="ttft_tcp_cached_90_none",
+                   baseline_values=tcp["none"],
+                   extra={"prompt_tokens": tokens, "cached_tokens": cached_tokens[f"tcp_cached_90_{codec_name}"],
+                          "codec": codec_name, "chunk_bytes_vs_none": round(packed / plain, 3),
+                          "fetch_ms": _median(tcp_fetch[codec_name]), "fetch_ms_none": _median(tcp_fetch["none"])})
+        report.add("ttft_tcp_cached_90_none", tcp["none"], "ms", baseline="ttft_cold", baseline_values=samples["cold"],
+                   extra={"prompt_tokens": tokens, "cached_tokens": cached_tokens["tcp_cached_90_none"]})
+        report.notes.append("tcp_*: the 90%-cached prompt read over loopback TCP (a client with no shared-memory "
+                            f"path, as on another host), chunks stored uncompressed vs {codec_name}")
     if vllm is not None:
         report.add("vllm_ttft_cached_90", vllm["cached_90"], "ms", baseline="vllm_ttft_cold", baseline_values=vllm["cold"],
                    extra={"prompt_tokens": tokens, "cached_tokens": vllm["cached_tokens"], "dtype": vllm_dtype,
