@@ -42,6 +42,7 @@ import torch
 from engine_adapters.chunk_reader import ChunkReader
 from engine_adapters.chunk_store import plugin_mac_key, plugin_tenant_salt
 from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, encode_into
+from kvpool.codec import encode_object, get_codec
 from kvpool.contract import PoolClient
 from kvpool.errors import InvalidArgument, KVPoolError
 from kvpool.keys import Namespace
@@ -94,6 +95,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         salt = plugin_tenant_salt(extra)
         self.tenant_salt = salt if self.pp_rank == 0 else f"{salt}/pp{self.pp_rank}"
         self.address = str(extra.get("kvpool_address", os.environ.get("KVPOOL_MASTER", "127.0.0.1:7600")))
+        # how pages are stored (kvpool.codec; part of the layout and so of the namespace): lossless
+        # unless the extra config names a codec; the v2 side pools are always stored lossless
+        self.kv_codec = str(extra.get("kv_codec", "none"))
+        self._codec = get_codec(self.kv_codec)  # an unknown name is InvalidArgument now
         self._client = client
         self._owns_client = client is None
         self._reader: ChunkReader | None = None
@@ -125,7 +130,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             if not hasattr(mem_pool_host, name):
                 raise InvalidArgument(f"host pool has no {name!r}: only MHA host pools are supported")
         self.layout = KVLayout(int(mem_pool_host.layer_num), int(mem_pool_host.head_num), int(mem_pool_host.head_dim),
-                               dtype, int(mem_pool_host.page_size))
+                               dtype, int(mem_pool_host.page_size), self.kv_codec)
         self.mem_pool_host = mem_pool_host
         self.host_layout = host_layout
         self._perm = _PAGE_TO_CHUNK[host_layout]
@@ -163,6 +168,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         """Page (5-d view in the host layout) -> chunk object bound to the pool key of `key`."""
         lay = self.layout
         chunk = page.permute(self._perm).contiguous()  # the one copy into layer-major order
+        if lay.codec != "none":  # encoded on save; the reader decodes on load
+            return encode_object(self._codec, lay, chunk, key=self.pool_key(key), auth=self._auth)
         out = bytearray(lay.object_nbytes())
         encode_into(out, lay, chunk, lay.chunk_tokens, key=self.pool_key(key), auth=self._auth)
         return out

@@ -14,6 +14,7 @@ import torch
 from engine_adapters.chunk_store import plugin_tenant_salt
 from engine_adapters.vllm.layouts import PAGED_LAYOUTS
 from kvpool.chunk_format import KVLayout
+from kvpool.codec import get_codec
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace
 
@@ -62,7 +63,10 @@ class ConnectorSettings:
             head_dim=int(extra.get("head_dim", model.get_head_size())),
             dtype=dtype,
             chunk_tokens=chunk_tokens,
+            # how chunks are stored (kvpool.codec): part of the layout, so of the namespace; lossless by default
+            codec=str(extra.get("kv_codec", "none")),
         )
+        get_codec(layout.codec)  # an unknown name is InvalidArgument at startup, not at the first save
         load_mode = extra.get("load_mode", "layerwise")
         if load_mode not in ("layerwise", "sync"):
             raise InvalidArgument(f"load_mode must be 'layerwise' or 'sync', got {load_mode!r}")

@@ -82,7 +82,8 @@ class VLLMSettings:
         layout = KVLayout(num_layers=int(self.connector.get("num_layers", cfg["num_hidden_layers"])),
                           kv_heads=int(self.connector.get("kv_heads", cfg.get("num_key_value_heads", heads))),
                           head_dim=int(self.connector.get("head_dim", cfg.get("head_dim") or cfg["hidden_size"] // heads)),
-                          dtype=_DTYPES[dtype], chunk_tokens=chunk)
+                          dtype=_DTYPES[dtype], chunk_tokens=chunk,
+                          codec=str(self.connector.get("kv_codec", "none")))  # as the connector's settings
         ns = Namespace(str(self.connector.get("model_id", served_root)),
                        str(self.connector.get("weights_fingerprint", "unversioned")), layout,
                        tenant_salt=str(self.connector.get("tenant_salt", "")))
