@@ -144,6 +144,8 @@ class WorkerInfo(Message):
     max_positions: int = 0  # context length: prompt + generated tokens
     bytes_per_token: int = 0  # KV bytes of one token (all layers, K and V)
     kv_codec: str = "none"  # how its KV chunks are stored in the pool (kvpool.codec)
+    # pool bytes of one token as kv_codec stores it (what a fetch moves; 0: bytes_per_token)
+    stored_bytes_per_token: int = 0
     # The namespace's canonical JSON (kvpool.keys.Namespace.canonical_json): a router salts it per
     # tenant (tenant_salt replaced by kvpool.auth.tenant_salt) to hash a tenant's prompts.
     namespace_doc: str = ""

@@ -53,7 +53,7 @@ from engine_adapters.serving.runner import ModelRunner
 from engine_adapters.serving.scheduler import Scheduler
 from engine_adapters.serving.sequence import DecodeSequence, PrefillJob
 from engine_adapters.serving.tenants import Tenants, TenantKV
-from kvpool.codec import get_codec
+from kvpool.codec import get_codec, stored_bytes_per_token
 from kvpool.errors import InvalidArgument, KVPoolError, LayoutMismatch
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,7 @@ class Worker:
                           chunk_tokens=self.layout.chunk_tokens, dtype=self.layout.dtype, pool=self.config.pool,
                           eos_token_ids=sorted(self.eos), max_positions=self.runner.max_positions,
                           bytes_per_token=self.layout.bytes_per_token, kv_codec=self.layout.codec,
+                          stored_bytes_per_token=stored_bytes_per_token(self.layout),
                           namespace_doc=self.namespace.canonical_json())
 
     def load(self) -> LoadReport:

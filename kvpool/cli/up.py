@@ -91,11 +91,14 @@ def _load_config(path: str | None) -> dict:
               help="--engine vllm: the Python that runs the servers (default: this one; it must import vllm).")
 @click.option("--vllm-arg", "vllm_args", multiple=True, metavar="FLAG",
               help="--engine vllm: extra flag for every vLLM server, e.g. --vllm-arg=--max-num-seqs=8 (repeatable).")
+@click.option("--kv-codec", default="none", show_default=True, metavar="CODEC",
+              help="How every worker stores KV chunks in the pool (`kvpool worker --kv-codec`): none (lossless), "
+                   "int8, fp8, or one of those + '+zstd'; lossy codecs are opt-in.")
 @click.option("--auth-file", type=click.Path(dir_okay=False, exists=True),
               help="Keyring (`kvpool auth init`): authentication on every port, API keys at the router; passed "
                    "to every process as KVPOOL_AUTH_FILE [default: none, everything open on loopback].")
 def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args, worker_args, demo, max_tokens,
-       workdir, ssd_path, engine, dtype, chunk_tokens, vllm_python, vllm_args, auth_file) -> None:
+       workdir, ssd_path, engine, dtype, chunk_tokens, vllm_python, vllm_args, kv_codec, auth_file) -> None:
     """Start the pool, the workers and the router as separate processes on loopback.
 
     The router's OpenAI-compatible API is at http://127.0.0.1:PORT/v1; Ctrl-C stops everything.
@@ -116,6 +119,9 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
         keyring = Keyring.load(auth_file)  # a bad or readable file fails here, not in five processes
         os.environ[AUTH_FILE_ENV] = str(Path(auth_file).resolve())  # inherited by every process started below
         api_key = next((k for e in keyring.entries.values() for k in e.api_keys), api_key)
+    from kvpool.codec import get_codec
+
+    get_codec(kv_codec)  # an unknown name fails here, not in every worker
     config = _load_config(config_file)
     pool_table = dict(config["pool"])
     if ssd_path:
@@ -128,6 +134,9 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
 
         if worker_args:
             raise click.UsageError("--worker-arg is for the reference workers; vLLM servers take --vllm-arg")
+        if kv_codec != "none":
+            raise click.UsageError("--kv-codec is for the reference workers; a vLLM server takes kv_codec in its "
+                                   "kv_connector_extra_config (docs/vllm.md)")
 
         python = vllm_python or sys.executable
         check_python(python)
@@ -135,7 +144,8 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
         cluster = VLLMCluster(workdir, spec, [w["role"] for w in tables], pool_args=_flags(pool_table),
                               router_port=port, router_args=["--policy", policy, *router_args])
     else:
-        workers = [WorkerSpec(role=w["role"], name=w.get("name", ""), args=_flags(w) + list(worker_args))
+        codec_args = ["--kv-codec", kv_codec] if kv_codec != "none" else []
+        workers = [WorkerSpec(role=w["role"], name=w.get("name", ""), args=_flags(w) + codec_args + list(worker_args))
                    for w in tables]
         cluster = LocalCluster(workdir, workers, PoolSpec(args=_flags(pool_table)),
                                router=RouterSpec(port=port, args=["--policy", policy, *router_args]))

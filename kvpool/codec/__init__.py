@@ -107,6 +107,16 @@ def get_codec(name: str) -> Codec:
     return codec
 
 
+def stored_bytes_per_token(layout: KVLayout) -> int:
+    """Pool bytes of one token of `layout` as its codec stores a full chunk (payload only): what a
+    fetch moves and a tier holds. Exact for a fixed-rate codec, the bound for a variable-rate one
+    (`+zstd`: the real size depends on the data); `layout.bytes_per_token` for `none`."""
+    if layout.codec == "none":
+        return layout.bytes_per_token
+    nbytes = get_codec(layout.codec).max_encoded_nbytes(layout, layout.chunk_tokens)
+    return -(-nbytes // layout.chunk_tokens)
+
+
 def codec_name(codec_id: int) -> str:
     """The name of a codec id (as read from a chunk header); `InvalidArgument` when unknown."""
     for name, (cid, _) in CODECS.items():
@@ -168,4 +178,4 @@ def decode(codec: Codec, layout: KVLayout, payload: Any, tokens: int) -> Any:
 
 
 __all__ = ["CODECS", "DEFAULT_CODEC", "Codec", "codec_name", "decode", "encode", "encode_object", "encode_raw_object",
-           "get_codec"]
+           "get_codec", "stored_bytes_per_token"]

@@ -179,7 +179,7 @@ class Router:
         self.tokenizer = await asyncio.to_thread(RouterTokenizer.from_info, tok)
         self.max_positions = info.max_positions or 8192
         self.chunk_tokens = info.chunk_tokens
-        self.bytes_per_token = info.bytes_per_token
+        self.bytes_per_token = info.stored_bytes_per_token or info.bytes_per_token  # what a fetch moves (codec)
         self.eos_ids = list(info.eos_token_ids)
         self._namespace = parse_namespace_hex(info.namespace)
         self.tenants.learn(info.namespace_doc)
@@ -345,7 +345,8 @@ class Router:
         return head
 
     def _learn(self, head: wire.PrefillResponse, worker: WorkerState, sent: float) -> None:
-        fetched = head.pool_cached_tokens * (worker.info.bytes_per_token or self.bytes_per_token)
+        fetched = head.pool_cached_tokens * (worker.info.stored_bytes_per_token or worker.info.bytes_per_token
+                                             or self.bytes_per_token)
         self.cost.observe_prefill(head.computed_tokens, head.cached_tokens, head.compute_ms / 1e3,
                                   fetched, head.fetch_ms / 1e3)
         if worker.role == "prefill":  # the push plus the HTTP round trip; queue wait is not hand-off

@@ -43,6 +43,7 @@ from kvpool import worker_api as wire
 from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import Namespace
 from kvpool.chunk_format import KVLayout
+from kvpool.codec import stored_bytes_per_token
 
 if TYPE_CHECKING:
     from kvpool.router.policy import Decision
@@ -136,7 +137,8 @@ class VLLMBackend:
         return wire.WorkerInfo(role=role, model_id=served, namespace=ns.hex(), chunk_tokens=chunk,
                                dtype=ns.layout.dtype, pool=str(self.settings.connector.get("kvpool_address", "")),
                                eos_token_ids=eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
-                               max_positions=context, bytes_per_token=ns.layout.bytes_per_token)
+                               max_positions=context, bytes_per_token=ns.layout.bytes_per_token,
+                               kv_codec=ns.layout.codec, stored_bytes_per_token=stored_bytes_per_token(ns.layout))
 
     def tokenizer_info(self) -> wire.TokenizerInfo:
         if self._tokenizer is None:

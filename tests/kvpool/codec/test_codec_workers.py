@@ -55,6 +55,9 @@ def test_info_reports_the_codec_and_it_is_part_of_the_namespace(workers):
     assert info["p8"].kv_codec == info["d8"].kv_codec == "int8"
     assert info["p0"].kv_codec == info["d0"].kv_codec == "none"
     assert info["p8"].namespace == info["d8"].namespace != info["p0"].namespace == info["d0"].namespace
+    # what the router's fetch estimate uses: the bytes the pool holds per token
+    assert info["p0"].stored_bytes_per_token == info["p0"].bytes_per_token
+    assert 0.25 <= info["p8"].stored_bytes_per_token / info["p8"].bytes_per_token <= 0.26
 
 
 def test_workers_of_two_codecs_never_read_each_others_chunks(workers):
