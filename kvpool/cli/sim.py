@@ -94,9 +94,13 @@ def _config(opts: dict[str, Any], prof, dprof, **over):
 @click.option("--goodput-steps", type=int, default=6, show_default=True,
               help="Extra runs of the rate search for goodput_rps (0: skip, goodput_rps null).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write PNG plots here.")
+@click.option("--kv-codec", default="none", show_default=True, metavar="CODEC",
+              help="Pool chunks stored with this codec (kvpool.codec): every block, fetch and push shrinks by "
+                   "its bytes ratio (e.g. int8: 0.51 of bf16); decode cost not modelled.")
 @click.option("--json", "as_json", is_flag=True, help="End the output with one JSON line.")
 @click.pass_context
-def sim(ctx: click.Context, prefill, decode, colocated, dram, goodput_steps, plot_path, as_json, **opts) -> None:
+def sim(ctx: click.Context, prefill, decode, colocated, dram, goodput_steps, plot_path, kv_codec, as_json,
+        **opts) -> None:
     """Simulate a serving cluster on a trace, with the real router and eviction policies.
 
     \b
@@ -117,6 +121,10 @@ def sim(ctx: click.Context, prefill, decode, colocated, dram, goodput_steps, plo
     if not (prefill or decode or colocated):
         raise click.UsageError("give --prefill N --decode M, or --colocated K")
     workload, prof, dprof = _load(opts)
+    ratio = _codec_bytes_ratio(kv_codec, prof, workload.block_tokens)
+    if ratio != 1.0:
+        prof = replace(prof, bytes_per_token=max(1, round(prof.bytes_per_token * ratio)))
+        dprof = None if dprof is None else replace(dprof, bytes_per_token=max(1, round(dprof.bytes_per_token * ratio)))
     cfg = _config(opts, prof, dprof, prefill=prefill, decode=decode, colocated=colocated,
                   dram_bytes=_size_or_unlimited(dram))
     slo = (opts["slo_ttft_ms"] / 1e3, opts["slo_tbt_ms"] / 1e3, opts["slo_target"])
@@ -129,6 +137,7 @@ def sim(ctx: click.Context, prefill, decode, colocated, dram, goodput_steps, plo
         runs = lambda scale: summarize(Simulation(workload.scaled(scale), cfg).run(), *slo)  # noqa: E731
         goodput, points = goodput_search(runs, workload.rate, slo[2], first=summary, steps=goodput_steps,
                                          on_step=step)
+    summary["kv_codec"], summary["kv_bytes_ratio"] = kv_codec, round(ratio, 4)
     summary["goodput_rps"] = None if goodput is None else round(goodput, 5)
     summary["goodput_search"] = points
     if plot_path:
@@ -136,6 +145,20 @@ def sim(ctx: click.Context, prefill, decode, colocated, dram, goodput_steps, plo
 
         summary["plot"] = str(plot_run(simulation, summary, points, Path(plot_path)))
     _emit(summary, as_json)
+
+
+def _codec_bytes_ratio(codec: str, prof, block_tokens: int) -> float:
+    """Pool bytes per token with `codec` over the profile's own (the KV's dtype): the GPU profiles
+    hold bf16 KV of head dim 128 (Llama 3), `local` the reference model's float32, head dim 64."""
+    from kvpool.chunk_format import KVLayout
+    from kvpool.codec import get_codec, stored_bytes_per_token
+
+    get_codec(codec)  # an unknown name is InvalidArgument
+    if codec == "none":
+        return 1.0
+    dtype, head_dim = ("float32", 64) if prof.name == "local" else ("bfloat16", 128)
+    layout = KVLayout(1, 1, head_dim, dtype, block_tokens, codec)
+    return stored_bytes_per_token(layout) / layout.bytes_per_token
 
 
 def _emit(summary: dict[str, Any], as_json: bool) -> None:
