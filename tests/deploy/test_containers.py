@@ -16,13 +16,13 @@ Slow (a few minutes: the image build is incremental, the workers load the model)
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import httpx
@@ -34,8 +34,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 BASE_IMAGE = os.environ.get("KVPOOL_BASE_IMAGE", "localhost/kvpool-base:bookworm")
-API_KEY = "sk-deploy-" + secrets.token_hex(12)
-ADMIN_TOKEN = secrets.token_hex(24)
 UID = 10001  # the image's user: the secret files must be readable by it
 
 
@@ -57,20 +55,20 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None, check: bool = 
     return r
 
 
-def _write_secret(path: Path, text: str) -> Path:
-    path.write_text(text)
-    os.chmod(path, 0o600)
+def _credentials(workdir: Path) -> tuple[Path, Path, str, str]:
+    """`kvpool auth init` (a node, an admin and the tenant acme with one API key): the keyring and
+    admin token files, handed to uid 10001 (the containers' user; they stay 0600), the tenant's
+    API key and the admin token."""
+    out = workdir / "secrets"
+    kvpool = Path(sys.executable).with_name("kvpool")
+    _run([str(kvpool), "auth", "init", "--out", str(out), "--tenant", "acme"], 60)
+    keyring, token = out / "keyring.toml", out / "admin.token"
+    api_key = tomllib.loads(keyring.read_text())["principals"]["acme"]["api_keys"][0]
+    admin_token = token.read_text().strip()
     if os.getuid() == 0:
-        os.chown(path, UID, UID)  # the containers run as uid 10001; the keyring must stay 0600
-    return path
-
-
-def _keyring_text() -> str:
-    def secret() -> str:
-        return secrets.token_hex(24)
-    return (f'[principals.node]\nrole = "node"\nsecret = "{secret()}"\n\n'
-            f'[principals.ops]\nrole = "admin"\nsecret = "{secret()}"\n\n'
-            f'[principals.acme]\nrole = "tenant:acme"\nsecret = "{secret()}"\napi_keys = ["{API_KEY}"]\n')
+        for path in (keyring, token):
+            os.chown(path, UID, UID)
+    return keyring, token, api_key, admin_token
 
 
 class Stack:
@@ -80,8 +78,7 @@ class Stack:
         self.project = f"kvpool-test-{os.getpid()}"
         self.pc = _podman_compose()
         self.router_port, self.admin_a, self.admin_b = _free_port(), _free_port(), _free_port()
-        keyring = _write_secret(workdir / "keyring.toml", _keyring_text())
-        token = _write_secret(workdir / "admin-token", ADMIN_TOKEN + "\n")
+        keyring, token, self.api_key, self.admin_token = _credentials(workdir)
         self.env = dict(os.environ, KVPOOL_KEYRING=str(keyring), KVPOOL_ADMIN_TOKEN_SECRET=str(token),
                         KVPOOL_ETCD_IMAGE=BASE_IMAGE, KVPOOL_ROUTER_PORT=str(self.router_port),
                         KVPOOL_ADMIN_PORT_A=str(self.admin_a), KVPOOL_ADMIN_PORT_B=str(self.admin_b))
@@ -150,7 +147,7 @@ def podman_image_exists(image: str) -> bool:
 
 def _openai(stack: Stack):
     openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.router_port}/v1", api_key=API_KEY, max_retries=0,
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.router_port}/v1", api_key=stack.api_key, max_retries=0,
                          timeout=120)
 
 
@@ -176,7 +173,7 @@ def _complete(stack: Stack, deadline_s: float, what: str) -> tuple[str, float]:
 
 def _admin(stack: Stack, port: int, path: str) -> httpx.Response:
     return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10,
-                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+                     headers={"Authorization": f"Bearer {stack.admin_token}"})
 
 
 def _leader_port(stack: Stack, deadline_s: float) -> int:
