@@ -101,11 +101,16 @@ def cache_tokens(cache) -> int:
 
 
 def chunk_from_cache(cache, start: int, end: int):
-    """Tokens [start, end) of `cache` as one contiguous chunk tensor (a copy)."""
+    """Tokens [start, end) of `cache` as one contiguous chunk tensor (one copy, straight into place)."""
     import torch
 
-    return torch.stack([torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
-                        for layer in cache.layers]).contiguous()
+    first = cache.layers[0].keys
+    out = torch.empty((len(cache.layers), 2, first.shape[1], end - start, first.shape[3]), dtype=first.dtype,
+                      device=first.device)
+    for i, layer in enumerate(cache.layers):
+        out[i, 0].copy_(layer.keys[0, :, start:end])
+        out[i, 1].copy_(layer.values[0, :, start:end])
+    return out
 
 
 def chunks_from_cache(cache, start_chunk: int, end_chunk: int, chunk_tokens: int) -> list[Any]:

@@ -301,7 +301,7 @@ class Worker:
         c = self.layout.chunk_tokens
         full = len(ids) // c
         have = len(prefix.chunks)
-        if full > have:
+        if full > have and self.cache.capacity_bytes > 0:  # (a disabled cache would drop the copies)
             self.cache.put_many(zip(prefix.keys[have:full], chunks_from_cache(job.cache, have, full, c)))
         return kv.adapter.save(ids, job.cache, request_id=request_id, start_token=0)
 
