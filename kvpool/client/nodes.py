@@ -162,6 +162,14 @@ def fan_out(items: Sequence[tuple[NodeConn, Any]],
     """Send `request(node, ctx)` -> (message, payload buffers) for every (node, ctx) before
     awaiting any reply, so the nodes work at once; returns (node, ctx, the reply or the
     `KVPoolError` that node failed with) for each. Reply payloads are left to the caller."""
+    if len(items) == 1:  # one node (every single put): nothing to overlap
+        conn, ctx = items[0]
+        msg, buffers = request(conn, ctx)
+        try:
+            conn.rpc.send_request(msg, buffers)
+            return [(conn, ctx, conn.rpc.recv_reply())]
+        except KVPoolError as exc:
+            return [(conn, ctx, exc)]
     out, sent = [], []
     for conn, ctx in items:
         msg, buffers = request(conn, ctx)

@@ -23,7 +23,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from kvpool.client.datapath import DataPaths
 from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn
@@ -118,7 +118,7 @@ class Client:
 
     def _with_master(self, fn: Callable[[RpcClient], T]) -> T:
         """Run `fn(master)`; on a lost or standby master, reconnect (to the new leader) and retry."""
-        deadline = time.monotonic() + self.timeout
+        deadline = 0.0  # set at the first failure: a call that succeeds reads no clock
         delay = 0.05
         while True:
             try:
@@ -127,7 +127,9 @@ class Client:
             except (Unavailable, NotLeader) as exc:
                 if self._master is not None and not self._master.connected:
                     self._master = None
-                if time.monotonic() + delay > deadline:
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout
+                if now + delay > deadline:
                     raise
                 log.debug("master call failed (%s); retrying", exc)
                 if isinstance(exc, NotLeader) and self._master is not None:
@@ -157,16 +159,19 @@ class Client:
             raise why if isinstance(why, Unavailable) else Unavailable(str(why))
         self._drop_node(address)
 
-    def _by_path(self, pairs: Iterable[tuple[int, str]]) -> dict[Any, list]:
+    def _by_path(self, pairs: list[tuple[int, str]]) -> dict[Any, list]:
         """{data path: [(node, indexes)]} for (key index, node address) pairs; nodes that
         cannot be reached are under None as (address, indexes)."""
         by_node: dict[str, list[int]] = {}
-        for i, address in pairs:
-            idx = by_node.get(address)
-            if idx is None:
-                by_node[address] = [i]
-            else:
-                idx.append(i)
+        if len(pairs) == 1:  # a single get or put: nothing to group
+            by_node[pairs[0][1]] = [pairs[0][0]]
+        else:
+            for i, address in pairs:
+                idx = by_node.get(address)
+                if idx is None:
+                    by_node[address] = [i]
+                else:
+                    idx.append(i)
         groups: dict[Any, list] = {}
         for address, idx in by_node.items():
             try:

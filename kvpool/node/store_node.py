@@ -270,7 +270,13 @@ class StoreNode:
             self.store.touch(msg.touched)
 
     def _on_write(self, msg: NodeWrite, payload: Payload, conn: ServerConn) -> WriteReply:
-        if any(not isinstance(s, int) or s <= 0 for s in msg.sizes) or sum(msg.sizes) != payload.length:
+        total = 0
+        for size in msg.sizes:  # a loop, not any() + sum(): a single put is the common case
+            if not isinstance(size, int) or size <= 0:
+                total = -1
+                break
+            total += size
+        if total != payload.length:
             raise InvalidArgument(f"NodeWrite: sizes must be positive and add up to the payload ({payload.length})")
         write = self.writes.write
         return WriteReply(per_item(lambda key, size, put_id: write(key, size, put_id, msg.replicas, payload),

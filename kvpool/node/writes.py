@@ -17,6 +17,11 @@ reservation expires at its deadline and is revoked when the reservation ends (co
 expiry, its writer's connection closing), so the data server refuses any later WRITE frame; a
 frame already being received at that moment can still land (bounded by the minimum body rate).
 
+Keys: `write`, `open` and `copy` are the node's boundary for the keys of a write request (a
+tenant's already scoped by `kvpool.rpc.authz`): each validates an item's key once, as the pool
+stores it (`check_stored_key`; a bad one fails that item only), and everything below them
+(`TieredStore.reserve` / `commit` / `abort`, the in-process master) trusts it.
+
 Deadlines: a `NodeWrite` whose payload is still arriving at its put deadline has its connection
 cut (`Payload.cut`; the reservation is then aborted by the write itself, so no byte lands in a
 reused range), and an open reservation past its deadline is aborted: a stalled writer never
@@ -159,8 +164,8 @@ class Writes:
                 self.master.put_abort(key, put_id)
             raise
         token = id(payload)
-        with self._lock:
-            self._filling[token] = (time.monotonic() + self.put_timeout_s, payload)
+        # No lock: one dict store / pop is atomic under the GIL, and `expire` snapshots the dict in one C call.
+        self._filling[token] = (time.monotonic() + self.put_timeout_s, payload)
         try:
             payload.read_into(self.store.arena.buffer[res.offset:res.offset + size])
         except BaseException:
@@ -169,8 +174,7 @@ class Writes:
                 self.master.put_abort(key, put_id)
             raise
         finally:
-            with self._lock:
-                self._filling.pop(token, None)
+            self._filling.pop(token, None)
         return self.publish(key, put_id, res.offset, local)
 
     def copy(self, keys: list[str], put_ids: list[int], source: str) -> list[Placed | Err]:
@@ -184,7 +188,7 @@ class Writes:
                     results.append(Err("not_found", f"{key!r} is not on {source}"))
                     continue
                 try:
-                    res = self.reserve(key, size, put_id)
+                    res = self.reserve(check_key(key), size, put_id)
                 except KVPoolError as exc:
                     peer.skip_payload(size)
                     results.append(Err(exc.code, str(exc)))
@@ -270,7 +274,7 @@ class Writes:
         now = time.monotonic()
         with self._lock:
             stale = [(k, w.put_id) for k, w in self._open.items() if w.deadline <= now]
-            late = [p for deadline, p in self._filling.values() if deadline <= now]
+            late = [p for deadline, p in list(self._filling.values()) if deadline <= now]
         for payload in late:
             # Its thread is blocked receiving into the reservation: cutting the socket wakes it,
             # and it aborts the reservation itself (nothing else may free a range being written).

@@ -24,13 +24,12 @@ from kvpool.auth import Credential, load_keyring
 from kvpool.config import RpcSettings
 from kvpool.errors import InvalidArgument, LimitExceeded, Unauthorized, Unavailable, error_from_code
 from kvpool.messages import PROTOCOL_VERSION, Err
-from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, frame, parse_address,
-                               reply_decoder, unix_name)
+from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, parse_address,
+                               reply_decoder, send_frame, unix_name)
 from kvpool.rpc.server import UNIX_SUPPORTED
 from kvpool.rpc.spin import STREAM_POLLS, STREAM_SPIN_MIN_CLIENT, Spin, local
 from transfer.auth import AuthError, client_handshake
-from transfer.framing import (DONTWAIT, peer_closed, peer_pid, recv_exact_into, recv_polling, sched_yield, send_all,
-                              tune)
+from transfer.framing import DONTWAIT, peer_closed, peer_pid, recv_exact_into, recv_polling, sched_yield, tune
 
 log = logging.getLogger("kvpool.rpc")
 
@@ -174,7 +173,7 @@ class RpcClient:
         if self.payload_left:
             self.skip_payload()
         try:
-            send_all(sock, frame(msg, 0, FLAG_ONEWAY))
+            send_frame(sock, msg, (), FLAG_ONEWAY)
         except OSError as exc:
             raise self._broken(exc) from None
 
@@ -189,8 +188,7 @@ class RpcClient:
         if self.payload_left:
             self.skip_payload()
         try:
-            nbytes = sum(memoryview(b).nbytes for b in buffers)
-            send_all(sock, frame(msg, nbytes) + list(buffers))
+            send_frame(sock, msg, buffers)
         except OSError as exc:
             raise self._broken(exc) from None
 

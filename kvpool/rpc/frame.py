@@ -15,14 +15,14 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import msgspec
 
 from kvpool.errors import InvalidArgument
 from kvpool.messages import PROTOCOL_VERSION, Reply, Request
 from kvpool.rpc.spin import STREAM_POLLS, STREAM_SPIN_MIN, Spin, SpinPolicy
-from transfer.framing import DONTWAIT, drain, recv_paced, recv_polling, sched_yield
+from transfer.framing import DONTWAIT, IOV_MAX, drain, recv_paced, recv_polling, sched_yield, send_all
 
 HEADER = struct.Struct("<HHIQ")
 FLAG_ONEWAY = 1
@@ -40,6 +40,31 @@ def frame(msg: Any, payload_len: int, flags: int = 0) -> list[Any]:
     """Header and message of a frame (its payload buffers follow them)."""
     body = encoder.encode(msg)
     return [HEADER.pack(PROTOCOL_VERSION, flags, len(body), payload_len), body]
+
+
+def send_frame(sock: socket.socket, msg: Any, buffers: Sequence[Any] = (), flags: int = 0) -> None:
+    """Send one frame: header and message in one small buffer, then the payload `buffers` as they
+    are, in one `sendmsg` when the kernel takes it all (a blocking socket nearly always does);
+    what is left goes through `send_all`."""
+    body = encoder.encode(msg)
+    if not buffers:
+        sock.sendall(HEADER.pack(PROTOCOL_VERSION, flags, len(body), 0) + body)
+        return
+    if len(buffers) == 1 and type(buffers[0]) is memoryview:  # a single put or get: the common case
+        nbytes = buffers[0].nbytes
+    else:
+        nbytes = sum(memoryview(b).nbytes for b in buffers)
+    head = HEADER.pack(PROTOCOL_VERSION, flags, len(body), nbytes) + body
+    parts = [head, *buffers]
+    sent = sock.sendmsg(parts) if len(parts) <= IOV_MAX else 0
+    if sent < len(head) + nbytes:
+        views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in map(memoryview, parts)]
+        while sent:  # drop what the first sendmsg took
+            if sent >= views[0].nbytes:
+                sent -= views.pop(0).nbytes
+            else:
+                views[0], sent = views[0][sent:], 0
+        send_all(sock, views)
 
 
 def parse_address(address: str) -> tuple[str, int]:

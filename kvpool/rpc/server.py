@@ -18,7 +18,8 @@ and `_dispatch` authorizes every request against it and scopes a tenant's keys
 (`kvpool.rpc.authz`). A connection that does not open with a hello gets one `Err("unauthorized")`
 saying how to configure a credential, and is closed. The unix socket also takes only peers of
 this process's uid or root (`SO_PEERCRED`), keyring or not: an abstract socket has no file
-permissions. Without a keyring every connection is `kvpool.auth.ANYONE`.
+permissions. Without a keyring every connection is `kvpool.auth.ANYONE`. Keys are validated once:
+a tenant's here (`authz`), anyone else's per item where they enter the node or the master.
 
 Limits (`RpcSettings`: header and idle timeouts, minimum body rate, connection caps; see
 `transfer.framing.Limits`): a connection over a cap gets one `Err("limit_exceeded")` and is
@@ -45,11 +46,11 @@ from kvpool.config import RpcSettings
 from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, LimitExceeded, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
-                              frame, request_decoder, unix_name)
+                              request_decoder, send_frame, unix_name)
 from kvpool.rpc.authz import ROLE_NAMES, rank, rule, scope_of
 from kvpool.rpc.spin import SpinPolicy, local
 from transfer.auth import HANDSHAKE_TIMEOUT, MAGIC, AuthError, looks_like_hello, peer_uid, serve_handshake
-from transfer.framing import Listener, Stalled, peer_pid, refuse_after, send_all
+from transfer.framing import Listener, Stalled, peer_pid, refuse_after
 
 log = logging.getLogger("kvpool.rpc")
 
@@ -79,8 +80,7 @@ class ServerConn:
             body = encoder.encode(msg)
             self.sock.sendall(HEADER.pack(PROTOCOL_VERSION, self.flags, len(body), 0) + body)
         else:
-            nbytes = sum(memoryview(b).nbytes for b in buffers)
-            send_all(self.sock, frame(msg, nbytes, self.flags) + list(buffers))
+            send_frame(self.sock, msg, buffers, self.flags)  # payload from where it lies, one sendmsg
         self.replied = True
 
 

@@ -50,8 +50,8 @@ class DramTier(PagedEntries):
 
     # -- two-phase write -------------------------------------------------------------------
     def try_reserve(self, key: str, size: int) -> Reservation | None:
-        """Reserve `size` bytes for `key`; None when no contiguous free range is large enough."""
-        check_key(key)
+        """Reserve `size` bytes for `key`; None when no contiguous free range is large enough.
+        `key` is trusted: `TieredStore` (its only caller) and `put` validated it."""
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidArgument(f"size must be a positive int, got {size!r}")
         if size > self.capacity:
@@ -65,7 +65,7 @@ class DramTier(PagedEntries):
         return Reservation(key, offset, size)
 
     def reserve(self, key: str, size: int) -> Reservation:
-        res = self.try_reserve(key, size)
+        res = self.try_reserve(check_key(key), size)
         if res is None:
             raise CapacityError(f"no contiguous {size} bytes free in the DRAM tier")
         return res

@@ -20,6 +20,10 @@ Invariants: a visible object (`contains`) reads back exactly the bytes of the pu
 it; every tier's `used <= capacity`; a key is visible iff it is committed, not being removed,
 and held by DRAM or SSD.
 
+Keys: `put`, `get`, `get_into`, `pin`, `remove`, `match_prefix` validate theirs; `reserve`,
+`commit`, `abort`, `contains`, `size_of` trust theirs (the node validated it once, at its request
+boundary `kvpool.node.writes.Writes`; a key never reserved is simply not found).
+
 Pins do not expire: whoever pins (the node, for a same-host reader or a transfer) unpins, also
 when its peer goes away. HBM, when asked for and CUDA is present, is `store.hbm`: a tier of its
 own (counted in `stats`), not part of the DRAM <-> SSD chain.
@@ -147,8 +151,7 @@ class TieredStore:
         self.commit(key)
 
     def reserve(self, key: str, size: int) -> Reservation:
-        """Reserve `size` bytes in the arena for a writer; invisible until `commit`."""
-        check_key(key)
+        """Reserve `size` bytes in the arena for a writer; invisible until `commit` (`key`: trusted)."""
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidArgument(f"size must be a positive int, got {size!r}")
         events: list = []
@@ -163,7 +166,6 @@ class TieredStore:
 
     def commit(self, key: str) -> None:
         """Make a reserved object visible (its bytes are not checked: readers verify chunks)."""
-        check_key(key)
         events: list = []
         with self._lock:
             entry = self._entries.get(key)
@@ -180,7 +182,6 @@ class TieredStore:
         events.append((key, "stored"))
 
     def abort(self, key: str) -> None:
-        check_key(key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not entry.writing:
@@ -456,12 +457,10 @@ class TieredStore:
 
     # -- queries ---------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
-        check_key(key)
         entry = self._entries.get(key)
         return entry is not None and entry.visible
 
     def size_of(self, key: str) -> int | None:
-        check_key(key)
         entry = self._entries.get(key)
         return entry.size if entry is not None and entry.visible else None
 
