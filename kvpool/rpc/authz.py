@@ -63,11 +63,11 @@ RULES: dict[type, tuple[int, Scoper | None]] = {
     m.NodeRemove: (NODE, None),
     m.NodeCopy: (NODE, None),
 }
-_NODE_ONLY: tuple[int, Scoper | None] = (NODE, None)
+NODE_ONLY: tuple[int, Scoper | None] = (NODE, None)  # the rule of a type missing from RULES
 
 
 def rule(kind: type) -> tuple[int, Scoper | None]:
-    return RULES.get(kind, _NODE_ONLY)
+    return RULES.get(kind, NODE_ONLY)
 
 
 def scope_of(principal: Principal) -> str:

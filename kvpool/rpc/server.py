@@ -47,7 +47,7 @@ from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, LimitExceeded
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
                               request_decoder, send_frame, unix_name)
-from kvpool.rpc.authz import ROLE_NAMES, rank, rule, scope_of
+from kvpool.rpc.authz import NODE_ONLY, ROLE_NAMES, RULES, rank, scope_of
 from kvpool.rpc.spin import SpinPolicy, local
 from transfer.auth import HANDSHAKE_TIMEOUT, MAGIC, AuthError, looks_like_hello, peer_uid, serve_handshake
 from transfer.framing import Listener, Stalled, peer_pid, refuse_after
@@ -67,6 +67,7 @@ class ServerConn:
         self.sock = sock
         self.peer = peer
         self.principal = principal  # who proved themselves on this connection (`kvpool.auth`)
+        self.rank = rank(principal)  # its role's rank (`kvpool.rpc.authz`), once per connection
         self.scope = scope_of(principal)  # the prefix of its keys as stored ("": unscoped)
         self.replied = False
         self.oneway = False
@@ -338,8 +339,8 @@ class RpcServer:
     @staticmethod
     def _authorize(msg: Any, conn: ServerConn) -> None:
         """Refuse what the connection's principal may not send; scope a tenant's keys."""
-        least, scoper = rule(type(msg))
-        if rank(conn.principal) < least:
+        least, scoper = RULES.get(type(msg), NODE_ONLY)
+        if conn.rank < least:
             raise Forbidden(f"{conn.principal} may not send {type(msg).__name__} (it takes {ROLE_NAMES[least]} "
                             f"principal)")
         if scoper is not None and conn.scope:
