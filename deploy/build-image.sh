@@ -63,8 +63,14 @@ exec 2>&3 3>&-
 # ---- 4. the image -----------------------------------------------------------------------------
 say "podman build $IMAGE"
 cd "$ROOT"
+old=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 podman build -f deploy/Dockerfile -t "$IMAGE" \
     --build-arg BASE="$BASE" \
     --build-arg PIP_FROM="--no-index --find-links /wheels" \
     -v "$WHEELS:/wheels:ro" .
+new=$(podman image inspect --format '{{.Id}}' "$IMAGE")
+if [ -n "$old" ] && [ "$old" != "$new" ]; then
+    # the image this build replaced, untagged now: removed unless a container still uses it
+    podman rmi "$old" >/dev/null 2>&1 || true
+fi
 say "built $IMAGE ($(podman image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
