@@ -278,8 +278,8 @@ class StoreNode:
             total += size
         if total != payload.length:
             raise InvalidArgument(f"NodeWrite: sizes must be positive and add up to the payload ({payload.length})")
-        write = self.writes.write
-        return WriteReply(per_item(lambda key, size, put_id: write(key, size, put_id, msg.replicas, payload),
+        write, checked = self.writes.write, bool(conn.scope)  # a tenant's keys were validated at dispatch
+        return WriteReply(per_item(lambda key, size, put_id: write(key, size, put_id, msg.replicas, payload, checked),
                                    msg.keys, msg.sizes, msg.put_ids))
 
     def _on_reserve(self, msg: NodeReserve, payload: Payload, conn: ServerConn) -> Slots:

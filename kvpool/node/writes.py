@@ -17,10 +17,11 @@ reservation expires at its deadline and is revoked when the reservation ends (co
 expiry, its writer's connection closing), so the data server refuses any later WRITE frame; a
 frame already being received at that moment can still land (bounded by the minimum body rate).
 
-Keys: `write`, `open` and `copy` are the node's boundary for the keys of a write request (a
-tenant's already scoped by `kvpool.rpc.authz`): each validates an item's key once, as the pool
-stores it (`check_stored_key`; a bad one fails that item only), and everything below them
-(`TieredStore.reserve` / `commit` / `abort`, the in-process master) trusts it.
+Keys: `write`, `open` and `copy` are the node's boundary for the keys of a write request: each
+validates an item's key once, as the pool stores it (`check_stored_key`; a bad one fails that
+item only), unless the RPC dispatch already did (a tenant's keys, validated and scoped by
+`kvpool.rpc.authz`: `checked`); everything below them (`TieredStore.reserve` / `commit` /
+`abort`) trusts it. (The in-process master's `put_start` still checks its own.)
 
 Deadlines: a `NodeWrite` whose payload is still arriving at its put deadline has its connection
 cut (`Payload.cut`; the reservation is then aborted by the write itself, so no byte lands in a
@@ -147,11 +148,13 @@ class Writes:
 
     # ------------------------------------------------------------------ bytes in the request / from a peer
 
-    def write(self, key: str, size: int, put_id: int, replicas: int, payload: Payload) -> Placed:
-        """One object of a `NodeWrite`: its `size` bytes are next in `payload`."""
+    def write(self, key: str, size: int, put_id: int, replicas: int, payload: Payload, checked: bool = False) -> Placed:
+        """One object of a `NodeWrite`: its `size` bytes are next in `payload`. `checked`: the
+        key was validated already (a tenant's, scoped at dispatch by `kvpool.rpc.authz`)."""
         local = False
         try:
-            check_key(key)
+            if not checked:
+                check_key(key)
             planned = self.plan(key, size, put_id, replicas)
             if planned is None:
                 payload.skip(size)
