@@ -48,12 +48,15 @@ def summary(r: dict) -> str:
     lines = [f"seed {r['seed']}: {r['duration_s']}s, {len(r['faults'])} faults, {r['ops_checked']} operations checked "
              f"({r['acked_puts']} acknowledged puts, {r['sweep_ok']}/{r['swept']} read back at the end), "
              f"{len(r['violations'])} violations {r['violation_counts']}",
-             f"load average {r['load_average']} on {r['cpus']} CPUs; {r['disk']}; master evictions {r['master_evictions']}",
-             f"misses explained by faults {r['misses_explained_by_faults']}, lost with their nodes {r['lost_with_their_nodes']}",
+             f"load average {r['load_average']} on {r['cpus']} CPUs; {r['disk']}; "
+             f"master evictions {r['master_evictions']}",
+             f"misses explained by faults {r['misses_explained_by_faults']}, "
+             f"lost with their nodes {r['lost_with_their_nodes']}",
              f"{'fault':<24}{'count':>6}{'serve p50':>11}{'serve max':>11}{'back p50':>10}{'back max':>10}"]
     for kind, row in r["fault_summary"].items():
         s, b = row["serve_s"], row["recover_s"]
-        lines.append(f"{kind:<24}{row['count']:>6}{_f(s['p50']):>11}{_f(s['max']):>11}{_f(b['p50']):>10}{_f(b['max']):>10}")
+        lines.append(f"{kind:<24}{row['count']:>6}{_f(s['p50']):>11}{_f(s['max']):>11}"
+                     f"{_f(b['p50']):>10}{_f(b['max']):>10}")
     if r["crashes"]:
         lines.append(f"processes that died by themselves: {[(c['name'], c['returncode']) for c in r['crashes']]}")
     for v in r["violations"][:20]:
