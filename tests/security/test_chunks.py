@@ -41,12 +41,6 @@ def cred(name: str) -> Credential:
     return Credential(name, SECRETS[name].encode())
 
 
-@pytest.fixture(autouse=True)
-def _no_ambient_credential(monkeypatch):
-    for name in ("KVPOOL_AUTH_FILE", "KVPOOL_PRINCIPAL"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("chunks-keyring")

@@ -66,12 +66,6 @@ def cluster(tmp_path_factory):
                         raise AssertionError("".join(p.output[-50:]))
 
 
-@pytest.fixture(autouse=True)
-def _no_ambient_credential(monkeypatch):
-    for name in ("KVPOOL_AUTH_FILE", "KVPOOL_PRINCIPAL"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _call(address: str, who: str | None, msg):
     rpc = RpcClient(address, credential=cred(who) if who else None)
     try:

@@ -29,12 +29,6 @@ from transfer.grant import GRANT, Grants, fields
 VALUE = bytes(range(256)) * 256  # 64 KiB the victim stores
 
 
-@pytest.fixture(autouse=True)
-def _no_ambient_credential(monkeypatch):
-    for name in ("KVPOOL_AUTH_FILE", "KVPOOL_PRINCIPAL"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("data-plane")

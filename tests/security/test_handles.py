@@ -29,12 +29,6 @@ pytestmark = [pytest.mark.model,
 PROMPT_TOKENS = 300  # one full 256-token chunk and a 44-token tail
 
 
-@pytest.fixture(autouse=True)
-def _no_ambient_credential(monkeypatch):
-    for name in ("KVPOOL_AUTH_FILE", "KVPOOL_PRINCIPAL"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from engine_adapters.serving.launcher import LocalCluster, PoolSpec, WorkerSpec

@@ -31,12 +31,6 @@ def pool(tmp_path_factory):
         served.stop()
 
 
-@pytest.fixture(autouse=True)
-def _no_ambient_credential(monkeypatch):
-    for name in ("KVPOOL_AUTH_FILE", "KVPOOL_PRINCIPAL"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _legit_roundtrip(pool: Served, who: str = "acme") -> None:
     with kvpool.connect(pool.address, credential=cred(who)) as client:
         value = os.urandom(70_000)

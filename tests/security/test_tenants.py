@@ -27,12 +27,6 @@ def pool(tmp_path_factory):
         served.stop()
 
 
-@pytest.fixture(autouse=True)
-def _no_ambient_credential(monkeypatch):
-    for name in ("KVPOOL_AUTH_FILE", "KVPOOL_PRINCIPAL"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_a_tenant_cannot_read_detect_list_or_delete_another_tenants_key(pool):
     secret = os.urandom(50_000)
     with kvpool.connect(pool.address, credential=cred("beta")) as beta, \
