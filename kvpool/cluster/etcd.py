@@ -111,6 +111,11 @@ class EtcdClient:
         kvs = self._post("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
         return _unb64(kvs[0].get("value", "")) if kvs else None
 
+    def get_with_lease(self, key: str) -> tuple[bytes, int] | None:
+        """(value, lease id) of `key` (lease 0: none), or None when absent."""
+        kvs = self._post("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
+        return (_unb64(kvs[0].get("value", "")), int(kvs[0].get("lease", 0))) if kvs else None
+
     def get_prefix(self, prefix: str) -> dict[str, bytes]:
         raw = prefix.encode()
         kvs = self._post("/v3/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))}).get("kvs", [])

@@ -5,6 +5,11 @@ etcd restart) it grants a new one and writes the key again. `LeaderElection` cam
 `LEADER_KEY` with a create-if-absent transaction bound to the master's lease: exactly one
 master holds the key at a time, and when the leader dies its lease expires and a standby's next
 campaign wins. Callbacks run in the election thread.
+
+Identity is the lease, not the address: the key's value (the leader's address) tells clients
+and nodes where to go, but a master leads only while the key is bound to its own lease. A master
+restarted at its dead predecessor's address finds the key naming "itself" under the old lease,
+and stays a standby until that lease expires and it wins the key (found by issue 14's chaos runs).
 """
 
 from __future__ import annotations
@@ -90,17 +95,18 @@ class LeaderElection:
                 self._lose("lease expired")
             self.lease = self.etcd.grant(self.ttl)
             self.etcd.put(MASTERS_PREFIX + self.address, self.address, lease=self.lease)
-        current = self.etcd.get(LEADER_KEY)
+        current = self.etcd.get_with_lease(LEADER_KEY)
         if current is None and self.etcd.create(LEADER_KEY, self.address, lease=self.lease):
-            current = self.address.encode()
-        leader = current.decode() if current is not None else None
-        if leader == self.address and not self.is_leader:
+            current = (self.address.encode(), self.lease)
+        leader = current[0].decode() if current is not None else None
+        mine = current is not None and current[1] == self.lease
+        if mine and not self.is_leader:
             self.is_leader, self.leader = True, leader
             log.info("master %s elected leader", self.address)
             self.on_elected()
-        elif leader != self.address and (self.is_leader or leader != self.leader):
+        elif not mine and (self.is_leader or leader != self.leader):
             if self.is_leader:
-                self._lose(f"leader key now names {leader}")
+                self._lose(f"leader key now held by {leader} (lease {current[1] if current else 0:x})")
             self.leader = leader
             self.on_standby(leader)
 
