@@ -147,4 +147,7 @@ def test_cached_prompt_is_found_by_the_router_and_loaded(client, router_url, pla
     assert route["request"]["pool_prefix_chunks"] == loadable(n) // CHUNK, json.dumps(route)
     r = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert r.choices[0].text == text
-    assert r.usage.prompt_tokens_details.cached_tokens == loadable(n)
+    # at least the pool's whole chunks; more where the server it landed on still holds the prompt's
+    # blocks in vLLM's own prefix cache (800 of 828 tokens in 32-token blocks, beyond the 768 of
+    # 256-token chunks); never the whole prompt: the last token is always computed
+    assert loadable(n) <= r.usage.prompt_tokens_details.cached_tokens < n
