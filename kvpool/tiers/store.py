@@ -44,6 +44,7 @@ from kvpool.tiers.base import Location, Reservation, readable_view, writable_vie
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.hbm import open_hbm
 from kvpool.tiers.policy import FairPolicy, make_policy
+from kvpool.tiers.promotion import SsdPromotion
 from kvpool.tiers.ssd import SsdShelf, SsdTier
 from kvpool.tiers.stats import StoreStats
 from kvpool.tiers.tenants import TenantIndex, check_quota, tenant_quotas
@@ -71,7 +72,7 @@ class _Entry:
         return not self.writing and not self.removing and (self.dram or self.ssd)
 
 
-class TieredStore:
+class TieredStore(SsdPromotion):
     """DRAM arena (+ optional SSD, + optional HBM) with eviction, demotion, promotion and pins."""
 
     def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
@@ -297,74 +298,6 @@ class TieredStore:
         self._fire(events)
         self._read_ssd(key, dst, res)
         return size
-
-    def _start_promotion(self, key: str, entry: _Entry, events: list) -> Reservation | None:
-        """Reserve DRAM for an SSD object (lock held); None when another promotion is in flight
-        or DRAM is all pinned (the read is then served from SSD alone)."""
-        self._shelf.policy.access(key)
-        if entry.promoting:
-            return None
-        # Flag first: making room may demote into SSD, and that must not evict this object's
-        # own SSD copy (promoting objects are not SSD-evictable).
-        entry.promoting = True
-        try:
-            return self._make_room(key, entry.size, events)
-        except CapacityError:
-            entry.promoting = False
-            self._promoted.notify_all()
-            return None
-
-    def _read_ssd(self, key: str, dst: memoryview, res: Reservation | None, pin: bool = False) -> None:
-        """Read an SSD object into `dst` outside the lock, then finish its promotion into `res`
-        (when `pin`, `dst` is the reservation itself and the object stays pinned).
-        Raises KeyNotFound when the copy is gone or damaged, or a pin's promotion was cancelled."""
-        try:
-            ok = self.ssd.get_into(key, dst) == len(dst)
-        except KeyNotFound:
-            ok = False
-        if ok and res is not None and not pin:
-            self.dram.arena.buffer[res.offset : res.offset + res.length] = dst
-        promoted = False
-        events: list = []
-        with self._lock:
-            entry = self._entries.get(key)
-            if ok:
-                self._stats.ssd.hit(len(dst))
-            else:
-                self._stats.ssd.misses += 1
-            if res is not None and entry is not None:
-                promoted = self._finish_promotion(key, entry, ok, pin, events)
-                self._promoted.notify_all()
-            elif not ok and entry is not None and entry.ssd and not self.ssd.contains(key):
-                # the SSD tier dropped a damaged copy: forget it
-                entry.ssd = False
-                self._shelf.policy.remove(key)
-                if not (entry.dram or entry.promoting):
-                    del self._entries[key]
-                    events.append((key, "removed"))
-        self._fire(events)
-        if not ok or (pin and not promoted):
-            raise KeyNotFound(key)
-
-    def _finish_promotion(self, key: str, entry: _Entry, ok: bool, pin: bool, events: list) -> bool:
-        """Commit (True) or cancel (False) a promotion; lock held."""
-        entry.promoting = False
-        if ok and not entry.removing:
-            self.dram.commit(key)
-            entry.dram = True
-            entry.pins += 1 if pin else 0
-            self._dram_policy.insert(key, entry.size)
-            self._stats.dram.bytes_in += entry.size
-            events.append((key, "promoted"))
-            return True
-        self.dram.abort(key)
-        if not ok and entry.ssd:
-            entry.ssd = False
-            self._shelf.policy.remove(key)
-            events.append((key, "removed"))
-        if entry.removing or not (entry.dram or entry.ssd):
-            del self._entries[key]
-        return False
 
     def get(self, key: str) -> bytes | None:
         """The object's bytes, or None on a miss."""
