@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "router": "kvpool.cli.router:router",
     "sim": "kvpool.cli.sim:sim",
     "chaos": "kvpool.cli.chaos:chaos",
+    "soak": "kvpool.cli.soak:soak",
 }
 
 
