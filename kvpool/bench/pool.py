@@ -21,9 +21,17 @@ shm get >= 3x Mooncake's TCP; ahead of Redis at every size. They are printed as 
 
 `--auth` also runs a second `kvpool serve` with a keyring (issue 13) and a tenant client of it
 over TCP and same-host (`ours_tcp+auth`, `ours_shm+auth`), each compared with its counterpart
-without authentication in the same run (goal: under 5% cost). What authentication adds per
-operation: a role check and the tenant's key scoping on each request; the HMAC handshake runs
-once per connection, and no MAC is computed over bulk bytes on this path.
+without authentication in the same run (goal: under 5% cost), and a third pool without a
+keyring (`ours_tcp+control`, compared with `ours_tcp` alike): what two server processes differ
+by when neither authenticates, the measurement's own floor. These pairs are measured fairly:
+each twin runs right next to its counterpart, in the order A B, then B A on the next turn (so
+neither always follows the other, or a warm or a busy moment), and the ratio is the median of
+the per-turn ratios, not the ratio of two medians. Every `ours` row also carries the CPU time per
+operation of the client thread and of the whole server process (`client_cpu_us`,
+`server_cpu_us`, from the process CPU clock): on a loaded machine CPU per op moves less than
+wall time. What authentication adds per operation: a role check and the tenant's key scoping
+on each request; the HMAC handshake runs once per connection, and no MAC is computed over bulk
+bytes on this path.
 """
 
 from __future__ import annotations
@@ -80,13 +88,50 @@ class PoolProcess:
             stop_process(self.proc)
             raise RuntimeError(f"kvpool serve did not start (said {line!r})")
         self.address = line.rsplit(" ", 1)[1]
+        self.cpu_seconds = _cpu_clock(self.proc.pid)
+
+    def settle(self, timeout: float = 120.0) -> None:
+        """Wait until the pool is idle: a new pool maps its whole DRAM arena in a background thread
+        (`kvpool.tiers.arena.populate`, ~1 s of CPU per GiB here, holding the GIL in steps), and
+        a pool measured while that runs is slower than an older one for reasons of its age."""
+        deadline, quiet = time.monotonic() + timeout, 0
+        last = self.cpu_seconds()
+        while quiet < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.cpu_seconds()
+            quiet = quiet + 1 if now - last < 0.005 else 0  # under 5% of a core
+            last = now
 
     def close(self) -> None:
         stop_process(self.proc, timeout=10)
 
 
+def _cpu_clock(pid: int) -> Callable[[], float]:
+    """The CPU seconds (user + system, all threads) process `pid` has used so far: its POSIX CPU
+    clock (ns resolution) where libc gives it, else /proc/<pid>/stat (clock ticks)."""
+    import ctypes
+
+    try:
+        clock = ctypes.c_int()
+        if ctypes.CDLL(None).clock_getcpuclockid(pid, ctypes.byref(clock)) == 0:
+            clock_id = clock.value
+            return lambda: time.clock_gettime(clock_id)
+    except (OSError, AttributeError):
+        pass
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def from_proc() -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    return from_proc
+
+
 ENGINE = "ours_tcp-engine"
 AUTH = "+auth"  # suffix of the systems whose pool has a keyring (--auth)
+CONTROL = "+control"  # suffix of the system of a second pool without one (--auth): the A/A control
+TWINS = (AUTH, CONTROL)  # each compared with the system its name ends in, per turn (`_paired`)
 # clients of ours_tcp's pool (or of ours_tcp+auth's): nothing of their own to load or clean
 SHARES_POOL = ("ours_shm", ENGINE, "ours_shm" + AUTH)
 
@@ -95,10 +140,14 @@ class Ours:
     """The SDK client as a bench system; `use_shm=False` forces every request over TCP;
     `data_path="engine"` moves the bytes through the transfer engine (over TCP)."""
 
-    def __init__(self, address: str, use_shm: bool, name: str, data_path: str = "rpc", credential: Any = None):
+    def __init__(self, address: str, use_shm: bool, name: str, data_path: str = "rpc", credential: Any = None,
+                 server: PoolProcess | None = None):
         import kvpool
 
         self.name = name
+        self.server = server
+        self.server_cpu = server.cpu_seconds if server is not None else None
+        self.cpu = (0.0, 0.0)  # the last timed turn's CPU seconds: this thread's, the server's
         self.client = kvpool.connect(address, use_shm=use_shm, data_path=data_path, transports=("tcp",),
                                      credential=credential)
 
@@ -143,21 +192,38 @@ class Workload:
         return [f"bench/put/{self.size}/{self._put_round}/{i}" for i in range(self.count)]
 
 
+def _clocks(system: Any) -> tuple[float, float]:
+    """(this thread's CPU seconds, the system's server's), 0 where not known."""
+    server = getattr(system, "server_cpu", None)
+    return time.thread_time(), server() if server is not None else 0.0
+
+
+def _took(system: Any, before: tuple[float, float]) -> None:
+    """Keep the CPU a timed turn of `system` took (systems that have `cpu`: ours)."""
+    if hasattr(system, "cpu"):
+        after = _clocks(system)
+        system.cpu = (after[0] - before[0], after[1] - before[1])
+
+
 def _get(system: Any, w: Workload) -> float:
+    cpu = _clocks(system)
     start = time.perf_counter()
     for key in w.get_keys:
         system.get_into(key, w.out)
     seconds = time.perf_counter() - start
+    _took(system, cpu)
     w.check(w.count - 1, w.out, system.name)
     return gbps(w.size * w.count, seconds)
 
 
 def _get_batch(system: Any, w: Workload) -> float:
+    cpu = _clocks(system)
     start = time.perf_counter()
     for j in range(0, w.count, w.batch):
         keys = w.get_keys[j:j + w.batch]
         system.get_batch_into(keys, w.outs[:len(keys)])
     seconds = time.perf_counter() - start
+    _took(system, cpu)
     last = (w.count - 1) // w.batch * w.batch
     w.check(last, w.outs[0], system.name)
     return gbps(w.size * w.count, seconds)
@@ -165,10 +231,12 @@ def _get_batch(system: Any, w: Workload) -> float:
 
 def _put(system: Any, w: Workload) -> float:
     keys = w.next_put_keys()
+    cpu = _clocks(system)
     start = time.perf_counter()
     for i, key in enumerate(keys):
         system.put(key, w.fill(i))
     seconds = time.perf_counter() - start
+    _took(system, cpu)
     system.remove(keys)  # untimed: keep every system's memory bounded
     return gbps(w.size * w.count, seconds)
 
@@ -184,6 +252,18 @@ def _prepare(systems: list[Any], w: Workload) -> None:
             w.out[:8] = 0
             system.get_into(key, w.out)
             w.check(i, w.out, system.name)
+
+
+def _settle(servers: Any) -> None:
+    """Let the pools and this process's own background work (the shm clients map the pools'
+    arenas, `kvpool.client.nodes`) finish before anything is timed."""
+    import threading
+
+    for t in threading.enumerate():
+        if t.name == "kvpool-populate":
+            t.join(120)
+    for server in servers:
+        server.settle()
 
 
 def _sizes(text: str) -> list[int]:
@@ -228,14 +308,18 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
         if not no_engine:
             ours.append((False, ENGINE, "engine"))
         for use_shm, name, data_path in ours:
-            systems.append(Ours(server.address, use_shm, name, data_path))
+            systems.append(Ours(server.address, use_shm, name, data_path, server=server))
             closers.append(systems[-1].close)
         if auth:
             secured, credential, cleanup = _auth_pool(max(1 << 30, 4 * working_set))
             closers.append(cleanup)
             for use_shm, name in ((False, "ours_tcp"), (True, "ours_shm")):
-                systems.append(Ours(secured.address, use_shm, name + AUTH, "rpc", credential))
+                systems.append(Ours(secured.address, use_shm, name + AUTH, "rpc", credential, server=secured))
                 closers.append(systems[-1].close)
+            control = PoolProcess(dram_capacity=max(1 << 30, 4 * working_set))  # started as `secured` was
+            closers.append(control.close)
+            systems.append(Ours(control.address, False, "ours_tcp" + CONTROL, "rpc", server=control))
+            closers.append(systems[-1].close)
         if "redis" in wanted:
             try:
                 for unix in (False, True):
@@ -310,26 +394,64 @@ def _run(report: Report, systems: list[Any], workloads: list[Workload], reps: in
     total = sum(len(members) * (reps + 1) for op, _, members in ops for w in workloads
                 if op != "get_batch" or w.size * w.batch <= max_batch_bytes)
     bar, advance = progress(total, "bench pool")
+    servers = {id(s.server): s.server for s in ours if getattr(s, "server", None) is not None}
     with bar:
         for w in workloads:
             _prepare(systems, w)
+            _settle(servers.values())
             for op, fn, members in ops:
                 if op == "get_batch" and w.size * w.batch > max_batch_bytes:
                     continue
                 figures: dict[str, list[float]] = {s.name: [] for s in members}
+                cpu: dict[str, list[tuple[float, float]]] = {s.name: [] for s in members if hasattr(s, "cpu")}
                 for rep in range(reps + 1):  # round 0 is the warm-up
-                    for system in members:
+                    for system in _order(members, rep):
                         value = fn(system, w)
                         if rep:
                             figures[system.name].append(value)
+                            if system.name in cpu:
+                                cpu[system.name].append(system.cpu)
                         advance()
-                _add_rows(report, op, w, figures, [s.name for s in ours], [s.name for s in peers])
+                _add_rows(report, op, w, figures, [s.name for s in ours], [s.name for s in peers], cpu)
             for system in {id(s): s for s in systems if s.name not in SHARES_POOL}.values():
                 system.remove(w.get_keys)
 
 
+def _twin_of(name: str) -> str | None:
+    """The system a twin (`+auth`, `+control`) is compared with, or None for any other."""
+    for suffix in TWINS:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return None
+
+
+def _order(members: list[Any], rep: int) -> list[Any]:
+    """`members` in the order of turn `rep`: each twin right next to its counterpart, after it on
+    even turns and before it on odd ones (A B, B A, ...): the pair shares the machine's state
+    and neither always runs first."""
+    names = {s.name for s in members}
+    twins: dict[str, list[Any]] = {}
+    for s in members:
+        base = _twin_of(s.name)
+        if base in names:
+            twins.setdefault(base, []).append(s)
+    order: list[Any] = []
+    for s in members:
+        if _twin_of(s.name) in names:
+            continue
+        group = [s, *twins.get(s.name, ())]
+        order.extend(reversed(group) if rep % 2 else group)
+    return order
+
+
+def _per_op_us(turns: list[tuple[float, float]], count: int) -> tuple[float, float]:
+    """Median CPU µs per op of the client thread and of the server over `turns`."""
+    return (round(float(np.median([c for c, _ in turns])) * 1e6 / count, 1),
+            round(float(np.median([s for _, s in turns])) * 1e6 / count, 1))
+
+
 def _add_rows(report: Report, op: str, w: Workload, figures: dict[str, list[float]], ours: list[str],
-              peers: list[str]) -> None:
+              peers: list[str], cpu: dict[str, list[tuple[float, float]]]) -> None:
     for mine in ours:
         if mine not in figures:
             continue
@@ -337,25 +459,44 @@ def _add_rows(report: Report, op: str, w: Workload, figures: dict[str, list[floa
         rows = [p for p in peers if p in figures and (mine == "ours_shm" or p not in SAME_HOST_PEERS)] or [None]
         if mine == ENGINE and "ours_tcp" in figures:  # the two data paths, side by side
             rows.insert(0, "ours_tcp")
-        if mine.endswith(AUTH):  # authentication's cost: against the same path without it
-            rows = [mine.removesuffix(AUTH)] if mine.removesuffix(AUTH) in figures else [None]
+        twin_of = _twin_of(mine)
+        if twin_of is not None:  # authentication's cost (or the control's): against the same path without
+            rows = [twin_of] if twin_of in figures else [None]
         for peer in rows:
             ops_s = [v * 1e9 / w.size for v in figures[mine]]
-            extra = {"ops_per_s": round(float(np.median(ops_s)), 1), "count": w.count}
+            extra: dict[str, Any] = {"ops_per_s": round(float(np.median(ops_s)), 1), "count": w.count}
             if op == "get_batch":
                 extra["batch"] = w.batch
+            if cpu.get(mine):
+                extra["client_cpu_us"], extra["server_cpu_us"] = _per_op_us(cpu[mine], w.count)
             if peer is not None:
                 extra["baseline_ops_per_s"] = round(float(np.median(figures[peer])) * 1e9 / w.size, 1)
-            report.add(case, figures[mine], "GB/s", size=w.size, baseline=peer,
-                       baseline_values=figures[peer] if peer else None, extra=extra)
+            paired = twin_of is not None and peer is not None
+            if paired:
+                per_turn = [a / b for a, b in zip(figures[mine], figures[peer]) if a > 0 and b > 0]
+                extra["per_turn_ratio_spread"] = [round(min(per_turn), 3), round(max(per_turn), 3)]
+                if cpu.get(peer):
+                    extra["baseline_client_cpu_us"], extra["baseline_server_cpu_us"] = _per_op_us(cpu[peer], w.count)
+            result = report.add(case, figures[mine], "GB/s", size=w.size, baseline=peer,
+                                baseline_values=figures[peer] if peer else None, extra=extra)
+            if paired:  # the median of the per-turn ratios (`_order` ran the pair side by side)
+                extra["ratio_of_medians"] = result.ratio
+                result.ratio = round(float(np.median(per_turn)), 3)
 
 
 def _check_goals(report: Report) -> None:
     for r in report.results:
-        if r.case.endswith(AUTH) and r.ratio is not None:
-            verdict = "met" if r.ratio >= 0.95 else "MISSED"
-            report.notes.append(f"auth cost {r.case} at {r.size} B: {r.ratio:.3f}x of no auth (goal >= 0.95x) "
-                                f"{verdict}")
+        if _twin_of(r.case) is not None and r.ratio is not None:
+            x = r.extra
+            cpu = (f"; CPU us/op client {x['baseline_client_cpu_us']} -> {x['client_cpu_us']}, server "
+                   f"{x['baseline_server_cpu_us']} -> {x['server_cpu_us']}" if "baseline_client_cpu_us" in x else "")
+            if r.case.endswith(AUTH):
+                verdict = "met" if r.ratio >= 0.95 else "MISSED"
+                report.notes.append(f"auth cost {r.case} at {r.size} B: {r.ratio:.3f}x of no auth, median of per-turn "
+                                    f"ratios (goal >= 0.95x) {verdict}{cpu}")
+            else:
+                report.notes.append(f"control {r.case} at {r.size} B (a second pool, no auth either): {r.ratio:.3f}x"
+                                    f"{cpu}")
         for (case, baseline, lo, hi), goal in GOALS.items():
             if r.case != case or r.baseline != baseline or r.ratio is None:
                 continue
