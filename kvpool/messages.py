@@ -146,6 +146,7 @@ class PutStart(Msg):
     sizes: list[int]
     replicas: int = 0  # 0: the master's default
     writer_node: str = ""  # the writer's node id when it is itself a node (local-first)
+    token: int = 0  # the writer's random id of this put, the same on its retries (0: none)
 
 
 class PutPlans(Msg):

@@ -13,13 +13,15 @@ gone); a put is `PutStart`, one write per replica node (all sent before any repl
 
 Misses: `get` returns None, `get_into` raises `KeyNotFound`. Errors are `kvpool.errors` types.
 Master failover (address `etcd://...`): calls that fail with `Unavailable` / `NotLeader` find
-the new leader in etcd and retry until `timeout`; a put restarts from `PutStart`. A node that
+the new leader in etcd and retry until `timeout`; a put restarts from `PutStart`, under the same
+put token, so the master replaces the put's own unfinished first attempt. A node that
 is the master's own server (embedded) failing counts as the master failing.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -322,13 +324,14 @@ class Client:
 
     def _write(self, keys: list[str], views: list[memoryview], replicas: int | None) -> list[Exception | None]:
         want = replicas or self.replicas or 0
+        token = secrets.randbits(63) | 1  # one id for all attempts: the master knows a retry from another put
         with self._lock:
-            return self._with_master(lambda m: self._write_once(m, keys, views, want))
+            return self._with_master(lambda m: self._write_once(m, keys, views, want, token))
 
     def _write_once(self, master: RpcClient, keys: list[str], views: list[memoryview],
-                    want: int) -> list[Exception | None]:
+                    want: int, token: int) -> list[Exception | None]:
         """Plan, write every replica (all nodes' requests in flight together), publish."""
-        plans = self._where.plan(master, keys, [v.nbytes for v in views], want)
+        plans = self._where.plan(master, keys, [v.nbytes for v in views], want, token)
         errors: list[Exception | None] = [p.error for p in plans]
         written: list[list[Placed]] = [[] for _ in keys]
         groups = self._by_path([(i, address) for i, p in enumerate(plans) if p.to_write for address in p.targets])

@@ -39,7 +39,8 @@ class EmbeddedWhere:
     def find(self, master: RpcClient, keys: Sequence[str]) -> list[list[str]]:
         return [self._here] * len(keys)
 
-    def plan(self, master: RpcClient, keys: Sequence[str], sizes: Sequence[int], replicas: int) -> list[Plan]:
+    def plan(self, master: RpcClient, keys: Sequence[str], sizes: Sequence[int], replicas: int,
+             token: int = 0) -> list[Plan]:
         # The bytes travel in the first message: refuse a hopeless put before sending it.
         limit = self.max_object_bytes
         return [Plan(error=ObjectTooLarge(f"value of {n} bytes is larger than the pool's largest object "
@@ -66,8 +67,10 @@ class MasterWhere:
             self.leases.append(reply.lease_id)
         return [[loc.address for loc in e.locations] if e is not None else [] for e in reply.entries]
 
-    def plan(self, master: RpcClient, keys: Sequence[str], sizes: Sequence[int], replicas: int) -> list[Plan]:
-        plans = master.call(PutStart(list(keys), list(sizes), replicas, self.writer_node)).plans
+    def plan(self, master: RpcClient, keys: Sequence[str], sizes: Sequence[int], replicas: int,
+             token: int = 0) -> list[Plan]:
+        """`token`: the put's id, the same on its retries (`MasterService.put_start`)."""
+        plans = master.call(PutStart(list(keys), list(sizes), replicas, self.writer_node, token)).plans
         return [Plan(error=error_from_code(p.code, p.message)) if isinstance(p, Err)
                 else Plan(p.put_id, [t.address for t in p.targets], p.exists) for p in plans]
 

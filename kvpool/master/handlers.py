@@ -34,8 +34,18 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
                           hostname=socket.gethostname(), unix=service.unix_address, scope=conn.scope)
 
     def put_start(msg: PutStart, payload, conn) -> PutPlans:
-        return PutPlans(per_item(lambda key, size: service.put_start(key, size, msg.replicas or None, msg.writer_node),
-                                 msg.keys, msg.sizes))
+        replicas, writer, token = msg.replicas or None, msg.writer_node, msg.token
+        if len(msg.keys) == 1 or not token:
+            return PutPlans(per_item(lambda key, size: service.put_start(key, size, replicas, writer, token),
+                                     msg.keys, msg.sizes))
+        seen: set[str] = set()
+
+        def start(key: str, size: int):  # a key twice in one batch is two puts: only the first is the retry
+            first = key not in seen
+            seen.add(key)
+            return service.put_start(key, size, replicas, writer, token if first else 0)
+
+        return PutPlans(per_item(start, msg.keys, msg.sizes))
 
     def put_end(msg: PutEnd, payload, conn) -> BatchResult:
         return BatchResult(per_item(service.put_end, msg.keys, msg.put_ids, msg.written))

@@ -203,8 +203,14 @@ class MasterService:
 
     # ------------------------------------------------------------------ client-facing
 
-    def put_start(self, key: str, size: int, replicas: int | None = None, writer_node: str = "") -> PutPlan:
-        """Plan a put: choose nodes and record a pending object. `exists=True`: already complete."""
+    def put_start(self, key: str, size: int, replicas: int | None = None, writer_node: str = "",
+                  token: int = 0) -> PutPlan:
+        """Plan a put: choose nodes and record a pending object. `exists=True`: already complete.
+
+        `token` (not 0): the writer's id of this put. A pending put of `key` with the same token
+        is this put's earlier attempt, whose writer gave up on it (a lost reply or connection,
+        found by issue 14's chaos runs): it is reclaimed and the put planned anew, so a retry
+        never fails on itself. Any other pending put of `key` raises `AlreadyExists`."""
         st = self.state
         st.check_leader()
         check_key(key)
@@ -223,7 +229,7 @@ class MasterService:
             if obj is not None:
                 if obj.state == COMPLETE and not obj.removing:
                     return PutPlan(put_id=0, targets=[], exists=True)
-                if obj.state == PENDING and obj.deadline > now:
+                if obj.state == PENDING and obj.deadline > now and (not token or obj.token != token):
                     raise AlreadyExists(f"key {key!r} is being written by another put")
                 if obj.removing:
                     raise AlreadyExists(f"key {key!r} is being removed (a reader holds a lease); retry later")
@@ -240,7 +246,7 @@ class MasterService:
             put_id = next(st.ids)
             st.objects[key] = ObjectEntry(key=key, size=size, state=PENDING,
                                              replicas={n.node_id: Replica(n.node_id) for n in chosen},
-                                             put_id=put_id, deadline=now + st.put_timeout_s)
+                                             put_id=put_id, deadline=now + st.put_timeout_s, token=token)
             for n in chosen:
                 n.used += size
             return PutPlan(put_id=put_id, targets=[Target(n.node_id, n.address) for n in chosen])

@@ -43,6 +43,7 @@ class ObjectEntry:
     replicas: dict[str, Replica]
     put_id: int = 0
     deadline: float = 0.0  # pending only: monotonic time after which the put is reclaimed
+    token: int = 0  # pending only: the writer's id of the put (`PutStart.token`), 0: none
     leases: dict[int, float] = field(default_factory=dict)
     removing: bool = False
     last_access: float = field(default_factory=time.monotonic)

@@ -3,8 +3,15 @@ master and node processes (RELIABILITY.md, "Bugs found and fixed")."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
+import kvpool
+from kvpool.chaos.proxy import FaultProxy
 from kvpool.cluster import LEADER_KEY, EtcdClient
-from kvpool.messages import PROTOCOL_VERSION, Hello
+from kvpool.messages import PROTOCOL_VERSION, Hello, NodeGet
 from kvpool.rpc import RpcClient
 from etcd_testing import free_port, spawn, wait_for
 
@@ -50,3 +57,71 @@ def test_a_master_restarted_at_the_dead_leaders_address_waits_for_its_lease(etcd
         for p in procs:
             p.stop()
         etcd_client.close()
+
+
+def _node_holds(address: str, key: str) -> bool:
+    rpc = RpcClient(address, timeout=5)
+    try:
+        return rpc.call(NodeGet([key])).sizes[0] >= 0
+    finally:
+        rpc.close()
+
+
+def test_a_put_retried_after_its_master_connection_broke_replaces_its_own_first_attempt():
+    """PutStart reached the master, the bytes reached the node, the PutEnd was lost with the
+    connection: the SDK's retry starts the put again and must not fail with AlreadyExists on
+    its own first attempt (still pending until put_timeout_s); the object reads back whole."""
+    master = spawn(["master", "--port", "0", "--heartbeat-s", "2"])  # a node is dropped after 6 s silent
+    procs = [master]
+    proxy = client = None
+    try:
+        node = spawn(["node", "--port", "0", "--master", master.address, "--node-id", "n0",
+                      "--dram-capacity", "16MiB", "--heartbeat-s", "0.5"])
+        procs.append(node)
+        watcher = kvpool.connect(master.address, use_shm=False)
+        assert wait_for(lambda: len(watcher.admin("nodes")) == 1)
+        proxy = FaultProxy(master.address).start()
+        client = kvpool.connect(proxy.address, use_shm=False, timeout=10)  # TCP through the proxy
+        value = os.urandom(256 << 10)
+        outcome: list = []
+
+        def put() -> None:
+            try:
+                client.put("k", value)
+                outcome.append(None)
+            except Exception as exc:  # reported by the assertion below
+                outcome.append(exc)
+
+        os.kill(node.pid, signal.SIGSTOP)  # the write waits at the node, after PutStart
+        try:
+            writer = threading.Thread(target=put)
+            writer.start()
+            assert wait_for(lambda: _key_state(watcher, "k") == "pending", timeout=10)
+            proxy.blackhole()  # the PutEnd will go nowhere
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        assert wait_for(lambda: _node_holds(node.address, "k"), timeout=10)  # the first attempt's bytes landed
+        time.sleep(0.5)  # the client sends its PutEnd into the blackhole
+        assert _key_state(watcher, "k") == "pending"
+        proxy.heal()  # resets the held connection: the PutEnd is lost, the SDK retries the put
+        writer.join(timeout=30)
+        assert outcome == [None], f"the retried put failed: {outcome}"
+        assert watcher.admin("stats")["counters"]["reclaimed"] >= 1  # the first attempt was replaced
+        assert client.get("k") == value and watcher.get("k") == value
+        time.sleep(1.0)  # the first attempt's removal (naming its put) reaches the node: not the new copy
+        assert watcher.get("k") == value
+        watcher.close()
+    finally:
+        if client is not None:
+            client.close()
+        if proxy is not None:
+            proxy.close()
+        for p in procs:
+            p.stop()
+
+
+def _key_state(client, key: str) -> str | None:
+    try:
+        return client.admin("key_info", key=key)["state"]
+    except kvpool.KVPoolError:
+        return None
