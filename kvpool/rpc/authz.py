@@ -31,7 +31,11 @@ def rank(principal: Principal) -> int:
 
 
 def _keys(msg: Any, prefix: str) -> None:
-    msg.keys = [prefix + check_key(k) for k in msg.keys]
+    keys = msg.keys
+    if len(keys) == 1:  # a single-key request, the common case: no comprehension (a call of its own)
+        msg.keys = [prefix + check_key(keys[0])]
+    else:
+        msg.keys = [prefix + check_key(k) for k in keys]
 
 
 def _touched(msg: Any, prefix: str) -> None:

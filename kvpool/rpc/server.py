@@ -315,8 +315,13 @@ class RpcServer:
         try:
             if handler is None:
                 raise InvalidArgument(f"{self.name} does not serve {type(msg).__name__}")
-            if conn.principal is not ANYONE:
-                self._authorize(msg, conn)
+            if conn.principal is not ANYONE:  # inline, not a call: it runs on every request with a keyring
+                least, scoper = RULES.get(type(msg), NODE_ONLY)
+                if conn.rank < least:
+                    raise Forbidden(f"{conn.principal} may not send {type(msg).__name__} (it takes "
+                                    f"{ROLE_NAMES[least]} principal)")
+                if scoper is not None and conn.scope:
+                    scoper(msg, conn.scope)  # a tenant's keys, validated and scoped
             out = handler(msg, payload, conn)
         except KVPoolError as exc:
             out = Err(exc.code, str(exc))
@@ -336,12 +341,3 @@ class RpcServer:
         else:
             conn.reply(out)
 
-    @staticmethod
-    def _authorize(msg: Any, conn: ServerConn) -> None:
-        """Refuse what the connection's principal may not send; scope a tenant's keys."""
-        least, scoper = RULES.get(type(msg), NODE_ONLY)
-        if conn.rank < least:
-            raise Forbidden(f"{conn.principal} may not send {type(msg).__name__} (it takes {ROLE_NAMES[least]} "
-                            f"principal)")
-        if scoper is not None and conn.scope:
-            scoper(msg, conn.scope)
