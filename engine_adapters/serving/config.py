@@ -1,0 +1,36 @@
+"""The reference worker's configuration (`WorkerConfig`), checked when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.codec import get_codec
+from kvpool.errors import InvalidArgument
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass
+class WorkerConfig:
+    role: str = "both"
+    pool: str = "127.0.0.1:7600"
+    chunk_tokens: int = 256
+    local_cache_bytes: int = 512 << 20
+    max_batch: int = 32
+    max_kv_tokens: int | None = 65536  # KV the decode batch may hold (~3 GiB in float32 here)
+    # None: whole prompt in one pass. Defaults to 512 where decode runs (`both`, and `decode`, which
+    # prefills the short prompts a router sends it): decode priority needs gaps.
+    prefill_chunk_tokens: int | None = None
+    tenant_salt: str = ""
+    # how KV chunks are stored in the pool (kvpool.codec); part of the namespace, so a worker only
+    # ever reads chunks of its own codec; lossy codecs are opt-in
+    kv_codec: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise InvalidArgument(f"role must be one of {ROLES}, got {self.role!r}")
+        get_codec(self.kv_codec)  # an unknown name is InvalidArgument now, not at the first save
+        if self.prefill_chunk_tokens is None and self.role in ("both", "decode"):
+            self.prefill_chunk_tokens = 512
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
+            self.prefill_chunk_tokens = None
