@@ -27,7 +27,7 @@ from kvpool.chunk_format import HEADER_SIZE, ChunkAuth, KVLayout, encode_chunk
 from kvpool.errors import AlreadyExists
 from kvpool.keys import Namespace
 from kvpool.auth import Credential
-from pool_auth_support import ROLES, SECRETS, Served
+from pool_auth_support import ROLES, SECRETS
 from served_support import Serve
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype="float32", chunk_tokens=16)
@@ -47,7 +47,7 @@ def served(tmp_path_factory):
     keyring = tmp / "keyring.toml"
     keyring.write_text("".join(f'[principals.{n}]\nrole = "{ROLES[n]}"\nsecret = "{s}"\n' for n, s in SECRETS.items()))
     os.chmod(keyring, 0o600)
-    pool = Served(keyring, tmp / "serve.log", "--dram-capacity", "64MiB")
+    pool = Serve(tmp / "serve.log", keyring, None, "--dram-capacity", "64MiB")
     try:
         yield pool
     finally:

@@ -18,20 +18,21 @@ from kvpool.errors import Forbidden, Unauthorized
 from kvpool.messages import PROTOCOL_VERSION
 from kvpool.rpc import RpcClient
 from kvpool.rpc.frame import HEADER, frame
-from pool_auth_support import Served, clean_env, cred, write_keyring
+from pool_auth_support import clean_env, cred, write_keyring
+from served_support import Serve
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pool-rpc-auth")
-    served = Served(write_keyring(tmp / "keyring.toml"), tmp / "serve.log", "--dram-capacity", "32MiB")
+    served = Serve(tmp / "serve.log", write_keyring(tmp / "keyring.toml"), None, "--dram-capacity", "32MiB")
     try:
         yield served
     finally:
         served.stop()
 
 
-def _legit_roundtrip(pool: Served, who: str = "acme") -> None:
+def _legit_roundtrip(pool: Serve, who: str = "acme") -> None:
     with kvpool.connect(pool.address, credential=cred(who)) as client:
         value = os.urandom(70_000)
         key = f"legit/{value[:6].hex()}"
@@ -39,7 +40,7 @@ def _legit_roundtrip(pool: Served, who: str = "acme") -> None:
         assert client.get(key) == value
 
 
-def _raw_exchange(pool: Served, msg) -> bytes:
+def _raw_exchange(pool: Serve, msg) -> bytes:
     """Send one frame with no handshake; everything the server sends back before it closes."""
     with socket.create_connection((pool.host, pool.port), timeout=5) as sock:
         sock.sendall(b"".join(bytes(p) for p in frame(msg, 0)))

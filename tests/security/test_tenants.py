@@ -12,7 +12,8 @@ import kvpool
 from kvpool import messages as m
 from kvpool.errors import KeyNotFound
 from kvpool.rpc import RpcClient
-from pool_auth_support import Served, cred, write_keyring
+from pool_auth_support import cred, write_keyring
+from served_support import Serve
 
 KEY = "0123456789abcdef0123456789abcdef"  # a chunk key both tenants could compute
 
@@ -20,7 +21,7 @@ KEY = "0123456789abcdef0123456789abcdef"  # a chunk key both tenants could compu
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pool-tenants")
-    served = Served(write_keyring(tmp / "keyring.toml"), tmp / "serve.log", "--dram-capacity", "32MiB")
+    served = Serve(tmp / "serve.log", write_keyring(tmp / "keyring.toml"), None, "--dram-capacity", "32MiB")
     try:
         yield served
     finally:
@@ -135,7 +136,7 @@ def quota_pool(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pool-quotas")
     keyring = write_keyring(tmp / "keyring.toml", {"acme": {"quota_bytes": "1MiB", "quota_keys": 40},
                                                    "beta": {"quota_keys": 3}})
-    served = Served(keyring, tmp / "serve.log", "--dram-capacity", "32MiB")
+    served = Serve(tmp / "serve.log", keyring, None, "--dram-capacity", "32MiB")
     try:
         yield served
     finally:
