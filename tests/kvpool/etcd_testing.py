@@ -27,12 +27,17 @@ from typing import Callable, Iterator, Sequence
 import httpx
 
 
-def wait_for(pred: Callable[[], object], timeout: float = 10.0, step: float = 0.05) -> bool:
-    """Poll `pred()` every `step` seconds until it is true (True) or `timeout` seconds pass (False)."""
+def wait_for(pred: Callable[[], object], timeout: float = 10.0, step: float = 0.05,
+             retry_on: tuple[type[BaseException], ...] = ()) -> bool:
+    """Poll `pred()` every `step` seconds until it is true (True) or `timeout` seconds pass (False);
+    an exception in `retry_on` (e.g. a cluster still electing its leader) counts as not yet."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if pred():
-            return True
+        try:
+            if pred():
+                return True
+        except retry_on:
+            pass
         time.sleep(step)
     return False
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,19 +19,11 @@ from kvpool.rpc import RpcClient
 from pool_auth_support import cred, write_keyring
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kvpool"))
-from etcd_testing import EtcdServer, etcd_binary, spawn  # noqa: E402
+from etcd_testing import EtcdServer, etcd_binary, spawn, wait_for as poll  # noqa: E402
 
 
-def wait_for(pred, timeout=15.0, step=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return True
-        except kvpool.KVPoolError:
-            pass
-        time.sleep(step)
-    return False
+def wait_for(pred, timeout=15.0):
+    return poll(pred, timeout, step=0.1, retry_on=(kvpool.KVPoolError,))
 
 
 @pytest.fixture(scope="module")

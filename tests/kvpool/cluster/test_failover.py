@@ -9,19 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import kvpool
-from etcd_testing import spawn
+from etcd_testing import spawn, wait_for as poll
 
 
-def wait_for(pred, timeout=10.0, step=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return True
-        except kvpool.KVPoolError:
-            pass
-        time.sleep(step)
-    return False
+def wait_for(pred, timeout=10.0):
+    return poll(pred, timeout, step=0.1, retry_on=(kvpool.KVPoolError,))
 
 
 @pytest.fixture
