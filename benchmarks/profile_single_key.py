@@ -11,6 +11,15 @@ the server's figures are that connection's thread alone. RPC spinning is off on 
 (KVPOOL_RPC_SPIN=0, KVPOOL_SERVER_SPIN=0): CPU time is then the work and its syscalls, not
 polling. `--auth`: the pool has a keyring (a node and one tenant) and the client is the tenant.
 To compare two trees, run it once per tree with PYTHONPATH pointing at each.
+
+`--pair` (CPU only): authentication's cost measured in one sitting. Two pools, one without a
+keyring and one with (started alike, each measured once idle), and a client of each (the
+second a tenant); short rounds of `--round` ops alternate between them, A B then B A, and each
+round's CPU per op is the client thread's and the whole server process's (its POSIX CPU clock).
+Reported: the medians per op, and the median of the per-round ratios with / without (client +
+server CPU): on a loaded machine two runs minutes apart differ by more than authentication
+costs, two rounds side by side do not. `--control`: the second pool has no keyring either, so
+the ratio shows what the method reads when there is no difference (its floor).
 """
 
 from __future__ import annotations
@@ -87,16 +96,100 @@ def _server_figures(proc: subprocess.Popen, out: str) -> dict:
     raise RuntimeError("the server did not report")
 
 
+def _pair(args: argparse.Namespace) -> dict:
+    """`--pair`: see the module's docstring."""
+    import statistics
+    import threading
+
+    import numpy as np
+
+    import kvpool
+    from kvpool.bench.pool import PoolProcess, _auth_pool
+    from kvpool.config import parse_size
+
+    os.environ.update(NO_SPIN)
+    plain = PoolProcess(1 << 30, settings=NO_SPIN)
+    if args.control:  # the method's floor: the second pool has no keyring either
+        secured, credential = PoolProcess(1 << 30, settings=NO_SPIN), None
+        cleanup = secured.close
+    else:
+        secured, credential, cleanup = _auth_pool(1 << 30, settings=NO_SPIN)
+    results: dict[str, dict] = {}
+    try:
+        for shm in (False, True):
+            path = "shm" if shm else "tcp"
+            for text in args.sizes.split(","):
+                size = parse_size(text)
+                n = max(8, args.round * (64 << 10) // max(size, 64 << 10))
+                value = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+                out = np.empty(size, np.uint8)
+                sides = [(plain, kvpool.connect(plain.address, use_shm=shm)),
+                         (secured, kvpool.connect(secured.address, use_shm=shm, credential=credential))]
+                try:
+                    get_keys = [f"pair/{path}/{size}/get/{i}" for i in range(n)]
+                    for _, c in sides:  # warm (imports, first faults), and the keys the gets read
+                        for key in get_keys:
+                            c.put_from(key, value)
+                            c.get_into(key, out)
+                    for t in threading.enumerate():
+                        if t.name == "kvpool-populate":
+                            t.join(120)
+                    plain.settle()
+                    secured.settle()
+                    for op in ("put", "get"):
+                        turns: list[list[tuple[float, float]]] = [[], []]
+                        for r in range(args.rounds):
+                            for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+                                server, c = sides[side]
+                                keys = get_keys if op == "get" else [f"pair/{path}/{size}/{r}/{i}" for i in range(n)]
+                                t0, s0 = time.thread_time(), server.cpu_seconds()
+                                for key in keys:
+                                    if op == "put":
+                                        c.put_from(key, value)
+                                    else:
+                                        c.get_into(key, out)
+                                t1, s1 = time.thread_time(), server.cpu_seconds()
+                                turns[side].append(((t1 - t0) / n * 1e6, (s1 - s0) / n * 1e6))
+                                if op == "put":
+                                    c.remove_batch(keys)
+                        ratios = [(on[0] + on[1]) / (off[0] + off[1]) for off, on in zip(*turns)]
+                        med = [[round(statistics.median(x[i] for x in t), 1) for i in (0, 1)] for t in turns]
+                        results[f"{op}_{path}_{text}"] = {
+                            "client_cpu_us": med[0][0], "server_cpu_us": med[0][1],
+                            "auth_client_cpu_us": med[1][0], "auth_server_cpu_us": med[1][1],
+                            "auth_cpu_ratio": round(statistics.median(ratios), 3),
+                            "ratio_spread": [round(min(ratios), 3), round(max(ratios), 3)]}
+                finally:
+                    for _, c in sides:
+                        c.close()
+    finally:
+        plain.close()
+        cleanup()
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=("cpu", "calls"), default="cpu")
     ap.add_argument("--sizes", default="64KiB,1MiB")
     ap.add_argument("--auth", action="store_true", help="a pool with a keyring, the client a tenant of it")
     ap.add_argument("--out", help="also write the figures here (JSON)")
+    ap.add_argument("--pair", action="store_true", help="CPU with / without a keyring, alternating rounds")
+    ap.add_argument("--control", action="store_true", help="--pair: the second pool without a keyring too (A/A)")
+    ap.add_argument("--rounds", type=int, default=30, help="--pair: rounds per side")
+    ap.add_argument("--round", type=int, default=100, help="--pair: 64 KiB ops per round (fewer for larger)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         _serve(args.serve, args.mode)
+        return
+    if args.pair:
+        results = _pair(args)
+        for case, figures in results.items():
+            print(f"{case:16s} {figures}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"mode": "pair", "results": results}, f, indent=1)
         return
     import cProfile
     import pstats

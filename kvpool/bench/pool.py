@@ -73,10 +73,11 @@ SAME_HOST_PEERS = ("redis_unix",)  # compared with ours_shm only
 class PoolProcess:
     """`kvpool serve` on a free loopback port in a child process."""
 
-    def __init__(self, dram_capacity: int, auth_file: str | None = None):
+    def __init__(self, dram_capacity: int, auth_file: str | None = None, settings: dict[str, str] | None = None):
+        """`settings`: KVPOOL_* variables for the pool (none of this process's are passed on)."""
         exe = Path(sys.executable).with_name("kvpool")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from kvpool.cli import main; main()"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | (settings or {})
         if auth_file:
             env["KVPOOL_AUTH_FILE"] = auth_file
         self.proc = subprocess.Popen(
@@ -354,7 +355,8 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
     report.emit(as_json)
 
 
-def _auth_pool(dram_capacity: int) -> tuple[PoolProcess, Any, Callable[[], None]]:
+def _auth_pool(dram_capacity: int, settings: dict[str, str] | None = None) -> tuple[PoolProcess, Any,
+                                                                                     Callable[[], None]]:
     """A pool with a keyring of a node and one tenant (a file 0600 in a private temp directory),
     the tenant's credential, and how to stop it and delete the keyring."""
     import secrets
@@ -371,7 +373,7 @@ def _auth_pool(dram_capacity: int) -> tuple[PoolProcess, Any, Callable[[], None]
         f.write(f'[principals.node]\nrole = "node"\nsecret = "{node}"\n'
                 f'[principals.bench]\nrole = "tenant:bench"\nsecret = "{tenant}"\n')
     try:
-        server = PoolProcess(dram_capacity, auth_file=path)
+        server = PoolProcess(dram_capacity, auth_file=path, settings=settings)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
