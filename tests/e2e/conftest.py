@@ -37,11 +37,8 @@ def cluster(tmp_path_factory):
     workers = [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode"),
                WorkerSpec("both", "both", ["--max-batch", "8"])]
     c = LocalCluster(workdir, workers, pool, env={"KVPOOL_LOG_LEVEL": "INFO"}, router=RouterSpec())
-    c.start()
-    try:
+    with c:  # started here, stopped after the last test
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="session")

@@ -24,11 +24,8 @@ def elastic(tmp_path_factory):
     c = LocalCluster(workdir, [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode-a")],
                      PoolSpec(args=["--dram-capacity", "256MiB"]),
                      router=RouterSpec(args=["--policy", "round_robin", "--local-prefill-tokens", "0"]))
-    c.start()
-    try:
+    with c:  # started here, stopped after the last test
         yield c
-    finally:
-        c.stop()
 
 
 def _workers(cluster) -> dict[str, dict]:

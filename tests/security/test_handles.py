@@ -40,11 +40,8 @@ def cluster(tmp_path_factory):
     workers = [WorkerSpec("prefill", "prefill", ["--threads", "1"]), WorkerSpec("decode", "decode", ["--threads", "1"])]
     c = LocalCluster(workdir, workers, PoolSpec(args=["--dram-capacity", "128MiB"]), env=env, timeout_s=300)
     c.keyring = Keyring.load(keyring)
-    c.start()
-    try:
+    with c:  # started here, stopped after the last test
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -143,11 +143,8 @@ def cluster(secrets_dir, tmp_path_factory):
     c = LocalCluster(workdir, [WorkerSpec("both", "both", ["--max-batch", "4"])],
                      PoolSpec(args=["--dram-capacity", "64MiB"]), router=RouterSpec(),
                      env=_env(KVPOOL_AUTH_FILE=str(secrets_dir / "keyring.toml")))
-    c.start()
-    try:
+    with c:  # started here, stopped after the last test
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
