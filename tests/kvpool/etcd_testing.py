@@ -13,9 +13,7 @@ service's "ready" line, so a test never races a half-started service.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +23,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
 import httpx
+
+from kvpool.chaos.procs import etcd_binary, free_port
 
 
 def wait_for(pred: Callable[[], object], timeout: float = 10.0, step: float = 0.05,
@@ -40,17 +40,6 @@ def wait_for(pred: Callable[[], object], timeout: float = 10.0, step: float = 0.
             pass
         time.sleep(step)
     return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def etcd_binary() -> str | None:
-    return os.environ.get("KVPOOL_ETCD") or shutil.which("etcd") or (
-        "/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
 
 
 class EtcdServer:
