@@ -43,6 +43,8 @@ def _prefix_end(prefix: bytes) -> bytes:
     return b"\x00"
 
 
+TXN_OPS = 100  # operations per transaction (etcd refuses more than --max-txn-ops, 128 by default)
+
 TLS_ENV = ("KVPOOL_ETCD_CA_FILE", "KVPOOL_ETCD_CERT_FILE", "KVPOOL_ETCD_KEY_FILE")
 
 
@@ -123,6 +125,23 @@ class EtcdClient:
 
     def delete(self, key: str) -> None:
         self._post("/v3/kv/deleterange", {"key": _b64(key)})
+
+    def put_many(self, items: dict[str, str | bytes], lease: int = 0) -> None:
+        """Put every item, in transactions of at most `TXN_OPS` (etcd's default limit is 128)."""
+        ops: list[dict[str, Any]] = []
+        for key, value in items.items():
+            put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+            if lease:
+                put["lease"] = lease
+            ops.append({"request_put": put})
+        self._txn(ops)
+
+    def delete_many(self, keys: list[str]) -> None:
+        self._txn([{"request_delete_range": {"key": _b64(key)}} for key in keys])
+
+    def _txn(self, ops: list[dict[str, Any]]) -> None:
+        for i in range(0, len(ops), TXN_OPS):
+            self._post("/v3/kv/txn", {"success": ops[i:i + TXN_OPS]})
 
     def create(self, key: str, value: str | bytes, lease: int = 0) -> bool:
         """Put `key` only if it does not exist (one transaction); True if this call created it."""

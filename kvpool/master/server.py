@@ -2,7 +2,8 @@
 plus, in cluster mode (`settings.meta`), leader election and node membership through etcd.
 
 In cluster mode a master starts as a standby. When elected it starts from empty tables and
-waits for the nodes registered in etcd to re-report (see `MasterService.become_leader`). While
+waits for the nodes registered in etcd to re-report (see `MasterService.become_leader`),
+refusing copies whose remove an earlier leader acknowledged (`kvpool.cluster.removals`). While
 it leads, a node whose etcd key disappears (its lease ended) has its replicas dropped at once.
 """
 
@@ -38,7 +39,10 @@ class MasterServer:
         if self.settings.meta:
             from kvpool.cluster import EtcdClient, LeaderElection, lease_ttl
 
+            from kvpool.cluster.removals import RemovalLog
+
             self._etcd = EtcdClient(self.settings.meta)
+            self.service.state.removal_log = RemovalLog(self._etcd, self.service.state.removal_memory_s)
             self.service.become_standby(None)
             self._election = LeaderElection(self._etcd, self.address, lease_ttl(self.settings.heartbeat_s),
                                             self._on_elected, self.service.become_standby).start()
@@ -59,7 +63,10 @@ class MasterServer:
             expected = self._registered_nodes()
         except KVPoolError:
             expected = set()
-        self.service.become_leader(expected)
+        # Without them a node's re-report could undo an acknowledged remove: if etcd fails here the
+        # error ends this term (`LeaderElection` steps down) rather than lead without them.
+        removed = self.service.state.removal_log.load()
+        self.service.become_leader(expected, removed)
 
     def _watch_nodes(self) -> None:
         while not self._stop.wait(min(0.5, self.settings.heartbeat_s)):

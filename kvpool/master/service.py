@@ -32,7 +32,7 @@ from kvpool.master.housekeeping import Housekeeping
 from kvpool.master.migration import Migration
 from kvpool.master.placement import choose_nodes
 from kvpool.master.state import MAX_OBJECT_BYTES, MasterState
-from kvpool.master.tables import COMPLETE, PENDING, NodeEntry, ObjectEntry, Replica
+from kvpool.master.tables import COMPLETE, PENDING, NodeEntry, ObjectEntry, Removal, Replica
 from kvpool.messages import Entry, Held, Location, NodeInfo, Placed, PutPlan, Target
 
 log = logging.getLogger(__name__)
@@ -87,11 +87,16 @@ class MasterService:
     def leader(self) -> bool:
         return self.state.leader
 
-    def become_leader(self, expected_nodes: Iterable[str] = ()) -> None:
-        """Take over: start from empty tables and wait for `expected_nodes` to re-report."""
+    def become_leader(self, expected_nodes: Iterable[str] = (), removed: Iterable[tuple[str, int]] = ()) -> None:
+        """Take over: start from empty tables and wait for `expected_nodes` to re-report.
+        `removed`: (key, put id) of removes acknowledged before (etcd's `RemovalLog`): the
+        nodes' copies of those are refused when reported."""
         st = self.state
         with st.lock:
             st.clear_tables_locked()
+            until = time.monotonic() + st.removal_memory_s
+            for key, put_id in removed:
+                st.removed.setdefault(key, {})[put_id] = Removal(until, None)
             st.awaiting = set(expected_nodes)
             st.recovering_until = time.monotonic() + st.recovery_s if st.awaiting else 0.0
             st.leader = True
@@ -110,7 +115,8 @@ class MasterService:
     def register_node(self, info: NodeInfo, objects: Sequence[Held] = ()) -> None:
         """A node (re-)joins and reports everything it holds; the index is reconciled with it:
         replicas it no longer reports are dropped, reported objects are (re-)added (a removed
-        object still waiting for its readers keeps its removal pending)."""
+        object still waiting for its readers keeps its removal pending), except copies whose
+        remove was acknowledged (`MasterState.removed`): those the node is told to drop."""
         st = self.state
         st.check_leader()
         if info.node_id in st.banned:
@@ -143,6 +149,11 @@ class MasterService:
             stale_ids: list[int] = []
             for held in objects:
                 obj = st.objects.get(held.key)
+                if st.removed and st.was_removed_locked(held.key, held.put_id, now) and (
+                        obj is None or obj.put_id != held.put_id):
+                    stale_keys.append(held.key)  # removed before this node dropped it (a failover, a pause)
+                    stale_ids.append(held.put_id)
+                    continue
                 if obj is None:
                     obj = ObjectEntry(key=held.key, size=held.size, state=COMPLETE, replicas={}, put_id=held.put_id)
                     st.objects[held.key] = obj
@@ -380,21 +391,36 @@ class MasterService:
             return len(keys)
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
-        """Remove objects; a leased one disappears for readers now and is freed when its leases end."""
+        """Remove objects; a leased one disappears for readers now and is freed when its leases end.
+
+        Durable once answered: each removed copy is remembered (`MasterState.removed`; in cluster
+        mode first written to etcd, outside the lock) until its nodes confirm dropping it, so
+        neither their re-report to this master nor to the next leader brings it back."""
         st = self.state
         st.check_leader()
         out = []
         now = time.monotonic()
+        log_ = st.removal_log
+        doomed: dict[str, int] = {}
         with st.lock:
             # A key this new leader does not know yet may be on a node still to re-report: "not
             # found" now would leave the object to come back with that report (found by chaos).
             if st.recovering_locked(now) and any(k not in st.objects for k in keys):
                 raise Unavailable("master is recovering after a failover; retry shortly")
+            if log_ is not None:
+                for key in keys:
+                    obj = st.objects.get(key)
+                    if obj is not None and not obj.removing:
+                        doomed[key] = obj.put_id
+        if doomed:
+            log_.record(doomed)  # Unavailable when etcd cannot take it: nothing was removed
+        with st.lock:
             for key in keys:
                 obj = st.objects.get(key)
-                if obj is None or obj.removing:
-                    out.append(False)
+                if obj is None or obj.removing or (log_ is not None and doomed.get(key) != obj.put_id):
+                    out.append(False)  # (a put that ended after the record above: removed before it)
                     continue
+                st.remember_removal_locked(obj, now)
                 if obj.state == PENDING:
                     st.reclaim_locked(obj)
                 elif obj.leased(now):

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 from kvpool.config import Settings
 from kvpool.errors import KeyNotFound, NotLeader, Unavailable
-from kvpool.master.tables import COMPLETE, NodeEntry, ObjectEntry
+from kvpool.master.tables import COMPLETE, NodeEntry, ObjectEntry, Removal
 
 log = logging.getLogger("kvpool.master.service")
 
@@ -41,6 +41,7 @@ class MasterState:
         self.high_watermark = 0.95
         self.low_watermark = 0.85
         self.recovery_s = max(3.0 * s.heartbeat_s, 3.0)
+        self.removal_memory_s = max(60.0, 20 * self.node_timeout_s)  # how long an unconfirmed remove is remembered
         self.lock = threading.RLock()
         self.objects: dict[str, ObjectEntry] = {}
         self.nodes: dict[str, NodeEntry] = {}
@@ -48,6 +49,8 @@ class MasterState:
         self.migrating: set[str] = set()  # keys with a drain copy in flight
         self.local: set[str] = set()  # nodes in this process (embedded): never timed out
         self.lease_keys: dict[int, tuple[list[str], float]] = {}  # lease id -> (keys, expiry)
+        self.removed: dict[str, dict[int, Removal]] = {}  # key -> put id -> an acknowledged remove
+        self.removal_log: Any = None  # cluster mode: `kvpool.cluster.removals.RemovalLog` (etcd)
         # Unique across failovers: a new leader must never reuse a put id a node still holds.
         self.ids = itertools.count(time.time_ns() // 1000)
         self.links: dict[str, Any] = {}
@@ -66,6 +69,7 @@ class MasterState:
         self.objects.clear()
         self.nodes.clear()
         self.lease_keys.clear()
+        self.removed.clear()
 
     def check_leader(self) -> None:
         if not self.leader:
@@ -173,6 +177,44 @@ class MasterState:
         self.counters["nodes_lost"] += 1
         log.warning("node %s dropped (%s); %d object(s) lost their last replica", node_id, reason, lost)
         return True
+
+    def remember_removal_locked(self, obj: ObjectEntry, now: float) -> None:
+        self.removed.setdefault(obj.key, {})[obj.put_id] = Removal(now + self.removal_memory_s, set(obj.replicas))
+
+    def was_removed_locked(self, key: str, put_id: int, now: float) -> bool:
+        """Is a node's copy of `key` written by `put_id` one whose remove we acknowledged? A copy
+        held since before the node restarted (put id 0) may be any put's: yes if any was removed."""
+        removals = self.removed.get(key)
+        if not removals:
+            return False
+        if put_id == 0:
+            return any(r.until > now for r in removals.values())
+        removal = removals.get(put_id)
+        return removal is not None and removal.until > now
+
+    def confirm_removed(self, node_id: str, keys: list[str], put_ids: list[int],
+                        done: list[bool]) -> list[tuple[str, int]]:
+        """`node_id` answered the removal of these copies (`done[i]`, `NodeRemove`'s reply);
+        returns the acknowledged removes no node holds a copy of any more."""
+        out = []
+        with self.lock:
+            for key, put_id, ok in zip(keys, put_ids, done):
+                removals = self.removed.get(key)
+                removal = removals.get(put_id) if removals else None
+                # True: dropped; False: not held (gone, or another put's copy); an `Err`: unknown
+                if not isinstance(ok, bool) or removal is None or removal.nodes is None:
+                    continue
+                removal.nodes.discard(node_id)
+                if not removal.nodes:
+                    del removals[put_id]
+                    if not removals:
+                        del self.removed[key]
+                    out.append((key, put_id))
+        return out
+
+    def expire_removals_locked(self, now: float) -> None:
+        for key in [k for k, rs in self.removed.items() if all(r.until <= now for r in rs.values())]:
+            del self.removed[key]
 
     def release_locked(self, lease_ids: Iterable[int], now: float) -> None:
         for lid in lease_ids:

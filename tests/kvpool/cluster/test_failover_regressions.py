@@ -11,6 +11,7 @@ import time
 import kvpool
 from kvpool.chaos.proxy import FaultProxy
 from kvpool.cluster import LEADER_KEY, EtcdClient
+from kvpool.cluster.removals import REMOVED_PREFIX
 from kvpool.messages import PROTOCOL_VERSION, Hello, NodeGet
 from kvpool.rpc import RpcClient
 from etcd_testing import free_port, spawn, wait_for
@@ -27,7 +28,7 @@ def _is_leader(address: str) -> bool:
 def test_a_master_restarted_at_the_dead_leaders_address_waits_for_its_lease(etcd):
     """The leader key names the dead leader's address, which is also the restarted master's:
     it must not lead until the old lease expires and it wins the key under its own lease."""
-    args = ["master", "--port", str(free_port()), "--meta", etcd.meta, "--heartbeat-s", "2"]  # lease TTL 6 s
+    args = ["master", "--port", str(free_port()), "--admin-port", "0", "--meta", etcd.meta, "--heartbeat-s", "2"]  # lease TTL 6 s
     etcd_client = EtcdClient(etcd.meta)
     procs = [spawn(args)]
     try:
@@ -71,12 +72,12 @@ def test_a_put_retried_after_its_master_connection_broke_replaces_its_own_first_
     """PutStart reached the master, the bytes reached the node, the PutEnd was lost with the
     connection: the SDK's retry starts the put again and must not fail with AlreadyExists on
     its own first attempt (still pending until put_timeout_s); the object reads back whole."""
-    master = spawn(["master", "--port", "0", "--heartbeat-s", "2"])  # a node is dropped after 6 s silent
+    master = spawn(["master", "--port", "0", "--admin-port", "0", "--heartbeat-s", "2"])  # a node is dropped after 6 s silent
     procs = [master]
     proxy = client = None
     try:
         node = spawn(["node", "--port", "0", "--master", master.address, "--node-id", "n0",
-                      "--dram-capacity", "16MiB", "--heartbeat-s", "0.5"])
+                      "--dram-capacity", "16MiB", "--heartbeat-s", "0.5", "--admin-port", "0"])
         procs.append(node)
         watcher = kvpool.connect(master.address, use_shm=False)
         assert wait_for(lambda: len(watcher.admin("nodes")) == 1)
@@ -125,3 +126,53 @@ def _key_state(client, key: str) -> str | None:
         return client.admin("key_info", key=key)["state"]
     except kvpool.KVPoolError:
         return None
+
+
+def test_an_acknowledged_remove_stays_removed_when_the_leader_dies_before_the_node_dropped_it(etcd):
+    """A reader's lease defers the node's removal; the leader dies before it happens; the node
+    re-reports the copy to the new leader, which must refuse it: the key stays a miss."""
+    common = ["--port", "0", "--admin-port", "0", "--meta", etcd.meta, "--heartbeat-s", "0.5"]  # lease TTL 2 s
+    procs = [spawn(["master", *common]), spawn(["master", *common])]
+    clients: list = []
+    try:
+        node = spawn(["node", *common, "--node-id", "n0", "--dram-capacity", "16MiB"])
+        procs.append(node)
+        writer = kvpool.connect(etcd.meta, use_shm=False, timeout=20)
+        clients.append(writer)
+        assert wait_for(lambda: len(writer.admin("nodes")) == 1)
+        gone, kept = os.urandom(64 << 10), os.urandom(64 << 10)
+        writer.put("gone", gone)
+        writer.put("kept", kept)
+        writer.put("brief", b"x")
+        assert writer.remove("brief") is True  # no reader: the node confirms, the record in etcd goes
+        removals = EtcdClient(etcd.meta)
+        assert wait_for(lambda: not any(k.endswith("/brief") for k in removals.get_prefix(REMOVED_PREFIX)))
+        reader = kvpool.connect(etcd.meta, use_shm=False, timeout=20)
+        clients.append(reader)
+        assert reader.get("gone") == gone  # its lease (10 s) keeps the node's copy until released
+        assert writer.remove("gone") is True
+        assert writer.get("gone") is None
+        assert writer.admin("key_info", key="gone")["state"] == "removing"
+        assert _node_holds(node.address, "gone")  # the node has not dropped it yet
+        assert [k for k in removals.get_prefix(REMOVED_PREFIX) if k.endswith("/gone")]  # remembered in etcd
+        removals.close()
+        leader_address = writer.admin("stats")["leader_address"]
+        leader = next(p for p in procs[:2] if p.address == leader_address)
+        leader.kill()
+        assert wait_for(lambda: _leader_other_than(writer, leader_address), timeout=15)
+        assert writer.get("kept") == kept  # the node re-reported to the new leader
+        assert writer.get("gone") is None and writer.exists("gone") is False
+        assert wait_for(lambda: not _node_holds(node.address, "gone"), timeout=10)  # told to drop it
+        assert writer.get("gone") is None and reader.get("gone") is None
+    finally:
+        for c in clients:
+            c.close()
+        for p in procs:
+            p.stop()
+
+
+def _leader_other_than(client, address: str) -> bool:
+    try:
+        return client.admin("stats")["leader_address"] not in (None, address)
+    except kvpool.KVPoolError:
+        return False
