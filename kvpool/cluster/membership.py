@@ -9,7 +9,8 @@ campaign wins. Callbacks run in the election thread.
 Identity is the lease, not the address: the key's value (the leader's address) tells clients
 and nodes where to go, but a master leads only while the key is bound to its own lease. A master
 restarted at its dead predecessor's address finds the key naming "itself" under the old lease,
-and stays a standby until that lease expires and it wins the key (found by issue 14's chaos runs).
+and stays a standby until that lease expires and it wins the key (found by running deploy/,
+docs/deploy.md).
 """
 
 from __future__ import annotations
