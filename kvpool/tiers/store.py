@@ -21,12 +21,9 @@ it; every tier's `used <= capacity`; a key is visible iff it is committed, not b
 and held by DRAM or SSD.
 
 Keys: `put`, `get`, `get_into`, `pin`, `remove`, `match_prefix` validate theirs; `reserve`,
-`commit`, `abort`, `contains`, `size_of` trust theirs (the node validated it once, at its request
-boundary `kvpool.node.writes.Writes`; a key never reserved is simply not found).
-
+`commit`, `abort`, `contains`, `size_of` trust theirs (validated once by `kvpool.node.writes`).
 Pins do not expire: whoever pins (the node, for a same-host reader or a transfer) unpins, also
-when its peer goes away. HBM, when asked for and CUDA is present, is `store.hbm`: a tier of its
-own (counted in `stats`), not part of the DRAM <-> SSD chain.
+when its peer goes away. HBM (with CUDA) is `store.hbm`, a tier outside the DRAM <-> SSD chain.
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ from kvpool.tiers.base import Location, Reservation, readable_view, writable_vie
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.hbm import open_hbm
 from kvpool.tiers.policy import FairPolicy, make_policy
-from kvpool.tiers.promotion import SsdPromotion
 from kvpool.tiers.ssd import SsdShelf, SsdTier
 from kvpool.tiers.stats import StoreStats
 from kvpool.tiers.tenants import TenantIndex, check_quota, tenant_quotas
@@ -72,7 +68,7 @@ class _Entry:
         return not self.writing and not self.removing and (self.dram or self.ssd)
 
 
-class TieredStore(SsdPromotion):
+class TieredStore:
     """DRAM arena (+ optional SSD, + optional HBM) with eviction, demotion, promotion and pins."""
 
     def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
@@ -185,10 +181,9 @@ class TieredStore(SsdPromotion):
     def abort(self, key: str) -> None:
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or not entry.writing:
-                return
-            self.dram.abort(key)
-            del self._entries[key]
+            if entry is not None and entry.writing:
+                self.dram.abort(key)
+                del self._entries[key]
 
     def _reserve_locked(self, key: str, size: int, events: list) -> Reservation:
         if size > self.dram.capacity:
@@ -204,8 +199,8 @@ class TieredStore(SsdPromotion):
     def usage(self, tenant: str) -> tuple[int, int]:
         """(bytes, keys) `tenant` holds in this store ("" for unscoped keys)."""
         with self._lock:
-            used = self._entries.usage.get(tenant, (0, 0))
-            return used[0], used[1]
+            used_bytes, used_keys = self._entries.usage.get(tenant, (0, 0))
+        return used_bytes, used_keys
 
     def _make_room(self, key: str, size: int, events: list) -> Reservation:
         """A DRAM reservation of `size` bytes, evicting (demoting) unpinned objects as needed."""
@@ -299,24 +294,88 @@ class TieredStore(SsdPromotion):
         self._read_ssd(key, dst, res)
         return size
 
+    def _start_promotion(self, key: str, entry: _Entry, events: list, must: bool = False) -> Reservation | None:
+        """Reserve DRAM for an SSD object (lock held); None when another promotion is in flight
+        or, unless `must` (a pin), DRAM is all pinned (the read is then served from SSD alone)."""
+        self._shelf.policy.access(key)
+        if entry.promoting:
+            return None
+        # Flag first: making room may demote into SSD, and that must not evict this object's
+        # own SSD copy (promoting objects are not SSD-evictable).
+        entry.promoting = True
+        try:
+            return self._make_room(key, entry.size, events)
+        except BaseException as exc:
+            entry.promoting = False
+            self._promoted.notify_all()
+            if must or not isinstance(exc, CapacityError):
+                raise
+            return None
+
+    def _read_ssd(self, key: str, dst: memoryview, res: Reservation | None, pin: bool = False) -> None:
+        """Read an SSD object into `dst` outside the lock, then finish its promotion into `res`
+        (when `pin`, `dst` is the reservation itself and the object stays pinned).
+        Raises KeyNotFound when the copy is gone or damaged, or a pin's promotion was cancelled."""
+        try:
+            ok = self.ssd.get_into(key, dst) == len(dst)
+        except KeyNotFound:
+            ok = False
+        if ok and res is not None and not pin:
+            self.dram.arena.buffer[res.offset : res.offset + res.length] = dst
+        promoted = False
+        events: list = []
+        with self._lock:
+            entry = self._entries.get(key)
+            if ok:
+                self._stats.ssd.hit(len(dst))
+            else:
+                self._stats.ssd.misses += 1
+            if res is not None and entry is not None:
+                promoted = self._finish_promotion(key, entry, ok, pin, events)
+                self._promoted.notify_all()
+            elif not ok and entry is not None and entry.ssd and not self.ssd.contains(key):
+                self._forget_ssd_copy(key, entry, events)  # the SSD tier dropped a damaged copy
+        self._fire(events)
+        if not ok or (pin and not promoted):
+            raise KeyNotFound(key)
+
+    def _finish_promotion(self, key: str, entry: _Entry, ok: bool, pin: bool, events: list) -> bool:
+        """Commit (True) or cancel (False) a promotion; lock held."""
+        entry.promoting = False
+        if ok and not entry.removing:
+            self.dram.commit(key)
+            entry.dram = True
+            entry.pins += 1 if pin else 0
+            self._dram_policy.insert(key, entry.size)
+            self._stats.dram.bytes_in += entry.size
+            events.append((key, "promoted"))
+            return True
+        self.dram.abort(key)
+        if not ok and entry.ssd:
+            self._forget_ssd_copy(key, entry, events)
+        elif entry.removing or not (entry.dram or entry.ssd):
+            del self._entries[key]
+        return False
+
+    def _forget_ssd_copy(self, key: str, entry: _Entry, events: list) -> None:
+        """The SSD copy is gone or damaged (lock held): so is the key unless DRAM holds or gets it."""
+        entry.ssd = False
+        self._shelf.policy.remove(key)
+        if not (entry.dram or entry.promoting):
+            del self._entries[key]
+            events.append((key, "removed"))
+
     def get(self, key: str) -> bytes | None:
         """The object's bytes, or None on a miss."""
         check_key(key)
         for _ in range(3):  # the key may be removed and re-put with another size meanwhile
-            with self._lock:
-                entry = self._entries.get(key)
-                if entry is None or not entry.visible:
-                    self._stats.absent_read()
-                    return None
-                size = entry.size
-            out = bytearray(size)
+            out = bytearray(self.size_of(key) or 0)  # a miss is counted (and raised) by get_into
             try:
-                n = self.get_into(key, out)
+                return bytes(memoryview(out)[: self.get_into(key, out)])
             except KeyNotFound:
                 return None
-            except InvalidArgument:
+            except InvalidArgument:  # stored since it was sized, or re-put larger: size again
                 continue
-            return bytes(memoryview(out)[:n])
         return None
 
     def hide(self, key: str) -> None:
@@ -356,13 +415,7 @@ class TieredStore(SsdPromotion):
                 if not entry.promoting:
                     break
                 self._promoted.wait(timeout=1.0)  # another reader is promoting it: share its result
-            entry.promoting = True  # first, as in _start_promotion
-            try:
-                res = self._make_room(key, entry.size, events)
-            except BaseException:
-                entry.promoting = False
-                self._promoted.notify_all()
-                raise
+            res = self._start_promotion(key, entry, events, must=True)
         finally:
             self._lock.release()
             self._fire(events)
@@ -424,8 +477,7 @@ class TieredStore(SsdPromotion):
 
     # -- lifecycle -------------------------------------------------------------------------
     def _fire(self, events: list) -> None:
-        hook = self.on_event
-        if hook is None:
+        if (hook := self.on_event) is None:
             return
         for key, event in events:
             try:
