@@ -10,8 +10,9 @@ A request's life (times in simulated seconds, as the real router and workers do 
                 pushed to the pool (on the TTFT path when disaggregated, behind it otherwise)
                 and become visible to later requests only then
   first token-> end of prefill (+ push) + one hop
-  decode     -> disaggregated: the decode instance pulls the prompt's KV and joins its batch;
-                otherwise the sequence joins the batch of the instance that prefilled it
+  decode     -> disaggregated: the decode instance pulls the prompt's KV and joins its batch
+                (the step it joins also assembles that KV: `Profile.join_s`); otherwise the
+                sequence joins the batch of the instance that prefilled it
 The router's cost model is the real `CostModel`, fed the simulated timings as the real workers
 feed it theirs, so policies decide on fitted estimates, not on the profile itself.
 """
@@ -227,15 +228,16 @@ class Simulation:
         self.at(flight.t_first + dec.profile.rpc_s + pull, self._join_remote, flight)
 
     def _join_remote(self, flight: Flight) -> None:
-        self._start_decode(flight, flight.decode_inst, self.now)
+        self._start_decode(flight, flight.decode_inst, self.now, handed_off=True)
 
-    def _start_decode(self, flight: Flight, inst: Instance, now: float) -> None:
+    def _start_decode(self, flight: Flight, inst: Instance, now: float, handed_off: bool = False) -> None:
         inst.inbound -= 1
         owed = flight.req.output_tokens - 1
         if owed <= 0:
             flight.t_done = flight.t_first
             return
-        inst.submit_decode(Sequence(flight, owed, flight.req.prompt_tokens + 1), now)
+        prompt = flight.req.prompt_tokens
+        inst.submit_decode(Sequence(flight, owed, prompt + 1, join_kv=prompt if handed_off else 0), now)
 
     def _store(self, blocks: tuple[int, ...]) -> None:
         self.pool.store(blocks)

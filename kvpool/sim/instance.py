@@ -7,7 +7,9 @@ instance). Iterations that carry a prefill chunk are one event each. Iterations 
 are not: while the batch does not change, the next `K` steps (K = the fewest tokens any running
 sequence still owes) are one event whose time is `Profile.decode_steps_s` in closed form; a
 sequence or prompt that arrives meanwhile cuts that plan at the next step boundary. So the event
-count grows with requests and prefill chunks, never with generated tokens.
+count grows with requests and prefill chunks, never with generated tokens. The first step of a
+batch that admitted handed-off sequences is one event of its own: it is longer by
+`Profile.join_s` of their KV (the reference worker assembles their pool chunks in that step).
 
 On a host whose instances share `host_cores` CPU cores (the reference workers here), an
 iteration that starts while more instances are busy than there are cores runs proportionally
@@ -41,12 +43,13 @@ class PrefillJob:
 
 
 class Sequence:
-    __slots__ = ("flight", "remaining", "kv")
+    __slots__ = ("flight", "remaining", "kv", "join_kv")
 
-    def __init__(self, flight: "Flight", remaining: int, kv: int):
+    def __init__(self, flight: "Flight", remaining: int, kv: int, join_kv: int = 0):
         self.flight = flight
         self.remaining = remaining  # decode steps still owed
         self.kv = kv
+        self.join_kv = join_kv  # handed off: KV tokens its first step assembles (0: computed here)
 
 
 class Instance:
@@ -68,6 +71,7 @@ class Instance:
         self.wake_at: float | None = None
         self._step: tuple[Any, ...] | None = None  # what the iteration in progress does
         self.prefill_s = 0.0  # of busy_s: prefill chunks
+        self.join_s = 0.0  # of busy_s: assembling handed-off sequences' KV
         self.steps = 0
 
     # -- what the router sees ------------------------------------------------------------------------
@@ -93,7 +97,7 @@ class Instance:
 
     def _cut(self, now: float) -> None:
         """End the decode-only plan at the first step boundary at or after `now`."""
-        _, t0, batch, kv0, steps, slow = self._step  # type: ignore[misc]
+        _, t0, batch, kv0, steps, slow, _ = self._step  # type: ignore[misc]
         elapsed = (now - t0) / slow
         done = self.profile.steps_within(batch, kv0, elapsed)
         if self.profile.decode_steps_s(batch, kv0, done) < elapsed:
@@ -101,7 +105,7 @@ class Instance:
         done = max(1, done)
         if done >= steps:
             return
-        self._step = ("plan", t0, batch, kv0, done, slow)
+        self._step = ("plan", t0, batch, kv0, done, slow, 0.0)
         self._schedule(t0 + slow * self.profile.decode_steps_s(batch, kv0, done))
 
     def recut(self, now: float) -> None:
@@ -121,19 +125,21 @@ class Instance:
         now = self.sim.now
         step, self._step = self._step, None
         if step[0] == "plan":
-            _, t0, batch, kv0, steps, _ = step
+            _, t0, batch, kv0, steps, _, join = step
             dt = now - t0
+            self.join_s += join
             self._advance(steps, dt, batch)
             self.sim.cost.observe_decode_token(dt / (steps * batch))
         else:
-            _, t0, batch, job, chunk = step
+            _, t0, batch, job, chunk, join = step
             dt = now - t0
+            self.join_s += join
             if batch:
                 self._advance(1, dt, batch)
             job.remaining -= chunk
             job.done_tokens += chunk
             self.pending_tokens -= chunk
-            self.prefill_s += dt if not batch else max(0.0, dt - self.profile.decode_step_s(batch, self.kv))
+            self.prefill_s += dt if not batch else max(0.0, dt - join - self.profile.decode_step_s(batch, self.kv))
             if job.remaining <= 0:
                 self.queue.popleft()
                 self.sim.prefill_done(self, job, now)
@@ -156,9 +162,11 @@ class Instance:
                 still.append(seq)
         self.running = still
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Admit waiting sequences; returns the KV tokens of the handed-off ones among them."""
         p = self.profile
         held = sum(s.kv + s.remaining for s in self.running) if self.joining else 0
+        join_kv = 0
         while self.joining and len(self.running) < p.max_batch:
             nxt = self.joining[0]
             if self.running and held + nxt.kv + nxt.remaining > p.max_kv_tokens:
@@ -167,24 +175,26 @@ class Instance:
             self.running.append(nxt)
             self.kv += nxt.kv
             held += nxt.kv + nxt.remaining
+            join_kv += nxt.join_kv
+        return join_kv
 
     def _iterate(self, now: float) -> None:
-        self._admit()
         p = self.profile
+        join = p.join_s(self._admit())
         batch = len(self.running)
         was_busy = self.wake_at is not None
         if self.queue:
             job = self.queue[0]
             chunk = job.remaining if self.chunk is None else min(job.remaining, self.chunk)
             slow = self.sim.slowdown(was_busy, self)
-            dt = p.mixed_s(batch, self.kv, chunk, job.cached + job.done_tokens)
-            self._step = ("mixed", now, batch, job, chunk)
+            dt = p.mixed_s(batch, self.kv, chunk, job.cached + job.done_tokens) + join
+            self._step = ("mixed", now, batch, job, chunk, join)
             self._schedule(now + dt * slow)
         elif batch:
             slow = self.sim.slowdown(was_busy, self)
-            steps = min(s.remaining for s in self.running)
-            self._step = ("plan", now, batch, self.kv, steps, slow)
-            self._schedule(now + slow * p.decode_steps_s(batch, self.kv, steps))
+            steps = 1 if join else min(s.remaining for s in self.running)  # a join step is its own event
+            self._step = ("plan", now, batch, self.kv, steps, slow, join)
+            self._schedule(now + slow * (p.decode_steps_s(batch, self.kv, steps) + join))
         else:
             if was_busy:
                 self.sim.busy_instances -= 1

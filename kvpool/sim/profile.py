@@ -5,6 +5,7 @@ roofline-derived one (`roofline.py`) are used the same way.
     prefill_s(c computed, k cached) = p0 + max(p_floor, p_tok*c + p_attn*c*(k + c/2))
     decode step(B sequences, kv tokens in the batch)
         = d0 + d_seq*B + max(d_weights + d_kv*kv, d_tok*B)
+    join(a handed-off sequence of kv tokens) = d_join_kv*kv, once, in the first step it is in
 
 The prefill form is the router's cost model (`kvpool/router/cost.py`) with a memory floor (a
 GPU reads all weights once per forward however few tokens it computes). The decode form has a
@@ -12,7 +13,10 @@ serial part (`d_seq`: the reference worker steps each sequence as its own batch-
 roofline part (weights + KV read from HBM, overlapped with the batch's matmuls). A colocated
 iteration that runs one prefill chunk next to a decode step costs the sum of both (`fused`
 false: the reference worker) or one fused forward (`fused` true: a GPU engine batching the chunk
-with the decode tokens, Sarathi-style).
+with the decode tokens, Sarathi-style). A sequence handed off from a prefill instance arrives as
+pool chunks: the reference worker concatenates them into its cache in the first step the
+sequence is part of (`engine_adapters/serving/kvio.py`, `ChunkedLayer`), so that step is longer
+for the whole batch by `d_join_kv` per KV token (`benchmarks/sim_decode_costs.py` measures it).
 
 Invariants: every time is in seconds and never negative; `decode_steps_s` is increasing in the
 number of steps, so `steps_within` can bisect it.
@@ -47,6 +51,7 @@ class Profile:
     d_weights: float = 0.0
     d_kv: float = 0.0
     d_tok: float = 0.0
+    d_join_kv: float = 0.0  # a handed-off sequence's first step: its KV assembled into the engine's cache
     fused: bool = False
     prefill_chunk_tokens: int = 512  # chunk of a prefill interleaved with decode (colocated)
     # KV movement
@@ -76,6 +81,10 @@ class Profile:
         if batch <= 0:
             return 0.0
         return self.d0 + self.d_seq * batch + max(self.d_weights + self.d_kv * kv_tokens, self.d_tok * batch)
+
+    def join_s(self, kv_tokens: int) -> float:
+        """Extra time of the step that first includes handed-off sequences holding `kv_tokens`."""
+        return self.d_join_kv * kv_tokens if kv_tokens > 0 else 0.0
 
     def decode_steps_s(self, batch: int, kv0: int, steps: int) -> float:
         """Time of `steps` consecutive steps of a fixed batch whose KV starts at `kv0` tokens and

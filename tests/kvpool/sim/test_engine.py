@@ -156,3 +156,25 @@ def test_every_request_finishes_and_the_books_balance(cluster):
         assert inst.kv == 0 and inst.wake_at is None
     assert sim.busy_instances == 0
     assert sum(sim.tbt_weights) == sum(f.req.output_tokens - 1 for f in sim.flights)
+
+
+def test_a_handed_off_sequence_lengthens_the_step_it_joins_and_only_that_one():
+    """The reference worker assembles a handed-off prompt's KV chunks in the first step the
+    sequence is in (`d_join_kv` per KV token): the sequence already decoding sees one longer gap;
+    a sequence prefilled where it decodes joins without it."""
+    join = replace(TOY, d_join_kv=1e-4)  # 1000 KV tokens: 0.1 s, 20 steps' worth
+    a = SimRequest(0.0, 64, 400, (1,))
+    b = SimRequest(0.5, 1000, 11, (2, 3))
+    runs = {}
+    for prof in (TOY, join):
+        runs[prof.d_join_kv] = Simulation(Workload((a, b), 512), SimConfig(
+            prefill=1, decode=1, profile=prof, fit_cost=False, local_prefill_tokens=0)).run()
+    plain, joined = runs[0.0], runs[1e-4]
+    assert [f.kind for f in joined.flights] == ["disaggregated"] * 2
+    fa0, fa1 = plain.flights[0], joined.flights[0]
+    # two hand-offs: a's own (64 tokens, alone in its batch) and b's (1000 tokens, into a's batch)
+    assert fa1.t_done - fa0.t_done == pytest.approx(0.1 + 64e-4, abs=1e-9)
+    assert max(joined.tbt_values) == pytest.approx(2 * 0.005 + 0.1)  # the step b joined: both sequences + join
+    assert joined.instances[1].join_s == pytest.approx(0.1 + 64e-4)
+    colo = Simulation(Workload((a, b), 512), SimConfig(colocated=1, profile=join, fit_cost=False)).run()
+    assert colo.instances[0].join_s == 0.0  # computed where it decodes: nothing to assemble
