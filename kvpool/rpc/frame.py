@@ -102,7 +102,9 @@ class Reader:
     def fill(self, need: int, spin: Spin | None = None, policy: SpinPolicy | None = None, me: int = 0) -> None:
         """Have at least `need` (<= the buffer's size) unread bytes buffered; with `spin`, first
         poll without blocking as it allows; with `policy` (a server thread `me`), only while
-        `policy.alone(me)`."""
+        `policy.alone(me)`, and `me` leaves `policy.spinning` when its polls end without data:
+        a thread blocked in recv is not spinning, and while it counted as such no other
+        connection of the server was spun for (an idle pooled connection stopped them all)."""
         if self.end - self.start >= need:
             return
         if self.start:
@@ -119,6 +121,7 @@ class Reader:
             if polls:
                 if policy is not None and not policy.alone(me):  # another connection needs the CPU
                     polls = 0
+                    policy.spinning.discard(me)  # about to block
                     continue
                 try:
                     k = sock.recv_into(view[self.end:], 0, DONTWAIT)
@@ -128,6 +131,8 @@ class Reader:
                     polls -= 1
                     if not polls:
                         spin.lost()
+                        if policy is not None:
+                            policy.spinning.discard(me)  # about to block
                     sched_yield()
                     continue
             elif timed:
