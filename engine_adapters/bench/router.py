@@ -6,7 +6,11 @@
   text every time; warm ones share a long system prompt and earlier turns with previous requests
   and differ in the last user message (multi-round chat). Baseline: tokenizing the same rendered
   text in one call of the Rust tokenizer, without the router's sentence cache (the floor a router
-  that tokenizes has to beat). Goal: under 5 ms p99.
+  that tokenizes has to beat). Goal: under 5 ms p99. Also: CPU per route (`cpu_*`, all threads:
+  robust on a loaded machine, unlike the wall-clock percentiles), the baseline's CPU
+  (`floor_cpu_mean_ms`), collector pauses during the case (`gc_*`; the process is frozen after
+  setup, as the router process is once started), and how `match_prefix` was answered
+  (`match_inline_calls` / `match_async_calls`, see kvpool/router/matcher.py).
 - `ttft_via_router`: TTFT through the router's OpenAI API (streaming, first content chunk) vs
   calling the same prefill worker directly with the token ids (first token in hand), on a real
   local cluster (pool, router, one prefill and one decode worker), alternating. The difference
@@ -16,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import statistics
 import time
@@ -55,6 +60,7 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
     from engine_adapters.serving.launcher import LocalCluster, PoolSpec
     from kvpool import worker_api as wire
     from kvpool.keys import chunk_keys_hex
+    from kvpool.router.matcher import PrefixMatcher
     from kvpool.router.service import Router, RouterConfig
     from kvpool.router.workers import Workers, WorkerState
 
@@ -74,7 +80,7 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
                 sync.put_batch([(f"{rng.getrandbits(128):032x}", b"x") for _ in range(1000)])
                 step()
         router = Router(RouterConfig(pool=address))
-        router.pool = await kvpool.connect_async(address)
+        router.pool = await PrefixMatcher(address).connect()
         router.tokenizer, router.chunk_tokens, router.max_positions = tok, 256, 8192
         router._namespace, router.bytes_per_token = ns.digest(), ns.layout.bytes_per_token
         router.workers = Workers(http=None)
@@ -89,31 +95,47 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
             state.local_keys = {f"{rng.getrandbits(128):032x}" for _ in range(6000)} | set(sys_keys[: i * 2])
             router.workers.by_url[state.url] = state
 
+        gc.collect()
+        gc.freeze()  # as the router process does once started (kvpool/router/server.py)
+
         def prompt(warm: bool) -> list[dict]:
             user = _sentences(rng, 60)
             if warm:
                 return [{"role": "system", "content": system}, {"role": "user", "content": user}]
             return [{"role": "system", "content": _sentences(rng, 7000)}, {"role": "user", "content": user}]
 
-        stages: dict[str, list[float]] = {"tokenize": [], "hash_match_choose": []}
+        stages: dict[str, list[float]] = {"tokenize": [], "hash_match_choose": [], "cpu": []}
+        gc_pauses: list[float] = []
+
+        def on_gc(phase: str, info: dict, _t=[0.0]) -> None:
+            if phase == "start":
+                _t[0] = time.perf_counter()
+            else:
+                gc_pauses.append((time.perf_counter() - _t[0]) * 1e3)
 
         async def route_once(messages) -> tuple[float, int]:
+            cpu = time.process_time()  # all threads: the tokenizer's and the pool client's too
             started = time.perf_counter()
-            ids = tok.encode_chat(messages)
+            prompt = tok.encode_chat_prompt(messages)
             tokenized = time.perf_counter()
-            decision, _, _ = await router.route(ids, 16)
+            decision, _, _ = await router.route(prompt.ids, 16, u32=prompt.u32)
             done = time.perf_counter()
+            stages["cpu"].append((time.process_time() - cpu) * 1e3)
             assert decision.decode is not None
             stages["tokenize"].append((tokenized - started) * 1e3)
             stages["hash_match_choose"].append((done - tokenized) * 1e3)
-            return (done - started) * 1e3, len(ids)
+            return (done - started) * 1e3, len(prompt.ids)
 
         for case, warm in (("route_cold", False), ("route_warm", True)):
             for _ in range(3):
                 await route_once(prompt(warm))
             ours, base, lengths = [], [], []
+            floor_cpu = []
             for v in stages.values():
                 v.clear()
+            gc_pauses.clear()
+            router.pool.inline_calls = router.pool.async_calls = 0
+            gc.callbacks.append(on_gc)
             bar, step = progress(reps, case)
             with bar:
                 for _ in range(reps):
@@ -122,15 +144,22 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
                     ours.append(ms)
                     lengths.append(n)
                     text = tok.render_chat(messages)
-                    started = time.perf_counter()
+                    cpu, started = time.process_time(), time.perf_counter()
                     tok.encode_uncached(text, add_special_tokens=False)
                     base.append((time.perf_counter() - started) * 1e3)
+                    floor_cpu.append((time.process_time() - cpu) * 1e3)
                     step()
+            gc.callbacks.remove(on_gc)
             p99 = statistics.quantiles(ours, n=100)[98]
             split = {f"{name}_{q}_ms": round(f(v), 3) for name, v in stages.items()
                      for q, f in (("p50", statistics.median), ("p99", lambda x: statistics.quantiles(x, n=100)[98]))}
             report.add(case, ours, "ms", baseline="tokenize_whole_text", baseline_values=base,
                        extra={**split, "p99_ms": round(p99, 3), "p50_ms": round(statistics.median(ours), 3),
+                              "cpu_mean_ms": round(statistics.fmean(stages["cpu"]), 3),
+                              "floor_cpu_mean_ms": round(statistics.fmean(floor_cpu), 3),
+                              "gc_pauses": len(gc_pauses), "gc_pause_max_ms": round(max(gc_pauses, default=0.0), 3),
+                              "match_inline_calls": router.pool.inline_calls,
+                              "match_async_calls": router.pool.async_calls,
                               "prompt_tokens": int(statistics.median(lengths)), "chunks_indexed": chunks_indexed,
                               "workers": 16, "goal_p99_ms": 5.0, "goal_met": p99 < 5.0})
         await router.pool.close()

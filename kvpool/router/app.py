@@ -133,24 +133,25 @@ def create_app(router: Router) -> FastAPI:
         req = oa.parse(oa.ChatRequest, await _body(request))
         _check_model(router, req.model)
         try:
-            ids = await router.tokenized(router.tokenizer.encode_chat, req.chat())
+            prompt = await router.tokenized(router.tokenizer.encode_chat_prompt, req.chat())
         except ValueError as exc:
             raise oa.bad_request(str(exc), param="messages") from None
-        return await _complete(router, "chat", req, ids, req.token_budget(), router.config.default_max_tokens,
-                               entry)
+        return await _complete(router, "chat", req, prompt.ids, req.token_budget(), router.config.default_max_tokens,
+                               entry, prompt.u32)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         entry = tenant_of(request)
         req = oa.parse(oa.CompletionRequest, await _body(request))
         _check_model(router, req.model)
+        u32 = None
         if isinstance(req.prompt, str):
-            ids = await router.tokenized(router.tokenizer.encode, req.prompt)
+            ids, u32 = await router.tokenized(router.tokenizer.encode_prompt, req.prompt)
         else:
             ids = list(req.prompt)
             if any(t < 0 for t in ids):
                 raise oa.bad_request("prompt token ids must not be negative", param="prompt")
-        return await _complete(router, "completions", req, ids, req.token_budget(), 16, entry)
+        return await _complete(router, "completions", req, ids, req.token_budget(), 16, entry, u32)
 
     @app.get("/admin/workers")
     async def list_workers() -> dict:
@@ -195,7 +196,7 @@ def _check_model(router: Router, model: str) -> None:
 
 
 async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], budget: int | None,
-                    default_budget: int, entry: Entry | None) -> Response:
+                    default_budget: int, entry: Entry | None, u32: bytes | None = None) -> Response:
     arrived = time.perf_counter()
     context = router.max_positions
     if not ids:
@@ -212,7 +213,7 @@ async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], bud
     shape = oa.Shape(endpoint == "chat", req.model, include_usage=bool(req.stream_options
                                                                        and req.stream_options.include_usage))
     out = Outcome()
-    pieces = router.generate(ids, max_tokens, sampling, out, shape.id, entry)
+    pieces = router.generate(ids, max_tokens, sampling, out, shape.id, entry, u32)
     stops = oa.StopMatcher(req.stop)
     if not req.stream:
         text, finish = "", "stop"

@@ -7,6 +7,7 @@ OpenAI API, and through it every worker, would be open to whoever reaches the ad
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -52,6 +53,10 @@ def serve(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0, ready
                 on_ready(url)
 
     threading.Thread(target=announce, name="announce", daemon=True).start()
+    # What exists now (modules, the app) lives as long as the process: out of the collector's
+    # full passes, which would otherwise walk all of it in the middle of some request's route.
+    gc.collect()
+    gc.freeze()
     try:
         server.run(sockets=[sock])
     finally:

@@ -38,8 +38,9 @@ from kvpool import worker_api as wire
 from kvpool.auth import Entry, load_keyring
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable, error_from_code
 from kvpool.http_guard import TENANT_HEADER, internal_headers
-from kvpool.keys import chunk_keys_hex, parse_namespace_hex
+from kvpool.keys import chunk_keys_hex, chunk_keys_hex_u32, parse_namespace_hex
 from kvpool.router.cost import CostModel
+from kvpool.router.matcher import PrefixMatcher
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, make_policy, prefill_estimate,
                                   tbt_estimate, without_workers)
@@ -101,7 +102,7 @@ class Router:
         self.eos_ids: list[int] = []
         self._namespace: bytes | None = None
         self._seq = 0
-        self.pool: Any = None
+        self.pool: Any = None  # a PrefixMatcher (matcher.py), or anything with `async match(keys)`
         self.http: aiohttp.ClientSession | None = None
         self.workers: Workers | None = None
         self.metrics = RouterMetrics(self.policy.name, self._pressure, self._worker_counts)
@@ -124,9 +125,7 @@ class Router:
         self.workers = Workers(self.http, poll_s=self.config.poll_s, fail_after=self.config.fail_after,
                                on_join=self._on_join, on_load=self._on_load, backend=self.backend)
         if self.config.pool:
-            from kvpool.client import connect_async
-
-            self.pool = await connect_async(self.config.pool)
+            self.pool = await PrefixMatcher(self.config.pool).connect()
         for spec in self.config.workers:
             role, _, url = spec.partition("=") if "=" in spec.split("://", 1)[0] else ("", "", spec)
             try:
@@ -160,7 +159,7 @@ class Router:
                 await self.pool.close()
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
-    async def tokenized(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    async def tokenized(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` (a tokenizer call) on the tokenizing threads: a 100k-token prompt takes ~0.1 s
         to render and encode, which must not stall the other requests' streams."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
@@ -206,15 +205,24 @@ class Router:
     def _headers(self, tenant: Tenant | None) -> dict[str, str]:
         return {**_JSON, TENANT_HEADER: tenant.id} if tenant is not None and self.backend is None else _JSON
 
-    async def route(self, ids: list[int], max_tokens: int,
-                    tenant: Tenant | None = None) -> tuple[Decision, RouteRequest, list[str]]:
+    async def route(self, ids: list[int], max_tokens: int, tenant: Tenant | None = None,
+                    u32: bytes | None = None) -> tuple[Decision, RouteRequest, list[str]]:
+        """`u32`: the same ids as little-endian u32 bytes (`RouterTokenizer.encode_prompt`), if at
+        hand: the chunk keys are hashed from them without converting `ids` again."""
         namespace = self._namespace if tenant is None else tenant.namespace  # tenants.py
-        keys = chunk_keys_hex(namespace, ids, self.chunk_tokens) if namespace else []
+        if not namespace:
+            keys = []
+        elif u32 is not None:
+            keys = chunk_keys_hex_u32(namespace, u32, self.chunk_tokens)
+        else:
+            keys = chunk_keys_hex(namespace, ids, self.chunk_tokens)
         pool_chunks = 0
         if keys and self.config.pool:
             try:
-                pool = self.pool if tenant is None else await self.tenants.pool(tenant)
-                pool_chunks = await pool.match_prefix(keys)
+                if tenant is None:
+                    pool_chunks = await self.pool.match(keys)
+                else:
+                    pool_chunks = await (await self.tenants.pool(tenant)).match_prefix(keys)
             except KVPoolError as exc:  # a pool outage costs reuse, not the request
                 log.warning("match_prefix failed, routing as if nothing were cached: %s", exc)
         self._seq += 1
@@ -225,16 +233,17 @@ class Router:
 
     # -- execution -----------------------------------------------------------------------------
     async def generate(self, ids: list[int], max_tokens: int, sampling: wire.SamplingParams,
-                       out: Outcome, request_id: str, entry: Entry | None = None) -> AsyncIterator[Piece]:
+                       out: Outcome, request_id: str, entry: Entry | None = None,
+                       u32: bytes | None = None) -> AsyncIterator[Piece]:
         """Route and run one request (for the tenant of keyring `entry`, if given); yields text
-        pieces, the last with its finish reason.
+        pieces, the last with its finish reason. `u32`: as for `route`.
 
         Raises `OpenAIError`-mappable `KVPoolError`s before the first piece (429 reject, 503 no
         worker); after it, a failure raises too and the HTTP layer ends the stream with an error."""
         started = time.perf_counter()
         tenant = self.tenants.of(entry)
         headers = self._headers(tenant)
-        decision, req, keys = await self.route(ids, max_tokens, tenant)
+        decision, req, keys = await self.route(ids, max_tokens, tenant, u32)
         out.route_s = time.perf_counter() - started
         self.metrics.route.observe(out.route_s)
         out.prompt_tokens, out.decision = len(ids), decision
@@ -248,7 +257,7 @@ class Router:
         for attempt in range(2):
             try:
                 if self.backend is not None:
-                    stream = self.backend.run(self, decision, ids, max_tokens, sampling, out, request_id)
+                    stream = self.backend.run(self, decision, ids, max_tokens, sampling, out, request_id, tenant)
                 elif decision.prefill is None:
                     stream = self._colocated(decision, ids, max_tokens, sampling, out, request_id, headers)
                 else:

@@ -10,12 +10,20 @@ parallel batch. The cuts give exactly the ids of the whole text: special tokens 
 before BPE runs, and sentences are cut just before a space that follows a sentence end and
 precedes a letter, a pre-token boundary of the byte-level pre-tokenizer, which BPE never merges
 across. The tests check the equality on real prompts and random text.
+
+A cached segment also keeps its ids as little-endian u32 bytes, so `encode_prompt` hands the
+router the bytes its chunk keys hash (`Prompt.u32`) as one join of cached pieces, not a
+conversion of ~8k Python ints per request.
 """
 
 from __future__ import annotations
 
+import array
 import re
-from typing import Any, Sequence
+import struct
+import sys
+from itertools import chain
+from typing import Any, NamedTuple, Sequence
 
 from kvpool.errors import InvalidArgument
 
@@ -27,15 +35,16 @@ class _Cache:
     """Approximate LRU in two generations: hits move an entry to the young one; when the young
     one is full it becomes the old one and the old one is dropped. A lookup is one or two dict
     reads (no lock: each operation is a single dict call, atomic under the GIL). Values are
-    tuples of ints, which the garbage collector stops tracking: hundreds of thousands of cached
-    lists would make every full collection a pause of many ms in the routing path."""
+    tuples of ints (or of such a tuple and bytes), which the garbage collector stops tracking:
+    hundreds of thousands of cached lists would make every full collection a pause of many ms
+    in the routing path."""
 
     def __init__(self, capacity: int):
         self.half = max(1, capacity // 2)
-        self._young: dict[str, tuple[int, ...]] = {}
-        self._old: dict[str, tuple[int, ...]] = {}
+        self._young: dict[str, Any] = {}
+        self._old: dict[str, Any] = {}
 
-    def get(self, key: str) -> tuple[int, ...] | None:
+    def get(self, key: str) -> Any:
         value = self._young.get(key)
         if value is None:
             value = self._old.get(key)
@@ -43,10 +52,30 @@ class _Cache:
                 self.put(key, value)
         return value
 
-    def put(self, key: str, value: tuple[int, ...]) -> None:
+    def put(self, key: str, value: Any) -> None:
         if len(self._young) >= self.half:
             self._old, self._young = self._young, {}
         self._young[key] = value
+
+
+class Prompt(NamedTuple):
+    """A prompt's token ids, and the same ids as little-endian u32 bytes (what its chunk keys
+    hash: `kvpool.keys.chunk_keys_hex_u32`)."""
+
+    ids: list[int]
+    u32: bytes
+
+
+def _u32(ids: Sequence[int]) -> bytes:
+    if _ARRAY_U32:
+        arr = array.array("I", ids)
+        if sys.byteorder != "little":
+            arr.byteswap()
+        return arr.tobytes()
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
+_ARRAY_U32 = array.array("I").itemsize == 4
 
 
 class RouterTokenizer:
@@ -64,6 +93,7 @@ class RouterTokenizer:
                           key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
         self._special_ids = {s: self._tok.token_to_id(s) for s in specials}
+        self._special_u32 = {s: _u32([i]) for s, i in self._special_ids.items()}
         self._sentences = _Cache(cache_entries)
         self._segments = _Cache(cache_entries // 16)
         # The template sees the special tokens by name (bos_token, eos_token, ...), as in transformers.
@@ -95,11 +125,27 @@ class RouterTokenizer:
         template writes its own markers), as `apply_chat_template(tokenize=True)` gives them."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
+    def encode_chat_prompt(self, messages: Sequence[dict[str, Any]]) -> Prompt:
+        """`encode_chat`, with the ids' u32 bytes."""
+        return self._encode(self.render_chat(messages), False)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._encode(text, add_special_tokens).ids
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
+        """`encode`, with the ids' u32 bytes."""
+        return self._encode(text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> Prompt:
         segments = [p for p in (self._split.split(text) if self._split is not None else [text]) if p]
-        found: dict[str, tuple[int, ...] | None] = {}
-        new = [g for g in dict.fromkeys(segments)
-               if g not in self._special_ids and (found.setdefault(g, self._segments.get(g)) is None)]
+        specials = self._special_ids
+        found: dict[str, tuple[tuple[int, ...], bytes] | None] = {}
+        new = []
+        for g in segments:
+            if g not in found and g not in specials:
+                found[g] = hit = self._segments.get(g)
+                if hit is None:
+                    new.append(g)
         if new:
             sentences = {g: [p for p in _CUT.split(g) if p] for g in new}
             have = {p: self._sentences.get(p) for ps in sentences.values() for p in ps}
@@ -109,18 +155,25 @@ class RouterTokenizer:
                     have[piece] = tuple(enc.ids)
                     self._sentences.put(piece, have[piece])
             for g, ps in sentences.items():
-                found[g] = tuple(t for p in ps for t in have[p])
+                seg_ids = tuple(chain.from_iterable(have[p] for p in ps))
+                found[g] = (seg_ids, _u32(seg_ids))
                 self._segments.put(g, found[g])
         ids: list[int] = []
+        parts: list[bytes] = []
         if add_special_tokens and self.add_bos_token and self.bos_token is not None:
-            ids.append(self._tok.token_to_id(self.bos_token))
+            bos = self._tok.token_to_id(self.bos_token)
+            ids.append(bos)
+            parts.append(_u32([bos]))
         for g in segments:
-            special = self._special_ids.get(g)
+            special = specials.get(g)
             if special is not None:
                 ids.append(special)
+                parts.append(self._special_u32[g])
             else:
-                ids.extend(found[g])
-        return ids
+                seg_ids, seg_u32 = found[g]
+                ids.extend(seg_ids)
+                parts.append(seg_u32)
+        return Prompt(ids, b"".join(parts))
 
     def encode_uncached(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The whole text in one call, no cache: the reference the cached path must equal."""

@@ -76,11 +76,8 @@ class WorkerState:
         return self.info.role
 
     def view(self, keys: list[str]) -> WorkerView:
-        local = 0
-        for key in keys:
-            if key not in self.local_keys:
-                break
-            local += 1
+        hits = list(map(self.local_keys.__contains__, keys))  # at C speed: 16 workers x ~32 keys a route
+        local = hits.index(False) if False in hits else len(hits)
         load = self.load
         queue = max(load.prefill_queue_tokens if load else 0, self.inflight_prefill_tokens)
         active = (load.active_sequences if load else 0) + self.inflight_decodes
