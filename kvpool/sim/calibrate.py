@@ -23,6 +23,7 @@ import re
 import statistics
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -169,3 +170,26 @@ def fit(samples: dict[str, Any], bytes_per_token: int) -> Profile:
         rpc_s=statistics.median(samples["hop_ms"]) / 1e3 if samples["hop_ms"] else 0.002,
         max_batch=32, max_kv_tokens=65536, price_per_hour=0.0, cards=0, card="cpu (1 torch thread)",
         model="SmolLM2-135M-Instruct (float32)")
+
+
+def with_decode_costs(base: Profile, fit_doc: dict[str, Any], anchor_step_s: float, anchor_kv_tokens: float,
+                      note: str = "") -> Profile:
+    """`base` with its decode side replaced by the terms `benchmarks/sim_decode_costs.py` measured
+    (its `fit`: one sequence's step = per_seq + per_kv_token*L, the join's extra per KV token, the
+    KV load's CPU per token), scaled so that a step at `anchor_kv_tokens` of context takes
+    `anchor_step_s`: the shape comes from the measurement (CPU time, taken on whatever load the
+    machine had), the scale from a step time measured on a quiet machine (the workers' own
+    `decode_token_ms` in a recorded run). The KV load becomes `pull_bytes_per_s` (a load thread
+    with a core to itself: its CPU time is its wall time)."""
+    step, join, load = fit_doc["step_cpu_s"], fit_doc["join_extra_cpu_s"], fit_doc["load_cpu_s_worker_plus_pool"]
+    measured = step["per_seq"] + step["per_kv_token"] * anchor_kv_tokens
+    scale = anchor_step_s / measured
+    per_token_load = max(0.0, load["per_kv_token"]) * scale
+    return replace(base, name="local",
+                   description=(f"{base.description}; decode side: benchmarks/sim_decode_costs.py "
+                                f"({fit_doc.get('when', '?')}, load average {float(fit_doc.get('load_average', [0])[0]):.1f}) "
+                                f"scaled x{scale:.3f} to {anchor_step_s * 1e3:.1f} ms per sequence-step at "
+                                f"{anchor_kv_tokens:.0f} KV tokens{'; ' + note if note else ''}"),
+                   d0=0.0, d_seq=step["per_seq"] * scale, d_kv=max(0.0, step["per_kv_token"]) * scale,
+                   d_join_kv=max(0.0, join["per_kv_token"]) * scale,
+                   pull_bytes_per_s=base.bytes_per_token / per_token_load if per_token_load > 0 else base.pull_bytes_per_s)
