@@ -3,6 +3,7 @@ the machine's load: Python calls per op (cProfile) and CPU time per op (the clie
 the server connection thread's user + system time, `getrusage(RUSAGE_THREAD)`), for BENCHMARKS.md.
 
     python benchmarks/profile_single_key.py [--mode cpu|calls] [--sizes 64KiB,1MiB] [--auth] [--out FILE]
+    python benchmarks/profile_single_key.py --pair [--control] [--rounds 30] [--round 100] [--out FILE]
 
 Starts `kvpool serve` (1 GiB DRAM) in a child process whose finished threads report their
 cProfile and CPU time (`--serve`, internal), and drives it over TCP (use_shm=False) and the
