@@ -4,8 +4,8 @@ Layout in etcd (every key bound to its owner's lease, so a dead process disappea
 - `/kvpool/leader`              -> the leader master's RPC address
 - `/kvpool/masters/<address>`   -> a master (leader or standby)
 - `/kvpool/nodes/<node id>`     -> a node's RPC address
-- `/kvpool/removed/<put id>/<key>` -> an acknowledged remove not yet confirmed by every node
-  (bound to the leader's shared removal lease; `kvpool.cluster.removals`)
+- `/kvpool/removed/<put id>/<key>` -> an acknowledged remove, for the next leader (bound to a
+  lease of the leader's that ends by itself; `kvpool.cluster.removals`)
 """
 
 from kvpool.cluster.etcd import EtcdClient, parse_etcd_url

@@ -136,9 +136,6 @@ class EtcdClient:
             ops.append({"request_put": put})
         self._txn(ops)
 
-    def delete_many(self, keys: list[str]) -> None:
-        self._txn([{"request_delete_range": {"key": _b64(key)}} for key in keys])
-
     def _txn(self, ops: list[dict[str, Any]]) -> None:
         for i in range(0, len(ops), TXN_OPS):
             self._post("/v3/kv/txn", {"success": ops[i:i + TXN_OPS]})

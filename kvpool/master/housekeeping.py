@@ -1,12 +1,12 @@
 """The master's background work, given the shared `MasterState`.
 
 - `tick()` (every min(0.5 s, heartbeat)): reclaim pending puts past their deadline, finish
-  removals whose leases ended, drop nodes silent for `node_timeout_s` (embedded nodes excepted),
-  plan drain copies (`kvpool.master.migration`), and evict least-recently-used unleased
-  replicas from any node above `high_watermark` of its capacity down to `low_watermark`.
+  removals whose leases ended, forget acknowledged removes older than `removal_memory_s`, drop
+  nodes silent for `node_timeout_s` (embedded nodes excepted), plan drain copies
+  (`kvpool.master.migration`), and evict least-recently-used unleased replicas from any node
+  above `high_watermark` of its capacity down to `low_watermark`.
 - the outbox thread (`outbox_loop`): removes the bytes of dropped objects on their nodes,
-  outside the lock, each removal naming the put that wrote the copy, and tells the state which
-  acknowledged removes every node has now confirmed (`MasterState.confirm_removed`); runs drain copies.
+  outside the lock, each removal naming the put that wrote the copy; runs drain copies.
 - `make_room_locked`: when no node can take a new object, evict LRU unleased replicas from
   the roomiest node; `AllPinned` when only leased objects stand in the way.
 Eviction order is the master's own access recency (it sees every lookup), fair across tenants
@@ -93,8 +93,7 @@ class Housekeeping:
                 st.reclaim_locked(obj)
             for obj in [o for o in st.objects.values() if o.removing and not o.leased(now)]:
                 st.delete_locked(obj)
-            if st.removed:
-                st.expire_removals_locked(now)
+            st.expire_removals_locked(now)
             # Leases whose reader never released them (a crashed client) end at their expiry.
             st.release_locked([lid for lid, (_, until) in st.lease_keys.items() if until <= now], now)
             for node in [n for n in st.nodes.values()
@@ -138,9 +137,6 @@ class Housekeeping:
                     continue
                 link = self.state.link(node_id)
                 if link is not None:
-                    done = link.remove(keys, put_ids)
-                    forget = self.state.confirm_removed(node_id, keys, put_ids, done or [])
-                    if forget and self.state.removal_log is not None:
-                        self.state.removal_log.forget(forget)
+                    link.remove(keys, put_ids)
             except Exception as exc:  # a dead node's bytes die with it; nothing else to do
                 log.info("removing %d object(s) on node %s failed: %s", len(keys), node_id, exc)

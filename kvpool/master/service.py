@@ -32,7 +32,7 @@ from kvpool.master.housekeeping import Housekeeping
 from kvpool.master.migration import Migration
 from kvpool.master.placement import choose_nodes
 from kvpool.master.state import MAX_OBJECT_BYTES, MasterState
-from kvpool.master.tables import COMPLETE, PENDING, NodeEntry, ObjectEntry, Removal, Replica
+from kvpool.master.tables import COMPLETE, PENDING, NodeEntry, ObjectEntry, Replica
 from kvpool.messages import Entry, Held, Location, NodeInfo, Placed, PutPlan, Target
 
 log = logging.getLogger(__name__)
@@ -94,9 +94,9 @@ class MasterService:
         st = self.state
         with st.lock:
             st.clear_tables_locked()
-            until = time.monotonic() + st.removal_memory_s
+            now = time.monotonic()
             for key, put_id in removed:
-                st.removed.setdefault(key, {})[put_id] = Removal(until, None)
+                st.remember_removal_locked(key, put_id, now)
             st.awaiting = set(expected_nodes)
             st.recovering_until = time.monotonic() + st.recovery_s if st.awaiting else 0.0
             st.leader = True
@@ -393,9 +393,9 @@ class MasterService:
     def remove(self, keys: Sequence[str]) -> list[bool]:
         """Remove objects; a leased one disappears for readers now and is freed when its leases end.
 
-        Durable once answered: each removed copy is remembered (`MasterState.removed`; in cluster
-        mode first written to etcd, outside the lock) until its nodes confirm dropping it, so
-        neither their re-report to this master nor to the next leader brings it back."""
+        Durable once answered: each removed copy is remembered for `removal_memory_s`
+        (`MasterState.removed`; in cluster mode first written to etcd, outside the lock), so a
+        node's re-report, to this master or to the next leader, does not bring it back."""
         st = self.state
         st.check_leader()
         out = []
@@ -420,7 +420,8 @@ class MasterService:
                 if obj is None or obj.removing or (log_ is not None and doomed.get(key) != obj.put_id):
                     out.append(False)  # (a put that ended after the record above: removed before it)
                     continue
-                st.remember_removal_locked(obj, now)
+                if not st.local or any(n not in st.local for n in obj.replicas):  # an in-process node never re-reports
+                    st.remember_removal_locked(key, obj.put_id, now)
                 if obj.state == PENDING:
                     st.reclaim_locked(obj)
                 elif obj.leased(now):

@@ -8,6 +8,7 @@ removal names the put that wrote the copy, so it never deletes a newer object.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 from kvpool.config import Settings
 from kvpool.errors import KeyNotFound, NotLeader, Unavailable
-from kvpool.master.tables import COMPLETE, NodeEntry, ObjectEntry, Removal
+from kvpool.master.tables import COMPLETE, NodeEntry, ObjectEntry
 
 log = logging.getLogger("kvpool.master.service")
 
@@ -41,7 +42,7 @@ class MasterState:
         self.high_watermark = 0.95
         self.low_watermark = 0.85
         self.recovery_s = max(3.0 * s.heartbeat_s, 3.0)
-        self.removal_memory_s = max(60.0, 20 * self.node_timeout_s)  # how long an unconfirmed remove is remembered
+        self.removal_memory_s = max(60.0, 20 * self.node_timeout_s)  # how long an acknowledged remove is remembered
         self.lock = threading.RLock()
         self.objects: dict[str, ObjectEntry] = {}
         self.nodes: dict[str, NodeEntry] = {}
@@ -49,7 +50,8 @@ class MasterState:
         self.migrating: set[str] = set()  # keys with a drain copy in flight
         self.local: set[str] = set()  # nodes in this process (embedded): never timed out
         self.lease_keys: dict[int, tuple[list[str], float]] = {}  # lease id -> (keys, expiry)
-        self.removed: dict[str, dict[int, Removal]] = {}  # key -> put id -> an acknowledged remove
+        self.removed: dict[str, dict[int, float]] = {}  # key -> put id -> until: acknowledged removes
+        self.removal_order: collections.deque[tuple[float, str, int]] = collections.deque()  # by until
         self.removal_log: Any = None  # cluster mode: `kvpool.cluster.removals.RemovalLog` (etcd)
         # Unique across failovers: a new leader must never reuse a put id a node still holds.
         self.ids = itertools.count(time.time_ns() // 1000)
@@ -70,6 +72,7 @@ class MasterState:
         self.nodes.clear()
         self.lease_keys.clear()
         self.removed.clear()
+        self.removal_order.clear()
 
     def check_leader(self) -> None:
         if not self.leader:
@@ -178,8 +181,10 @@ class MasterState:
         log.warning("node %s dropped (%s); %d object(s) lost their last replica", node_id, reason, lost)
         return True
 
-    def remember_removal_locked(self, obj: ObjectEntry, now: float) -> None:
-        self.removed.setdefault(obj.key, {})[obj.put_id] = Removal(now + self.removal_memory_s, set(obj.replicas))
+    def remember_removal_locked(self, key: str, put_id: int, now: float) -> None:
+        until = now + self.removal_memory_s
+        self.removed.setdefault(key, {})[put_id] = until
+        self.removal_order.append((until, key, put_id))
 
     def was_removed_locked(self, key: str, put_id: int, now: float) -> bool:
         """Is a node's copy of `key` written by `put_id` one whose remove we acknowledged? A copy
@@ -188,33 +193,18 @@ class MasterState:
         if not removals:
             return False
         if put_id == 0:
-            return any(r.until > now for r in removals.values())
-        removal = removals.get(put_id)
-        return removal is not None and removal.until > now
-
-    def confirm_removed(self, node_id: str, keys: list[str], put_ids: list[int],
-                        done: list[bool]) -> list[tuple[str, int]]:
-        """`node_id` answered the removal of these copies (`done[i]`, `NodeRemove`'s reply);
-        returns the acknowledged removes no node holds a copy of any more."""
-        out = []
-        with self.lock:
-            for key, put_id, ok in zip(keys, put_ids, done):
-                removals = self.removed.get(key)
-                removal = removals.get(put_id) if removals else None
-                # True: dropped; False: not held (gone, or another put's copy); an `Err`: unknown
-                if not isinstance(ok, bool) or removal is None or removal.nodes is None:
-                    continue
-                removal.nodes.discard(node_id)
-                if not removal.nodes:
-                    del removals[put_id]
-                    if not removals:
-                        del self.removed[key]
-                    out.append((key, put_id))
-        return out
+            return any(until > now for until in removals.values())
+        return removals.get(put_id, 0.0) > now
 
     def expire_removals_locked(self, now: float) -> None:
-        for key in [k for k, rs in self.removed.items() if all(r.until <= now for r in rs.values())]:
-            del self.removed[key]
+        order = self.removal_order
+        while order and order[0][0] <= now:
+            _, key, put_id = order.popleft()
+            removals = self.removed.get(key)
+            if removals is not None and removals.get(put_id, now + 1) <= now:
+                del removals[put_id]
+                if not removals:
+                    del self.removed[key]
 
     def release_locked(self, lease_ids: Iterable[int], now: float) -> None:
         for lid in lease_ids:

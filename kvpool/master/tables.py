@@ -8,10 +8,11 @@ Invariants (kept by `MasterService`, which owns the only lock):
 - `ObjectEntry.leases` maps lease id -> monotonic expiry; while one is unexpired the object is
   neither evicted nor removed (a `remove` marks it `removing`, hides it from readers, and finishes
   when the last lease is released or expires).
-- A removed object is remembered in `MasterState.removed` (`Removal`) until every node that held
-  a copy confirmed dropping it, or `until`: a node's (re-)report of that copy is refused, so an
-  acknowledged remove never comes undone (in cluster mode the record is in etcd too,
-  `kvpool.cluster.removals`, for the next leader).
+- An acknowledged remove is remembered in `MasterState.removed` (key -> put id -> until) for
+  `removal_memory_s`, whether or not the replicas' nodes confirmed: a node the master did not
+  know held a copy (dropped while paused, or not yet re-reported to a new leader) may report it
+  later, and that report is refused, so the remove never comes undone (in cluster mode the
+  record is in etcd too, `kvpool.cluster.removals`, for the next leader).
 - `NodeEntry.used` is the master's own account: bytes of replicas placed on the node (pending
   and complete). `capacity` comes from the node's registration.
 """
@@ -66,14 +67,6 @@ class ObjectEntry:
 
     def lease_until(self) -> float:
         return max(self.leases.values(), default=0.0)
-
-
-@dataclass
-class Removal:
-    """One acknowledged remove of the copy written by one put (`MasterState.removed[key][put_id]`)."""
-
-    until: float  # monotonic time after which it is forgotten
-    nodes: set[str] | None  # nodes yet to confirm dropping their copy; None: unknown (learned from etcd)
 
 
 @dataclass

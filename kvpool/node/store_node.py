@@ -316,9 +316,9 @@ class StoreNode:
 
     # ------------------------------------------------------------------ the embedded master's link (no socket)
 
-    def remove(self, keys: list[str], put_ids: list[int]) -> list:
+    def remove(self, keys: list[str], put_ids: list[int]) -> None:
         """As `NodeRemove`."""
-        return self._on_remove(NodeRemove(list(keys), list(put_ids)), None, None).values
+        self._on_remove(NodeRemove(list(keys), list(put_ids)), None, None)
 
     def hide(self, keys: list[str], put_ids: list[int]) -> None:
         """Stop same-host readers finding these copies through the shm index (the embedded
