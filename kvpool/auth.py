@@ -236,6 +236,21 @@ def tenant_salt(tenant: str, tenant_secret: bytes) -> str:
     return f"{tenant}/{_derive(tenant_secret, 'tenant-salt/v1').hex()[:32]}"
 
 
+def engine_cache_salt(salt: str) -> str:
+    """The `cache_salt` the router sends a vLLM server for a tenant whose `tenant_salt` is `salt`:
+    the same salt in the characters vLLM accepts (no '/', '@', '\\', NUL; at most 128). A tenant
+    id never holds ':', so distinct tenant salts stay distinct."""
+    return salt.replace("/", ":")
+
+
+def request_salt(configured: str, cache_salt: str | None) -> str:
+    """The namespace salt of an engine request that carries `cache_salt` (vLLM's per-request
+    salt), on an engine whose own salt is `configured`: `configured` itself without one (keys as
+    before), else both, unambiguously, so two cache salts never share a key and none reaches
+    another engine's configured namespace."""
+    return json.dumps([configured, cache_salt]) if cache_salt else configured
+
+
 def handle_key(secret: bytes) -> bytes:
     """The key a prefill worker signs KV handles with, and a decode worker checks them with: from
     the tenant's secret (or, for untenanted requests, the workers' own principal's)."""

@@ -109,7 +109,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def add_listener(self, callback: Any) -> None:
         """KVEvent callbacks ("stored" / "removed" chunk keys) for the router's prefix index."""
-        self._worker.store.add_listener(callback)
+        self._worker.add_listener(callback)
 
     # ---- scheduler side ----
 

@@ -1,5 +1,6 @@
 """What the connector's scheduler side tells its worker side, once per step (vLLM pickles it to
-the workers): which paged blocks to fill from the pool, and which chunks to save."""
+the workers): which paged blocks to fill from the pool, and which chunks to save, each with the
+request's `cache_salt` (the namespace its chunk keys are in: `ConnectorSettings.namespace`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ try:  # vLLM's marker base class where vLLM is installed
 except ImportError:  # without vLLM the metadata is a plain dataclass (the fake engine in tests drives it)
     KVConnectorMetadata = object
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2  # 2: specs carry the request's cache_salt
 
 
 @dataclass
@@ -25,6 +26,7 @@ class LoadSpec:
     token_ids: list[int]
     block_ids: list[int]
     start: int
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -35,6 +37,7 @@ class SaveSpec:
     token_ids: list[int]
     block_ids: list[int]
     first_chunk: int
+    cache_salt: str | None = None
 
 
 @dataclass

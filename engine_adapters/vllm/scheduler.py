@@ -9,6 +9,10 @@ holds, and the per-step plan for the workers (`metadata.KVPoolConnectorMetadata`
   chunks that become computed in this step); a chunk is handed out for saving once, preemption
   included (a resumed request gets all-new blocks and saves only what it had not).
 - `request_finished` delays freeing a request's blocks only for async saves of that request.
+- A request's chunk keys are in the namespace salted with its `cache_salt` (vLLM's per-request
+  salt, which the router sets per tenant; `ConnectorSettings.namespace`): lookups here, and the
+  specs carry the salt so the workers load and save in the same namespace. Without one, the
+  configured namespace, as before salts.
 - A pool error is a miss: logged, never a failed request.
 """
 
@@ -32,6 +36,7 @@ class _Track:
     """State of one request between allocation and finish."""
 
     token_ids: list[int]
+    cache_salt: str | None  # vLLM's Request.cache_salt: the namespace of its chunk keys
     hit_chunks: int  # chunks present in the pool when the request was looked up: never re-saved
     saved_chunks: int  # chunks handed to the workers for saving so far (or present)
     load: tuple[int, int] | None = None  # token range to load in the next step
@@ -44,23 +49,29 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, pool: Callable[[], PoolClient]):
         self.settings = settings
         self._pool = pool
-        self._namespaces = [settings.namespace(r).digest() for r in range(settings.tp_size)]
+        self._namespaces = self._namespaces_of(None)  # of requests without a cache_salt
         self._lookups: dict[str, int] = {}  # req id -> chunks found by the last lookup
         self._tracks: dict[str, _Track] = {}
         self._reqs_with_saves: set[str] = set()  # survives preemption: decides request_finished's delay
         self.stats = {"lookups": 0, "hit_chunks": 0}
 
+    def _namespaces_of(self, cache_salt: str | None) -> list[bytes]:
+        """Every TP rank's namespace digest for requests carrying `cache_salt`."""
+        return [self.settings.namespace(r, cache_salt).digest() for r in range(self.settings.tp_size)]
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond `num_computed_tokens` that the pool holds; loads are synchronous."""
         tokens = list(request.prompt_token_ids or [])
+        salt = _cache_salt(request)
         chunk = self.settings.chunk_tokens
         usable = max(0, (len(tokens) - 1) // chunk)  # vLLM must compute at least one token
         found = 0
         if usable:
             self.stats["lookups"] += 1
             try:  # every TP rank holds its own shard: the usable prefix is the shortest
+                namespaces = self._namespaces if salt is None else self._namespaces_of(salt)
                 found = min(self._pool().match_prefix(chunk_keys_hex(ns, tokens[: usable * chunk], chunk))
-                            for ns in self._namespaces)
+                            for ns in namespaces)
             except KVPoolError as exc:
                 logger.warning("kvpool lookup failed for request %s, treating as a miss: %s", request.request_id, exc)
         self._lookups[request.request_id] = found
@@ -70,7 +81,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         found = self._lookups.pop(request.request_id, 0)
-        track = _Track(token_ids=list(request.prompt_token_ids or []), hit_chunks=found, saved_chunks=found)
+        track = _Track(token_ids=list(request.prompt_token_ids or []), cache_salt=_cache_salt(request),
+                       hit_chunks=found, saved_chunks=found)
         if num_external_tokens > 0:
             end = found * self.settings.chunk_tokens
             track.load = (end - num_external_tokens, end)
@@ -102,12 +114,14 @@ class SchedulerSide:
         chunk, block = self.settings.chunk_tokens, self.settings.block_size
         if track.load is not None:
             start, end = track.load
-            meta.loads.append(LoadSpec(req_id, track.token_ids[:end], track.block_ids[: end // block], start))
+            meta.loads.append(LoadSpec(req_id, track.token_ids[:end], track.block_ids[: end // block], start,
+                                       track.cache_salt))
             track.load = None
         full = min(computed_after_step, len(track.token_ids)) // chunk
         if self.settings.saves and full > track.saved_chunks:
             n = full * chunk
-            meta.saves.append(SaveSpec(req_id, track.token_ids[:n], track.block_ids[: n // block], track.saved_chunks))
+            meta.saves.append(SaveSpec(req_id, track.token_ids[:n], track.block_ids[: n // block], track.saved_chunks,
+                                       track.cache_salt))
             track.saved_chunks = full
             self._reqs_with_saves.add(req_id)
 
@@ -126,3 +140,9 @@ class SchedulerSide:
             params = {"kvpool_cached_tokens": track.saved_chunks * self.settings.chunk_tokens,
                       "kvpool_chunk_tokens": self.settings.chunk_tokens}
         return delay, params
+
+
+def _cache_salt(request: Any) -> str | None:
+    """vLLM's per-request salt (`Request.cache_salt`, from the OpenAI request's `cache_salt`);
+    None for none (an empty one is none, as for vLLM's own prefix cache)."""
+    return getattr(request, "cache_salt", None) or None

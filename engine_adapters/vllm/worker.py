@@ -24,6 +24,9 @@ Invariants:
   blocks afterwards. With `async_save`, the pool writes finish in the background, and
   `get_finished` reports each request that had saves (and only those) once the scheduler
   finished it and all its writes ended.
+- A spec's chunks are keyed, written and verified in the namespace of its `cache_salt`
+  (`ConnectorSettings.namespace`), through that namespace's `ChunkStore`: a chunk of another
+  salt's namespace is a miss, like any other namespace's.
 - A pool error never fails a request: failed loads are misses, failed saves are logged.
 """
 
@@ -33,6 +36,7 @@ import logging
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -48,6 +52,8 @@ from kvpool.errors import InvalidArgument, KVPoolError, LayoutMismatch
 
 logger = logging.getLogger(__name__)
 
+MAX_SALTED_STORES = 256  # ChunkStores of salted namespaces kept (one per cache_salt seen; oldest dropped)
+
 
 @dataclass
 class _ActiveLoad:
@@ -59,6 +65,7 @@ class _ActiveLoad:
 @dataclass
 class _ActiveSave:
     spec: SaveSpec
+    store: ChunkStore  # of spec.cache_salt's namespace
     keys: list[str]  # every full-chunk key of spec.token_ids
     planned: list[PlannedObject]  # chunk objects being filled in place, layer by layer
     payloads: list[torch.Tensor]  # per planned object, its payload as [layers, 2, heads, chunk, dim]
@@ -73,6 +80,8 @@ class WorkerSide:
         self._pool = pool
         self._tp_rank = tp_rank
         self._store: ChunkStore | None = None
+        self._salted: dict[str, ChunkStore] = {}  # cache_salt -> the ChunkStore of its namespace
+        self._listeners: list[Callable[[Any], None]] = []
         self._layers: dict[str, int] = {}  # layer name -> index into the chunk payload
         self._kv_caches: dict[str, Any] = {}
         self._io: ViewIO | PageMapIO | None = None  # how whole blocks of every layer are read and written
@@ -92,9 +101,37 @@ class WorkerSide:
     def store(self) -> ChunkStore:
         """The adapters' engine-free half: keys, the one chunk reader, writes, events."""
         if self._store is None:
-            # with a keyring, chunks are MACed under the key of the principal the pool client runs as
-            self._store = ChunkStore(self._pool(), self.settings.namespace(self._tp_rank), mac_key=plugin_mac_key())
+            self._store = self._make_store(None)
         return self._store
+
+    def store_for(self, cache_salt: str | None) -> ChunkStore:
+        """The ChunkStore of requests carrying `cache_salt` (None: `store`)."""
+        if not cache_salt:
+            return self.store
+        found = self._salted.get(cache_salt)
+        if found is None:
+            if len(self._salted) >= MAX_SALTED_STORES:
+                self._salted.pop(next(iter(self._salted)))
+            found = self._salted[cache_salt] = self._make_store(cache_salt)
+        return found
+
+    def _make_store(self, cache_salt: str | None) -> ChunkStore:
+        store = ChunkStore(self._pool(), self.settings.namespace(self._tp_rank, cache_salt), mac_key=self._mac_key)
+        for callback in self._listeners:
+            store.add_listener(callback)
+        return store
+
+    @cached_property
+    def _mac_key(self) -> bytes | None:
+        """With a keyring, chunks (of every namespace) are MACed under the key of the principal the
+        pool client runs as."""
+        return plugin_mac_key()
+
+    def add_listener(self, callback: Callable[[Any], None]) -> None:
+        """KVEvent callbacks of every namespace's store, present and future."""
+        self._listeners.append(callback)
+        for store in (self.store, *self._salted.values()):
+            store.add_listener(callback)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Record the layers (in model order) and how to move their blocks, as vLLM's attention
@@ -148,13 +185,14 @@ class WorkerSide:
         layout, chunk = self.settings.layout, self.settings.chunk_tokens
         count = layout.payload_nbytes(chunk) // layout.itemsize
         for spec in getattr(meta, "saves", ()):
-            keys = self.store.chunk_keys(spec.token_ids)
+            store = self.store_for(spec.cache_salt)
+            keys = store.chunk_keys(spec.token_ids)
             planned = [PlannedObject(keys[c], c * chunk, chunk, False, bytearray(layout.object_nbytes(chunk)))
                        for c in range(spec.first_chunk, len(keys))]
             payloads = [torch.frombuffer(obj.buffer, dtype=TORCH_DTYPES[layout.dtype], count=count, offset=HEADER_SIZE)
                         .view(layout.shape(chunk)) for obj in planned]
             if planned:
-                self._active_saves.append(_ActiveSave(spec, keys, planned, payloads))
+                self._active_saves.append(_ActiveSave(spec, store, keys, planned, payloads))
 
     def start_load_kv(self, meta: KVPoolConnectorMetadata) -> None:
         """Fetch and verify the chunks of every LoadSpec; scatter later, layer by layer."""
@@ -172,11 +210,12 @@ class WorkerSide:
         chunk, block = self.settings.chunk_tokens, self.settings.block_size
         if spec.start % block:
             raise InvalidArgument(f"load start {spec.start} of request {spec.req_id} is not block-aligned")
-        keys = self.store.chunk_keys(spec.token_ids)
+        store = self.store_for(spec.cache_salt)
+        keys = store.chunk_keys(spec.token_ids)
         first = spec.start // chunk
         chunks: list[torch.Tensor | None] = [None] * first
         try:
-            chunks += [view.as_torch() for view in self.store.reader.run(keys[first:])]
+            chunks += [view.as_torch() for view in store.reader.run(keys[first:])]
         except KVPoolError as exc:
             logger.warning("kvpool get failed for request %s: %s", spec.req_id, exc)
         end = max(spec.start, len(chunks) * chunk)
@@ -247,7 +286,7 @@ class WorkerSide:
     def _write(self, saves: list[_ActiveSave]) -> None:
         for save in saves:
             try:
-                result = self.store.store(save.keys, save.planned, None, len(save.spec.token_ids))
+                result = save.store.store(save.keys, save.planned, None, len(save.spec.token_ids))
                 self.stats["saved_chunks"] += result.stored_chunks
             except KVPoolError as exc:  # a lost save is a future miss, never a failed request
                 logger.warning("kvpool save of %d chunks for request %s failed: %s", len(save.planned), save.spec.req_id, exc)

@@ -9,6 +9,14 @@ requests bearing one), each request runs as the tenant its key belongs to. For t
 - `match_prefix` asks the pool as T's principal, through one client per tenant made on its first
   request (the pool scopes a tenant's keys, so T never matches another tenant's prefix).
 
+Behind vLLM servers (`--engine vllm`, `via_cache_salt`), which take no tenant header and hold one
+pool credential, tenant T is isolated by vLLM's own per-request salt instead:
+- each request carries `cache_salt` = `kvpool.auth.engine_cache_salt` of T's salt
+  (`Tenant.cache_salt`, sent by vllm_backend.py), which the connector mixes into its configured
+  salt (`kvpool.auth.request_salt`): T's namespace is the servers' with that mixed salt;
+- `match_prefix` asks the pool as the router's own principal (one client for every tenant): the
+  servers write every tenant's chunks as their one principal, so T's principal would see none.
+
 Invariants: a `Tenant` is made once per tenant id and only gains its namespace (once a worker
 has described its namespace) and its pool client (once); only the event loop thread touches them.
 Without a namespace description (a worker of an older version), a tenant has no namespace and
@@ -26,7 +34,7 @@ from typing import Any
 
 import xxhash
 
-from kvpool.auth import Credential, Entry, Keyring, tenant_salt
+from kvpool.auth import Credential, Entry, Keyring, engine_cache_salt, request_salt, tenant_salt
 from kvpool.keys import NAMESPACE_PREFIX
 
 log = logging.getLogger(__name__)
@@ -37,6 +45,7 @@ class Tenant:
     id: str
     credential: Credential  # its pool principal
     salt: str
+    cache_salt: str | None = None  # behind vLLM: the `cache_salt` its requests carry
     namespace: bytes | None = None  # set once a worker has described its namespace
     pool: Any = None  # its pool client, made on its first match_prefix
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -51,9 +60,12 @@ def salted_namespace(namespace_doc: dict[str, Any], salt: str) -> bytes:
 
 
 class Tenants:
-    def __init__(self, keyring: Keyring | None, pool_address: str | None):
+    def __init__(self, keyring: Keyring | None, pool_address: str | None, *, via_cache_salt: bool = False):
         self.keyring = keyring
         self.pool_address = pool_address
+        self.via_cache_salt = via_cache_salt  # vLLM servers: salted by cache_salt, one pool principal
+        self._shared_pool: Any = None  # via_cache_salt: the router's own client, for every tenant
+        self._shared_lock = asyncio.Lock()
         # API keys are checked (app.py) exactly when some tenant of the keyring has one.
         self.api_keys = keyring is not None and any(e.api_keys for e in keyring.entries.values())
         self._namespace_doc: dict[str, Any] | None = None
@@ -69,15 +81,32 @@ class Tenants:
             return None
         tenant = self._by_id.get(entry.principal.tenant)
         if tenant is None:
+            salt = tenant_salt(entry.principal.tenant, entry.secret)
             tenant = self._by_id[entry.principal.tenant] = Tenant(
-                entry.principal.tenant, Credential(entry.principal.name, entry.secret),
-                tenant_salt(entry.principal.tenant, entry.secret))
+                entry.principal.tenant, Credential(entry.principal.name, entry.secret), salt,
+                engine_cache_salt(salt) if self.via_cache_salt else None)
         if tenant.namespace is None and self._namespace_doc is not None:
-            tenant.namespace = salted_namespace(self._namespace_doc, tenant.salt)
+            tenant.namespace = salted_namespace(self._namespace_doc, self.namespace_salt(tenant))
         return tenant
 
+    def namespace_salt(self, tenant: Tenant) -> str:
+        """The salt of `tenant`'s namespace: its own, or behind vLLM, the servers' configured salt
+        mixed with its cache_salt, as the connector mixes them."""
+        if tenant.cache_salt is None:
+            return tenant.salt
+        return request_salt(str((self._namespace_doc or {}).get("tenant_salt", "")), tenant.cache_salt)
+
     async def pool(self, tenant: Tenant) -> Any:
-        """`tenant`'s pool client, connected as its principal on first use."""
+        """`tenant`'s pool client, connected as its principal on first use (behind vLLM: the
+        router's own client, shared by every tenant)."""
+        if self.via_cache_salt:
+            if self._shared_pool is None:
+                async with self._shared_lock:
+                    if self._shared_pool is None:
+                        from kvpool.client import connect_async
+
+                        self._shared_pool = await connect_async(self.pool_address)
+            return self._shared_pool
         if tenant.pool is None:
             async with tenant.lock:  # one client per tenant, however many first requests race
                 if tenant.pool is None:
@@ -88,7 +117,7 @@ class Tenants:
         return tenant.pool
 
     async def close(self) -> None:
-        for tenant in self._by_id.values():
-            if tenant.pool is not None:
+        for pool in [t.pool for t in self._by_id.values()] + [self._shared_pool]:
+            if pool is not None:
                 with contextlib.suppress(Exception):
-                    await tenant.pool.close()
+                    await pool.close()

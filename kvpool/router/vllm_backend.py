@@ -19,6 +19,11 @@ model name and context length from `GET /v1/models`, load from `GET /metrics` (r
 waiting, KV cache use, the mean time between tokens since the last poll). vLLM reports no KV
 events here, so only the pool's `match_prefix` tells the policy what is cached.
 
+Tenants (API keys mapped to tenants, tenants.py): a vLLM server takes no tenant header and holds
+one pool credential, so a tenant's request carries vLLM's own `cache_salt` (`Tenant.cache_salt`,
+derived from the tenant's salt) on both the prefill and the decode request: vLLM salts its own
+prefix cache with it, and the connector its chunk keys' namespace, so tenants never share either.
+
 `usage.prompt_tokens_details.cached_tokens` is what the decode instance reports (start it with
 `--enable-prompt-tokens-details`): the prompt tokens it did not compute, i.e. those it loaded from
 the pool (or found in its own prefix cache), as the client would see it behind vLLM's proxy.
@@ -48,6 +53,7 @@ from kvpool.codec import stored_bytes_per_token
 if TYPE_CHECKING:
     from kvpool.router.policy import Decision
     from kvpool.router.service import Outcome, Piece, Router
+    from kvpool.router.tenants import Tenant
     from kvpool.router.workers import WorkerState
 
 log = logging.getLogger(__name__)
@@ -138,7 +144,8 @@ class VLLMBackend:
                                dtype=ns.layout.dtype, pool=str(self.settings.connector.get("kvpool_address", "")),
                                eos_token_ids=eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [],
                                max_positions=context, bytes_per_token=ns.layout.bytes_per_token,
-                               kv_codec=ns.layout.codec, stored_bytes_per_token=stored_bytes_per_token(ns.layout))
+                               kv_codec=ns.layout.codec, stored_bytes_per_token=stored_bytes_per_token(ns.layout),
+                               namespace_doc=ns.canonical_json())
 
     def tokenizer_info(self) -> wire.TokenizerInfo:
         if self._tokenizer is None:
@@ -171,11 +178,14 @@ class VLLMBackend:
 
     # -- execution ------------------------------------------------------------------------------
     async def run(self, router: "Router", d: "Decision", ids: list[int], max_tokens: int,
-                  sampling: wire.SamplingParams, out: "Outcome", rid: str) -> AsyncIterator["Piece"]:
-        """Prefill on `d.prefill` (if any), then stream the decode from `d.decode`."""
+                  sampling: wire.SamplingParams, out: "Outcome", rid: str,
+                  tenant: "Tenant | None" = None) -> AsyncIterator["Piece"]:
+        """Prefill on `d.prefill` (if any), then stream the decode from `d.decode`; both carry
+        `tenant`'s cache_salt, if any."""
+        salt = {"cache_salt": tenant.cache_salt} if tenant is not None and tenant.cache_salt else {}
         kv_params = None
         if d.prefill is not None:
-            kv_params = await self._prefill(router, router.workers.by_name(d.prefill), ids, d, sampling, rid)
+            kv_params = await self._prefill(router, router.workers.by_name(d.prefill), ids, d, sampling, rid, salt)
         decoder = router.workers.by_name(d.decode)
         local = d.prefill is None
         uncached = len(ids) - d.cached_tokens
@@ -183,7 +193,7 @@ class VLLMBackend:
             decoder.prefill_sent(uncached)
         decoder.decode_sent()
         try:
-            async for piece in self._decode(router, decoder, ids, max_tokens, sampling, kv_params, out, rid):
+            async for piece in self._decode(router, decoder, ids, max_tokens, sampling, kv_params, out, rid, salt):
                 yield piece
         finally:
             decoder.decode_done()
@@ -196,13 +206,13 @@ class VLLMBackend:
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, **extra}
 
     async def _prefill(self, router: "Router", p: "WorkerState", ids: list[int], d: "Decision",
-                       sampling: wire.SamplingParams, rid: str) -> dict[str, Any] | None:
+                       sampling: wire.SamplingParams, rid: str, salt: dict[str, str]) -> dict[str, Any] | None:
         uncached = len(ids) - d.cached_tokens
         p.prefill_sent(uncached)
         sent = time.perf_counter()
         try:
             body = await self._post(router, p, self._body(p, ids, 1, sampling, stream=False,
-                                                          kv_transfer_params=dict(PREFILL_KV_PARAMS)), rid)
+                                                          kv_transfer_params=dict(PREFILL_KV_PARAMS), **salt), rid)
         finally:
             p.prefill_done(uncached)
             p.served += 1
@@ -233,10 +243,10 @@ class VLLMBackend:
 
     async def _decode(self, router: "Router", worker: "WorkerState", ids: list[int], max_tokens: int,
                       sampling: wire.SamplingParams, kv_params: dict[str, Any] | None, out: "Outcome",
-                      rid: str) -> AsyncIterator["Piece"]:
+                      rid: str, salt: dict[str, str]) -> AsyncIterator["Piece"]:
         from kvpool.router.service import Piece, _BeforeFirst
 
-        extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
+        extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}, **salt}
         if kv_params:
             extra["kv_transfer_params"] = kv_params
         body = self._body(worker, ids, max_tokens, sampling, **extra)

@@ -58,6 +58,7 @@ class FakeRequest:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None  # the OpenAI request's cache_salt
     local_prefix_tokens: int = 0  # FAKE local prefix-cache hit (block-aligned) on admission
     local_fill: float | None = None  # fill the local prefix with this constant (a probe) instead of its KV
     was_scheduled: bool = False  # scheduled before: a re-admission is a resume from preemption
@@ -201,11 +202,12 @@ class FakeVllmEngine:
         self.layer_hook = None  # optional callable(layer_name, phase) for tests
 
     def add_request(self, req_id: str, prompt: list[int], *, local_prefix_tokens: int = 0,
-                    local_fill: float | None = None) -> FakeRequest:
+                    local_fill: float | None = None, cache_salt: str | None = None) -> FakeRequest:
         """Queue a request; `local_prefix_tokens` plays a hit in vLLM's own (GPU) prefix cache."""
         if local_prefix_tokens % self.block_size:
             raise ValueError("vLLM's local prefix-cache hits are whole blocks")
-        req = FakeRequest(req_id, list(prompt), local_prefix_tokens=local_prefix_tokens, local_fill=local_fill)
+        req = FakeRequest(req_id, list(prompt), local_prefix_tokens=local_prefix_tokens, local_fill=local_fill,
+                          cache_salt=cache_salt)
         self.waiting.append(req)
         self.requests[req_id] = req
         self._model_kv[req_id] = fake_model_kv(req.prompt_token_ids, self.num_layers, self.kv_heads, self.head_dim, self.dtype)
