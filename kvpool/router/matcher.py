@@ -11,9 +11,11 @@ Invariants:
 - the answer is the pool's answer either way: a call that fails or times out inline is asked
   again through the asyncio client (as before this module), so routing decisions do not
   depend on which path answered;
-- the event loop is blocked by the pool at most once per `cooldown_s`, for at most about
-  3 x `inline_timeout_s` (the client's own retry of a lost connection): a failed call, or a
-  slow one (over `slow_s`), sends the calls of the next `cooldown_s` through the asyncio client;
+- a call blocks the event loop for at most about 3 x `inline_timeout_s` (the client's own
+  retry of a lost connection); a failed call, or inline calls slow on average (a moving average
+  over ~10 calls, each counted at most 4 x `slow_s`, above `slow_s`: a pool on another host, or
+  an overloaded one; one scheduling hiccup on a busy machine is not enough), send the calls of
+  the next `cooldown_s` through the asyncio client;
 - only a static `HOST:PORT` pool is asked inline: finding the master through etcd is not
   bounded by a socket timeout.
 """
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 
 class PrefixMatcher:
     def __init__(self, address: str, *, inline: bool = True, inline_timeout_s: float = 0.05,
-                 slow_s: float = 0.02, cooldown_s: float = 5.0):
+                 slow_s: float = 0.005, cooldown_s: float = 5.0):
         self.address = address
         self.inline = inline and not address.startswith(("etcd://", "etcds://", "http://", "https://"))
         self.inline_timeout_s = inline_timeout_s
@@ -42,6 +44,7 @@ class PrefixMatcher:
         self.pool: Any = None  # the AsyncClient (fallback, and the answer when inline is off)
         self._sync: Any = None
         self._inline_after = 0.0  # monotonic time before which calls go through `pool`
+        self._mean_s = 0.0  # moving average of inline call times
         self.inline_calls = 0
         self.async_calls = 0
 
@@ -64,14 +67,17 @@ class PrefixMatcher:
                 self._cool(f"failed inline ({exc})")
             else:
                 self.inline_calls += 1
-                if time.monotonic() - started > self.slow_s:
-                    self._cool(f"took {(time.monotonic() - started) * 1e3:.1f} ms inline")
+                took = min(time.monotonic() - started, 4 * self.slow_s)
+                self._mean_s += 0.1 * (took - self._mean_s)
+                if self._mean_s > self.slow_s:
+                    self._cool(f"took {self._mean_s * 1e3:.1f} ms inline on average")
                 return n
         self.async_calls += 1
         return await self.pool.match_prefix(keys)
 
     def _cool(self, why: str) -> None:
         self._inline_after = time.monotonic() + self.cooldown_s
+        self._mean_s = 0.0
         log.info("match_prefix %s: the next %.0f s go through the asyncio client", why, self.cooldown_s)
 
     async def close(self) -> None:

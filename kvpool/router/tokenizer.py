@@ -29,6 +29,7 @@ from kvpool.errors import InvalidArgument
 
 # A sentence end, then the space that starts the next word: ". The", "? And", "\nSection".
 _CUT = re.compile(r"(?<=[.!?:;\n])(?= [A-Za-z])")
+_SERIAL_CHARS = 4096  # new text up to this long is encoded serially (see _encode)
 
 
 class _Cache:
@@ -151,7 +152,14 @@ class RouterTokenizer:
             have = {p: self._sentences.get(p) for ps in sentences.values() for p in ps}
             missing = [p for p, v in have.items() if v is None]
             if missing:
-                for piece, enc in zip(missing, self._tok.encode_batch_fast(missing, add_special_tokens=False)):
+                # A few new sentences (a new chat turn) are encoded on this thread: the parallel
+                # batch wakes the tokenizer's thread pool, whose hand-off costs as much CPU as the
+                # work and, on a busy machine, a wait for those threads to be scheduled.
+                if sum(map(len, missing)) <= _SERIAL_CHARS:
+                    encs = [self._tok.encode(piece, add_special_tokens=False) for piece in missing]
+                else:
+                    encs = self._tok.encode_batch_fast(missing, add_special_tokens=False)
+                for piece, enc in zip(missing, encs):
                     have[piece] = tuple(enc.ids)
                     self._sentences.put(piece, have[piece])
             for g, ps in sentences.items():

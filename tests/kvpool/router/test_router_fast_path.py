@@ -132,10 +132,11 @@ def test_matcher_inline_answers_as_the_async_client(pool_address):
             assert (m.inline_calls, m.async_calls) == (6, 2)
         finally:
             await m.close()
-        slow = await PrefixMatcher(pool_address, slow_s=0.0).connect()  # every inline call is "slow"
+        # every inline call is slow: the moving average passes slow_s at the third, then the thread answers
+        slow = await PrefixMatcher(pool_address, slow_s=1e-9).connect()
         try:
-            assert [await slow.match(keys) for _ in range(3)] == [25, 25, 25]
-            assert (slow.inline_calls, slow.async_calls) == (1, 2)
+            assert [await slow.match(keys) for _ in range(5)] == [25] * 5
+            assert (slow.inline_calls, slow.async_calls) == (3, 2)
         finally:
             await slow.close()
 
