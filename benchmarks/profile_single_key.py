@@ -3,7 +3,7 @@ the machine's load: Python calls per op (cProfile) and CPU time per op (the clie
 the server connection thread's user + system time, `getrusage(RUSAGE_THREAD)`), for BENCHMARKS.md.
 
     python benchmarks/profile_single_key.py [--mode cpu|calls] [--sizes 64KiB,1MiB] [--auth] [--out FILE]
-    python benchmarks/profile_single_key.py --pair [--control] [--rounds 30] [--round 100] [--out FILE]
+    python benchmarks/profile_single_key.py --pair [--control | --principal node] [--rounds 30] [--round 100]
 
 Starts `kvpool serve` (1 GiB DRAM) in a child process whose finished threads report their
 cProfile and CPU time (`--serve`, internal), and drives it over TCP (use_shm=False) and the
@@ -20,7 +20,9 @@ round's CPU per op is the client thread's and the whole server process's (its PO
 Reported: the medians per op, and the median of the per-round ratios with / without (client +
 server CPU): on a loaded machine two runs minutes apart differ by more than authentication
 costs, two rounds side by side do not. `--control`: the second pool has no keyring either, so
-the ratio shows what the method reads when there is no difference (its floor).
+the ratio shows what the method reads when there is no difference (its floor). `--principal
+node`: the keyring pool's client proves the node principal (authorized, keys not scoped), to
+tell the tenant's key scoping from the rest of authentication.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def _pair(args: argparse.Namespace) -> dict:
         secured, credential = PoolProcess(1 << 30, settings=NO_SPIN), None
         cleanup = secured.close
     else:
-        secured, credential, cleanup = _auth_pool(1 << 30, settings=NO_SPIN)
+        secured, credential, cleanup = _auth_pool(1 << 30, settings=NO_SPIN, principal=args.principal)
     results: dict[str, dict] = {}
     try:
         for shm in (False, True):
@@ -177,6 +179,8 @@ def main() -> None:
     ap.add_argument("--out", help="also write the figures here (JSON)")
     ap.add_argument("--pair", action="store_true", help="CPU with / without a keyring, alternating rounds")
     ap.add_argument("--control", action="store_true", help="--pair: the second pool without a keyring too (A/A)")
+    ap.add_argument("--principal", choices=("bench", "node"), default="bench",
+                    help="--pair: who the keyring pool's client is: the tenant (keys scoped) or the node (not scoped)")
     ap.add_argument("--rounds", type=int, default=30, help="--pair: rounds per side")
     ap.add_argument("--round", type=int, default=100, help="--pair: 64 KiB ops per round (fewer for larger)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)

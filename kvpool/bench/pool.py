@@ -355,10 +355,10 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
     report.emit(as_json)
 
 
-def _auth_pool(dram_capacity: int, settings: dict[str, str] | None = None) -> tuple[PoolProcess, Any,
-                                                                                     Callable[[], None]]:
-    """A pool with a keyring of a node and one tenant (a file 0600 in a private temp directory),
-    the tenant's credential, and how to stop it and delete the keyring."""
+def _auth_pool(dram_capacity: int, settings: dict[str, str] | None = None,
+               principal: str = "bench") -> tuple[PoolProcess, Any, Callable[[], None]]:
+    """A pool with a keyring of a node ("node") and one tenant ("bench"; a file 0600 in a private
+    temp directory), the credential of `principal`, and how to stop it and delete the keyring."""
     import secrets
     import shutil
     import tempfile
@@ -382,7 +382,7 @@ def _auth_pool(dram_capacity: int, settings: dict[str, str] | None = None) -> tu
         server.close()
         shutil.rmtree(folder, ignore_errors=True)
 
-    return server, Credential("bench", tenant.encode()), cleanup
+    return server, Credential(principal, (node if principal == "node" else tenant).encode()), cleanup
 
 
 def _run(report: Report, systems: list[Any], workloads: list[Workload], reps: int, no_put: bool) -> None:
