@@ -109,7 +109,7 @@ class Router:
         self.backend = make_backend(config.engine, config.vllm)  # None: the reference workers' API
         self._joining: list[asyncio.Task] = []
         self.keyring = load_keyring(config.auth_file)
-        self.tenants = Tenants(self.keyring, config.pool)
+        self.tenants = Tenants(self.keyring, config.pool, via_cache_salt=self.backend is not None)
         self.api_keys = self.tenants.api_keys  # app.py admits only requests with a tenant's API key
         self._tokenize = ThreadPoolExecutor(max(1, config.tokenize_threads), thread_name_prefix="tokenize")
 
