@@ -107,7 +107,7 @@ def _pair(args: argparse.Namespace) -> dict:
     import numpy as np
 
     import kvpool
-    from kvpool.bench.pool import PoolProcess, _auth_pool
+    from kvpool.bench.pool_process import PoolProcess, auth_pool
     from kvpool.config import parse_size
 
     os.environ.update(NO_SPIN)
@@ -116,7 +116,7 @@ def _pair(args: argparse.Namespace) -> dict:
         secured, credential = PoolProcess(1 << 30, settings=NO_SPIN), None
         cleanup = secured.close
     else:
-        secured, credential, cleanup = _auth_pool(1 << 30, settings=NO_SPIN, principal=args.principal)
+        secured, credential, cleanup = auth_pool(1 << 30, settings=NO_SPIN, principal=args.principal)
     results: dict[str, dict] = {}
     try:
         for shm in (False, True):

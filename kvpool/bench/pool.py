@@ -37,17 +37,14 @@ bytes on this path.
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import click
 import numpy as np
 
-from kvpool.bench.pool_peers import MooncakePeer, RedisPeer, mooncake_available, stop_process
+from kvpool.bench.pool_peers import MooncakePeer, RedisPeer, mooncake_available
+from kvpool.bench.pool_process import PoolProcess, auth_pool
 from kvpool.bench.report import Report, gbps, progress
 from kvpool.errors import InvalidArgument
 
@@ -68,65 +65,6 @@ GOALS = {  # (case, baseline, min size, max size) -> minimum ratio
     ("get_shm", "redis_unix", 0, None): 1.0,
 }
 SAME_HOST_PEERS = ("redis_unix",)  # compared with ours_shm only
-
-
-class PoolProcess:
-    """`kvpool serve` on a free loopback port in a child process."""
-
-    def __init__(self, dram_capacity: int, auth_file: str | None = None, settings: dict[str, str] | None = None):
-        """`settings`: KVPOOL_* variables for the pool (none of this process's are passed on)."""
-        exe = Path(sys.executable).with_name("kvpool")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from kvpool.cli import main; main()"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | (settings or {})
-        if auth_file:
-            env["KVPOOL_AUTH_FILE"] = auth_file
-        self.proc = subprocess.Popen(
-            cmd + ["--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", "0", "--admin-port", "0",
-                   "--dram-capacity", str(dram_capacity)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        line = self.proc.stdout.readline().strip()
-        if not line.startswith("kvpool serving at "):
-            stop_process(self.proc)
-            raise RuntimeError(f"kvpool serve did not start (said {line!r})")
-        self.address = line.rsplit(" ", 1)[1]
-        self.cpu_seconds = _cpu_clock(self.proc.pid)
-
-    def settle(self, timeout: float = 120.0) -> None:
-        """Wait until the pool is idle: a new pool maps its whole DRAM arena in a background thread
-        (`kvpool.tiers.arena.populate`, ~1 s of CPU per GiB here, holding the GIL in steps), and
-        a pool measured while that runs is slower than an older one for reasons of its age."""
-        deadline, quiet = time.monotonic() + timeout, 0
-        last = self.cpu_seconds()
-        while quiet < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            now = self.cpu_seconds()
-            quiet = quiet + 1 if now - last < 0.005 else 0  # under 5% of a core
-            last = now
-
-    def close(self) -> None:
-        stop_process(self.proc, timeout=10)
-
-
-def _cpu_clock(pid: int) -> Callable[[], float]:
-    """The CPU seconds (user + system, all threads) process `pid` has used so far: its POSIX CPU
-    clock (ns resolution) where libc gives it, else /proc/<pid>/stat (clock ticks)."""
-    import ctypes
-
-    try:
-        clock = ctypes.c_int()
-        if ctypes.CDLL(None).clock_getcpuclockid(pid, ctypes.byref(clock)) == 0:
-            clock_id = clock.value
-            return lambda: time.clock_gettime(clock_id)
-    except (OSError, AttributeError):
-        pass
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def from_proc() -> float:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick
-
-    return from_proc
 
 
 ENGINE = "ours_tcp-engine"
@@ -312,7 +250,7 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
             systems.append(Ours(server.address, use_shm, name, data_path, server=server))
             closers.append(systems[-1].close)
         if auth:
-            secured, credential, cleanup = _auth_pool(max(1 << 30, 4 * working_set))
+            secured, credential, cleanup = auth_pool(max(1 << 30, 4 * working_set))
             closers.append(cleanup)
             for use_shm, name in ((False, "ours_tcp"), (True, "ours_shm")):
                 systems.append(Ours(secured.address, use_shm, name + AUTH, "rpc", credential, server=secured))
@@ -353,36 +291,6 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
                 log.warning("cleanup failed", exc_info=True)
     _check_goals(report)
     report.emit(as_json)
-
-
-def _auth_pool(dram_capacity: int, settings: dict[str, str] | None = None,
-               principal: str = "bench") -> tuple[PoolProcess, Any, Callable[[], None]]:
-    """A pool with a keyring of a node ("node") and one tenant ("bench"; a file 0600 in a private
-    temp directory), the credential of `principal`, and how to stop it and delete the keyring."""
-    import secrets
-    import shutil
-    import tempfile
-
-    from kvpool.auth import Credential
-
-    folder = tempfile.mkdtemp(prefix="kvpool-bench-auth-")
-    path = os.path.join(folder, "keyring.toml")
-    node, tenant = secrets.token_hex(24), secrets.token_hex(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f'[principals.node]\nrole = "node"\nsecret = "{node}"\n'
-                f'[principals.bench]\nrole = "tenant:bench"\nsecret = "{tenant}"\n')
-    try:
-        server = PoolProcess(dram_capacity, auth_file=path, settings=settings)
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-
-    def cleanup() -> None:
-        server.close()
-        shutil.rmtree(folder, ignore_errors=True)
-
-    return server, Credential(principal, (node if principal == "node" else tenant).encode()), cleanup
 
 
 def _run(report: Report, systems: list[Any], workloads: list[Workload], reps: int, no_put: bool) -> None:
