@@ -57,8 +57,11 @@ class SpinPolicy:
     (`busy`), which are spinning for one, and whether clients have been interleaving. A thread
     may spin for its client's next request only while no other is busy or spinning and no two
     clients' requests followed each other within `MIXED_NS`: with several busy clients the
-    server has work anyway, and the clients need the CPU a spin would take. `set.add` / `discard`
-    are atomic under the GIL; the rest is advisory (a wrong answer costs a spin or a sleep)."""
+    server has work anyway, and the clients need the CPU a spin would take. A thread is in
+    `spinning` only while it polls: one whose polls ran out leaves it before it blocks
+    (`Reader.fill`), or an idle connection would stop the server spinning for anyone else.
+    `set.add` / `discard` are atomic under the GIL; the rest is advisory (a wrong answer costs a
+    spin or a sleep)."""
 
     def __init__(self, polls: int):
         self.polls = polls
