@@ -135,7 +135,9 @@ container-tools:
 image: $(STAMP) container-tools
 	PYTHON=$(BIN)/python deploy/build-image.sh
 
+# atheris (tests/fuzz/test_atheris.py): best effort, its tests skip with the reason where it has no wheel.
 test-slow: $(STAMP) system-deps container-tools
+	-@$(BIN)/python -c "import atheris" 2>/dev/null || $(BIN)/pip install -q -e ".[fuzz]"
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 # Baselines for the benches: Mooncake Store (optional; needs Debian's libibverbs1 to load).

@@ -2,13 +2,15 @@
 
 Property, for each target: arbitrary bytes, or a mutation of a valid encoding, give either a
 valid object or the module's own documented error (kvpool.errors for kvpool, transfer.errors for
-the transfer engine, msgspec.DecodeError where the caller catches exactly that), never another
-exception. Each target gets `EXAMPLES` inputs in the default suite and `LONG_EXAMPLES` in `slow`;
+the transfer engine, transfer.auth.AuthError for the handshake, msgspec.DecodeError where the
+caller catches exactly that), never another exception. atheris_targets.py runs the same checks
+coverage-guided. Each target gets `EXAMPLES` inputs in the default suite and `LONG_EXAMPLES` in `slow`;
 how many each really tried is printed at the end of the run ("fuzz inputs tried per target").
 """
 
 from __future__ import annotations
 
+import socket
 import tempfile
 
 import msgspec
@@ -25,7 +27,7 @@ from kvpool.chunk_format import KVLayout, decode_chunk, encode_chunk, read_heade
 from kvpool.errors import KVPoolError
 from kvpool.handle import KVHandle
 from kvpool.rpc.frame import reply_decoder, request_decoder
-from transfer import wire
+from transfer import auth, wire
 from transfer.descriptor import RdmaEndpoint, SegmentDescriptor
 from transfer.errors import TransferError
 
@@ -71,6 +73,12 @@ def _msgspec_only(decoder):
     return check
 
 
+CONTROL_SEEDS = [enc.encode(x) for x in [
+    wire.Hello("e"), wire.RdmaConnect("e", [wire.QPInfo(1, 2, 3, b"g" * 16, 1024)]),
+    wire.RdmaAccept([wire.QPInfo(1, 2, 3, b"g", 4096)]), wire.ControlError("x")]]
+DESCRIPTOR_SEEDS = [SegmentDescriptor("s", "e", "h", 1, 2, ("tcp", "shm"), "id", 3, "/p", RdmaEndpoint(1, 2), 5).to_bytes()]
+
+
 def _control(data: bytes) -> None:
     try:
         wire.CONTROL_DECODER.decode(data)
@@ -95,8 +103,56 @@ def _transfer_headers(data: bytes) -> None:
     wire.RESP.unpack_from(data)
 
 
+# The auth handshake (transfer/auth.py) over a socketpair: the peer's bytes are all sent, then
+# its write side shut, so every read ends in bytes or EOF. A handshake ends in AuthError or, for a
+# proof no one can make without the secret and the fresh nonce, never in success.
+AUTH_SECRETS = {"alice": b"s" * 32}
+AUTH_HELLO_SEEDS = [auth.MAGIC + bytes([5]) + b"alice" + bytes(range(32)) + b"p" * 32,
+                    auth.MAGIC + bytes([3]) + b"bob" + b"n" * 32, auth.MAGIC + bytes([2]) + b"\xff\xfe" + b"n" * 64]
+AUTH_REPLY_SEEDS = [bytes([auth.OK]) + b"n" * 32 + b"p" * 32 + bytes([auth.OK, 0]),
+                    bytes([auth.OK]) + b"n" * 64 + bytes([auth.REFUSED, 7]) + b"refused",
+                    bytes([auth.REFUSED]) + bytes(64), bytes([auth.NOT_CONFIGURED]) + bytes(64)]
+
+
+def _peer(data: bytes) -> tuple[socket.socket, socket.socket]:
+    mine, peer = socket.socketpair()
+    peer.sendall(data)
+    peer.shutdown(socket.SHUT_WR)
+    return mine, peer
+
+
+def _auth_serve(data: bytes) -> None:
+    first = data[:len(auth.MAGIC)]
+    if not auth.looks_like_hello(first):  # the ports answer anything else as their own protocol
+        return
+    for lookup in (AUTH_SECRETS.get, None):
+        mine, peer = _peer(data[len(first):])
+        try:
+            auth.serve_handshake(mine, first, lookup, "rpc", timeout=1.0)
+            raise AssertionError("a handshake with no valid proof succeeded")
+        except auth.AuthError:
+            pass
+        finally:
+            mine.close()
+            peer.close()
+
+
+def _auth_client(data: bytes) -> None:
+    mine, peer = _peer(data)
+    try:
+        auth.client_handshake(mine, "alice", AUTH_SECRETS["alice"], "rpc", timeout=1.0)
+        raise AssertionError("the client accepted a server proof made without the secret")
+    except auth.AuthError:
+        pass
+    finally:
+        mine.close()
+        peer.close()
+
+
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=4)
-CHUNK_SEEDS = [bytes(encode_chunk(LAYOUT, np.zeros(LAYOUT.shape(t), "float16"), t)) for t in (1, 4)]
+CHUNK_SEEDS = [bytes(encode_chunk(LAYOUT, np.zeros(LAYOUT.shape(t), "float16"), t, key=key))
+               for t, key in ((1, None), (4, None), (4, "k"))]
+CHUNK_SEEDS.append(CHUNK_SEEDS[0][:4] + (1).to_bytes(2, "little") + CHUNK_SEEDS[0][6:])  # a format-1 header
 
 
 def _chunk(data: bytes) -> None:
@@ -156,17 +212,22 @@ def _ssd_meta(data: bytes) -> None:
 TARGETS = {
     "rpc.request": (fuzz_bytes(REQUEST_SEEDS), _msgspec_only(request_decoder)),
     "rpc.reply": (fuzz_bytes(REPLY_SEEDS), _msgspec_only(reply_decoder)),
-    "transfer.control": (fuzz_bytes([enc.encode(x) for x in [
-        wire.Hello("e"), wire.RdmaConnect("e", [wire.QPInfo(1, 2, 3, b"g" * 16, 1024)]),
-        wire.RdmaAccept([wire.QPInfo(1, 2, 3, b"g", 4096)]), wire.ControlError("x")]]), _control),
-    "transfer.descriptor": (fuzz_bytes([SegmentDescriptor("s", "e", "h", 1, 2, ("tcp", "shm"), "id", 3, "/p",
-                                                          RdmaEndpoint(1, 2), 5).to_bytes()]), _descriptor),
+    "transfer.control": (fuzz_bytes(CONTROL_SEEDS), _control),
+    "transfer.descriptor": (fuzz_bytes(DESCRIPTOR_SEEDS), _descriptor),
     "transfer.headers": (st.binary(max_size=48), _transfer_headers),
+    "transfer.auth.serve": (fuzz_bytes(AUTH_HELLO_SEEDS, max_size=128), _auth_serve),
+    "transfer.auth.client": (fuzz_bytes(AUTH_REPLY_SEEDS, max_size=128), _auth_client),
     "chunk_format": (fuzz_bytes(CHUNK_SEEDS, max_size=1024), _chunk),
     "handle.KVHandle": (fuzz_bytes(HANDLE_SEEDS), _handle),
     "worker_api": (fuzz_bytes(WORKER_SEEDS), _worker),
     "tiers.ssd.meta": (fuzz_bytes(SSD_SEEDS, max_size=64), _ssd_meta),
 }
+# The valid encodings each target's mutations start from (tests/fuzz/atheris_targets.py seeds its
+# corpora with them too).
+SEEDS = {"rpc.request": REQUEST_SEEDS, "rpc.reply": REPLY_SEEDS, "transfer.control": CONTROL_SEEDS,
+         "transfer.descriptor": DESCRIPTOR_SEEDS, "transfer.auth.serve": AUTH_HELLO_SEEDS,
+         "transfer.auth.client": AUTH_REPLY_SEEDS, "chunk_format": CHUNK_SEEDS, "handle.KVHandle": HANDLE_SEEDS,
+         "worker_api": WORKER_SEEDS, "tiers.ssd.meta": SSD_SEEDS}
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -189,7 +250,8 @@ def _codec_targets():
     return sorted(CODECS)
 
 
-def _codec_check(name: str):
+def codec_target(name: str):
+    """(a chunk object the codec encoded, the largest payload it encodes 4 tokens to, the check)."""
     import numpy as np
     import torch
 
@@ -212,8 +274,13 @@ def _codec_check(name: str):
         except KVPoolError:
             pass
 
-    payload_max = codec.max_encoded_nbytes(layout, 4)
+    return seed, codec.max_encoded_nbytes(layout, 4), check
+
+
+def _codec_check(name: str):
     from kvpool.chunk_format import HEADER_SIZE
+
+    seed, payload_max, check = codec_target(name)
     strategy = st.one_of(fuzz_bytes([seed[HEADER_SIZE:]], max_size=payload_max + 8), fuzz_bytes([seed], max_size=64),
                          st.binary(min_size=payload_max, max_size=payload_max))
     return strategy, check
