@@ -172,7 +172,7 @@ def run_soak(workdir: Path, duration_s: float = 3600.0, seed: int = 1, sample_s:
     counter = OpCounter()
     samples: list[dict] = []
     crashes: list[dict] = []
-    idle: dict[str, dict] = {}
+    idle: dict = {}  # "mid", "end": {server: sample}; "mid_t": when
     rng = random.Random(seed)
     pids: dict[str, int] = {}
     try:
