@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from fuzz_support import EXAMPLES, LONG_EXAMPLES, TRIED, fuzz_bytes, fuzz_settings
 from kvpool import messages as m
 from kvpool import worker_api
-from kvpool.contract import check_key
+from kvpool.contract import check_stored_key
 from kvpool.chunk_format import KVLayout, decode_chunk, encode_chunk, read_header
 from kvpool.errors import KVPoolError
 from kvpool.handle import KVHandle
@@ -206,7 +206,7 @@ def _ssd_meta(data: bytes) -> None:
     parsed = SsdTier._parse_meta(memoryview(data))
     if parsed is not None:
         key, length, checksum = parsed
-        assert check_key(key) == key and length >= 0 and checksum >= 0  # a key a put could have written
+        assert check_stored_key(key) == key and length >= 0 and checksum >= 0  # a key a put could have written
 
 
 TARGETS = {

@@ -11,6 +11,10 @@
   over MAX_PAYLOAD) breaks the connection (`Unavailable`) before anything is allocated.
 - worker POST /v1/tokenize {"messages": []}: the chat template raised ValueError, answered 500.
   Now `TokenizeRequest` refuses empty messages when decoded (400).
+- tiers.ssd.meta (atheris, in 0.1 s): a meta record keyed "a\x00c" parsed, and the fuzz check
+  called that a key no put could write. It was the check that was wrong: since issue 13 that is a
+  tenant-scoped stored key, which the tier stores. The check now uses `check_stored_key`, as the
+  tier does; the test below pins that such a record survives a reopen.
 """
 
 from __future__ import annotations
@@ -136,3 +140,20 @@ def test_worker_answers_400_to_an_empty_conversation(worker_http):
     resp = worker_http.post("/v1/tokenize", content=b'{"v":1,"messages":[]}')
     assert resp.status_code == 400, resp.text
     assert resp.json()["code"] == "invalid_argument"
+
+
+# The input atheris found (tiers.ssd.meta): magic, version 1, key length 3, length 10, then "a\0c".
+ATHERIS_SSD_META = bytes.fromhex("4b565353 0100 0300 0a00000000000000 6300080000000000 610063")
+
+
+def test_ssd_keeps_a_tenant_scoped_record_across_a_reopen(tmp_path):
+    assert SsdTier._parse_meta(memoryview(ATHERIS_SSD_META))[0] == "a\x00c"
+    tier = SsdTier(str(tmp_path), 1 << 20)
+    tier.put("a\x00c", b"0123456789")
+    tier.close()
+    tier = SsdTier(str(tmp_path), 1 << 20)
+    try:
+        assert [k for k, _ in tier.keys()] == ["a\x00c"]
+        assert tier.get("a\x00c") == b"0123456789"
+    finally:
+        tier.close()
