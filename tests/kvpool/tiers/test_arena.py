@@ -64,3 +64,23 @@ def test_bad_names_and_paths():
             SharedArena.create(4096, name=f"kvpool-test-{os.getpid()}")
     finally:
         arena.close()
+
+
+def test_an_index_left_without_its_arena_by_a_dead_node_is_reaped(tmp_path):
+    """Regression (the soak): removing a killed node's arena but not its `.idx` left the index in
+    /dev/shm forever, since reaping went by arenas only."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"kvpool-{dead.pid}-0badc0de.idx"
+    live_owner = tmp_path / f"kvpool-{os.getpid()}-0badc0de.idx"  # this process lives
+    with_arena = tmp_path / f"kvpool-{dead.pid}-1badc0de.idx"
+    young = tmp_path / f"kvpool-{dead.pid}-2badc0de.idx"
+    for p in (orphan, live_owner, with_arena, young, tmp_path / f"kvpool-{dead.pid}-1badc0de"):
+        p.write_bytes(b"x")
+        if p is not young:
+            os.utime(p, (0, 0))
+    removed = SharedArena.reap_stale(str(tmp_path))
+    # the dead node's arena (no flock holder) goes with its index; the orphan goes too
+    assert sorted(removed) == sorted([str(orphan), str(tmp_path / f"kvpool-{dead.pid}-1badc0de")])
+    assert not orphan.exists() and not with_arena.exists()
+    assert live_owner.exists() and young.exists()
