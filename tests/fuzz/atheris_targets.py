@@ -55,6 +55,7 @@ def _join(*fields: bytes) -> bytes:
 def targets() -> dict[str, tuple[list[bytes], Check]]:
     """name -> (seed inputs, check). Imports the decoders (main instruments them afterwards)."""
     import test_decoders as td
+    from kvpool.messages import PROTOCOL_VERSION
     from kvpool.rpc.frame import HEADER, MAX_MESSAGE, MAX_PAYLOAD
     from transfer import wire
 
@@ -73,7 +74,8 @@ def targets() -> dict[str, tuple[list[bytes], Check]]:
         request_check(body)
         reply_check(body)
 
-    out["rpc.frame"] = ([HEADER.pack(1, 0, len(s), 0) + s for s in td.REQUEST_SEEDS[:4] + td.REPLY_SEEDS[:4]], rpc_frame)
+    frames = [HEADER.pack(PROTOCOL_VERSION, 0, len(s), 0) + s for s in td.REQUEST_SEEDS[:4] + td.REPLY_SEEDS[:4]]
+    out["rpc.frame"] = (frames, rpc_frame)
 
     def ssd_recover(data: bytes) -> None:
         f = _fields(data)

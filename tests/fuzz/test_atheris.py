@@ -17,7 +17,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("atheris", reason="atheris is not installed (pip install -e '.[fuzz]'; make test-slow tries)")
+try:
+    import atheris  # noqa: F401
+except ImportError as exc:  # not installed, or installed without a loadable libFuzzer
+    pytest.skip(f"atheris is not importable ({exc}); pip install -e '.[fuzz]' (make test-slow tries)",
+                allow_module_level=True)
 
 HARNESS = Path(__file__).with_name("atheris_targets.py")
 SECONDS = int(os.environ.get("KVPOOL_ATHERIS_SECONDS", "60"))

@@ -76,7 +76,8 @@ def _msgspec_only(decoder):
 CONTROL_SEEDS = [enc.encode(x) for x in [
     wire.Hello("e"), wire.RdmaConnect("e", [wire.QPInfo(1, 2, 3, b"g" * 16, 1024)]),
     wire.RdmaAccept([wire.QPInfo(1, 2, 3, b"g", 4096)]), wire.ControlError("x")]]
-DESCRIPTOR_SEEDS = [SegmentDescriptor("s", "e", "h", 1, 2, ("tcp", "shm"), "id", 3, "/p", RdmaEndpoint(1, 2), 5).to_bytes()]
+DESCRIPTOR_SEEDS = [SegmentDescriptor("s", "e", "h", 1, 2, ("tcp", "shm"), "id", 3, "/p", RdmaEndpoint(1, 2),
+                                      5).to_bytes()]
 
 
 def _control(data: bytes) -> None:
