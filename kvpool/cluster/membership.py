@@ -52,8 +52,13 @@ class Registration:
     def _refresh(self) -> None:
         if self.lease and self.etcd.keepalive(self.lease) > 0:
             return
-        self.lease = self.etcd.grant(self.ttl)
-        self.etcd.put(self.key, self.value, lease=self.lease)
+        # The lease counts as ours only once the key is written under it: a put lost after the
+        # grant (etcd restarting) must be retried, not kept alive without its key (found by the
+        # chaos campaign, seed 2: a node re-registered with the master every second for 36 s and
+        # was dropped each time, its etcd key gone while the orphan lease stayed alive).
+        lease = self.etcd.grant(self.ttl)
+        self.etcd.put(self.key, self.value, lease=lease)
+        self.lease = lease
         log.info("registered %s in etcd (lease %x, ttl %ds)", self.key, self.lease, self.ttl)
 
     def _loop(self) -> None:
@@ -94,8 +99,10 @@ class LeaderElection:
         if not self.lease or self.etcd.keepalive(self.lease) <= 0:
             if self.is_leader:
                 self._lose("lease expired")
-            self.lease = self.etcd.grant(self.ttl)
-            self.etcd.put(MASTERS_PREFIX + self.address, self.address, lease=self.lease)
+            self.lease = 0  # as in Registration: ours once the key is written under it
+            lease = self.etcd.grant(self.ttl)
+            self.etcd.put(MASTERS_PREFIX + self.address, self.address, lease=lease)
+            self.lease = lease
         current = self.etcd.get_with_lease(LEADER_KEY)
         if current is None and self.etcd.create(LEADER_KEY, self.address, lease=self.lease):
             current = (self.address.encode(), self.lease)

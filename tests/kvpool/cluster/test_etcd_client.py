@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from kvpool.cluster import LEADER_KEY, EtcdClient, LeaderElection, Registration
+from kvpool.errors import Unavailable
 from etcd_testing import wait_for
 
 
@@ -34,6 +35,33 @@ def test_registration_stays_while_alive_and_goes_on_stop(etcd):
         reg.stop()
     assert c.get("/t/node/a") is None
     c.close()
+
+
+class _EtcdLosingOnePut(EtcdClient):
+    """A real etcd client whose first put after `arm()` fails as if etcd went away right after
+    the lease was granted (the window the chaos campaign hit during an etcd restart)."""
+
+    armed = False
+
+    def put(self, key, value, lease=0):
+        if self.armed:
+            self.armed = False
+            raise Unavailable("etcd went away (injected after the grant)")
+        return super().put(key, value, lease=lease)
+
+
+def test_registration_rewrites_its_key_when_a_put_is_lost_after_the_grant(etcd):
+    c = EtcdClient(etcd.meta)
+    client = _EtcdLosingOnePut(etcd.meta)
+    reg = Registration(client, "/t/node/b", "addr", ttl=2).start()
+    try:
+        c.revoke(reg.lease)  # the lease is lost (a long pause, an etcd restart): the key goes
+        client.armed = True  # and the refresh's put after its new grant is lost too
+        assert wait_for(lambda: not client.armed, timeout=5)
+        assert wait_for(lambda: c.get("/t/node/b") == b"addr", timeout=5), "the key was never written again"
+    finally:
+        reg.stop()
+        c.close()
 
 
 def test_one_leader_and_the_standby_takes_over(etcd):
