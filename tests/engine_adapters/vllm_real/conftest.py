@@ -8,10 +8,15 @@ fresh process (`engine_adapters.vllm_run`): vLLM in-process, 1 GiB of KV space, 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -74,3 +79,42 @@ def prompts(model_path) -> list[list[int]]:
     ids = tok.encode("\n\n".join(p.read_text() for p in docs)).ids
     assert len(ids) > 4000, "the docs are the prompt source"
     return [ids[:320], ids[2000:2192], ids[:128] + ids[3000:3128]]
+
+
+@contextlib.contextmanager
+def _kvpool_up_vllm(args: list[str], workdir: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`kvpool up --engine vllm ARGS` in `workdir`; yields the router's base URL (no /v1) and stops
+    everything on exit (kvpool up stops router, servers and pool on SIGTERM)."""
+    proc = subprocess.Popen([sys.executable, "-c", "from kvpool.cli import main; main()", "up", "--engine", "vllm",
+                             *args, "--workdir", str(workdir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**(os.environ if env is None else env), "VLLM_CPU_KVCACHE_SPACE": "1"})
+    seen: list[str] = []
+    try:
+        deadline, url = time.monotonic() + 720, None
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if (m := re.search(r"OpenAI API: (http://\S+)/v1", line)) is not None:
+                url = m.group(1)
+        if url is None:
+            logs = "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+                           for p in sorted(workdir.glob("*.log")))
+            pytest.fail(f"kvpool up --engine vllm {' '.join(args)} did not start:\n" + "".join(seen[-30:]) + logs)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def kvpool_up_vllm():
+    """`with kvpool_up_vllm(args, workdir[, env]) as url:` a whole `kvpool up --engine vllm`."""
+    return _kvpool_up_vllm
+

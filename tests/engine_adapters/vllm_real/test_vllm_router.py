@@ -15,12 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -66,36 +60,12 @@ def plain(model_path):
 
 
 @pytest.fixture(scope="module")
-def router_url(plain, tmp_path_factory):
+def router_url(plain, tmp_path_factory, kvpool_up_vllm):
     """`kvpool up --engine vllm --prefill 1 --decode 1` (after the plain engine is gone)."""
     workdir = tmp_path_factory.mktemp("up-vllm")
-    proc = subprocess.Popen([sys.executable, "-c", "from kvpool.cli import main; main()", "up", "--engine", "vllm",
-                             "--prefill", "1", "--decode", "1", "--dtype", "float32", "--port", "0",
-                             f"--vllm-arg=--max-model-len={MAX_MODEL_LEN}", "--workdir", str(workdir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    seen: list[str] = []
-    try:
-        deadline, url = time.monotonic() + 720, None
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if (m := re.search(r"OpenAI API: (http://\S+)/v1", line)) is not None:
-                url = m.group(1)
-        if url is None:
-            logs = "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
-                           for p in sorted(workdir.glob("*.log")))
-            pytest.fail("kvpool up --engine vllm did not start:\n" + "".join(seen[-30:]) + logs)
+    with kvpool_up_vllm(["--prefill", "1", "--decode", "1", "--dtype", "float32", "--port", "0",
+                         f"--vllm-arg=--max-model-len={MAX_MODEL_LEN}"], workdir) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)  # kvpool up stops router, servers and pool on SIGTERM
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

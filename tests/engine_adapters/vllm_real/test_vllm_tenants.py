@@ -12,11 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +32,7 @@ def loadable(n: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def router_url(model_path, tmp_path_factory):
+def router_url(model_path, tmp_path_factory, kvpool_up_vllm):
     workdir = tmp_path_factory.mktemp("up-vllm-tenants")
     keyring = workdir / "keyring.json"
     keyring.write_text(json.dumps({"principals": {
@@ -45,34 +40,10 @@ def router_url(model_path, tmp_path_factory):
         **{t: {"role": f"tenant:{t}", "secret": t[0] * 40, "api_keys": [key]} for t, key in API_KEYS.items()}}}))
     os.chmod(keyring, 0o600)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
-    proc = subprocess.Popen([sys.executable, "-c", "from kvpool.cli import main; main()", "up", "--engine", "vllm",
-                             "--colocated", "1", "--dtype", "float32", "--port", "0", "--auth-file", str(keyring),
-                             "--vllm-arg=--max-model-len=1024", "--vllm-arg=--no-enable-prefix-caching",
-                             "--workdir", str(workdir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    seen: list[str] = []
-    try:
-        deadline, url = time.monotonic() + 720, None
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if (m := re.search(r"OpenAI API: (http://\S+)/v1", line)) is not None:
-                url = m.group(1)
-        if url is None:
-            logs = "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
-                           for p in sorted(workdir.glob("*.log")))
-            pytest.fail("kvpool up --engine vllm --auth-file did not start:\n" + "".join(seen[-30:]) + logs)
+    with kvpool_up_vllm(["--colocated", "1", "--dtype", "float32", "--port", "0", "--auth-file", str(keyring),
+                         "--vllm-arg=--max-model-len=1024", "--vllm-arg=--no-enable-prefix-caching"],
+                        workdir, env) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def complete(router_url: str, tenant: str):
