@@ -16,7 +16,7 @@ probe_image() {
         podman image exists "$img" && { echo "$img"; return; }
     done
 }
-IMG=$(probe_image)
+IMG=$(probe_image || true)  # none on a fresh machine: not an error (set -e)
 if [ -z "$IMG" ]; then
     # No image yet: an empty one from scratch cannot run anything, so check the runtime alone.
     say "no base image yet: checking the settings only"
