@@ -28,7 +28,6 @@ fi
 say() { echo "build-image: $*" >&2; }
 
 command -v podman >/dev/null || { say "podman is missing: apt-get install podman runc debootstrap"; exit 2; }
-"$ROOT/deploy/podman-setup.sh"
 
 # ---- 2. the base image ------------------------------------------------------------------------
 if [ "${KVPOOL_REBUILD_BASE:-0}" = 1 ] || ! podman image exists "$BASE"; then
@@ -45,6 +44,9 @@ if [ "${KVPOOL_REBUILD_BASE:-0}" = 1 ] || ! podman image exists "$BASE"; then
     rm -rf "$tmp"
     trap - EXIT
 fi
+
+# ---- 1. podman's settings, probed with a container of the base image ---------------------------
+"$ROOT/deploy/podman-setup.sh"
 
 # ---- 3. the wheelhouse ------------------------------------------------------------------------
 "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' 2>/dev/null \

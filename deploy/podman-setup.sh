@@ -18,8 +18,11 @@ probe_image() {
 }
 IMG=$(probe_image || true)  # none on a fresh machine: not an error (set -e)
 if [ -z "$IMG" ]; then
-    # No image yet: an empty one from scratch cannot run anything, so check the runtime alone.
-    say "no base image yet: checking the settings only"
+    # No image yet: nothing can be probed, and settings written unprobed can be wrong (rlimits a
+    # container may not get), so none are written; build-image.sh calls this again once the base
+    # image exists.
+    say "no base image yet: nothing to probe, no settings written"
+    exit 0
 fi
 probe() { [ -n "$IMG" ] && podman run --rm --network none "$IMG" true >/tmp/podman-probe.$$ 2>&1; }
 if [ -n "$IMG" ] && probe; then rm -f /tmp/podman-probe.$$; exit 0; fi
