@@ -6,13 +6,24 @@
     DIR/internal.token  the router <-> worker bearer token, derived from the node secret (0600):
                         for Prometheus or curl against workers' and the router's /admin, /metrics
 
-DIR is created 0700; existing files are never overwritten without --force.
+`kvpool auth etcd-certs --out DIR --san etcd`: etcd's TLS with client certificates (openssl):
+
+    DIR/etcd-ca.crt, etcd-ca.key          a CA of its own (keep the key offline: it signs more)
+    DIR/etcd-server.crt, etcd-server.key  etcd's certificate: DNS/IP names --san, localhost, 127.0.0.1
+    DIR/etcd-client.crt, etcd-client.key  the certificate masters, nodes, workers and the router present
+
+DIR is created 0700; keys are 0600; existing files are never overwritten without --force.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import secrets
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import click
@@ -90,4 +101,87 @@ or, service by service:
   export KVPOOL_ADMIN_TOKEN_FILE={admin_path}    # kvpool serve / master, and kvpool admin
   kvpool serve --host 0.0.0.0 ...                # non-loopback binds need the keyring (protected mode)
 A tenant's own program holds a keyring with only its principal, or sets KVPOOL_PRINCIPAL=<tenant>.
+Details: docs/security.md""")
+
+
+ETCD_FILES = ("etcd-ca.crt", "etcd-ca.key", "etcd-server.crt", "etcd-server.key", "etcd-client.crt", "etcd-client.key")
+# etcd's JSON gateway (which kvpool speaks) dials etcd's own gRPC port presenting the server
+# certificate as a client certificate, so with --client-cert-auth the server certificate needs
+# clientAuth as well as serverAuth.
+LEAF_EXT = ("basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+            "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
+
+
+def _san(names: tuple[str, ...]) -> str:
+    entries = []
+    for name in dict.fromkeys((*names, "localhost", "127.0.0.1")):
+        try:
+            entries.append(f"IP:{ipaddress.ip_address(name)}")
+        except ValueError:
+            if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", name):
+                raise click.UsageError(f"--san {name!r}: not a host name or an IP address") from None
+            entries.append(f"DNS:{name}")
+    return ",".join(entries)
+
+
+def _openssl(args: list[str], cwd: Path) -> None:
+    r = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise click.ClickException(f"openssl {args[0]} failed: {r.stderr.strip()[-500:]}")
+
+
+def make_etcd_certs(out: Path, sans: tuple[str, ...], days: int) -> None:
+    """CA, server and client certificates and keys (EC P-256) in `out`, keys 0600, via openssl.
+    Made in a private temporary directory inside `out`, then moved into place."""
+    work = Path(tempfile.mkdtemp(prefix=".etcd-certs.", dir=out))
+    try:
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        _openssl(["req", "-x509", *ec, "-days", str(days), "-subj", "/CN=kvpool-etcd-ca",
+                  "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+                  "-keyout", "etcd-ca.key", "-out", "etcd-ca.crt"], work)
+        server_ext = f"extendedKeyUsage=serverAuth,clientAuth\nsubjectAltName={_san(sans)}\n"
+        leaves = (("etcd-server", "kvpool-etcd", server_ext), ("etcd-client", "kvpool-node", "extendedKeyUsage=clientAuth\n"))
+        for name, cn, ext in leaves:
+            (work / f"{name}.ext").write_text(LEAF_EXT + ext)
+            _openssl(["req", *ec, "-subj", f"/CN={cn}", "-keyout", f"{name}.key", "-out", f"{name}.csr"], work)
+            _openssl(["x509", "-req", "-in", f"{name}.csr", "-CA", "etcd-ca.crt", "-CAkey", "etcd-ca.key",
+                      "-CAcreateserial", "-days", str(days), "-extfile", f"{name}.ext", "-out", f"{name}.crt"], work)
+        for name in ETCD_FILES:
+            os.chmod(work / name, 0o600 if name.endswith(".key") else 0o644)
+            os.replace(work / name, out / name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@auth.command("etcd-certs")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Directory for the etcd-*.crt/.key files (created 0700).")
+@click.option("--san", "sans", multiple=True, required=True, metavar="NAME",
+              help="A name clients reach etcd by, DNS or IP (repeatable): etcd in compose, "
+                   "kvpool-etcd and kvpool-etcd.kvpool.svc in Kubernetes. localhost and 127.0.0.1 are added.")
+@click.option("--days", default=365, show_default=True, type=click.IntRange(1, 3650), help="Validity.")
+@click.option("--force", is_flag=True, help="Replace files that exist (every service then needs the new ones).")
+def etcd_certs(out_dir: str, sans: tuple[str, ...], days: int, force: bool) -> None:
+    """Write a CA, etcd's server certificate and a client certificate for etcd's
+    --client-cert-auth (kvpool reaches it as etcds://HOST:2379 with KVPOOL_ETCD_CA_FILE,
+    KVPOOL_ETCD_CERT_FILE, KVPOOL_ETCD_KEY_FILE)."""
+    if shutil.which("openssl") is None:
+        raise click.ClickException("openssl is not installed (apt-get install openssl)")
+    san = _san(sans)
+    out = Path(out_dir)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    for name in ETCD_FILES:
+        if (out / name).exists() and not force:
+            raise click.UsageError(f"{out / name} exists; pass --force to replace it "
+                                   "(every service then needs the new one)")
+    make_etcd_certs(out, sans, days)
+    click.echo(f"wrote {', '.join(ETCD_FILES)} to {out} (server names: {san})")
+    click.echo(f"""
+etcd:   --cert-file {out}/etcd-server.crt --key-file {out}/etcd-server.key
+        --client-cert-auth --trusted-ca-file {out}/etcd-ca.crt --listen-client-urls https://...
+kvpool: --meta etcds://{sans[0]}:2379 with
+  export KVPOOL_ETCD_CA_FILE={out}/etcd-ca.crt
+  export KVPOOL_ETCD_CERT_FILE={out}/etcd-client.crt KVPOOL_ETCD_KEY_FILE={out}/etcd-client.key
+Keep etcd-ca.key away from the services: with it anyone can mint a certificate etcd accepts.
 Details: docs/security.md""")
