@@ -1,10 +1,11 @@
 """deploy/ for real (issue 14): the image is built from this repository (deploy/build-image.sh,
 podman, no registry), deploy/docker-compose.yml runs under podman-compose (etcd, two masters, two
-nodes, a prefill and a decode worker, the router), and the stack is used through its published
-127.0.0.1 ports only: the router's OpenAI API with the official `openai` client, the masters'
-admin API. Then the leading master's process is SIGKILLed (the restart policy must bring the
-container back, one master lead again, the router serve again) and a node's container is killed
-for good (the router must still serve, the master must see the node gone).
+nodes, a prefill and a decode worker, the router; etcd with TLS and client certificates, issue
+13), and the stack is used through its published 127.0.0.1 ports only: the router's OpenAI API
+with the official `openai` client, the masters' admin API. Then the leading master's process is
+SIGKILLed (the restart policy must bring the container back, one master lead again, the router
+serve again) and a node's container is killed for good (the router must still serve, the master
+must see the node gone).
 
 Skipped, with the reason, where podman, podman-compose or a working container runtime is missing.
 Everything it starts belongs to one compose project named kvpool-test-<pid>; teardown removes
@@ -55,20 +56,23 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None, check: bool = 
     return r
 
 
-def _credentials(workdir: Path) -> tuple[Path, Path, str, str]:
-    """`kvpool auth init` (a node, an admin and the tenant acme with one API key): the keyring and
-    admin token files, handed to uid 10001 (the containers' user; they stay 0600), the tenant's
-    API key and the admin token."""
+def _credentials(workdir: Path) -> tuple[Path, Path, Path, str, str]:
+    """`kvpool auth init` (a node, an admin and the tenant acme with one API key) and `kvpool auth
+    etcd-certs --san etcd` (etcd's CA, server and client certificates), as docs/deploy.md says:
+    the keyring, the admin token and the etcd certificate directory (the secret files handed to uid
+    10001, the containers' user; they stay 0600), the tenant's API key and the admin token."""
     out = workdir / "secrets"
     kvpool = Path(sys.executable).with_name("kvpool")
     _run([str(kvpool), "auth", "init", "--out", str(out), "--tenant", "acme"], 60)
+    tls = out / "etcd-tls"
+    _run([str(kvpool), "auth", "etcd-certs", "--out", str(tls), "--san", "etcd"], 60)
     keyring, token = out / "keyring.toml", out / "admin.token"
     api_key = tomllib.loads(keyring.read_text())["principals"]["acme"]["api_keys"][0]
     admin_token = token.read_text().strip()
     if os.getuid() == 0:
-        for path in (keyring, token):
+        for path in (keyring, token, tls / "etcd-server.key", tls / "etcd-client.key"):
             os.chown(path, UID, UID)
-    return keyring, token, api_key, admin_token
+    return keyring, token, tls, api_key, admin_token
 
 
 class Stack:
@@ -78,8 +82,9 @@ class Stack:
         self.project = f"kvpool-test-{os.getpid()}"
         self.pc = _podman_compose()
         self.router_port, self.admin_a, self.admin_b = _free_port(), _free_port(), _free_port()
-        keyring, token, self.api_key, self.admin_token = _credentials(workdir)
+        keyring, token, tls, self.api_key, self.admin_token = _credentials(workdir)
         self.env = dict(os.environ, KVPOOL_KEYRING=str(keyring), KVPOOL_ADMIN_TOKEN_SECRET=str(token),
+                        KVPOOL_ETCD_TLS=str(tls),
                         KVPOOL_ETCD_IMAGE=BASE_IMAGE, KVPOOL_ROUTER_PORT=str(self.router_port),
                         KVPOOL_ADMIN_PORT_A=str(self.admin_a), KVPOOL_ADMIN_PORT_B=str(self.admin_b))
 

@@ -296,6 +296,52 @@ def test_compose_services_are_hardened():
     assert not problems, "\n".join(problems)
 
 
+def _compose_services() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())["services"]  # PyYAML merges the `<<` anchors
+
+
+def test_compose_etcd_wants_tls_client_certificates():
+    etcd = _compose_services()["etcd"]
+    argv = etcd["command"]
+    opt = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+    assert opt["--listen-client-urls"].startswith("https://") and opt["--advertise-client-urls"] == "https://etcd:2379"
+    assert "--client-cert-auth" in argv or "--client-cert-auth=true" in argv
+    assert "--auto-tls" not in " ".join(argv)  # self-signed certificates would admit anyone
+    mounted = {f"/run/secrets/{name}" for name in etcd["secrets"]}
+    for flag in ("--cert-file", "--key-file", "--trusted-ca-file"):
+        assert opt[flag] in mounted, (flag, opt[flag], mounted)
+    assert "http://" not in opt["--listen-client-urls"] + opt["--advertise-client-urls"]
+    # the peer URL stays on loopback: one member, no peer traffic to encrypt
+    assert opt["--listen-peer-urls"].startswith("http://127.0.0.1:")
+    # the healthcheck speaks TLS with a client certificate, from the mounted secrets
+    check = etcd["healthcheck"]["test"]
+    copt = {a: check[i + 1] for i, a in enumerate(check[:-1]) if a.startswith("--")}
+    assert copt["--endpoints"].startswith("https://"), check
+    assert {copt["--cacert"], copt["--cert"], copt["--key"]} <= mounted, check
+
+
+def test_compose_reaches_etcd_only_over_tls_with_certificates_from_secrets():
+    doc = yaml.safe_load(COMPOSE.read_text())
+    secrets = doc["secrets"]
+    assert not any("ca.key" in str(s.get("file", "")) for s in secrets.values()), "the CA's key is never mounted"
+    users = 0
+    for name, svc in doc["services"].items():
+        argv = svc.get("command", [])
+        # any etcd URL anywhere in the service (argv, environment, healthcheck) is etcds:// or https://
+        text = json.dumps(svc)
+        plain = re.findall(r"(?:etcd|http)://[^\s\",]*:2379", text)
+        assert not plain, f"{name}: plain etcd URL {plain}"
+        urls = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--meta", "--pool")]
+        if not urls:
+            continue
+        users += 1
+        assert all(u.startswith("etcds://") for u in urls), (name, urls)
+        env, mounted = svc["environment"], {f"/run/secrets/{s}" for s in svc["secrets"]}
+        for var in ("KVPOOL_ETCD_CA_FILE", "KVPOOL_ETCD_CERT_FILE", "KVPOOL_ETCD_KEY_FILE"):
+            assert env.get(var) in mounted, f"{name}: {var}={env.get(var)!r} is not a mounted secret ({mounted})"
+    assert users == 7, users  # masters, nodes, workers and the router all use etcd
+
+
 def test_dockerfile_runs_as_an_unprivileged_user():
     lines = [ln.strip() for ln in (DEPLOY / "Dockerfile").read_text().splitlines()]
     users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
