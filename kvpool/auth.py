@@ -30,6 +30,7 @@ keys, so another tenant's key answers exactly as a miss). A client picks its pri
 
 A tenant's secret also derives, by HMAC with fixed labels, its chunk MAC key (`chunk_mac_key`)
 and its namespace salt (`tenant_salt`): only holders of the tenant's secret can make either.
+`admin_api_token` is its bearer token for its own view of the REST admin API.
 `grant_key` (from the node principal's secret) signs the data-plane grants masters and nodes
 hand to clients.
 """
@@ -260,6 +261,13 @@ def handle_key(secret: bytes) -> bytes:
 def grant_key(node_secret: bytes) -> bytes:
     """The key masters and nodes sign data-plane grants with."""
     return _derive(node_secret, "grant/v1")
+
+
+def admin_api_token(tenant_secret: bytes) -> str:
+    """The bearer token a tenant presents to the REST admin API for its own view (its keys, its
+    use and quota): derived, so the secret itself never goes on the wire, and the API knows it
+    from the keyring with nothing else to distribute (`kvpool.admin.auth`)."""
+    return _derive(tenant_secret, "admin-api/v1").hex()
 
 
 def internal_http_token(node_secret: bytes) -> str:

@@ -17,6 +17,9 @@ Invariants:
 - With a bearer token configured (`settings.admin_token`, or `admin_token_file`), every endpoint
   but the probes and the schema requires it (`kvpool.admin.auth`); a refused request never
   reaches the master. A request body over 1 MiB is answered 413 (`kvpool.http_guard`).
+- A tenant (its derived token, `kvpool.admin.auth`) sees only its own keys, named as it names
+  them, and its own use and quota: another tenant's key answers exactly as a missing key (404,
+  the same body); every other endpoint is 403 for it.
 - `admin_token` is never returned by `GET /v1/config`.
 """
 
@@ -34,11 +37,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.admin import schemas as s
-from kvpool.admin.auth import needs_token
+from kvpool.admin.auth import AdminAuth, tenant_tokens
+from kvpool.auth import load_keyring
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins
-from kvpool.contract import check_key
+from kvpool.contract import check_key, check_stored_key, scope_prefix
 from kvpool.config import Settings
-from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, Unavailable
 from kvpool.http_guard import HttpGuard
 
 log = logging.getLogger(__name__)
@@ -167,6 +171,11 @@ def _with_node_tiers(stats: dict[str, Any], nodes: list[dict[str, Any]]) -> dict
     return stats
 
 
+def _tenant(request: Request) -> str | None:
+    """The tenant asking (its token, `kvpool.admin.auth`), or None: the admin's whole view."""
+    return request.scope.get("state", {}).get("tenant")
+
+
 def _readiness(stats: dict[str, Any]) -> tuple[bool, str]:
     if stats.get("leader") is False:
         return False, f"standby master; the leader is {stats.get('leader_address') or 'unknown'}"
@@ -223,8 +232,9 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         return _error(exc.status_code, code, str(exc.detail))
 
     app.add_middleware(_CatchAll)
-    # Outermost: the token and the body cap are checked before anything else runs.
-    app.add_middleware(HttpGuard, token=current_token, needs_token=needs_token, what="the admin API",
+    app.add_middleware(HttpGuard, what="the admin API", error_body=lambda status, code, message: _error_doc(code, message))
+    # Outermost: who is asking (the admin token, a tenant's), then the body cap, before anything else runs.
+    app.add_middleware(AdminAuth, token=current_token, tenants=tenant_tokens(load_keyring(settings.auth_file)),
                        error_body=lambda status, code, message: _error_doc(code, message))
 
     @app.get("/health", response_model=s.Health, tags=["health"])
@@ -268,27 +278,47 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         return s.Done(result=await _call(svc.remove_node, node_id))
 
     @app.get("/v1/stats", response_model=s.Stats, tags=["stats"])
-    async def stats() -> s.Stats:
-        """Per tier: capacity, used, hits, misses, evictions, bytes in/out; and pool totals."""
+    async def stats(request: Request) -> s.Stats:
+        """Per tier: capacity, used, hits, misses, evictions, bytes in/out; and pool totals.
+        A tenant: its own use and quota (bytes, every replica counted; keys)."""
+        tenant = _tenant(request)
+        if tenant is not None:
+            return s.Stats(stats=await _call(_method(svc, "tenant_stats"), tenant))
         return s.Stats(stats=_with_node_tiers(await _call(svc.stats), await _call(svc.nodes)))
 
     @app.get("/v1/keys", response_model=s.Keys, tags=["keys"])
-    async def list_keys(prefix: str = "", limit: int = Query(100, ge=1, le=10_000)) -> s.Keys:
+    async def list_keys(request: Request, prefix: str = "", limit: int = Query(100, ge=1, le=10_000)) -> s.Keys:
         """Complete keys starting with `prefix` (at most `limit`; the order is the master's)."""
-        return s.Keys(keys=await _call(_method(svc, "keys"), prefix=prefix, limit=limit))
+        tenant = _tenant(request)
+        if tenant is None:
+            return s.Keys(keys=await _call(_method(svc, "keys"), prefix=prefix, limit=limit))
+        if "\x00" in prefix:
+            raise InvalidArgument("prefix must not contain NUL")
+        scope = scope_prefix(tenant)
+        keys = await _call(_method(svc, "keys"), prefix=scope + prefix, limit=limit)
+        return s.Keys(keys=[k[len(scope):] for k in keys])
 
     @app.get("/v1/keys/{key:path}", response_model=s.KeyInfo, tags=["keys"])
-    async def key_info(key: str) -> s.KeyInfo:
-        """Replicas, size, state and lease of one object (`tail/...` keys may contain '/')."""
+    async def key_info(request: Request, key: str) -> s.KeyInfo:
+        """Replicas, size, state and lease of one object (`tail/...` keys may contain '/'; a
+        tenant's key as stored, `<tenant>%00<key>`, for the admin)."""
+        tenant = _tenant(request)
+        if tenant is None:
+            check_stored_key(key)
+            return s.KeyInfo(key=key, info=await _call(svc.key_info, key))
         check_key(key)
-        return s.KeyInfo(key=key, info=await _call(svc.key_info, key))
+        try:  # its own key, as stored; another tenant's is simply not this name: the same miss
+            info = await _call(svc.key_info, scope_prefix(tenant) + key)
+        except KeyNotFound:
+            raise KeyNotFound(f"key {key!r} not found") from None
+        return s.KeyInfo(key=key, info={**info, "key": key})
 
     @app.post("/v1/evict", response_model=s.Done, tags=["keys"])
     async def evict(request: s.EvictRequest) -> s.Done:
         """Evict `keys`, or evict by the tiers' policy until `target_bytes` are freed."""
         _check_version(request.version)
         for key in request.keys or ():
-            check_key(key)
+            check_stored_key(key)  # the admin names tenants' keys as stored
         return s.Done(result=await _call(svc.evict, target_bytes=request.target_bytes, keys=request.keys))
 
     @app.get("/v1/config", response_model=s.Config, tags=["config"])

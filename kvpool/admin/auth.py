@@ -1,4 +1,4 @@
-"""Bearer-token rule of the admin API.
+"""Who is asking the admin API: the admin (bearer token), a tenant (its derived token), or nobody.
 
 Invariants: when a token is configured (`admin_token`, `KVPOOL_ADMIN_TOKEN`, or the file named
 by `admin_token_file` / `KVPOOL_ADMIN_TOKEN_FILE`), every request without `Authorization: Bearer
@@ -13,14 +13,96 @@ the master and never returns data), except the paths in `OPEN_PATHS`:
 `/metrics` needs the token too: it carries per-node addresses and usage, and Prometheus presents a
 bearer token from a file (`authorization: {credentials_file: ...}` in its scrape config).
 With no token configured, every request passes (the default on loopback; protected mode refuses a
-non-loopback admin bind without a token). Tokens are compared in constant time
-(`kvpool.http_guard.HttpGuard`, which the app installs with `needs_token`).
+non-loopback admin bind without a token).
+
+Tenants: with a keyring (`auth_file`), a tenant principal may present its own token,
+`kvpool.auth.admin_api_token(secret)` (derived: the secret never goes on the wire). Its request
+is marked `request.state.tenant = <id>` and may reach only `TENANT_ROUTES` (its keys, one key,
+its use and quota), which the app scopes to its keys; anything else is answered 403 before any
+handler runs, so a new endpoint is closed to tenants until it is listed here. A tenant token is
+honoured with or without an admin token configured (without one, a request with no token still
+gets the whole view, as before). The admin token keeps full access. Tokens are compared in
+constant time, every tenant's each time.
 """
 
 from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable
+
+from kvpool.auth import Keyring, admin_api_token
+from kvpool.http_guard import bearer_of, same_token
+
+log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 def needs_token(path: str) -> bool:
     return path not in OPEN_PATHS
+
+
+def tenant_route(method: str, path: str) -> bool:
+    """What a tenant may ask: `GET /v1/keys`, `GET /v1/keys/{key}`, `GET /v1/stats`."""
+    return method in ("GET", "HEAD") and (path in ("/v1/keys", "/v1/stats") or path.startswith("/v1/keys/"))
+
+
+def tenant_tokens(keyring: Keyring | None) -> dict[str, str]:
+    """admin-API token -> tenant id, for the keyring's tenant principals."""
+    if keyring is None:
+        return {}
+    return {admin_api_token(e.secret): e.principal.tenant for e in keyring.entries.values() if e.principal.tenant}
+
+
+class AdminAuth:
+    """ASGI middleware deciding the principal of each admin API request (module doc).
+    `token()`: the admin token (None: none configured); `tenants`: token -> tenant id;
+    `error_body(status, code, message)`: the app's error document."""
+
+    def __init__(self, app: Any, *, token: Callable[[], str | None], tenants: dict[str, str],
+                 error_body: Callable[[int, str, str], Any]):
+        self.app = app
+        self.token = token
+        self.tenants = list(tenants.items())
+        self.error_body = error_body
+
+    def tenant_of(self, presented: str | None) -> str | None:
+        found = None
+        for token, tenant in self.tenants:  # no early exit: the time does not say which tenant matched
+            if same_token(presented, token):
+                found = tenant
+        return found
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not needs_token(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        presented = bearer_of(scope["headers"])
+        expected = self.token()
+        if not (expected and same_token(presented, expected)):
+            tenant = self.tenant_of(presented) if presented and self.tenants else None
+            if tenant is not None:
+                if not tenant_route(scope["method"], scope["path"]):
+                    log.info("%s %s refused: tenant %s", scope["method"], scope["path"], tenant)
+                    await self._answer(send, 403, "forbidden",
+                                       f"tenant {tenant!r} may read only its own keys and use "
+                                       "(GET /v1/keys, /v1/keys/{key}, /v1/stats); this needs the admin token")
+                    return
+                scope.setdefault("state", {})["tenant"] = tenant
+            elif expected:
+                why = "a wrong bearer token" if presented else "no bearer token"
+                log.info("%s %s refused: %s", scope["method"], scope["path"], why)
+                await self._answer(send, 401, "unauthorized",
+                                   f"the admin API requires 'Authorization: Bearer <token>'; the request had {why} "
+                                   "(see docs/security.md)", {"www-authenticate": "Bearer"})
+                return
+        await self.app(scope, receive, send)
+
+    async def _answer(self, send: Any, status: int, code: str, message: str,
+                      extra: dict[str, str] | None = None) -> None:
+        payload = json.dumps(self.error_body(status, code, message)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})

@@ -48,10 +48,14 @@ def _size(n: Any) -> str:
 @click.option("--token-file", type=click.Path(dir_okay=False),
               help="File holding the API's bearer token [default: settings' admin_token_file / admin_token, "
                    "KVPOOL_ADMIN_TOKEN_FILE, KVPOOL_ADMIN_TOKEN]. Never on the command line: argv is public.")
+@click.option("--principal", metavar="NAME",
+              help="Ask as this tenant principal of the keyring (KVPOOL_AUTH_FILE): its own token is derived from "
+                   "its secret, and the API shows only its keys and its use and quota.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Settings file (TOML or JSON).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.pass_context
-def admin(ctx: click.Context, url: str | None, token_file: str | None, config_file: str | None, as_json: bool) -> None:
+def admin(ctx: click.Context, url: str | None, token_file: str | None, principal: str | None,
+          config_file: str | None, as_json: bool) -> None:
     """Inspect and operate a running pool (nodes, stats, keys, eviction, drain, config)."""
     import logging
 
@@ -59,13 +63,28 @@ def admin(ctx: click.Context, url: str | None, token_file: str | None, config_fi
 
     # httpx logs every request at INFO; for a CLI that is noise around the one line that matters
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if token_file and principal:
+        raise InvalidArgument("give --token-file (the admin) or --principal (a tenant), not both")
     token = read_secret_file(token_file, "--token-file") if token_file else None
     settings = load_settings(config_file, admin_token=token)
     if url is None:
         if not settings.admin_port:
             raise InvalidArgument("the admin API is disabled (admin_port = 0); pass --url")
         url = f"http://{settings.host}:{settings.admin_port}"
-    ctx.obj = _Ctx(url, settings.admin_token, as_json)
+    ctx.obj = _Ctx(url, _tenant_token(principal, settings.auth_file) if principal else settings.admin_token, as_json)
+
+
+def _tenant_token(principal: str, auth_file: str | None) -> str:
+    """The admin-API token of tenant `principal` (`kvpool.auth.admin_api_token`)."""
+    from kvpool.auth import admin_api_token, load_keyring
+
+    keyring = load_keyring(auth_file)
+    if keyring is None:
+        raise InvalidArgument("--principal needs the keyring that holds it: set KVPOOL_AUTH_FILE")
+    entry = keyring.entries.get(principal)
+    if entry is None or not entry.principal.tenant:
+        raise InvalidArgument(f"keyring {keyring.source} has no tenant principal {principal!r}")
+    return admin_api_token(entry.secret)
 
 
 @admin.command()

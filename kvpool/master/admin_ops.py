@@ -107,6 +107,16 @@ class AdminOps:
                 "counters": dict(st.counters),
             }
 
+    def tenant_stats(self, tenant: str) -> dict:
+        """A tenant's use of the pool and its quota (0: none), as the master counts it for quotas
+        (`kvpool.master.quotas`: bytes of every replica, pending puts included; keys)."""
+        st = self.state
+        with st.lock:
+            used_bytes, used_keys = st.objects.used(tenant)
+            quota_bytes, quota_keys = st.quotas.get(tenant, (0, 0))
+        return {"tenant": tenant, "bytes": used_bytes, "keys": used_keys,
+                "quota_bytes": quota_bytes, "quota_keys": quota_keys}
+
     def key_info(self, key: str) -> dict:
         check_key(key)
         now = time.monotonic()

@@ -14,7 +14,8 @@ This file holds the client- and node-facing calls. Its helpers are given the sha
 timeouts, eviction, the outbox thread) and `migration` (draining).
 
 Errors: malformed input raises `InvalidArgument` (or `ObjectTooLarge`); an unknown node id or key
-in admin calls raises `KeyNotFound`; no room raises `CapacityError` / `AllPinned`.
+in admin calls raises `KeyNotFound`; no room raises `CapacityError` / `AllPinned`; a put past its
+tenant's pool-wide quota raises `QuotaExceeded` (`kvpool.master.quotas`).
 """
 
 from __future__ import annotations
@@ -245,6 +246,7 @@ class MasterService:
                 if obj.removing:
                     raise AlreadyExists(f"key {key!r} is being removed (a reader holds a lease); retry later")
                 st.reclaim_locked(obj)
+            st.check_quota_locked(key, size, 1)  # before making room: nobody is evicted for a refused put
             chosen = choose_nodes(list(st.nodes.values()), size, want, writer_node)
             if not chosen:
                 self.housekeeping.make_room_locked(size, now)
@@ -254,6 +256,7 @@ class MasterService:
                                     f"({len(st.nodes)} node(s) registered)")
             if len(chosen) < want:
                 log.warning("put %r: %d replica(s) requested, only %d node(s) can take it", key, want, len(chosen))
+            st.check_quota_locked(key, size, len(chosen))
             put_id = next(st.ids)
             st.objects[key] = ObjectEntry(key=key, size=size, state=PENDING,
                                              replicas={n.node_id: Replica(n.node_id) for n in chosen},

@@ -16,9 +16,12 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
+from kvpool.auth import load_keyring
 from kvpool.config import Settings
 from kvpool.errors import KeyNotFound, NotLeader, Unavailable
+from kvpool.master.quotas import TenantObjects, check_quota
 from kvpool.master.tables import COMPLETE, NodeEntry, ObjectEntry
+from kvpool.tiers.tenants import tenant_quotas
 
 log = logging.getLogger("kvpool.master.service")
 
@@ -44,7 +47,9 @@ class MasterState:
         self.recovery_s = max(3.0 * s.heartbeat_s, 3.0)
         self.removal_memory_s = max(60.0, 20 * self.node_timeout_s)  # how long an acknowledged remove is remembered
         self.lock = threading.RLock()
-        self.objects: dict[str, ObjectEntry] = {}
+        self.objects: TenantObjects = TenantObjects()  # key -> ObjectEntry, with each tenant's use
+        # tenant -> (quota_bytes, quota_keys), pool-wide (`kvpool.master.quotas`)
+        self.quotas = tenant_quotas(load_keyring(s.auth_file)) if s.auth_file else {}
         self.nodes: dict[str, NodeEntry] = {}
         self.banned: set[str] = set()  # node ids an operator removed
         self.migrating: set[str] = set()  # keys with a drain copy in flight
@@ -112,6 +117,11 @@ class MasterState:
                 return min(MAX_OBJECT_BYTES, n.capacity.get("dram", 0) or sum(n.capacity.values()))
         dram = max((n.capacity.get("dram", 0) for n in self.nodes.values()), default=0)
         return min(MAX_OBJECT_BYTES, dram or max(n.total_capacity for n in self.nodes.values()))
+
+    def check_quota_locked(self, key: str, size: int, replicas: int) -> None:
+        """`QuotaExceeded` when a new object of `key` on `replicas` nodes is past its tenant's quota."""
+        if self.quotas:
+            check_quota(self.quotas, self.objects, key, size, replicas)
 
     def release_space_locked(self, node_id: str, size: int, count: bool = True) -> None:
         node = self.nodes.get(node_id)

@@ -96,6 +96,8 @@ class StoreNode:
             from kvpool.tiers import TieredStore
 
             self.store = TieredStore.from_settings(s)
+        if self.master is not None:  # it enforces tenant quotas pool-wide on every write we take (master/quotas.py)
+            self.store.quotas = {}
         self.store.on_event = self._on_store_event
         if self._own_rpc:
             self.rpc = RpcServer(self.handlers(), s.host, s.port, name="node", on_close=self.conn_closed,

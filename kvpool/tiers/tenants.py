@@ -2,9 +2,11 @@
 
 A tenant's keys are stored scoped, "<tenant>\x00<key>" (`kvpool.contract`, `kvpool.rpc.authz`);
 unscoped keys (authentication off, admins, nodes) count as tenant "". Quotas come from the
-keyring (`quota_bytes`, `quota_keys`) and hold per node: a tenant's use is what this node's store
-holds of it, reserved, stored (DRAM or SSD) or still being removed. Eviction fairness across
-tenants is `kvpool.tiers.policy.FairPolicy`.
+keyring (`quota_bytes`, `quota_keys`). The master enforces them pool-wide on every put it plans
+(`kvpool.master.quotas`); this per-node check (a tenant's use here is what this node's store
+holds of it, reserved, stored (DRAM or SSD) or still being removed) is the backstop of a cluster
+node against writes no master planned, and is off on the embedded node (why: the master's
+module doc). Eviction fairness across tenants is `kvpool.tiers.policy.FairPolicy`.
 """
 
 from __future__ import annotations
