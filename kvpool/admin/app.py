@@ -209,7 +209,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     def current_token() -> str | None:
         return settings.admin_token
 
-    errors = {c: {"model": s.ErrorBody} for c in (400, 401, 404, 413, 500, 503)}
+    errors = {c: {"model": s.ErrorBody} for c in (400, 401, 403, 404, 413, 500, 503)}
 
     app = FastAPI(title="kvpool admin", version=str(s.API_VERSION), responses=errors,
                   description="Admin API of a kvpool master: nodes, stats, keys, eviction, config.")
@@ -232,7 +232,8 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         return _error(exc.status_code, code, str(exc.detail))
 
     app.add_middleware(_CatchAll)
-    app.add_middleware(HttpGuard, what="the admin API", error_body=lambda status, code, message: _error_doc(code, message))
+    app.add_middleware(HttpGuard, what="the admin API",
+                       error_body=lambda status, code, message: _error_doc(code, message))
     # Outermost: who is asking (the admin token, a tenant's), then the body cap, before anything else runs.
     app.add_middleware(AdminAuth, token=current_token, tenants=tenant_tokens(load_keyring(settings.auth_file)),
                        error_body=lambda status, code, message: _error_doc(code, message))

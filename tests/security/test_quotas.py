@@ -80,7 +80,8 @@ def pool(request, tmp_path_factory):
 
 def usage(pool, tenant: str) -> dict:
     """The tenant's own view of the REST admin API: its use and quota."""
-    r = httpx.get(f"{pool.admin}/v1/stats", headers={"Authorization": f"Bearer {admin_api_token(SECRETS[tenant].encode())}"})
+    token = admin_api_token(SECRETS[tenant].encode())
+    r = httpx.get(f"{pool.admin}/v1/stats", headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 200, r.text
     return r.json()["stats"]
 
