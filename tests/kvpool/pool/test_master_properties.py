@@ -1,6 +1,7 @@
 """Property test of the master's tables: any sequence of puts, ends, aborts, lookups, releases,
-removes, evictions, node joins and losses keeps the accounting exact and never shows a reader
-an object that is not complete. (The service is not started: no threads, no node links.)"""
+removes, evictions, node joins and losses keeps the accounting exact (per node, and each tenant's
+use that its pool-wide quota is checked against) and never shows a reader an object that is not
+complete. (The service is not started: no threads, no node links.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from kvpool.master.service import MasterService
 from kvpool.master.tables import COMPLETE
 from kvpool.messages import Held, NodeInfo, Placed
 
-KEYS = st.sampled_from([f"k{i}" for i in range(8)])
+KEYS = st.sampled_from([f"{t}k{i}" for i in range(8) for t in ("", "acme\x00", "beta\x00") if i < 4 or not t])
 NODES = st.sampled_from(["a", "b", "c"])
 
 
@@ -26,6 +27,7 @@ class MasterMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.m = MasterService(Settings(replicas=1, put_timeout_s=1000))
+        self.m.state.quotas = {"acme": (6000, 3)}  # pool-wide (kvpool.master.quotas): some puts are refused
         self.puts: dict[str, tuple[int, list[str]]] = {}  # key -> (put_id, target nodes) of open puts
         self.leases: list[int] = []
         for n in ("a", "b"):
@@ -116,6 +118,12 @@ class MasterMachine(RuleBasedStateMachine):
             assert set(obj.replicas) <= set(m.state.nodes)
             if obj.state == COMPLETE:
                 assert obj.replicas, obj.key
+        usage: dict[str, list[int]] = {}
+        for key, obj in m.state.objects.items():  # each tenant's use, as the quotas count it
+            use = usage.setdefault(key.partition("\x00")[0] if "\x00" in key else "", [0, 0])
+            use[0] += obj.size * len(obj.replicas)
+            use[1] += 1
+        assert m.state.objects.usage == usage
         visible = {k for k, o in m.state.objects.items() if o.visible()}
         assert {k for k, v in zip(sorted(visible), m.exists(sorted(visible))) if v} == visible
 
