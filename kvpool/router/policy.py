@@ -34,6 +34,7 @@ class WorkerView:
     kv_tokens: int = 0
     max_batch: int = 32
     local_prefix_chunks: int = 0  # leading chunks of this prompt in its own prefix cache
+    local_cache_chunks: int = 0  # chunks its own prefix cache holds in all (what its KV events told)
 
     @property
     def prefills(self) -> bool:
@@ -194,7 +195,12 @@ class CacheAware:
     can take the work instead, a decode worker's own prefill is a candidate only if its stall is
     at most one token's gap on that worker (or the hand-off it saves), and within the TBT target:
     on a GPU a few hundred tokens prefill in about a decode step; on a CPU they take many, and
-    would hold up the sequences running now and those arriving meanwhile."""
+    would hold up the sequences running now and those arriving meanwhile.
+
+    Ties (a prefix no worker holds, every worker idle) go to the worker whose own cache holds
+    least: new prefixes spread over the workers' caches. Broken by name, every cold conversation
+    landed on the first worker, whose cache then evicted them while the others sat empty, and the
+    next round found its prefix nowhere (issue 9, `kvpool bench policies --scenario local-caches`)."""
 
     name = "cache_aware"
 
@@ -206,7 +212,7 @@ class CacheAware:
         tbt_ok = [w for w in decoders if targets.tbt_s is None or tbt_estimate(w, cost) <= targets.tbt_s]
         pool = tbt_ok or decoders
         prefillers = [w for w in snap.workers if w.role == "prefill"]
-        candidates: list[tuple[float, Decision]] = []
+        candidates: list[tuple[float, int, Decision]] = []  # (score, prefiller's cache fill, decision)
 
         def on_decoder(w: WorkerView, elsewhere: bool) -> None:  # `w` prefills, decoding others meanwhile
             stall = cost.prefill_s(req.prompt_tokens - cached_tokens(req, w), cached_tokens(req, w))
@@ -214,7 +220,7 @@ class CacheAware:
                               or targets.tbt_s is not None and tbt_estimate(w, cost) + stall > targets.tbt_s):
                 return
             c = _finish(req, snap, None, w)
-            candidates.append((c.est_ttft_s + stall * min(w.active_sequences, w.max_batch), c))
+            candidates.append((c.est_ttft_s + stall * min(w.active_sequences, w.max_batch), w.local_cache_chunks, c))
 
         for w in pool:
             if w.role == "both":
@@ -226,8 +232,9 @@ class CacheAware:
                 on_decoder(d, elsewhere=bool(prefillers))
             for p in prefillers:
                 c = _finish(req, snap, p, d)
-                candidates.append((c.est_ttft_s, c))
-        _, best = min(candidates, key=lambda sc: (sc[0], sc[1].est_tbt_s, sc[1].prefill or "", sc[1].decode or ""))
+                candidates.append((c.est_ttft_s, p.local_cache_chunks, c))
+        *_, best = min(candidates, key=lambda sc: (sc[0], sc[2].est_tbt_s, sc[1], sc[2].prefill or "",
+                                                   sc[2].decode or ""))
         too_slow = targets.ttft_s is not None and best.est_ttft_s > targets.ttft_s
         if not tbt_ok or too_slow:
             why = (f"estimated TTFT {best.est_ttft_s * 1e3:.0f} ms exceeds the {targets.ttft_s * 1e3:.0f} ms target"

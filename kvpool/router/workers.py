@@ -83,7 +83,7 @@ class WorkerState:
         active = (load.active_sequences if load else 0) + self.inflight_decodes
         return WorkerView(name=self.name, role=self.role, queue_tokens=queue, active_sequences=active,
                           kv_tokens=load.kv_tokens if load else 0, max_batch=load.max_batch if load else 32,
-                          local_prefix_chunks=local)
+                          local_prefix_chunks=local, local_cache_chunks=len(self.local_keys))
 
     def summary(self) -> dict[str, Any]:
         load = self.load

@@ -76,9 +76,10 @@ class Instance:
 
     # -- what the router sees ------------------------------------------------------------------------
     def view(self, local_chunks: int = 0) -> WorkerView:
+        held = len(self.cache.dram) if self.cache is not None and self.cache.dram is not None else 0
         return WorkerView(self.name, self.role, self.pending_tokens,
                           len(self.running) + len(self.joining) + self.inbound, self.kv,
-                          self.profile.max_batch, local_chunks)
+                          self.profile.max_batch, local_chunks, held)
 
     # -- submissions ---------------------------------------------------------------------------------
     def submit_prefill(self, job: PrefillJob, now: float) -> None:

@@ -117,6 +117,22 @@ def test_colocated_workers_pick_least_ttft():
     assert d.decode == "b2" and d.prefill is None and d.kind == "colocated"
 
 
+def test_cache_aware_spreads_cold_prefixes_over_the_workers_caches():
+    """Equal estimates (a prefix nobody holds, idle workers): the emptier cache takes it, so cold
+    conversations alternate between the workers instead of all filling the first one."""
+    holdings = {"p1": 0, "p2": 0}
+    placed = []
+    for i in range(6):
+        workers = tuple(WorkerView(n, "prefill", local_cache_chunks=c) for n, c in holdings.items())
+        d = CacheAware().choose(req(prompt=600, pool=0, seq=i), snap(*workers, D1))
+        placed.append(d.prefill)
+        holdings[d.prefill] += 2  # its cache now holds this conversation's 2 chunks
+    assert placed == ["p1", "p2"] * 3
+    # a held prefix still outweighs a fuller cache
+    warm = WorkerView("p1", "prefill", local_cache_chunks=40, local_prefix_chunks=2)
+    assert CacheAware().choose(req(prompt=600, pool=0), snap(warm, P2, D1)).prefill == "p1"
+
+
 def test_round_robin_and_least_loaded():
     rr = [RoundRobin().choose(req(seq=i), snap(P1, P2, D1, D2)) for i in range(4)]
     assert [(d.prefill, d.decode) for d in rr] == [("p1", "d1"), ("p2", "d2"), ("p1", "d1"), ("p2", "d2")]
