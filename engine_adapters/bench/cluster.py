@@ -3,7 +3,13 @@
 - `kvpool bench policies`: the same prefix-heavy workload (multi-round chat) through three
   routers over the same workers, one per policy (round_robin, least_loaded, cache_aware);
   each run has its own text (seeded), so no run reuses another's cache. The baseline of
-  cache_aware is the better of the other two.
+  cache_aware is the better of the other two. Two scenarios (`--scenario`): `shared-pool`, a
+  pool that holds every conversation (all policies get the same reuse from it), and
+  `local-caches`, as in production: the pool's DRAM is smaller than the conversations' working
+  set, each worker's own prefix cache holds its share of it, so reuse depends on where a
+  conversation's requests land. Each run also reports, from the workers' own counters, how many
+  prefills each worker did and where their prompt tokens came from (local cache, pool, computed),
+  and how many local chunks the router knew of (its KV events) against what each worker held.
 - `kvpool bench disagg`: the seed article's table. The same number of workers colocated (`--role
   both`, decode-priority chunked prefill) vs disaggregated (prefill + decode workers; pure, and
   with conditional disaggregation), under a mixed load of long and short prompts at several
@@ -33,17 +39,55 @@ from kvpool.bench.report import Report, progress
 from kvpool.http_guard import internal_headers
 
 _BUSY = re.compile(r"^kvpool_worker_(?:decode_step|prefill_chunk)_seconds_sum (\S+)$", re.M)
+_PROMPT = re.compile(r'^kvpool_worker_prompt_tokens_total\{source="(\w+)"\} (\S+)$', re.M)
+_PREFILLS = re.compile(r'^kvpool_worker_requests_total\{kind="prefill"\} (\S+)$', re.M)
+_LOCAL_TOKENS = re.compile(r"^kvpool_worker_local_cache_tokens (\S+)$", re.M)
 
 
 def _busy_seconds(url: str) -> float:
     return sum(float(v) for v in _BUSY.findall(httpx.get(f"{url}/metrics", timeout=10).text))
 
 
-def _start(workdir: Path, roles: list[str], router_args: list[str], worker_args: list[str]):
-    from engine_adapters.serving.launcher import LocalCluster, RouterSpec, WorkerSpec
+def _start(workdir: Path, roles: list[str], router_args: list[str], worker_args: list[str],
+           pool_args: list[str] = ()):
+    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
     specs = [WorkerSpec(role, f"{role}-{i}", list(worker_args)) for i, role in enumerate(roles)]
-    return LocalCluster(workdir, specs, router=RouterSpec(args=router_args)).start()
+    return LocalCluster(workdir, specs, pool=PoolSpec(args=list(pool_args)),
+                        router=RouterSpec(args=router_args)).start()
+
+
+def _worker_counters(cluster) -> dict[str, dict[str, float]]:
+    """Per worker: prefills done and prompt tokens by source (local, pool, computed), cumulative."""
+    out = {}
+    for name, proc in cluster.workers.items():
+        text = httpx.get(f"{proc.url}/metrics", timeout=10).text
+        row = {src: float(v) for src, v in _PROMPT.findall(text)}
+        row["prefills"] = sum(float(v) for v in _PREFILLS.findall(text))
+        out[name] = row
+    return out
+
+
+def _counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """What one run did: prefills per worker, and prompt tokens by source over all workers."""
+    per_worker = {n: int(after[n].get("prefills", 0) - before[n].get("prefills", 0)) for n in after}
+    tokens = {src: int(sum(after[n].get(src, 0) - before[n].get(src, 0) for n in after))
+              for src in ("local", "pool", "computed")}
+    total = sum(tokens.values())
+    return {"prefills_by_worker": per_worker, "prompt_tokens_by_source": tokens,
+            "hit_ratio": (tokens["local"] + tokens["pool"]) / total if total else None}
+
+
+def _local_knowledge(cluster, router_url: str, chunk_tokens: int = 256) -> dict[str, list[int]]:
+    """Per worker: [local chunks the router knows of from its KV events, chunks the worker holds]."""
+    listed = httpx.get(f"{router_url}/admin/workers", timeout=10,
+                       headers=internal_headers(load_keyring(cluster.env.get(AUTH_FILE_ENV)))).json()["workers"]
+    known = {w["url"]: w["local_cache_chunks"] for w in listed}
+    out = {}
+    for name, proc in cluster.workers.items():
+        held = sum(float(v) for v in _LOCAL_TOKENS.findall(httpx.get(f"{proc.url}/metrics", timeout=10).text))
+        out[name] = [known.get(proc.url, -1), int(held) // chunk_tokens]
+    return out
 
 
 def _extra_router(cluster, workdir: Path, name: str, args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -91,27 +135,79 @@ def _slos(goodput: tuple[str, ...]) -> dict[str, float]:
     return dict(parse_slo(g) for g in goodput)
 
 
+def _setup_note(scenario: str, n_prefill: int, n_decode: int, local_cache: str | None, pool_dram: str | None,
+                conversations: int, rounds: int, system_len: int, system_prompts: int, slos: dict) -> str:
+    """The run's setup in words; `kvpool sim validate` reads it back (kvpool/sim/validate.py)."""
+    return (f"scenario {scenario}: {n_prefill} prefill + {n_decode} decode workers, 1 torch thread each, local cache "
+            f"{local_cache or 'default (512MiB)'}, pool DRAM {pool_dram or 'default (1GiB)'}; {conversations} "
+            f"conversations x {rounds} rounds, system prompt {system_len} words ({system_prompts} distinct); "
+            f"goodput SLOs {slos}")
+
+
+# Defaults of `kvpool bench policies --scenario`; an option given on the command line wins.
+# local-caches: 7 conversations, each with its own system prompt (~590 tokens at round 0), reuse 2
+# chunks (11.8 MB each in float32) per conversation: 14 chunks (165 MB) in all, more than the
+# pool's 128 MiB (10 chunks) keeps across a round, or than one worker's 128 MiB, while each of 2
+# prefill workers holds its half (3-4 conversations, 6-8 chunks). The number of conversations is
+# odd, so round robin over 2 prefill workers does not keep a conversation on one worker by
+# accident (with many users it would not either).
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "shared-pool": {"conversations": 6, "system_prompts": 2, "system_len": 600, "pool_dram": None,
+                    "local_cache": None},
+    "local-caches": {"conversations": 7, "system_prompts": 0, "system_len": 500, "pool_dram": "128MiB",
+                     "local_cache": "128MiB"},
+}
+
+
 @click.command()
+@click.option("--scenario", type=click.Choice(sorted(SCENARIOS)), default="shared-pool", show_default=True,
+              help="shared-pool: the pool holds every conversation; local-caches: the pool's DRAM is smaller "
+                   "than the working set, each worker's own prefix cache holds its share (see SCENARIOS).")
 @click.option("--prefill", "n_prefill", type=int, default=2, show_default=True)
 @click.option("--decode", "n_decode", type=int, default=1, show_default=True)
-@click.option("--conversations", type=int, default=6, show_default=True)
+@click.option("--conversations", type=int, help="Conversations (default: the scenario's, 6 or 7).")
 @click.option("--rounds", type=int, default=4, show_default=True)
-@click.option("--system-len", type=int, default=600, show_default=True, help="Shared system prompt words.")
+@click.option("--system-prompts", type=int,
+              help="Distinct system prompts, conversation c uses c mod N; 0: one per conversation "
+                   "(default: the scenario's, 2 or 0).")
+@click.option("--system-len", type=int, help="System prompt words (default: the scenario's, 600 or 500).")
 @click.option("--output-len", type=int, default=16, show_default=True)
+@click.option("--pool-dram", metavar="SIZE",
+              help="The pool's DRAM (`kvpool serve --dram-capacity`; default: the scenario's, 1GiB or 128MiB).")
+@click.option("--local-cache", metavar="SIZE",
+              help="Every worker's own prefix cache (`kvpool worker --local-cache`; default: the scenario's, "
+                   "512MiB or 128MiB).")
 @click.option("--rate", "rates", default="1", show_default=True, help="Request rates (comma-separated).")
 @click.option("--goodput", multiple=True, default=("ttft:2000", "tpot:150"), show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True)
-def policies(n_prefill, n_decode, conversations, rounds, system_len, output_len, rates, goodput, workdir,
-             as_json) -> None:
+def policies(scenario, n_prefill, n_decode, conversations, rounds, system_prompts, system_len, output_len,
+             pool_dram, local_cache, rates, goodput, workdir, as_json) -> None:
     """cache_aware vs round_robin vs least_loaded on multi-round chat, same workers."""
     from kvpool.bench.workloads import chat_requests
+    from kvpool.config import parse_size
 
+    preset = SCENARIOS[scenario]
+    conversations = preset["conversations"] if conversations is None else conversations
+    system_prompts = preset["system_prompts"] if system_prompts is None else system_prompts
+    system_len = preset["system_len"] if system_len is None else system_len
+    pool_dram = preset["pool_dram"] if pool_dram is None else pool_dram
+    local_cache = preset["local_cache"] if local_cache is None else local_cache
+    for flag, size in (("--pool-dram", pool_dram), ("--local-cache", local_cache)):
+        if size is not None:
+            try:
+                parse_size(size)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint=flag) from None
+    if conversations < 1 or rounds < 1 or system_prompts < 0:
+        raise click.BadParameter("--conversations and --rounds must be >= 1, --system-prompts >= 0")
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-bench-policies-"))
     slos = _slos(goodput)
     report = Report("policies")
     names = ("round_robin", "least_loaded", "cache_aware")
-    cluster = _start(workdir, ["prefill"] * n_prefill + ["decode"] * n_decode, [], ["--threads", "1"])
+    worker_args = ["--threads", "1", *(["--local-cache", local_cache] if local_cache is not None else [])]
+    pool_args = ["--dram-capacity", pool_dram] if pool_dram is not None else []
+    cluster = _start(workdir, ["prefill"] * n_prefill + ["decode"] * n_decode, [], worker_args, pool_args)
     routers = []
     try:
         urls = {}
@@ -126,12 +222,16 @@ def policies(n_prefill, n_decode, conversations, rounds, system_len, output_len,
             for r_i, rate in enumerate(rate_list):
                 for p_i, name in enumerate(names):
                     _clear_caches(cluster)
-                    reqs = chat_requests(conversations, rounds, 2, system_len, 48, output_len,
-                                         seed=100 * r_i + p_i)
-                    runs[name].append((rate, _run(urls[name], reqs, rate, slos, name)))
+                    reqs = chat_requests(conversations, rounds, system_prompts or conversations, system_len, 48,
+                                         output_len, seed=100 * r_i + p_i)
+                    before = _worker_counters(cluster)
+                    res = _run(urls[name], reqs, rate, slos, name)
+                    row = {**_row(res), **_counter_delta(before, _worker_counters(cluster)),
+                           "local_chunks_known_held": _local_knowledge(cluster, urls[name][:-3])}
+                    runs[name].append((rate, row))
                     step()
         for r_i, rate in enumerate(rate_list):
-            rows = {n: _row(runs[n][r_i][1]) for n in names}
+            rows = {n: runs[n][r_i][1] for n in names}
             best_other = {k: min(rows["round_robin"][k], rows["least_loaded"][k]) for k in ("ttft_mean_ms",)}
             best_good = max(rows["round_robin"]["goodput"] or 0, rows["least_loaded"]["goodput"] or 0)
             for n in names:
@@ -142,9 +242,8 @@ def policies(n_prefill, n_decode, conversations, rounds, system_len, output_len,
                 report.add(f"goodput/{n}@{rate:g}", [rows[n]["goodput"] or 0.0], "req/s",
                            baseline="best_other_policy" if n == "cache_aware" else None,
                            baseline_values=[best_good] if n == "cache_aware" and best_good > 0 else None)
-        report.notes.append(f"{n_prefill} prefill + {n_decode} decode workers, 1 torch thread each; "
-                            f"{conversations} conversations x {rounds} rounds, system prompt {system_len} words; "
-                            f"goodput SLOs {slos}")
+        report.notes.append(_setup_note(scenario, n_prefill, n_decode, local_cache, pool_dram, conversations, rounds,
+                                        system_len, system_prompts or conversations, slos))
     finally:
         for proc in routers:
             proc.terminate()
