@@ -251,6 +251,16 @@ def test_stack_serves_and_survives_killed_containers(stack: Stack):
     # the router's OpenAI API through its published port, with an API key from the keyring
     text, first_s = _complete(stack, 300, "fresh stack")
     print(f"up -d {stack.up_s:.0f} s; first completion after {first_s:.0f} s more: {text!r}")
+    # etcd (issue 13): its healthcheck passes over TLS with a client certificate; without a client
+    # certificate, or in plain HTTP, etcd answers nobody
+    etcd = stack.name("etcd")
+    r = _run(["podman", "healthcheck", "run", etcd], 60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ctl = ["podman", "exec", etcd, "etcdctl", "--dial-timeout=2s", "--command-timeout=3s"]
+    for refused in (["--endpoints", "https://127.0.0.1:2379", "--cacert", "/run/secrets/etcd_ca"],
+                    ["--endpoints", "http://127.0.0.1:2379"]):
+        r = _run([*ctl, *refused, "get", "--prefix", "/"], 60, check=False)
+        assert r.returncode != 0 and not r.stdout.strip(), (refused, r.stdout, r.stderr)
     # without the key: refused
     r = httpx.post(f"http://127.0.0.1:{stack.router_port}/v1/chat/completions", timeout=10,
                    json={"model": "x", "messages": [{"role": "user", "content": "hi"}]})
