@@ -36,8 +36,11 @@ from kvpool.router.cost import CostModel, _nnls3
 from kvpool.sim.profile import Profile
 
 PREFILL_GRID = ((64, 0), (256, 0), (512, 0), (1024, 0), (64, 1024), (256, 1024), (512, 512))  # (computed, cached)
-DECODE_GRID = ((1, 64), (1, 1024), (2, 64), (4, 64), (4, 512))  # (batch, prompt tokens)
-DECODE_TOKENS = 12
+# (batch, prompt tokens): batch 1 at four contexts separates the per-sequence and per-KV-token
+# costs and the hand-off's fixed and per-byte parts; batches 2 and 4 the batch term
+DECODE_GRID = ((1, 64), (1, 512), (1, 1024), (1, 1536), (2, 64), (2, 1024), (4, 64), (4, 512))
+DECODE_TOKENS = 16
+NO_BYTE_COST = 1e15  # bytes/s of a hand-off whose time shows no per-byte part
 _METRIC = re.compile(r"^(kvpool_worker_decode_(?:step_seconds|batch_size)_(?:sum|count)) (\S+)$", re.M)
 
 
@@ -94,7 +97,7 @@ def measure(prefill_url: str, decode_url: str, repeats: int = 2) -> tuple[dict[s
     try:
         bpt = int(httpx.get(f"{pre.url}/v1/info", timeout=10).json()["bytes_per_token"])
         pre.prefill(_tokens(rng, 32))  # warm-up: the first forward pays one-off costs
-        bar, step = progress(len(PREFILL_GRID) * repeats + len(DECODE_GRID), "calibrating")
+        bar, step = progress((len(PREFILL_GRID) + len(DECODE_GRID)) * repeats, "calibrating")
         with bar:
             for computed, cached in PREFILL_GRID:
                 for _ in range(repeats):
@@ -111,7 +114,7 @@ def measure(prefill_url: str, decode_url: str, repeats: int = 2) -> tuple[dict[s
                         "pushed_bytes": (r.prompt_tokens - r.pool_cached_tokens) * bpt})
                     samples["hop_ms"].append(max(0.0, wall_ms - r.prefill_ms))
                     step()
-            for batch, length in DECODE_GRID:
+            for batch, length in [g for g in DECODE_GRID for _ in range(repeats)]:
                 heads = [pre.prefill(_tokens(rng, length)) for _ in range(batch)]
                 before = _decode_metrics(dec.url)
                 gaps: list[tuple[float, float]] = []
@@ -156,20 +159,37 @@ def fit(samples: dict[str, Any], bytes_per_token: int) -> Profile:
         if coef is not None:
             d0, d_seq, d_kv = (float(c) for c in coef)
     fetch_rate = statistics.median(fetch) if fetch else 1e9
-    # decode side: open (send -> first decoded token) = loading the prompt's KV into the engine + one step
-    pulls = [s["kv_bytes"] / ((s["open_ms"] - s["client_tbt_ms"]) / 1e3) for s in dec
-             if s.get("open_ms") and s.get("client_tbt_ms") and s["open_ms"] > s["client_tbt_ms"]]
+    pull_fixed, pull_rate = _fit_open(dec, samples["hop_ms"])
     return Profile(
         name="local", description="calibrated from this machine's reference workers (kvpool sim calibrate, "
                                   f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())})",
         p0=p.prefill_fixed_s, p_tok=p.prefill_token_s, p_attn=p.prefill_attn_s, p_floor=0.0,
         d0=d0, d_seq=d_seq, d_weights=0.0, d_kv=d_kv, d_tok=0.0, fused=False, prefill_chunk_tokens=512,
         bytes_per_token=bytes_per_token, link_bytes_per_s=fetch_rate,
-        pull_bytes_per_s=statistics.median(pulls) if pulls else fetch_rate, dram_read_bytes_per_s=fetch_rate,
+        pull_bytes_per_s=pull_rate or fetch_rate, pull_fixed_s=pull_fixed, dram_read_bytes_per_s=fetch_rate,
         ssd_read_bytes_per_s=fetch_rate, push_bytes_per_s=statistics.median(push) if push else 1e9,
         rpc_s=statistics.median(samples["hop_ms"]) / 1e3 if samples["hop_ms"] else 0.002,
         max_batch=32, max_kv_tokens=65536, price_per_hour=0.0, cards=0, card="cpu (1 torch thread)",
         model="SmolLM2-135M-Instruct (float32)")
+
+
+def _fit_open(dec: list[dict[str, Any]], hop_ms: list[float]) -> tuple[float, float]:
+    """The hand-off of a prompt's KV to a decode worker, from the batch-1 decodes: their open (send
+    to the first decoded token) less one step (the client's time between tokens) and one control
+    hop is fitted, non-negative least squares, as fixed + bytes / rate. Returns (fixed s, rate
+    bytes/s; 0 where no per-byte cost shows). A single rate through the origin would charge the
+    fixed part (admission, the handle check, the pool pin; ~70 ms here) to every byte."""
+    hop = statistics.median(hop_ms) / 1e3 if hop_ms else 0.0
+    pts = [(s["kv_bytes"], (s["open_ms"] - s["client_tbt_ms"]) / 1e3 - hop) for s in dec
+           if s["batch"] <= 1.01 and s.get("open_ms") and s.get("client_tbt_ms")]
+    if not pts:
+        return 0.0, 0.0
+    x = np.array([[1.0, b, 0.0] for b, _ in pts])
+    coef = _nnls3(x, np.array([max(0.0, t) for _, t in pts]))
+    if coef is None:
+        return 0.0, 0.0
+    fixed, per_byte = float(coef[0]), float(coef[1])
+    return fixed, (1.0 / per_byte if per_byte > 0 else NO_BYTE_COST)
 
 
 def with_decode_costs(base: Profile, fit_doc: dict[str, Any], anchor_step_s: float, anchor_kv_tokens: float,

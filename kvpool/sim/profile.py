@@ -61,6 +61,7 @@ class Profile:
     ssd_read_bytes_per_s: float = 1e9
     push_bytes_per_s: float = 1e9  # writing new KV into the pool
     pull_bytes_per_s: float = 0.0  # a decode instance loading a prompt's KV into its engine (0: the link rate)
+    pull_fixed_s: float = 0.0  # and the fixed part of that hand-off (admission, handle check, pool pin)
     rpc_s: float = 0.002  # one control-plane hop (router -> worker) on the critical path
     # capacity and money
     max_batch: int = 32
@@ -143,7 +144,8 @@ class Profile:
         """A decode instance loading a handed-off prompt's KV (pool read, unpacking into the engine)."""
         if nbytes <= 0:
             return 0.0
-        return nbytes / self.pull_bytes_per_s if self.pull_bytes_per_s > 0 else self.fetch_s(nbytes, 0)
+        rate = nbytes / self.pull_bytes_per_s if self.pull_bytes_per_s > 0 else self.fetch_s(nbytes, 0)
+        return self.pull_fixed_s + rate
 
     def push_s(self, nbytes: int) -> float:
         return nbytes / self.push_bytes_per_s if nbytes > 0 else 0.0

@@ -23,8 +23,9 @@ def _samples() -> dict:
     for batch, length in DECODE_GRID:
         kv = batch * (length + DECODE_TOKENS / 2)
         step = TRUE.decode_step_s(batch, int(kv)) * 1e3
+        open_ms = step + 4.0 + (70.0 + length * BPT / 0.2e9 * 1e3 if batch == 1 else 400.0)  # hop + hand-off + step
         decode.append({"batch": batch, "kv_tokens": kv, "step_ms": step * 0.9, "client_tbt_ms": step, "steps": 11,
-                       "prompt": length})
+                       "prompt": length, "open_ms": open_ms, "kv_bytes": length * BPT})
     return {"prefill": prefill, "decode": decode, "hop_ms": [3.0, 4.0, 5.0]}
 
 
@@ -38,6 +39,18 @@ def test_fit_recovers_the_profile_that_made_the_samples():
     assert p.link_bytes_per_s == pytest.approx(0.8e9, rel=1e-6)
     assert p.push_bytes_per_s == pytest.approx(0.4e9, rel=1e-6)
     assert p.rpc_s == pytest.approx(0.004)
+    # the hand-off: fixed 70 ms + bytes at 0.2 GB/s, from the batch-1 decodes only (batched opens wait)
+    assert p.pull_fixed_s == pytest.approx(0.070, rel=0.02)
+    assert p.pull_bytes_per_s == pytest.approx(0.2e9, rel=0.02)
+    assert p.pull_s(1000 * BPT) == pytest.approx(0.070 + 1000 * BPT / 0.2e9, rel=0.02)
+
+
+def test_a_hand_off_without_a_per_byte_cost_is_a_fixed_cost_only():
+    from kvpool.sim.calibrate import _fit_open
+
+    dec = [{"batch": 1, "kv_bytes": n * BPT, "open_ms": 150.0, "client_tbt_ms": 80.0} for n in (64, 1024)]
+    fixed, rate = _fit_open(dec, [0.0])
+    assert fixed == pytest.approx(0.070) and rate > 1e12
 
 
 def test_decode_costs_keep_their_shape_and_take_the_quiet_scale():
