@@ -65,14 +65,6 @@ class Principal:
     role: str
     tenant: str | None = None
 
-    @property
-    def is_node(self) -> bool:
-        return self.role == "node"
-
-    @property
-    def is_admin(self) -> bool:
-        return self.role in ("node", "admin")
-
     def __str__(self) -> str:
         return f"{self.name} ({self.role}{':' + self.tenant if self.tenant else ''})"
 

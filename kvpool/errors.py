@@ -135,13 +135,6 @@ class LimitExceeded(KVPoolError):
     http_status = 429
 
 
-class Overloaded(KVPoolError):
-    """The service cannot meet its SLO for this request; retry later."""
-
-    code = "overloaded"
-    http_status = 429
-
-
 _BY_CODE: dict[str, type[KVPoolError]] = {}
 
 

@@ -30,7 +30,6 @@ import xxhash
 from kvpool.errors import InvalidArgument
 from kvpool.chunk_format import KVLayout
 
-NAMESPACE_VERSION = 1
 NAMESPACE_PREFIX = b"kvpool-namespace/v1\n"
 KEY_BYTES = 16
 

@@ -22,7 +22,6 @@ from transfer.errors import TransferError, TransferTimeout
 
 READ = 1
 WRITE = 2
-OPCODES = {READ: "READ", WRITE: "WRITE"}
 
 
 class Op(NamedTuple):

@@ -24,10 +24,6 @@ class EventLog:
         self._seq = 0
         self._lock = threading.Lock()
 
-    @property
-    def last_seq(self) -> int:
-        return self._seq
-
     def append(self, kind: str, keys: Iterable[str], tier: str) -> None:
         with self._lock:
             self._seq += 1

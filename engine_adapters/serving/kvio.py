@@ -96,10 +96,6 @@ def chunked_layer_type() -> type:
     return ChunkedLayer
 
 
-def cache_tokens(cache) -> int:
-    return int(cache.get_seq_length()) if cache is not None else 0
-
-
 def chunk_from_cache(cache, start: int, end: int):
     """Tokens [start, end) of `cache` as one contiguous chunk tensor (one copy, straight into place)."""
     import torch

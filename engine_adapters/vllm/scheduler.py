@@ -37,8 +37,7 @@ class _Track:
 
     token_ids: list[int]
     cache_salt: str | None  # vLLM's Request.cache_salt: the namespace of its chunk keys
-    hit_chunks: int  # chunks present in the pool when the request was looked up: never re-saved
-    saved_chunks: int  # chunks handed to the workers for saving so far (or present)
+    saved_chunks: int  # chunks handed to the workers for saving so far (or present in the pool at lookup)
     load: tuple[int, int] | None = None  # token range to load in the next step
     block_ids: list[int] = field(default_factory=list)
 
@@ -81,8 +80,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         found = self._lookups.pop(request.request_id, 0)
-        track = _Track(token_ids=list(request.prompt_token_ids or []), cache_salt=_cache_salt(request),
-                       hit_chunks=found, saved_chunks=found)
+        track = _Track(token_ids=list(request.prompt_token_ids or []), cache_salt=_cache_salt(request), saved_chunks=found)
         if num_external_tokens > 0:
             end = found * self.settings.chunk_tokens
             track.load = (end - num_external_tokens, end)
