@@ -136,10 +136,12 @@ def _slos(goodput: tuple[str, ...]) -> dict[str, float]:
 
 
 def _setup_note(scenario: str, n_prefill: int, n_decode: int, local_cache: str | None, pool_dram: str | None,
-                conversations: int, rounds: int, system_len: int, system_prompts: int, slos: dict) -> str:
+                conversations: int, rounds: int, system_len: int, system_prompts: int, slos: dict,
+                pool_eviction: str | None = None) -> str:
     """The run's setup in words; `kvpool sim validate` reads it back (kvpool/sim/validate.py)."""
     return (f"scenario {scenario}: {n_prefill} prefill + {n_decode} decode workers, 1 torch thread each, local cache "
-            f"{local_cache or 'default (512MiB)'}, pool DRAM {pool_dram or 'default (1GiB)'}; {conversations} "
+            f"{local_cache or 'default (512MiB)'}, pool DRAM {pool_dram or 'default (1GiB)'} "
+            f"({pool_eviction or 'default'} eviction); {conversations} "
             f"conversations x {rounds} rounds, system prompt {system_len} words ({system_prompts} distinct); "
             f"goodput SLOs {slos}")
 
@@ -150,12 +152,15 @@ def _setup_note(scenario: str, n_prefill: int, n_decode: int, local_cache: str |
 # pool's 128 MiB (10 chunks) keeps across a round, or than one worker's 128 MiB, while each of 2
 # prefill workers holds its half (3-4 conversations, 6-8 chunks). The number of conversations is
 # odd, so round robin over 2 prefill workers does not keep a conversation on one worker by
-# accident (with many users it would not either).
+# accident (with many users it would not either). The pool evicts least recently used first: it
+# still carries every prefill's KV to the decode worker, and under ARC (the default) a pool this
+# small evicted just-pushed KV before the decode worker read it (8-11 failed requests of 28 at
+# 0.25 req/s), since objects read once already outrank new ones there.
 SCENARIOS: dict[str, dict[str, Any]] = {
     "shared-pool": {"conversations": 6, "system_prompts": 2, "system_len": 600, "pool_dram": None,
-                    "local_cache": None},
+                    "pool_eviction": None, "local_cache": None},
     "local-caches": {"conversations": 7, "system_prompts": 0, "system_len": 500, "pool_dram": "128MiB",
-                     "local_cache": "128MiB"},
+                     "pool_eviction": "lru", "local_cache": "128MiB"},
 }
 
 
@@ -174,6 +179,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 @click.option("--output-len", type=int, default=16, show_default=True)
 @click.option("--pool-dram", metavar="SIZE",
               help="The pool's DRAM (`kvpool serve --dram-capacity`; default: the scenario's, 1GiB or 128MiB).")
+@click.option("--pool-eviction", type=click.Choice(["lru", "s3fifo", "arc"]),
+              help="The pool's eviction policy (default: the scenario's, the pool's own (arc) or lru).")
 @click.option("--local-cache", metavar="SIZE",
               help="Every worker's own prefix cache (`kvpool worker --local-cache`; default: the scenario's, "
                    "512MiB or 128MiB).")
@@ -182,7 +189,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 @click.option("--workdir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True)
 def policies(scenario, n_prefill, n_decode, conversations, rounds, system_prompts, system_len, output_len,
-             pool_dram, local_cache, rates, goodput, workdir, as_json) -> None:
+             pool_dram, pool_eviction, local_cache, rates, goodput, workdir, as_json) -> None:
     """cache_aware vs round_robin vs least_loaded on multi-round chat, same workers."""
     from kvpool.bench.workloads import chat_requests
     from kvpool.config import parse_size
@@ -193,6 +200,7 @@ def policies(scenario, n_prefill, n_decode, conversations, rounds, system_prompt
     system_len = preset["system_len"] if system_len is None else system_len
     pool_dram = preset["pool_dram"] if pool_dram is None else pool_dram
     local_cache = preset["local_cache"] if local_cache is None else local_cache
+    pool_eviction = preset["pool_eviction"] if pool_eviction is None else pool_eviction
     for flag, size in (("--pool-dram", pool_dram), ("--local-cache", local_cache)):
         if size is not None:
             try:
@@ -206,7 +214,8 @@ def policies(scenario, n_prefill, n_decode, conversations, rounds, system_prompt
     report = Report("policies")
     names = ("round_robin", "least_loaded", "cache_aware")
     worker_args = ["--threads", "1", *(["--local-cache", local_cache] if local_cache is not None else [])]
-    pool_args = ["--dram-capacity", pool_dram] if pool_dram is not None else []
+    pool_args = [*(["--dram-capacity", pool_dram] if pool_dram is not None else []),
+                 *(["--eviction", pool_eviction] if pool_eviction is not None else [])]
     cluster = _start(workdir, ["prefill"] * n_prefill + ["decode"] * n_decode, [], worker_args, pool_args)
     routers = []
     try:
@@ -243,7 +252,7 @@ def policies(scenario, n_prefill, n_decode, conversations, rounds, system_prompt
                            baseline="best_other_policy" if n == "cache_aware" else None,
                            baseline_values=[best_good] if n == "cache_aware" and best_good > 0 else None)
         report.notes.append(_setup_note(scenario, n_prefill, n_decode, local_cache, pool_dram, conversations, rounds,
-                                        system_len, system_prompts or conversations, slos))
+                                        system_len, system_prompts or conversations, slos, pool_eviction))
     finally:
         for proc in routers:
             proc.terminate()
