@@ -138,11 +138,16 @@ class HttpGuard:
 
     async def _answer(self, send: Any, status: int, code: str, message: str,
                       extra: dict[str, str] | None = None) -> None:
-        payload = json.dumps(self.error_body(status, code, message)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-        headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        await send_json(send, status, self.error_body(status, code, message), extra)
+
+
+async def send_json(send: Any, status: int, body: Any, extra: dict[str, str] | None = None) -> None:
+    """Answer an ASGI request with `body` as JSON (what the guards use to refuse before the app)."""
+    payload = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _content_length(headers: Any) -> int | None:

@@ -27,12 +27,11 @@ constant time, every tenant's each time.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Callable
 
 from kvpool.auth import Keyring, admin_api_token
-from kvpool.http_guard import bearer_of, same_token
+from kvpool.http_guard import bearer_of, same_token, send_json
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +100,4 @@ class AdminAuth:
 
     async def _answer(self, send: Any, status: int, code: str, message: str,
                       extra: dict[str, str] | None = None) -> None:
-        payload = json.dumps(self.error_body(status, code, message)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-        headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        await send_json(send, status, self.error_body(status, code, message), extra)
