@@ -17,7 +17,11 @@ Invariants:
   an overloaded one; one scheduling hiccup on a busy machine is not enough), send the calls of
   the next `cooldown_s` through the asyncio client;
 - only a static `HOST:PORT` pool is asked inline: finding the master through etcd is not
-  bounded by a socket timeout.
+  bounded by a socket timeout;
+- the inline client is a fast path, never a condition for starting: its hello has the same short
+  timeout as its calls, so on a loaded machine it is tried again for up to `connect_s`, and if it
+  never connects the router starts with every call on the asyncio client (a hello that took 50+
+  ms under load once stopped `kvpool up` here).
 """
 
 from __future__ import annotations
@@ -35,12 +39,13 @@ log = logging.getLogger(__name__)
 
 class PrefixMatcher:
     def __init__(self, address: str, *, inline: bool = True, inline_timeout_s: float = 0.05,
-                 slow_s: float = 0.005, cooldown_s: float = 5.0):
+                 slow_s: float = 0.005, cooldown_s: float = 5.0, connect_s: float = 5.0):
         self.address = address
         self.inline = inline and not address.startswith(("etcd://", "etcds://", "http://", "https://"))
         self.inline_timeout_s = inline_timeout_s
         self.slow_s = slow_s
         self.cooldown_s = cooldown_s
+        self.connect_s = connect_s
         self.pool: Any = None  # the AsyncClient (fallback, and the answer when inline is off)
         self._sync: Any = None
         self._inline_after = 0.0  # monotonic time before which calls go through `pool`
@@ -53,8 +58,20 @@ class PrefixMatcher:
 
         self.pool = await connect_async(self.address)
         if self.inline:
-            self._sync = await asyncio.to_thread(connect, self.address, timeout=self.inline_timeout_s)
+            self._sync = await asyncio.to_thread(self._connect_inline, connect)
         return self
+
+    def _connect_inline(self, connect) -> Any:
+        deadline = time.monotonic() + self.connect_s
+        while True:
+            try:
+                return connect(self.address, timeout=self.inline_timeout_s)
+            except KVPoolError as exc:
+                if time.monotonic() >= deadline:
+                    log.warning("match_prefix inline client did not connect within %.0f s (%s): every call "
+                                "goes through the asyncio client", self.connect_s, exc)
+                    return None
+                time.sleep(self.inline_timeout_s)
 
     async def match(self, keys: Sequence[str]) -> int:
         """n such that keys[0..n) are all in the pool; raises `KVPoolError` as the client does."""

@@ -90,6 +90,7 @@ def pool_address(tmp_path_factory):
 
 def test_matcher_inline_answers_as_the_async_client(pool_address):
     import kvpool
+    from kvpool.chaos.proxy import FaultProxy
     from kvpool.router.matcher import PrefixMatcher
 
     keys = [f"{i:032x}" for i in range(40)]
@@ -117,6 +118,18 @@ def test_matcher_inline_answers_as_the_async_client(pool_address):
             assert (slow.inline_calls, slow.async_calls) == (3, 2)
         finally:
             await slow.close()
+        # a pool whose hello takes longer than the inline timeout (a loaded machine; here a proxy
+        # that delays every byte 0.2 s): the router still starts, the asyncio client answers
+        proxy = FaultProxy(pool_address).start()
+        proxy.delay(0.2)
+        unconnected = await PrefixMatcher(proxy.address, connect_s=0.3).connect()
+        try:
+            assert unconnected._sync is None
+            assert [await unconnected.match(keys) for _ in range(2)] == [25, 25]
+            assert (unconnected.inline_calls, unconnected.async_calls) == (0, 2)
+        finally:
+            await unconnected.close()
+            proxy.close()
 
     asyncio.run(run())
 
