@@ -1,69 +1,26 @@
-"""`kvpool bench serve` against a real local cluster: `kvpool up` serving the OpenAI API with one
-prefill and one decode worker, loaded with a small multi-round chat workload."""
+"""`kvpool bench serve` against a real local cluster: the e2e session cluster's router serving the
+OpenAI API in front of its real workers (tests/e2e/conftest.py), loaded with a small multi-round
+chat workload. (`kvpool up` itself is started by the slow tests in test_cli_and_api.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 pytestmark = [pytest.mark.model]
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
-READY_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(path: Path) -> str:
-    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
 @pytest.fixture
-def openai_cluster(tmp_path):
-    """`kvpool up --port P --prefill 1 --decode 1` until GET /v1/models answers 200; its base URL."""
-    port = _free_port()
-    log = tmp_path / "up.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
-    with log.open("w") as out:
-        proc = subprocess.Popen([KVPOOL, "up", "--port", str(port), "--prefill", "1", "--decode", "1",
-                                 "--workdir", str(tmp_path / "cluster")],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + READY_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvpool up exited with {proc.returncode}:\n{_log_tail(log)}")
-            try:
-                if httpx.get(f"{base_url}/models", timeout=5).json()["data"]:  # a worker has joined
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"GET /v1/models did not answer 200 within {READY_S} s:\n{_log_tail(log)}")
-            time.sleep(1)
-        yield base_url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what this test started
-                proc.wait(timeout=10)
+def openai_cluster(cluster):
+    """The base URL of the session cluster's OpenAI API."""
+    return f"{cluster.router_url}/v1"
 
 
 def test_bench_serve_chat_against_the_cluster(openai_cluster):
