@@ -20,6 +20,8 @@ import pytest
 from kvpool.cluster.etcd import EtcdClient
 from kvpool.errors import Unavailable
 
+from tls_etcd_support import tls_etcd
+
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
@@ -109,27 +111,13 @@ def test_tls_handshakes(certs: Path):
     assert _handshake(certs, "etcd", client_cert=False) != "ok"  # the server wants a client certificate
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="needs etcd")
 def test_real_etcd_with_client_cert_auth(certs: Path, tmp_path: Path, monkeypatch):
     """etcd as deploy/docker-compose.yml runs it (listening on every address, client certificates
     required); kvpool reaches it by the name in the certificate (localhost here) with the client
     certificate, and not without one."""
-    client, peer = _port(), _port()
-    log = open(tmp_path / "etcd.log", "wb")
-    proc = subprocess.Popen(
-        ["etcd", "--name", "etcd", "--data-dir", str(tmp_path / "data"),
-         "--listen-client-urls", f"https://0.0.0.0:{client}", "--advertise-client-urls", f"https://localhost:{client}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"etcd=http://127.0.0.1:{peer}",
-         "--cert-file", str(certs / "etcd-server.crt"), "--key-file", str(certs / "etcd-server.key"),
-         "--client-cert-auth", "--trusted-ca-file", str(certs / "etcd-ca.crt")], stdout=log, stderr=log)
-    try:
+    with tls_etcd(tmp_path, cert=certs / "etcd-server.crt", key=certs / "etcd-server.key", ca=certs / "etcd-ca.crt",
+                  listen="0.0.0.0", advertise="localhost") as client:
         monkeypatch.setenv("KVPOOL_ETCD_CA_FILE", str(certs / "etcd-ca.crt"))
         monkeypatch.setenv("KVPOOL_ETCD_CERT_FILE", str(certs / "etcd-client.crt"))
         monkeypatch.setenv("KVPOOL_ETCD_KEY_FILE", str(certs / "etcd-client.key"))
@@ -140,7 +128,7 @@ def test_real_etcd_with_client_cert_auth(certs: Path, tmp_path: Path, monkeypatc
                 etcd.put("/kvpool-test/k", "v")
                 break
             except Unavailable:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "etcd.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, (tmp_path / "etcd.log").read_text()[-3000:]
                 time.sleep(0.2)
         assert etcd.get("/kvpool-test/k") == b"v"
         etcd.close()
@@ -150,7 +138,3 @@ def test_real_etcd_with_client_cert_auth(certs: Path, tmp_path: Path, monkeypatc
         with pytest.raises(Unavailable):
             anonymous.get("/kvpool-test/k")
         anonymous.close()
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()

@@ -5,9 +5,7 @@ client certificate etcd refuses the client; with both, kvpool's etcd client work
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -15,14 +13,10 @@ import pytest
 from kvpool.cluster.etcd import EtcdClient
 from kvpool.errors import InvalidArgument, Unavailable
 
+from tls_etcd_support import tls_etcd
+
 pytestmark = pytest.mark.skipif(not (shutil.which("etcd") and shutil.which("openssl")),
                                 reason="needs etcd and openssl")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -46,29 +40,8 @@ def _certs(d: Path) -> None:
 def etcd(tmp_path_factory):
     d = tmp_path_factory.mktemp("etcd-tls")
     _certs(d)
-    client, peer = _port(), _port()
-    log = open(d / "etcd.log", "wb")
-    proc = subprocess.Popen(
-        ["etcd", "--name", "t", "--data-dir", str(d / "data"),
-         "--listen-client-urls", f"https://127.0.0.1:{client}", "--advertise-client-urls", f"https://127.0.0.1:{client}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"t=http://127.0.0.1:{peer}",
-         "--cert-file", str(d / "server.crt"), "--key-file", str(d / "server.key"),
-         "--client-cert-auth", "--trusted-ca-file", str(d / "ca.crt")],
-        stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", client)) == 0:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, (d / "etcd.log").read_text()[-2000:]
-            time.sleep(0.1)
+    with tls_etcd(d, cert=d / "server.crt", key=d / "server.key", ca=d / "ca.crt") as client:
         yield d, f"etcds://127.0.0.1:{client}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
 
 
 def _env(monkeypatch, d: Path, ca: str | None, cert: str | None) -> None:
