@@ -10,6 +10,9 @@ bearer token where one is required. Used by the admin API, the router and the wo
 - Bearer token: when `token()` returns a token, every path for which `needs_token(path)` is true
   must carry `Authorization: Bearer <token>` (constant-time compare), else 401 with
   `WWW-Authenticate: Bearer`; checked before the body is read.
+- Tenants (optional, the admin API's): `tenants.tenant_of(presented)` names the tenant whose own
+  token was presented instead of the service's; its request gets `scope["state"]["tenant"]`, or a
+  403 when `tenants.refusal(method, path, tenant)` says why it may not ask that.
 
 Error bodies are the service's own shape (`error_body(status, code, message)`): OpenAI's for the
 router, `{"code", "message"}` for workers, `ErrorBody` for the admin API.
@@ -25,7 +28,7 @@ import hmac
 import json
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from kvpool.auth import internal_http_token, load_keyring
 from kvpool.config import parse_size
@@ -72,12 +75,18 @@ def same_token(presented: str | None, expected: str) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
 
 
+class Tenants(Protocol):
+    def tenant_of(self, presented: str) -> str | None: ...
+    def refusal(self, method: str, path: str, tenant: str) -> str | None: ...
+
+
 class HttpGuard:
     def __init__(self, app: Any, *, error_body: ErrorBody = plain_error, max_body: int | None = None,
                  token: Callable[[], str | None] | None = None,
                  needs_token: Callable[[str], bool] = lambda path: path != "/health",
-                 what: str = "this service"):
+                 what: str = "this service", tenants: Tenants | None = None):
         self.app = app
+        self.tenants = tenants
         self.error_body = error_body
         self.max_body = max_body if max_body is not None else parse_size(os.environ.get(MAX_BODY_ENV) or MAX_BODY)
         self.token = token
@@ -89,15 +98,24 @@ class HttpGuard:
             await self.app(scope, receive, send)
             return
         expected = self.token() if self.token is not None else None
-        if expected and self.needs_token(scope["path"]):
+        if (expected or self.tenants) and self.needs_token(scope["path"]):
             presented = bearer_of(scope["headers"])
-            if not same_token(presented, expected):
-                why = "a wrong bearer token" if presented else "no bearer token"
-                log.info("%s %s refused: %s", scope["method"], scope["path"], why)
-                await self._answer(send, 401, "unauthorized",
-                                   f"{self.what} requires 'Authorization: Bearer <token>'; the request had {why} "
-                                   "(see docs/security.md)", {"www-authenticate": "Bearer"})
-                return
+            if not (expected and same_token(presented, expected)):
+                tenant = self.tenants.tenant_of(presented) if presented and self.tenants else None
+                if tenant is not None:
+                    refusal = self.tenants.refusal(scope["method"], scope["path"], tenant)
+                    if refusal is not None:
+                        log.info("%s %s refused: tenant %s", scope["method"], scope["path"], tenant)
+                        await self._answer(send, 403, "forbidden", refusal)
+                        return
+                    scope.setdefault("state", {})["tenant"] = tenant
+                elif expected:
+                    why = "a wrong bearer token" if presented else "no bearer token"
+                    log.info("%s %s refused: %s", scope["method"], scope["path"], why)
+                    await self._answer(send, 401, "unauthorized",
+                                       f"{self.what} requires 'Authorization: Bearer <token>'; the request had "
+                                       f"{why} (see docs/security.md)", {"www-authenticate": "Bearer"})
+                    return
         declared = _content_length(scope["headers"])
         if declared is not None and declared > DRAIN_LIMIT:
             await self._too_large(send, declared, close=True)

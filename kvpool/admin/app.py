@@ -37,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.admin import schemas as s
-from kvpool.admin.auth import AdminAuth, tenant_tokens
+from kvpool.admin.auth import TenantTokens, needs_token, tenant_tokens
 from kvpool.auth import load_keyring
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins
 from kvpool.contract import check_key, check_stored_key, scope_prefix
@@ -232,10 +232,10 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         return _error(exc.status_code, code, str(exc.detail))
 
     app.add_middleware(_CatchAll)
-    app.add_middleware(HttpGuard, what="the admin API",
-                       error_body=lambda status, code, message: _error_doc(code, message))
-    # Outermost: who is asking (the admin token, a tenant's), then the body cap, before anything else runs.
-    app.add_middleware(AdminAuth, token=current_token, tenants=tenant_tokens(load_keyring(settings.auth_file)),
+    # Outermost: who is asking (the admin token, a tenant's: kvpool/admin/auth.py), then the body
+    # cap, before anything else runs.
+    app.add_middleware(HttpGuard, what="the admin API", token=current_token, needs_token=needs_token,
+                       tenants=TenantTokens(tenant_tokens(load_keyring(settings.auth_file))),
                        error_body=lambda status, code, message: _error_doc(code, message))
 
     @app.get("/health", response_model=s.Health, tags=["health"])

@@ -27,13 +27,8 @@ constant time, every tenant's each time.
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable
-
 from kvpool.auth import Keyring, admin_api_token
-from kvpool.http_guard import bearer_of, same_token, send_json
-
-log = logging.getLogger(__name__)
+from kvpool.http_guard import same_token
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
@@ -54,50 +49,25 @@ def tenant_tokens(keyring: Keyring | None) -> dict[str, str]:
     return {admin_api_token(e.secret): e.principal.tenant for e in keyring.entries.values() if e.principal.tenant}
 
 
-class AdminAuth:
-    """ASGI middleware deciding the principal of each admin API request (module doc).
-    `token()`: the admin token (None: none configured); `tenants`: token -> tenant id;
-    `error_body(status, code, message)`: the app's error document."""
+class TenantTokens:
+    """The admin API's `kvpool.http_guard.Tenants`: token -> tenant id (`tenant_tokens`), and
+    `TENANT_ROUTES` as the only routes a tenant may ask."""
 
-    def __init__(self, app: Any, *, token: Callable[[], str | None], tenants: dict[str, str],
-                 error_body: Callable[[int, str, str], Any]):
-        self.app = app
-        self.token = token
+    def __init__(self, tenants: dict[str, str]):
         self.tenants = list(tenants.items())
-        self.error_body = error_body
 
-    def tenant_of(self, presented: str | None) -> str | None:
+    def __bool__(self) -> bool:
+        return bool(self.tenants)
+
+    def tenant_of(self, presented: str) -> str | None:
         found = None
         for token, tenant in self.tenants:  # no early exit: the time does not say which tenant matched
             if same_token(presented, token):
                 found = tenant
         return found
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not needs_token(scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        presented = bearer_of(scope["headers"])
-        expected = self.token()
-        if not (expected and same_token(presented, expected)):
-            tenant = self.tenant_of(presented) if presented and self.tenants else None
-            if tenant is not None:
-                if not tenant_route(scope["method"], scope["path"]):
-                    log.info("%s %s refused: tenant %s", scope["method"], scope["path"], tenant)
-                    await self._answer(send, 403, "forbidden",
-                                       f"tenant {tenant!r} may read only its own keys and use "
-                                       "(GET /v1/keys, /v1/keys/{key}, /v1/stats); this needs the admin token")
-                    return
-                scope.setdefault("state", {})["tenant"] = tenant
-            elif expected:
-                why = "a wrong bearer token" if presented else "no bearer token"
-                log.info("%s %s refused: %s", scope["method"], scope["path"], why)
-                await self._answer(send, 401, "unauthorized",
-                                   f"the admin API requires 'Authorization: Bearer <token>'; the request had {why} "
-                                   "(see docs/security.md)", {"www-authenticate": "Bearer"})
-                return
-        await self.app(scope, receive, send)
-
-    async def _answer(self, send: Any, status: int, code: str, message: str,
-                      extra: dict[str, str] | None = None) -> None:
-        await send_json(send, status, self.error_body(status, code, message), extra)
+    def refusal(self, method: str, path: str, tenant: str) -> str | None:
+        if tenant_route(method, path):
+            return None
+        return (f"tenant {tenant!r} may read only its own keys and use (GET /v1/keys, /v1/keys/{{key}}, "
+                "/v1/stats); this needs the admin token")
