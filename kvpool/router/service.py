@@ -9,6 +9,10 @@
               out of rotation and the step is tried once more elsewhere: a prefill on another
               prefill worker, a decode (same handle: the KV is in the pool) on another decode
               worker. After the first token is sent, a failure ends the stream with an error.
+    KV lost:  a decode worker that answers that the handle's KV is gone from the pool (evicted
+              before it was read, a node lost, a damaged object it dropped) is asked to
+              generate the rest itself from the prompt and the first token (POST /v1/generate):
+              the request costs a second prefill instead of failing mid-stream.
 
 Tenants (with a keyring whose tenants have `api_keys`, see app.py and tenants.py): a request
 runs as the tenant its API key names: its chunk keys are in that tenant's salted namespace,
@@ -314,6 +318,7 @@ class Router:
                                  sampling=sampling)
         tried: list[str] = [p.name] if p.role == "prefill" else []
         decoder = self.workers.by_name(d.decode)
+        lost: KVPoolError | None = None
         for attempt in range(2):
             decoder.decode_sent()
             try:
@@ -324,9 +329,15 @@ class Router:
                     out.completion_tokens += 1
                     yield Piece(event.text)
                 return
+            except (KeyNotFound, CorruptObject) as exc:  # the worker says the handle's KV is gone
+                lost = exc
+                break
             except _BeforeFirst as exc:  # the handle still names the KV in the pool: another decoder
                 tried.append(decoder.name)
-                if attempt == 1 or isinstance(exc.error, (KeyNotFound, CorruptObject, InvalidArgument)):
+                if isinstance(exc.error, (KeyNotFound, CorruptObject)):
+                    lost = exc.error
+                    break
+                if attempt == 1 or isinstance(exc.error, InvalidArgument):
                     raise exc.error from None
                 snap = self.snapshot(keys, tuple(tried))
                 alt = [w for w in snap.workers if w.decodes]
@@ -338,6 +349,18 @@ class Router:
                 decoder = self.workers.by_name(best.name)
             finally:
                 decoder.decode_done()
+        if lost is not None:  # recompute on the decode worker: prompt + first token, the rest of the budget
+            if max_tokens < 2:  # (a decode worker loads nothing for a one-token budget: not reached)
+                raise lost
+            self.metrics.retries.labels(stage="kv_lost").inc()
+            log.warning("request %s: %s; %s generates the rest from the prompt", rid, lost, decoder.name)
+            again = Decision(prefill=None, decode=decoder.name, kind="local_prefill")
+            try:
+                async for piece in self._colocated(again, [*ids, head.first_token], max_tokens - 1, sampling,
+                                                   out, rid, headers):
+                    yield piece
+            except _BeforeFirst as exc:  # the first token already reached the client: no retry elsewhere
+                raise exc.error from None
 
     async def _prefill(self, p: WorkerState, ids: list[int], d: Decision, sampling: wire.SamplingParams,
                        rid: str, headers: dict[str, str]) -> wire.PrefillResponse:

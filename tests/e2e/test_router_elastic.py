@@ -5,8 +5,12 @@ rotation, and a drained worker finishes its streams and leaves."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -116,3 +120,37 @@ def test_drained_worker_finishes_its_work_and_leaves(elastic):
     _wait(lambda: leaver.url not in _workers(elastic) or _workers(elastic)[leaver.url]["status"] != "up", 5,
           "the leaver out of rotation")
     assert _stream(client, 4)[1] in ("length", "stop")
+
+
+def test_kv_lost_before_decode_is_recomputed_not_failed(elastic, rm, tmp_path):
+    """A decode worker handed a KV handle whose objects are not in the pool (in production: evicted
+    before it read them, or a node lost; here: the worker is attached to another, empty pool)
+    generates the rest from the prompt and the first token, and the request completes with the
+    greedy tokens of a single-process run instead of failing after its first token."""
+    from e2e_support import reference
+    from engine_adapters.serving.launcher import WorkerSpec
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    empty = subprocess.Popen([str(Path(sys.executable).with_name("kvpool")), "--log-level", "WARNING", "serve",
+                              "--port", "0", "--admin-port", "0", "--dram-capacity", "64MiB"],
+                             stdout=subprocess.PIPE, stderr=open(tmp_path / "empty-pool.log", "w"), text=True, env=env)
+    try:
+        line = empty.stdout.readline().strip()
+        assert line.startswith("kvpool serving at "), (tmp_path / "empty-pool.log").read_text()[-2000:]
+        forgetful = elastic.add_worker(WorkerSpec("decode", "decode-forgetful", ["--pool", line.rsplit(" ", 1)[1]]))
+        _wait(lambda: _workers(elastic).get(forgetful.url, {}).get("status") == "up", 10, "decode-forgetful in rotation")
+        want = rm.decode(reference(rm, rm.encode_chat(PROMPT), 12))
+        client = _client(elastic)
+        decoders = sum(1 for w in _workers(elastic).values() if w["role"] == "decode" and w["status"] == "up")
+        for _ in range(decoders):  # round robin: one of them lands on the forgetful worker
+            text, finish = _stream(client, 12)
+            assert (text, finish) == (want, "length")
+        assert _workers(elastic)[forgetful.url]["served"] >= 1
+        metrics = httpx.get(f"{elastic.router_url}/metrics", timeout=5).text
+        lost = [line for line in metrics.splitlines() if line.startswith("kvpool_router_retries_total{stage=\"kv_lost\"}")]
+        assert lost and float(lost[0].split()[-1]) >= 1, metrics[-2000:]
+        forgetful.popen.send_signal(signal.SIGTERM)
+        forgetful.popen.wait(60)
+    finally:
+        empty.terminate()
+        empty.wait(15)
