@@ -88,11 +88,21 @@ class Housekeeping:
         with st.lock:
             if not st.leader:
                 return
-            for obj in [o for o in st.objects.values() if o.state == PENDING and o.deadline <= now]:
-                log.info("reclaiming put of %r (no put_end within %.1fs)", obj.key, st.put_timeout_s)
-                st.reclaim_locked(obj)
-            for obj in [o for o in st.objects.values() if o.removing and not o.leased(now)]:
-                st.delete_locked(obj)
+            for key in list(st.pending):
+                obj = st.objects.get(key)
+                if obj is None or obj.state != PENDING:
+                    st.pending.discard(key)
+                elif obj.deadline <= now:
+                    st.pending.discard(key)
+                    log.info("reclaiming put of %r (no put_end within %.1fs)", obj.key, st.put_timeout_s)
+                    st.reclaim_locked(obj)
+            for key in list(st.removing):
+                obj = st.objects.get(key)
+                if obj is None or not obj.removing:
+                    st.removing.discard(key)
+                elif not obj.leased(now):
+                    st.removing.discard(key)
+                    st.delete_locked(obj)
             st.expire_removals_locked(now)
             # Leases whose reader never released them (a crashed client) end at their expiry.
             st.release_locked([lid for lid, (_, until) in st.lease_keys.items() if until <= now], now)

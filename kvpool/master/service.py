@@ -261,6 +261,7 @@ class MasterService:
             st.objects[key] = ObjectEntry(key=key, size=size, state=PENDING,
                                              replicas={n.node_id: Replica(n.node_id) for n in chosen},
                                              put_id=put_id, deadline=now + st.put_timeout_s, token=token)
+            st.pending.add(key)
             for n in chosen:
                 n.used += size
             return PutPlan(put_id=put_id, targets=[Target(n.node_id, n.address) for n in chosen])
@@ -429,6 +430,7 @@ class MasterService:
                     st.reclaim_locked(obj)
                 elif obj.leased(now):
                     obj.removing = True
+                    st.removing.add(key)
                     for node_id in obj.replicas:
                         st.hide_local_locked(node_id, obj)
                 else:

@@ -56,6 +56,13 @@ class MasterState:
         self.local: set[str] = set()  # nodes in this process (embedded): never timed out
         self.lease_keys: dict[int, tuple[list[str], float]] = {}  # lease id -> (keys, expiry)
         self.removed: dict[str, dict[int, float]] = {}  # key -> put id -> until: acknowledged removes
+        # Keys the housekeeping tick must look at: a put started (may time out), a remove waiting
+        # for leases. Candidates, not truth: an entry whose object has moved on is dropped by the
+        # tick, so only the two places that make such objects add to them, and no delete needs to
+        # remove from them. (Scanning every object twice per tick cost 11 ms of CPU under the lock
+        # at 100,000 objects, every 0.5 s: the tail of every call that waited for the lock.)
+        self.pending: set[str] = set()
+        self.removing: set[str] = set()
         self.removal_order: collections.deque[tuple[float, str, int]] = collections.deque()  # by until
         self.removal_log: Any = None  # cluster mode: `kvpool.cluster.removals.RemovalLog` (etcd)
         # Unique across failovers: a new leader must never reuse a put id a node still holds.
@@ -74,6 +81,8 @@ class MasterState:
     def clear_tables_locked(self) -> None:
         """A new role starts from empty tables (a leader rebuilds them from the nodes' reports)."""
         self.objects.clear()
+        self.pending.clear()
+        self.removing.clear()
         self.nodes.clear()
         self.lease_keys.clear()
         self.removed.clear()
