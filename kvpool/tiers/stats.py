@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 
 @dataclass
@@ -43,18 +43,16 @@ class StoreStats:
         self.dram.misses += 1
         self.absent += 1
 
-    def report(self, policy: str, tiers: dict[str, Any], entries: Iterable[Any]) -> dict[str, Any]:
+    def report(self, policy: str, tiers: dict[str, Any], entries: Any) -> dict[str, Any]:
         """{"policy", "tiers": {name: {capacity, used, objects, hits, misses, evictions, bytes_in,
         bytes_out}}, "total": {objects, bytes, pinned, hits, misses, evictions, bytes_in, bytes_out}}
         of the tiers present (not None). A tier's misses count reads it could not serve (a DRAM
-        miss may be an SSD hit); the total counts each read once. Pins count as reads."""
+        miss may be an SSD hit); the total counts each read once. Pins count as reads. `entries`:
+        the store's `kvpool.tiers.entries.EntryIndex` (its running totals)."""
         present = {name: tier for name, tier in tiers.items() if tier is not None}
         out = {name: {"capacity": tier.capacity, "used": tier.used, "objects": len(tier),
                       **getattr(self, name).as_dict()} for name, tier in present.items()}
-        entries = list(entries)
-        visible = [e for e in entries if e.visible]
-        total = {"objects": len(visible), "bytes": sum(e.size for e in visible),
-                 "pinned": sum(1 for e in entries if e.pins),
+        total = {"objects": entries.visible, "bytes": entries.visible_bytes, "pinned": entries.pinned,
                  **TierStats.total([getattr(self, n) for n in present])}
         # Each read is served by one tier (a hit there) or by none: DRAM misses that SSD served
         # are not misses of the store.

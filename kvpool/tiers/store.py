@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from kvpool.contract import check_stored_key as check_key
@@ -43,7 +42,8 @@ from kvpool.tiers.hbm import open_hbm
 from kvpool.tiers.policy import FairPolicy, make_policy
 from kvpool.tiers.ssd import SsdShelf, SsdTier
 from kvpool.tiers.stats import StoreStats
-from kvpool.tiers.tenants import TenantIndex, check_quota, tenant_quotas
+from kvpool.tiers.entries import Entry as _Entry, EntryIndex
+from kvpool.tiers.tenants import check_quota, tenant_quotas
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +51,6 @@ EventHook = Callable[[str, str], None]
 # Copies up to this size run under the lock: a 256 KiB memcpy (~10-20 us) costs less than the
 # second lock round trip and pin bookkeeping it saves; larger copies run outside it, pinned.
 SMALL_COPY = 256 << 10
-
-
-@dataclass
-class _Entry:
-    size: int
-    dram: bool = False  # committed in DRAM (space held until removed or last unpin)
-    ssd: bool = False  # a verified-at-write copy in SSD
-    pins: int = 0
-    writing: bool = False  # reserved by a two-phase writer, not yet committed
-    promoting: bool = False  # an SSD -> DRAM copy is in flight
-    removing: bool = False  # removed while pinned or promoting: invisible, freed later
-
-    @property
-    def visible(self) -> bool:
-        return not self.writing and not self.removing and (self.dram or self.ssd)
 
 
 class TieredStore:
@@ -97,7 +82,7 @@ class TieredStore:
             self.close()
             raise
         self.on_event = on_event
-        self._entries: TenantIndex = TenantIndex()
+        self._entries: EntryIndex = EntryIndex()
         self._stats = StoreStats()
         self._shelf: SsdShelf | None = None
         if self.ssd is not None:  # objects that survived a restart are visible again
@@ -473,7 +458,7 @@ class TieredStore:
         (`kvpool.tiers.stats.StoreStats.report`)."""
         with self._lock:
             return self._stats.report(self.policy, {"hbm": self.hbm, "dram": self.dram, "ssd": self.ssd},
-                                      self._entries.values())
+                                      self._entries)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _fire(self, events: list) -> None:

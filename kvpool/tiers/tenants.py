@@ -11,44 +11,9 @@ module doc). Eviction fairness across tenants is `kvpool.tiers.policy.FairPolicy
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvpool.auth import Keyring
 from kvpool.errors import QuotaExceeded
 from kvpool.tiers.policy import tenant_of
-
-
-class TenantIndex(dict):
-    """The store's index (key -> entry with a `size`), keeping each tenant's use in step:
-    `usage[tenant] = [bytes, keys]` of its entries."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.usage: dict[str, list[int]] = {}
-
-    def __setitem__(self, key: str, entry: Any) -> None:
-        if key in self:
-            del self[key]
-        super().__setitem__(key, entry)
-        use = self.usage.setdefault(tenant_of(key), [0, 0])
-        use[0] += entry.size
-        use[1] += 1
-
-    def __delitem__(self, key: str) -> None:
-        entry = self[key]
-        super().__delitem__(key)
-        use = self.usage[tenant_of(key)]
-        use[0] -= entry.size
-        use[1] -= 1
-
-    def pop(self, key: str, *default: Any) -> Any:  # keep `usage` right whichever way an entry goes
-        if key not in self:
-            if default:
-                return default[0]
-            raise KeyError(key)
-        entry = self[key]
-        del self[key]
-        return entry
 
 
 def tenant_quotas(keyring: Keyring | None) -> dict[str, tuple[int, int]]:

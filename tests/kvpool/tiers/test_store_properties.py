@@ -74,6 +74,11 @@ def test_store_against_model(tmp_path_factory, policy, with_ssd, program):
                 keys = list(key)[:arg]
                 assert store.match_prefix(keys) == match_prefix_local(keys, store.contains)
             # invariants after every step
+            entries = store._entries.values()  # the totals are kept running: they equal a recount
+            total = store.stats()["total"]
+            assert (total["objects"], total["bytes"], total["pinned"]) == (
+                sum(e.visible for e in entries), sum(e.size for e in entries if e.visible),
+                sum(e.pins > 0 for e in entries))
             stats = store.stats()["tiers"]
             for tier in stats.values():
                 assert tier["used"] <= tier["capacity"]
