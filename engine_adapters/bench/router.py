@@ -167,43 +167,66 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
         sync.close()
 
 
+class TtftProbe:
+    """A local cluster (router, one prefill and one decode worker) and the two ways to get a first
+    token from it, each returning its TTFT in ms: `via_router()` (a streaming chat request through
+    the OpenAI API, first content chunk) and `direct()` (the prefill worker called with the token
+    ids, first token in hand). Also used by benchmarks/router_hop_breakdown.py."""
+
+    MESSAGES = [{"role": "user", "content": "In one word, what colour is the sea?"}]
+
+    def __enter__(self) -> "TtftProbe":
+        import tempfile
+
+        import httpx
+
+        from engine_adapters.serving.client import WorkerClient
+        from engine_adapters.serving.launcher import LocalCluster, RouterSpec, WorkerSpec
+
+        self.cluster = LocalCluster(tempfile.mkdtemp(prefix="kvpool-bench-router-"),
+                                    [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode")],
+                                    router=RouterSpec(args=["--local-prefill-tokens", "0"]))
+        self.cluster.__enter__()
+        try:
+            self.body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "messages": self.MESSAGES,
+                         "max_tokens": 2, "temperature": 0, "stream": True}
+            self.prefill = WorkerClient(self.cluster.url("prefill"))
+            self.decode = WorkerClient(self.cluster.url("decode"))
+            self.ids = self.prefill.tokenize(messages=self.MESSAGES)
+            self.http = httpx.Client(timeout=60)
+        except BaseException:
+            self.cluster.__exit__(None, None, None)
+            raise
+        return self
+
+    def via_router(self) -> float:
+        started = time.perf_counter()
+        first = None
+        with self.http.stream("POST", f"{self.cluster.router_url}/v1/chat/completions", json=self.body) as resp:
+            for line in resp.iter_lines():
+                if first is None and line.startswith("data: {") and '"content":"' in line \
+                        and '"content":""' not in line:
+                    first = time.perf_counter() - started
+        return first * 1e3
+
+    def direct(self) -> float:
+        started = time.perf_counter()
+        head = self.prefill.prefill(self.ids)
+        ttft = time.perf_counter() - started
+        for _ in self.decode.decode(head.handle, head.first_token, 2):
+            pass
+        return ttft * 1e3
+
+    def __exit__(self, *exc: object) -> None:
+        self.http.close()
+        self.prefill.close()
+        self.decode.close()
+        self.cluster.__exit__(*exc)
+
+
 def _overhead_case(report: Report, reps: int) -> None:
-    import tempfile
-
-    import httpx
-
-    from engine_adapters.serving.client import WorkerClient
-    from engine_adapters.serving.launcher import LocalCluster, RouterSpec, WorkerSpec
-
-    workdir = tempfile.mkdtemp(prefix="kvpool-bench-router-")
-    cluster = LocalCluster(workdir, [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode")],
-                           router=RouterSpec(args=["--local-prefill-tokens", "0"]))
-    with cluster:
-        messages = [{"role": "user", "content": "In one word, what colour is the sea?"}]
-        body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 2,
-                "temperature": 0, "stream": True}
-        prefill, decode = WorkerClient(cluster.url("prefill")), WorkerClient(cluster.url("decode"))
-        ids = prefill.tokenize(messages=messages)
-        http = httpx.Client(timeout=60)
-
-        def via_router() -> float:
-            started = time.perf_counter()
-            first = None
-            with http.stream("POST", f"{cluster.router_url}/v1/chat/completions", json=body) as resp:
-                for line in resp.iter_lines():
-                    if first is None and line.startswith("data: {") and '"content":"' in line \
-                            and '"content":""' not in line:
-                        first = time.perf_counter() - started
-            return first * 1e3
-
-        def direct() -> float:
-            started = time.perf_counter()
-            head = prefill.prefill(ids)
-            ttft = time.perf_counter() - started
-            for _ in decode.decode(head.handle, head.first_token, 2):
-                pass
-            return ttft * 1e3
-
+    with TtftProbe() as probe:
+        via_router, direct, ids = probe.via_router, probe.direct, probe.ids
         for _ in range(3):
             via_router(), direct()
         ours, base = [], []
@@ -227,9 +250,6 @@ def _overhead_case(report: Report, reps: int) -> None:
                    extra={"added_p50_ms": round(added, 3), "added_p50_ci95_ms": [round(boot[25], 3), round(boot[974], 3)],
                           "median_difference_ms": round(statistics.median(ours) - statistics.median(base), 3),
                           "goal_added_p50_ms": 2.0, "goal_met": added < 2.0, "prompt_tokens": len(ids)})
-        http.close()
-        prefill.close()
-        decode.close()
 
 
 @click.command()
