@@ -38,11 +38,11 @@ from kvpool.auth import load_keyring
 from kvpool.errors import AllPinned, AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.base import Location, Reservation, readable_view, writable_view
 from kvpool.tiers.dram import DramTier
+from kvpool.tiers.entries import Entry as _Entry, EntryIndex
 from kvpool.tiers.hbm import open_hbm
 from kvpool.tiers.policy import FairPolicy, make_policy
 from kvpool.tiers.ssd import SsdShelf, SsdTier
 from kvpool.tiers.stats import StoreStats
-from kvpool.tiers.entries import Entry as _Entry, EntryIndex
 from kvpool.tiers.tenants import check_quota, tenant_quotas
 
 log = logging.getLogger(__name__)
