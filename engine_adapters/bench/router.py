@@ -207,6 +207,9 @@ class TtftProbe:
                 if first is None and line.startswith("data: {") and '"content":"' in line \
                         and '"content":""' not in line:
                     first = time.perf_counter() - started
+        if first is None:
+            raise RuntimeError("the router's stream ended without a content chunk (its log: "
+                               f"{self.cluster.workdir}/router.log)")
         return first * 1e3
 
     def direct(self) -> float:
