@@ -55,6 +55,8 @@ class CostModel:
         self._fetch_rate: float | None = None
         self._decode_token_s: float | None = None
         self._handoff_s: float | None = None
+        self._fitted = self._prior  # the prior with the last prefill fit
+        self._refit = False  # new prefill samples since that fit
         self._dirty = False
 
     def observe_prefill(self, computed: int, cached: int, compute_s: float, fetched_bytes: int = 0,
@@ -62,6 +64,7 @@ class CostModel:
         with self._lock:
             if computed > 0 and compute_s > 0:
                 self._samples.append((computed, cached, compute_s))
+                self._refit = True
             if fetched_bytes > 0 and fetch_s > 0:
                 rate = fetched_bytes / fetch_s
                 self._fetch_rate = rate if self._fetch_rate is None else 0.8 * self._fetch_rate + 0.2 * rate
@@ -83,9 +86,15 @@ class CostModel:
                 self._dirty = True
 
     def params(self) -> CostParams:
+        """The current estimates. The least-squares fit (~0.2 ms) runs again only after a new
+        prefill sample; a decode token or a hand-off (many per request) only updates its own rate,
+        so a route does not pay for a refit per streamed token."""
         with self._lock:
             if self._dirty:
-                self._params = self._fit()
+                if self._refit:
+                    self._fitted = self._fit_prefill()
+                    self._refit = False
+                self._params = self._with_rates(self._fitted)
                 self._dirty = False
             return self._params
 
@@ -93,7 +102,7 @@ class CostModel:
     def samples(self) -> int:
         return len(self._samples)
 
-    def _fit(self) -> CostParams:
+    def _fit_prefill(self) -> CostParams:
         p = self._prior
         if len(self._samples) >= self._min_samples:
             arr = np.asarray(self._samples, dtype=np.float64)
@@ -102,6 +111,9 @@ class CostModel:
             coef = _nnls3(x, t)
             if coef is not None:
                 p = replace(p, prefill_fixed_s=coef[0], prefill_token_s=coef[1], prefill_attn_s=coef[2])
+        return p
+
+    def _with_rates(self, p: CostParams) -> CostParams:
         if self._fetch_rate is not None:
             p = replace(p, fetch_bytes_per_s=self._fetch_rate)
         if self._decode_token_s is not None:

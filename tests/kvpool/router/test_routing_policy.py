@@ -195,6 +195,30 @@ def test_cost_model_recovers_coefficients():
     assert m.params().decode_token_s == pytest.approx(0.03)
 
 
+def test_cost_model_refits_only_after_a_new_prefill_sample(monkeypatch):
+    """A route reads the model once per request while decode tokens stream in: those update
+    their rate without another least-squares fit (~0.2 ms each), and change no prefill estimate."""
+    import kvpool.router.cost as cost
+
+    fits = []
+    real = cost._nnls3
+    monkeypatch.setattr(cost, "_nnls3", lambda x, t: fits.append(len(t)) or real(x, t))
+    m = CostModel()
+    for c in (100, 400, 900, 1600, 2500):
+        m.observe_prefill(c, 0, 0.02 + 3e-4 * c)
+    fitted = m.params()
+    assert fits == [5]
+    for s in (0.03, 0.05, 0.04):
+        m.observe_decode_token(s)
+        m.observe_handoff(0.012)
+        p = m.params()
+        assert (p.prefill_fixed_s, p.prefill_token_s, p.prefill_attn_s) == (
+            fitted.prefill_fixed_s, fitted.prefill_token_s, fitted.prefill_attn_s)
+    assert fits == [5] and p.decode_token_s != fitted.decode_token_s and p.handoff_s == pytest.approx(0.012)
+    m.observe_prefill(200, 0, 0.02 + 3e-4 * 200)
+    assert m.params().prefill_token_s == pytest.approx(3e-4, rel=0.01) and fits == [5, 6]
+
+
 def test_cached_tokens_leaves_one_token_to_compute():
     r = req(prompt=512, pool=2)
     assert cached_tokens(r, P1) == 511
