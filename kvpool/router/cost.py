@@ -56,7 +56,7 @@ class CostModel:
         self._decode_token_s: float | None = None
         self._handoff_s: float | None = None
         self._fitted = self._prior  # the prior with the last prefill fit
-        self._refit = False  # new prefill samples since that fit
+        self._new = 0  # prefill samples since that fit
         self._dirty = False
 
     def observe_prefill(self, computed: int, cached: int, compute_s: float, fetched_bytes: int = 0,
@@ -64,7 +64,7 @@ class CostModel:
         with self._lock:
             if computed > 0 and compute_s > 0:
                 self._samples.append((computed, cached, compute_s))
-                self._refit = True
+                self._new += 1
             if fetched_bytes > 0 and fetch_s > 0:
                 rate = fetched_bytes / fetch_s
                 self._fetch_rate = rate if self._fetch_rate is None else 0.8 * self._fetch_rate + 0.2 * rate
@@ -86,14 +86,15 @@ class CostModel:
                 self._dirty = True
 
     def params(self) -> CostParams:
-        """The current estimates. The least-squares fit (~0.2 ms) runs again only after a new
-        prefill sample; a decode token or a hand-off (many per request) only updates its own rate,
-        so a route does not pay for a refit per streamed token."""
+        """The current estimates. The least-squares fit (~0.2 ms of CPU, on the route's path)
+        runs again once the new prefill samples are a sixteenth of the window's (every sample
+        while it holds fewer than 32, every 8th once it is full): one sample moves a fit over 128
+        by little. A decode token or a hand-off (many per request) only updates its own rate."""
         with self._lock:
             if self._dirty:
-                if self._refit:
+                if self._new and self._new >= len(self._samples) // 16:
                     self._fitted = self._fit_prefill()
-                    self._refit = False
+                    self._new = 0
                 self._params = self._with_rates(self._fitted)
                 self._dirty = False
             return self._params

@@ -197,7 +197,8 @@ def test_cost_model_recovers_coefficients():
 
 def test_cost_model_refits_only_after_a_new_prefill_sample(monkeypatch):
     """A route reads the model once per request while decode tokens stream in: those update
-    their rate without another least-squares fit (~0.2 ms each), and change no prefill estimate."""
+    their rate without another least-squares fit (~0.2 ms each), and change no prefill estimate;
+    with a full window, prefill samples are fitted in batches of 8."""
     import kvpool.router.cost as cost
 
     fits = []
@@ -217,6 +218,15 @@ def test_cost_model_refits_only_after_a_new_prefill_sample(monkeypatch):
     assert fits == [5] and p.decode_token_s != fitted.decode_token_s and p.handoff_s == pytest.approx(0.012)
     m.observe_prefill(200, 0, 0.02 + 3e-4 * 200)
     assert m.params().prefill_token_s == pytest.approx(3e-4, rel=0.01) and fits == [5, 6]
+    for c in range(100, 12900, 100):  # the window (128) full of new samples
+        m.observe_prefill(c, 0, 0.02 + 5e-4 * c)
+        m.params()
+    fits.clear()
+    for c in range(100, 6500, 100):  # then 64 more: refit every 8th
+        m.observe_prefill(c, 0, 0.02 + 5e-4 * c)
+        m.params()
+    assert fits == [128] * 8
+    assert m.params().prefill_token_s == pytest.approx(5e-4, rel=0.01)
 
 
 def test_cached_tokens_leaves_one_token_to_compute():
