@@ -94,8 +94,9 @@ def test_kvpool_up_stops_its_processes_on_sigint(tmp_path):
             lines.append(line)
             if "Ctrl-C stops" in line or time.monotonic() > deadline:
                 break
-        pids = [json.loads(p.read_text())["pid"] for p in tmp_path.glob("*.ready")]
-        assert len(pids) == 2, "".join(lines)
+        ready = {p.stem: json.loads(p.read_text())["pid"] for p in tmp_path.glob("*.ready")}
+        assert set(ready) == {"router", "prefill-0", "decode-1"}, "".join(lines)  # (the pool reports on its stdout)
+        pids = list(ready.values())
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         for pid in pids:
