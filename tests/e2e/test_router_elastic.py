@@ -131,9 +131,10 @@ def test_kv_lost_before_decode_is_recomputed_not_failed(elastic, rm, tmp_path):
     from engine_adapters.serving.launcher import WorkerSpec
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
-    empty = subprocess.Popen([str(Path(sys.executable).with_name("kvpool")), "--log-level", "WARNING", "serve",
-                              "--port", "0", "--admin-port", "0", "--dram-capacity", "64MiB"],
-                             stdout=subprocess.PIPE, stderr=open(tmp_path / "empty-pool.log", "w"), text=True, env=env)
+    with open(tmp_path / "empty-pool.log", "w") as log:
+        empty = subprocess.Popen([str(Path(sys.executable).with_name("kvpool")), "--log-level", "WARNING", "serve",
+                                  "--port", "0", "--admin-port", "0", "--dram-capacity", "64MiB"],
+                                 stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         line = empty.stdout.readline().strip()
         assert line.startswith("kvpool serving at "), (tmp_path / "empty-pool.log").read_text()[-2000:]
@@ -154,3 +155,4 @@ def test_kv_lost_before_decode_is_recomputed_not_failed(elastic, rm, tmp_path):
     finally:
         empty.terminate()
         empty.wait(15)
+        empty.stdout.close()
