@@ -5,39 +5,62 @@ totals in step with every change, so that reading them costs nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.tiers.policy import tenant_of
 
 
-@dataclass
 class Entry:
-    size: int
-    dram: bool = False  # committed in DRAM (space held until removed or last unpin)
-    ssd: bool = False  # a verified-at-write copy in SSD
-    pins: int = 0
-    writing: bool = False  # reserved by a two-phase writer, not yet committed
-    promoting: bool = False  # an SSD -> DRAM copy is in flight
-    removing: bool = False  # removed while pinned or promoting: invisible, freed later
+    """One object in the store: its size and where and how it is held. Every change of a field
+    that counts (all but `promoting`) tells the `EntryIndex` holding it (`index`) what it did to
+    the totals; the fields live in `__dict__`, read directly, because this runs on every put,
+    pin and unpin."""
 
-    index: Any = field(default=None, repr=False, compare=False)  # the EntryIndex counting it, told of every change
+    def __init__(self, size: int, dram: bool = False, ssd: bool = False, pins: int = 0, writing: bool = False,
+                 promoting: bool = False, removing: bool = False):
+        self.__dict__.update(
+            size=size,
+            dram=dram,  # committed in DRAM (space held until removed or last unpin)
+            ssd=ssd,  # a verified-at-write copy in SSD
+            pins=pins,
+            writing=writing,  # reserved by a two-phase writer, not yet committed
+            promoting=promoting,  # an SSD -> DRAM copy is in flight
+            removing=removing,  # removed while pinned or promoting: invisible, freed later
+            index=None)  # the EntryIndex counting it
 
     @property
     def visible(self) -> bool:
         return not self.writing and not self.removing and (self.dram or self.ssd)
 
     def totals(self) -> tuple[bool, int, bool]:
-        return self.visible, self.size, self.pins > 0
+        return _totals(self.__dict__)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        index = self.__dict__.get("index")
-        if index is None or name == "index":
-            object.__setattr__(self, name, value)
+        d = self.__dict__
+        index = d["index"]
+        if index is None or name == "promoting" or name == "index":
+            d[name] = value
             return
-        before = self.totals()
-        object.__setattr__(self, name, value)
-        index.changed(before, self.totals())
+        if name == "pins":  # the most frequent change (every pin and unpin): only `pinned` can move
+            was = d["pins"] > 0
+            d["pins"] = value
+            if (value > 0) != was:
+                index.pinned += 1 if value > 0 else -1
+            return
+        before = _totals(d)
+        d[name] = value
+        after = _totals(d)
+        if before != after:
+            index.changed(before, after)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k != "index")
+        return f"Entry({fields})"
+
+
+def _totals(d: dict) -> tuple[bool, int, bool]:
+    """(visible, size, pinned) of an entry's fields."""
+    return not d["writing"] and not d["removing"] and (d["dram"] or d["ssd"]), d["size"], d["pins"] > 0
 
 
 class EntryIndex(dict):
@@ -73,9 +96,8 @@ class EntryIndex(dict):
         self._count(entry.totals(), -1)
 
     def changed(self, before: tuple[bool, int, bool], after: tuple[bool, int, bool]) -> None:
-        if before != after:
-            self._count(before, -1)
-            self._count(after, 1)
+        self._count(before, -1)
+        self._count(after, 1)
 
     def _count(self, totals: tuple[bool, int, bool], sign: int) -> None:
         visible, size, pinned = totals
