@@ -20,7 +20,6 @@ import collections
 import threading
 from dataclasses import dataclass, replace
 
-import numpy as np
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ class CostModel:
                 self._dirty = True
 
     def params(self) -> CostParams:
-        """The current estimates. The least-squares fit (~0.2 ms of CPU, on the route's path)
+        """The current estimates. The least-squares fit (~0.1 ms of CPU, on the route's path)
         runs again once the new prefill samples are a sixteenth of the window's (every sample
         while it holds fewer than 32, every 8th once it is full): one sample moves a fit over 128
         by little. A decode token or a hand-off (many per request) only updates its own rate."""
@@ -106,10 +105,8 @@ class CostModel:
     def _fit_prefill(self) -> CostParams:
         p = self._prior
         if len(self._samples) >= self._min_samples:
-            arr = np.asarray(self._samples, dtype=np.float64)
-            c, k, t = arr[:, 0], arr[:, 1], arr[:, 2]
-            x = np.stack([np.ones_like(c), c, c * (k + c / 2)], axis=1)
-            coef = _nnls3(x, t)
+            x = [(1.0, float(c), c * (k + c / 2)) for c, k, _ in self._samples]
+            coef = _nnls3(x, [t for _, _, t in self._samples])
             if coef is not None:
                 p = replace(p, prefill_fixed_s=coef[0], prefill_token_s=coef[1], prefill_attn_s=coef[2])
         return p
@@ -124,20 +121,63 @@ class CostModel:
         return p
 
 
-def _nnls3(x: np.ndarray, t: np.ndarray) -> np.ndarray | None:
+def _nnls3(x: list[tuple[float, float, float]], t: list[float]) -> list[float] | None:
     """Least squares with non-negative coefficients for 3 columns: try every subset of active
-    columns (8 small solves) and keep the best feasible one. Scaled so the columns compare."""
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-    xs = x / scale
-    best, best_err = None, np.inf
+    columns (7 small solves) and keep the best feasible one. Columns are scaled so they compare.
+
+    Pure Python on the 3x3 normal equations, not numpy: this runs on a request's route, and
+    numpy's LAPACK hands even a 128x3 solve to OpenBLAS threads, which on a machine whose cores
+    are busy with prefills waited milliseconds to be scheduled (py-spy, the router's route path)."""
+    scale = [max(max(abs(row[j]) for row in x), 1e-12) for j in range(3)]
+    i0, i1, i2 = 1.0 / scale[0], 1.0 / scale[1], 1.0 / scale[2]
+    g00 = g01 = g02 = g11 = g12 = g22 = b0 = b1 = b2 = tt = 0.0
+    for (r0, r1, r2), ti in zip(x, t):
+        r0, r1, r2 = r0 * i0, r1 * i1, r2 * i2
+        g00 += r0 * r0
+        g01 += r0 * r1
+        g02 += r0 * r2
+        g11 += r1 * r1
+        g12 += r1 * r2
+        g22 += r2 * r2
+        b0 += r0 * ti
+        b1 += r1 * ti
+        b2 += r2 * ti
+        tt += ti * ti
+    gram = ((g00, g01, g02), (g01, g11, g12), (g02, g12, g22))
+    xt = (b0, b1, b2)
+    best, best_err = None, float("inf")
     for mask in range(1, 8):
         cols = [i for i in range(3) if mask >> i & 1]
-        sol, *_ = np.linalg.lstsq(xs[:, cols], t, rcond=None)
-        if (sol < 0).any():
+        sol = _solve([[gram[i][j] for j in cols] for i in cols], [xt[i] for i in cols])
+        if sol is None or any(v < 0 for v in sol):
             continue
-        err = float(np.sum((xs[:, cols] @ sol - t) ** 2))
+        # |X b - t|^2 = t.t - 2 b.(X^T t) + b^T (X^T X) b
+        err = tt - 2 * sum(v * xt[i] for v, i in zip(sol, cols)) + sum(
+            sol[a] * sol[b] * gram[i][j] for a, i in enumerate(cols) for b, j in enumerate(cols))
         if err < best_err:
-            full = np.zeros(3)
-            full[cols] = sol
-            best, best_err = full / scale, err
+            full = [0.0, 0.0, 0.0]
+            for v, i in zip(sol, cols):
+                full[i] = v / scale[i]
+            best, best_err = full, err
     return best
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """`a x = b` for a small symmetric positive semi-definite `a` (Gaussian elimination with
+    partial pivoting); None when `a` is singular (those columns are collinear in the samples)."""
+    n = len(b)
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    tiny = 1e-12 * max(max(abs(v) for v in row[:n]) for row in m)
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) <= tiny:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (m[r][n] - sum(m[r][c] * out[c] for c in range(r + 1, n))) / m[r][r]
+    return out

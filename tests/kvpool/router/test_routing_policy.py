@@ -232,3 +232,39 @@ def test_cost_model_refits_only_after_a_new_prefill_sample(monkeypatch):
 def test_cached_tokens_leaves_one_token_to_compute():
     r = req(prompt=512, pool=2)
     assert cached_tokens(r, P1) == 511
+
+
+def test_cost_fit_equals_numpy_least_squares():
+    """The route-path fit (pure Python normal equations) chooses the same non-negative fit as
+    numpy's lstsq over every subset of columns, on noisy samples of many shapes."""
+    import random
+
+    import numpy as np
+
+    from kvpool.router.cost import _nnls3
+
+    def reference(x, t):
+        x, t = np.asarray(x), np.asarray(t)
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+        best, best_err = None, np.inf
+        for mask in range(1, 8):
+            cols = [i for i in range(3) if mask >> i & 1]
+            sol, *_ = np.linalg.lstsq(x[:, cols] / scale[cols], t, rcond=None)
+            err = float(np.sum((x[:, cols] / scale[cols] @ sol - t) ** 2))
+            if (sol >= 0).all() and err < best_err:
+                best, best_err = np.zeros(3), err
+                best[cols] = sol / scale[cols]
+        return best
+
+    for trial in range(200):
+        rng = random.Random(trial)
+        a, b, q = rng.choice([0, 0.02, 1.0]), rng.choice([0, 1e-4, 3e-3]), rng.choice([0, 1e-9, 1e-7])
+        rows, times = [], []
+        for _ in range(rng.randint(4, 128)):
+            c, k = rng.randint(1, 8000), rng.randint(0, 8000)
+            rows.append((1.0, float(c), c * (k + c / 2)))
+            times.append(max(1e-4, a + b * c + q * c * (k + c / 2) + rng.gauss(0, 0.01)))
+        ours, ref = _nnls3(rows, times), reference(rows, times)
+        assert min(ours) >= 0
+        pred = np.asarray(rows) @ np.asarray(ours)
+        assert np.allclose(pred, np.asarray(rows) @ ref, rtol=1e-9, atol=1e-9 * max(times)), trial
