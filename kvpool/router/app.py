@@ -1,7 +1,7 @@
 """The router's HTTP face (FastAPI): the OpenAI API, health, metrics and worker admin. Thin:
 parse, call `Router`, shape the answer (see `openai_api.py`).
 
-    POST /v1/chat/completions   POST /v1/completions   (stream or not)
+    POST /v1/chat/completions   POST /v1/completions   (stream or not; answered by `OpenAIFront`)
     GET  /v1/models             GET  /health            GET /metrics
     GET  /admin/workers         POST /admin/workers {"url"[, "role"]}   (a worker joins; idempotent)
     POST /admin/workers/drain {"url"}  (no new requests; it leaves once idle)
@@ -13,11 +13,13 @@ With a keyring (`KVPOOL_AUTH_FILE`) whose tenants have `api_keys`, `/v1/*` needs
 `Authorization: Bearer <API key>` and runs as that key's tenant (service.py); no key or a wrong
 one is a 401 shaped as OpenAI's. With any keyring, `/admin/*` and `/metrics` need the internal
 token (workers registering themselves hold it; see docs/security.md); `/health` stays open.
-Prompts are tokenized on a thread pool, never on the event loop.
+Prompts are tokenized on a thread pool, off the event loop (short ones excepted: Router.tokenized).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -26,7 +28,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvpool import worker_api as wire
 from kvpool.auth import Entry
@@ -76,21 +78,13 @@ def create_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="kvpool router", lifespan=lifespan)
     token = internal_token(router.keyring) if router.keyring is not None else None
+    app.add_middleware(OpenAIFront, router=router)  # inside the guard: added first
     app.add_middleware(HttpGuard, token=lambda: token, what="this router",
                        needs_token=lambda path: path.startswith("/admin") or path == "/metrics",
                        error_body=lambda status, code, message: oa.OpenAIError(status, message, code=code).body())
 
     def tenant_of(request: Request) -> Entry | None:
-        """The keyring entry of the request's API key; None when API keys are off."""
-        if not router.api_keys:
-            return None
-        scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise oa.missing_api_key()
-        entry = router.keyring.tenant_of_api_key(key.strip())
-        if entry is None:
-            raise oa.invalid_api_key(key.strip())
-        return entry
+        return _tenant_of(router, request.headers.get("authorization"))
 
     # KVPoolError (OpenAIError included) is an answer, not a crash: handled inside the app. A
     # handler for Exception runs in Starlette's outermost middleware, which re-raises afterwards.
@@ -104,10 +98,7 @@ def create_app(router: Router) -> FastAPI:
         return _error_response(exc)
 
     async def _body(request: Request) -> Any:
-        try:
-            return json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise oa.bad_request(f"the request body is not valid JSON: {exc}") from None
+        return _json_body(await request.body())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -126,32 +117,6 @@ def create_app(router: Router) -> FastAPI:
         name = router.model_name
         data = [] if name is None else [{"id": name, "object": "model", "created": 0, "owned_by": "kvpool"}]
         return {"object": "list", "data": data}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        entry = tenant_of(request)
-        req = oa.parse(oa.ChatRequest, await _body(request))
-        _check_model(router, req.model)
-        try:
-            prompt = await router.tokenized(router.tokenizer.encode_chat_prompt, req.chat())
-        except ValueError as exc:
-            raise oa.bad_request(str(exc), param="messages") from None
-        return await _complete(router, "chat", req, prompt.ids, req.token_budget(), router.config.default_max_tokens,
-                               entry, prompt.u32)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        entry = tenant_of(request)
-        req = oa.parse(oa.CompletionRequest, await _body(request))
-        _check_model(router, req.model)
-        u32 = None
-        if isinstance(req.prompt, str):
-            ids, u32 = await router.tokenized(router.tokenizer.encode_prompt, req.prompt)
-        else:
-            ids = list(req.prompt)
-            if any(t < 0 for t in ids):
-                raise oa.bad_request("prompt token ids must not be negative", param="prompt")
-        return await _complete(router, "completions", req, ids, req.token_budget(), 16, entry, u32)
 
     @app.get("/admin/workers")
     async def list_workers() -> dict:
@@ -176,10 +141,143 @@ def create_app(router: Router) -> FastAPI:
     async def explain(prompt: str, max_tokens: int = 16) -> dict:
         if router.tokenizer is None:
             raise Unavailable("no worker has registered yet")
-        decision, req, _ = await router.route(await router.tokenized(router.tokenizer.encode, prompt), max_tokens)
+        decision, req, _ = await router.route(await router.tokenized(len(prompt), router.tokenizer.encode, prompt),
+                                              max_tokens)
         return {"decision": decision.__dict__, "request": req.__dict__}
 
     return app
+
+
+class OpenAIFront:
+    """ASGI middleware that answers POST /v1/chat/completions and /v1/completions itself, every
+    other request going on to the FastAPI app. These two are on every request's TTFT, and
+    FastAPI's routing, request object and StreamingResponse cost ~0.3 ms of it here (BENCHMARKS.md,
+    router section). Errors are OpenAI-shaped as the app's own handlers shape them; a stream
+    whose client disconnects is cancelled (its worker streams are closed)."""
+
+    PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+    def __init__(self, app: Any, router: Router):
+        self.app = app
+        self.router = router
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        endpoint = self.PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            if scope["method"] != "POST":
+                raise oa.OpenAIError(405, f"{scope['method']} is not allowed on {scope['path']}: POST it",
+                                     code="method_not_allowed")
+            body, more = b"", True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":  # the client went away
+                    return
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+            auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+            answer = await (_chat if endpoint == "chat" else _completions)(self.router, auth, _json_body(body))
+        except Exception as exc:
+            if not isinstance(exc, KVPoolError):
+                log.exception("POST %s failed", scope["path"])
+            err = _as_openai(exc)
+            await _send_json(send, err.http_status, err.body())
+            return
+        if isinstance(answer, dict):
+            await _send_json(send, 200, answer)
+        else:
+            await _send_stream(answer, receive, send)
+
+
+async def _send_json(send: Any, status: int, doc: Any) -> None:
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _send_stream(chunks: AsyncIterator[bytes], receive: Any, send: Any) -> None:
+    """Server-sent events until `chunks` ends or the client disconnects (then `chunks` is closed).
+    The first event is sent from this task: a task of its own would start one loop turn later."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
+    try:
+        first = await anext(chunks)  # the request's first token: already in hand (see _complete)
+    except StopAsyncIteration:
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    await send({"type": "http.response.body", "body": first, "more_body": True})
+
+    async def pump() -> None:
+        async for data in chunks:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    streaming, gone = asyncio.ensure_future(pump()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((streaming, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (streaming, gone):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await streaming
+        await chunks.aclose()  # cancelled mid-stream: its cleanup (the workers' streams closed) runs here
+    if not streaming.cancelled() and streaming.exception() is not None:
+        log.warning("a stream ended early: %s", streaming.exception())
+
+
+def _json_body(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise oa.bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def _tenant_of(router: Router, authorization: str | None) -> Entry | None:
+    """The keyring entry of the request's API key; None when API keys are off."""
+    if not router.api_keys:
+        return None
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise oa.missing_api_key()
+    entry = router.keyring.tenant_of_api_key(key.strip())
+    if entry is None:
+        raise oa.invalid_api_key(key.strip())
+    return entry
+
+
+async def _chat(router: Router, auth: str | None, body: Any) -> dict | AsyncIterator[bytes]:
+    entry = _tenant_of(router, auth)
+    req = oa.parse(oa.ChatRequest, body)
+    _check_model(router, req.model)
+    messages = req.chat()
+    try:
+        prompt = await router.tokenized(sum(len(m["content"]) for m in messages), router.tokenizer.encode_chat_prompt,
+                                        messages)
+    except ValueError as exc:
+        raise oa.bad_request(str(exc), param="messages") from None
+    return await _complete(router, "chat", req, prompt.ids, req.token_budget(), router.config.default_max_tokens,
+                           entry, prompt.u32)
+
+
+async def _completions(router: Router, auth: str | None, body: Any) -> dict | AsyncIterator[bytes]:
+    entry = _tenant_of(router, auth)
+    req = oa.parse(oa.CompletionRequest, body)
+    _check_model(router, req.model)
+    u32 = None
+    if isinstance(req.prompt, str):
+        ids, u32 = await router.tokenized(len(req.prompt), router.tokenizer.encode_prompt, req.prompt)
+    else:
+        ids = list(req.prompt)
+        if any(t < 0 for t in ids):
+            raise oa.bad_request("prompt token ids must not be negative", param="prompt")
+    return await _complete(router, "completions", req, ids, req.token_budget(), 16, entry, u32)
 
 
 def _url_of(body: Any) -> str:
@@ -196,7 +294,8 @@ def _check_model(router: Router, model: str) -> None:
 
 
 async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], budget: int | None,
-                    default_budget: int, entry: Entry | None, u32: bytes | None = None) -> Response:
+                    default_budget: int, entry: Entry | None, u32: bytes | None = None) -> dict | AsyncIterator[bytes]:
+    """The whole answer (not streaming), or its server-sent events."""
     arrived = time.perf_counter()
     context = router.max_positions
     if not ids:
@@ -232,7 +331,7 @@ async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], bud
         text += stops.flush()
         router.metrics.done(endpoint, 200)
         _account(router, out, arrived, ttft=None)
-        return JSONResponse(shape.whole(text, "stop" if stops.hit else finish, _usage(out)))
+        return shape.whole(text, "stop" if stops.hit else finish, _usage(out))
     # Streaming: pull the first piece before answering, so errors before it get a status code.
     try:
         first = await anext(pieces)
@@ -242,8 +341,7 @@ async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], bud
         await pieces.aclose()
         router.metrics.done(endpoint, _as_openai(exc).http_status)
         raise
-    return StreamingResponse(_sse_stream(router, endpoint, shape, first, pieces, stops, out, arrived),
-                             media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    return _sse_stream(router, endpoint, shape, first, pieces, stops, out, arrived)
 
 
 async def _sse_stream(router: Router, endpoint: str, shape: oa.Shape, first: Any, pieces: AsyncIterator,

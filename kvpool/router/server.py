@@ -39,7 +39,7 @@ def serve(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0, ready
     url = url_of(host, sock)
     loop = "uvloop" if _has("uvloop") else "asyncio"
     server = uvicorn.Server(uvicorn.Config(create_app(router), log_level="warning", access_log=False,
-                                           loop=loop, http="httptools" if _has("httptools") else "h11",
+                                           proxy_headers=False, loop=loop, http="httptools" if _has("httptools") else "h11",
                                            timeout_graceful_shutdown=5))
 
     def announce() -> None:

@@ -44,6 +44,7 @@ from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolErr
 from kvpool.http_guard import TENANT_HEADER, internal_headers
 from kvpool.keys import chunk_keys_hex, chunk_keys_hex_u32, parse_namespace_hex
 from kvpool.router.cost import CostModel
+from kvpool.router.hop import Hop, HopError
 from kvpool.router.matcher import PrefixMatcher
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, make_policy, prefill_estimate,
@@ -54,6 +55,8 @@ from kvpool.router.vllm_backend import make_backend
 from kvpool.router.workers import DOWN, DRAINING, UP, Workers, WorkerState
 
 log = logging.getLogger(__name__)
+
+INLINE_CHARS = 1024  # a prompt this short is tokenized on the event loop (Router.tokenized)
 
 
 @dataclass
@@ -108,6 +111,7 @@ class Router:
         self._seq = 0
         self.pool: Any = None  # a PrefixMatcher (matcher.py), or anything with `async match(keys)`
         self.http: aiohttp.ClientSession | None = None
+        self.hop: Hop | None = None
         self.workers: Workers | None = None
         self.metrics = RouterMetrics(self.policy.name, self._pressure, self._worker_counts)
         self.backend = make_backend(config.engine, config.vllm)  # None: the reference workers' API
@@ -126,6 +130,8 @@ class Router:
         self.http = aiohttp.ClientSession(
             headers=headers, connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=300),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.config.request_timeout_s))
+        # The calls on a request's path (prefill, decode, generate) go through the leaner hop.py.
+        self.hop = Hop(headers, read_timeout=self.config.request_timeout_s)
         self.workers = Workers(self.http, poll_s=self.config.poll_s, fail_after=self.config.fail_after,
                                on_join=self._on_join, on_load=self._on_load, backend=self.backend)
         if self.config.pool:
@@ -157,15 +163,21 @@ class Router:
             await self.workers.stop()
         if self.http is not None:
             await self.http.close()
+        if self.hop is not None:
+            await self.hop.close()
         await self.tenants.close()
         if self.pool is not None:
             with contextlib.suppress(Exception):
                 await self.pool.close()
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
-    async def tokenized(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` (a tokenizer call) on the tokenizing threads: a 100k-token prompt takes ~0.1 s
-        to render and encode, which must not stall the other requests' streams."""
+    async def tokenized(self, chars: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`, a tokenizer call on a prompt of `chars` characters: on the tokenizing
+        threads, since a 100k-token prompt takes ~0.1 s to render and encode, which must not stall
+        the other requests' streams; a prompt of at most `INLINE_CHARS` right here (~0.2 ms at
+        most), where the hand-off to a thread would cost as much as the work."""
+        if chars <= INLINE_CHARS:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
 
     async def _on_join(self, url: str, info: wire.WorkerInfo) -> None:
@@ -291,16 +303,20 @@ class Router:
         prefilled = True
         try:
             async for event in self._stream(worker, "/v1/generate", msg, headers, before_first=True):
-                if event.prefill is not None:
-                    self._learn(event.prefill, worker, time.perf_counter())
+                head = event.prefill
+                if head is not None:
                     prefilled = False
                     worker.prefill_done(uncached)
-                    out.cached_tokens = event.prefill.cached_tokens
-                if event.done:
-                    yield Piece(finish=event.finish_reason or "stop")
-                    return
-                out.completion_tokens += 1
-                yield Piece(event.text)
+                    out.cached_tokens = head.cached_tokens
+                try:
+                    if event.done:
+                        yield Piece(finish=event.finish_reason or "stop")
+                        return
+                    out.completion_tokens += 1
+                    yield Piece(event.text)
+                finally:  # as in _disaggregated: after the first token is on its way
+                    if head is not None:
+                        self._learn(head, worker, None)
         finally:
             worker.decode_done()
             if prefilled:
@@ -310,10 +326,13 @@ class Router:
                              max_tokens: int, sampling: wire.SamplingParams, out: Outcome,
                              rid: str, headers: dict[str, str]) -> AsyncIterator[Piece]:
         p = self.workers.by_name(d.prefill)
-        head = await self._prefill(p, ids, d, sampling, rid, headers)
+        head, round_trip = await self._prefill(p, ids, d, sampling, rid, headers)
         out.cached_tokens = head.cached_tokens
         out.completion_tokens = 1
-        yield Piece(head.text)
+        try:
+            yield Piece(head.text)
+        finally:  # the first token is on its way to the client before the router learns from it
+            self._learn(head, p, round_trip)
         msg = wire.DecodeRequest(handle=head.handle, first_token=head.first_token, max_tokens=max_tokens,
                                  sampling=sampling)
         tried: list[str] = [p.name] if p.role == "prefill" else []
@@ -363,67 +382,77 @@ class Router:
                 raise exc.error from None
 
     async def _prefill(self, p: WorkerState, ids: list[int], d: Decision, sampling: wire.SamplingParams,
-                       rid: str, headers: dict[str, str]) -> wire.PrefillResponse:
+                       rid: str, headers: dict[str, str]) -> tuple[wire.PrefillResponse, float]:
+        """The worker's answer, and the call's round trip in seconds."""
         uncached = len(ids) - d.cached_tokens
         p.prefill_sent(uncached)
         sent = time.perf_counter()
         try:
             body = await self._post(p, "/v1/prefill", wire.PrefillRequest(token_ids=ids, request_id=rid,
                                                                           sampling=sampling), headers)
+            round_trip = time.perf_counter() - sent
             head = wire.decode(body, wire.PrefillResponse)
         finally:
             p.prefill_done(uncached)
-        self._learn(head, p, sent)
-        return head
+        return head, round_trip
 
-    def _learn(self, head: wire.PrefillResponse, worker: WorkerState, sent: float) -> None:
+    def _learn(self, head: wire.PrefillResponse, worker: WorkerState, round_trip_s: float | None) -> None:
+        """Feed the cost model (and refit it now, so that the next route finds it fitted) and the
+        token counters. Called once the first token is on its way: none of this is on TTFT."""
         fetched = head.pool_cached_tokens * (worker.info.stored_bytes_per_token or worker.info.bytes_per_token
                                              or self.bytes_per_token)
         self.cost.observe_prefill(head.computed_tokens, head.cached_tokens, head.compute_ms / 1e3,
                                   fetched, head.fetch_ms / 1e3)
-        if worker.role == "prefill":  # the push plus the HTTP round trip; queue wait is not hand-off
-            http = (time.perf_counter() - sent) - head.prefill_ms / 1e3
+        if worker.role == "prefill" and round_trip_s is not None:  # the push plus the HTTP round trip
+            http = round_trip_s - head.prefill_ms / 1e3  # (queue wait is not hand-off)
             self.cost.observe_handoff(max(0.0, head.push_ms / 1e3 + http))
         self.metrics.prompt_tokens.labels(source="cached").inc(head.cached_tokens)
         self.metrics.prompt_tokens.labels(source="computed").inc(head.computed_tokens)
+        self.cost.params()
 
     async def _post(self, worker: WorkerState, path: str, msg: Any, headers: dict[str, str] = None) -> bytes:
         """The body of a 2xx answer; a worker that fails or answers 5xx/503 raises `_BeforeFirst`."""
         try:
-            async with self.http.post(worker.url + path, data=wire.encode(msg), headers=headers or _JSON) as resp:
+            resp = await self.hop.request(worker.url, path, wire.encode(msg), headers)
+            try:
                 body = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            finally:
+                resp.release()
+        except HopError as exc:
             self._failed(worker, path, exc)
-            raise _BeforeFirst(worker.name, Unavailable(f"worker {worker.name} failed: {type(exc).__name__}"))
-        if status >= 400:
-            raise self._error_of(worker, path, status, body)
+            raise _BeforeFirst(worker.name, Unavailable(f"worker {worker.name} failed: {exc}"))
+        if resp.status >= 400:
+            raise self._error_of(worker, path, resp.status, body)
         return body
 
     async def _stream(self, worker: WorkerState, path: str, msg: Any, headers: dict[str, str],
                       before_first: bool) -> AsyncIterator[wire.TokenEvent]:
         got_any = False
+        resp = None
         try:
-            async with self.http.post(worker.url + path, data=wire.encode(msg), headers=headers) as resp:
-                if resp.status >= 400:
-                    raise self._error_of(worker, path, resp.status, await resp.read())
-                async for line in resp.content:  # NDJSON: one event per line
-                    if not line.strip():
-                        continue
-                    event = wire.decode(line, wire.TokenEvent)
-                    if event.error is not None:
-                        err = error_from_code(event.error.code, event.error.message)
-                        if not got_any and before_first:
-                            raise _BeforeFirst(worker.name, err)
-                        raise err
-                    got_any = True
-                    yield event
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            resp = await self.hop.request(worker.url, path, wire.encode(msg), headers)
+            if resp.status >= 400:
+                raise self._error_of(worker, path, resp.status, await resp.read())
+            async for line in resp.lines():  # NDJSON: one event per line
+                if not line.strip():
+                    continue
+                event = wire.decode(line, wire.TokenEvent)
+                if event.error is not None:
+                    err = error_from_code(event.error.code, event.error.message)
+                    if not got_any and before_first:
+                        raise _BeforeFirst(worker.name, err)
+                    raise err
+                got_any = True
+                yield event
+        except HopError as exc:
             self._failed(worker, path, exc)
-            err = Unavailable(f"worker {worker.name} failed mid-request: {type(exc).__name__}")
+            err = Unavailable(f"worker {worker.name} failed mid-request: {exc}")
             if not got_any and before_first:
                 raise _BeforeFirst(worker.name, err) from None
             raise err from None
+        finally:
+            if resp is not None:
+                resp.release()  # closes the connection unless the stream was read to its end
 
     def _error_of(self, worker: WorkerState, path: str, status: int, body: bytes) -> Exception:
         try:

@@ -124,6 +124,8 @@ def test_bad_requests_get_openai_errors(openai_client, cluster):
     raw = httpx.post(f"{cluster.router_url}/v1/chat/completions", content=b"{not json",
                      headers={"content-type": "application/json"})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    wrong = httpx.get(f"{cluster.router_url}/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_metrics_report_requests_and_pressure(openai_client, cluster):
@@ -159,3 +161,25 @@ def test_admission_refuses_with_429_early(cluster, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_client_leaving_a_stream_frees_its_worker(cluster):
+    """A client that disconnects after its first token: the router closes its stream to the
+    worker at once (that worker stops decoding it) instead of running it to max_tokens."""
+    import time
+
+    body = _chat([{"role": "user", "content": "Count from 1 to 1000, separated by commas."}], max_tokens=400,
+                 stream=True)
+    with httpx.stream("POST", f"{cluster.router_url}/v1/chat/completions", json=body, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                break
+    left = time.monotonic()
+
+    def decoding() -> int:
+        workers = httpx.get(f"{cluster.router_url}/admin/workers").json()["workers"]
+        return sum(w["inflight_decodes"] + ((w["load"] or {}).get("open_streams") or 0) for w in workers)
+
+    while decoding() and time.monotonic() - left < 5:  # 400 tokens would take ~20 s here
+        time.sleep(0.1)
+    assert decoding() == 0, httpx.get(f"{cluster.router_url}/admin/workers").json()

@@ -1,0 +1,189 @@
+"""The router's HTTP/1.1 client for the calls on a request's path to a reference worker
+(POST /v1/prefill, /v1/decode, /v1/generate): keep-alive connections over asyncio streams.
+
+Why not aiohttp, which the router keeps for polling and admin calls: each of these calls is on a
+request's TTFT or its first decode token, and aiohttp's machinery cost ~0.3 ms per call on each
+side of the worker (send, and reading the answer), about 40% of the router's own share of TTFT
+(BENCHMARKS.md, router section). This client does only what a worker's uvicorn answers: a status
+line and headers, then a body by `Content-Length` or the chunked transfer coding.
+
+    resp = await hop.request(url, "/v1/prefill", body, headers)
+    try:
+        status, data = resp.status, await resp.read()      # or: async for line in resp.lines()
+    finally:
+        resp.release()   # the connection goes back to the pool only if its answer was read whole
+
+Connections: per (scheme, host, port), idle ones are reused while younger than `idle_s` (under
+uvicorn's 5 s keep-alive, so the worker has not closed them) and not closed by the worker; a
+connection whose answer was not read to its end (a stream the client left) is closed, which is
+also how the worker learns to stop that stream. Failures (refused, reset, timed out, not HTTP)
+raise `HopError`; `https://` URLs connect with TLS (the system's CA store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from typing import AsyncIterator
+from urllib.parse import urlsplit
+
+
+class HopError(Exception):
+    """The worker could not be reached, or its answer broke off or was not HTTP."""
+
+
+class Response:
+    def __init__(self, hop: "Hop", key: tuple, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 status: int, headers: dict[bytes, bytes], read_timeout: float):
+        self.status = status
+        self._hop, self._key, self._reader, self._writer = hop, key, reader, writer
+        self._timeout = read_timeout
+        self._chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        self._left = int(headers.get(b"content-length", b"0") or 0) if not self._chunked else 0
+        self._keep = headers.get(b"connection", b"").lower() != b"close"
+        self._done = False
+        self._released = False
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        r = self._reader
+        try:
+            if not self._chunked:
+                if self._left:
+                    async with asyncio.timeout(self._timeout):
+                        data = await r.readexactly(self._left)
+                    yield data
+                self._done = True
+                return
+            while True:
+                async with asyncio.timeout(self._timeout):
+                    size = int((await r.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+                    data = await r.readexactly(size + 2)
+                if size == 0:  # the last chunk (no trailers are sent by uvicorn)
+                    self._done = True
+                    return
+                yield data[:-2]
+        except (OSError, EOFError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                TimeoutError) as exc:
+            raise HopError(f"the answer broke off: {type(exc).__name__}: {exc}") from None
+
+    async def read(self) -> bytes:
+        parts = [c async for c in self._chunks()]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        """The body split at newlines (NDJSON), each line as soon as it has arrived."""
+        rest = b""
+        async for chunk in self._chunks():
+            if rest:
+                chunk, rest = rest + chunk, b""
+            *whole, rest = chunk.split(b"\n")
+            for line in whole:
+                yield line
+        if rest:
+            yield rest
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._done and self._keep and not self._reader.at_eof():
+            self._hop._idle.setdefault(self._key, []).append((self._reader, self._writer, time.monotonic()))
+        else:
+            self._writer.close()
+
+
+class Hop:
+    def __init__(self, headers: dict[str, str] | None = None, *, connect_timeout: float = 5.0,
+                 read_timeout: float = 600.0, idle_s: float = 4.0):
+        self._headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.idle_s = idle_s
+        self._idle: dict[tuple, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
+        self._targets: dict[str, tuple] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    def _target(self, url: str) -> tuple:
+        key = self._targets.get(url)
+        if key is None:
+            parts = urlsplit(url)
+            tls = parts.scheme == "https"
+            host = parts.hostname or "127.0.0.1"
+            port = parts.port or (443 if tls else 80)
+            hostport = f"[{host}]" if ":" in host else host
+            key = self._targets[url] = (tls, host, port, f"{hostport}:{port}".encode())
+        return key
+
+    async def _connect(self, key: tuple) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            reader, writer, since = idle.pop()
+            if now - since < self.idle_s and not reader.at_eof() and not writer.is_closing():
+                return reader, writer, True
+            writer.close()
+        tls, host, port, _ = key
+        if tls and self._tls is None:
+            self._tls = ssl.create_default_context()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                reader, writer = await asyncio.open_connection(host, port, ssl=self._tls if tls else None,
+                                                               limit=1 << 20)
+        except (OSError, TimeoutError) as exc:
+            raise HopError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}") from None
+        return reader, writer, False
+
+    async def request(self, url: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> Response:
+        """POST `body` (JSON) to `url + path`; returns once the status line and headers are in."""
+        key = self._target(url)
+        head = (b"POST " + path.encode() + b" HTTP/1.1\r\nhost: " + key[3] + b"\r\ncontent-type: application/json"
+                b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n" + self._headers
+                + b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items()
+                           if k.lower() != "content-type") + b"\r\n")
+        for attempt in range(2):
+            reader, writer, reused = await self._connect(key)
+            try:
+                writer.write(head + body if len(body) < 65536 else head)
+                if len(body) >= 65536:
+                    writer.write(body)
+                    await writer.drain()
+                async with asyncio.timeout(self.read_timeout):
+                    block = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as exc:
+                writer.close()
+                # A reused connection the worker closed before reading anything (its keep-alive ran
+                # out in between): nothing was processed, so once more on a new connection.
+                if reused and not exc.partial and attempt == 0:
+                    continue
+                raise HopError(f"{url}{path}: the connection closed before an answer") from None
+            except (OSError, asyncio.LimitOverrunError, TimeoutError) as exc:
+                writer.close()
+                raise HopError(f"{url}{path}: {type(exc).__name__}: {exc}") from None
+            return _parse(self, key, reader, writer, block, url + path)
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        for conns in self._idle.values():
+            for _, writer, _ in conns:
+                writer.close()
+        self._idle.clear()
+
+
+def _parse(hop: Hop, key: tuple, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, block: bytes,
+           where: str) -> Response:
+    lines = block.split(b"\r\n")
+    try:
+        version, status, *_ = lines[0].split(b" ", 2)
+        if not version.startswith(b"HTTP/1."):
+            raise ValueError(lines[0][:40])
+        code = int(status)
+    except ValueError as exc:
+        writer.close()
+        raise HopError(f"{where}: not an HTTP answer: {exc}") from None
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return Response(hop, key, reader, writer, code, headers, hop.read_timeout)
