@@ -24,6 +24,8 @@ import json
 import logging
 import time
 import uuid
+
+import msgspec
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -64,7 +66,7 @@ def _as_openai(exc: Exception) -> oa.OpenAIError:
 
 
 def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
 def create_app(router: Router) -> FastAPI:
@@ -192,7 +194,7 @@ class OpenAIFront:
 
 
 async def _send_json(send: Any, status: int, doc: Any) -> None:
-    data = json.dumps(doc, separators=(",", ":")).encode()
+    data = msgspec.json.encode(doc)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})

@@ -112,13 +112,10 @@ class CostModel:
         return p
 
     def _with_rates(self, p: CostParams) -> CostParams:
-        if self._fetch_rate is not None:
-            p = replace(p, fetch_bytes_per_s=self._fetch_rate)
-        if self._decode_token_s is not None:
-            p = replace(p, decode_token_s=self._decode_token_s)
-        if self._handoff_s is not None:
-            p = replace(p, handoff_s=self._handoff_s)
-        return p
+        rates = {name: value for name, value in (("fetch_bytes_per_s", self._fetch_rate),
+                                                 ("decode_token_s", self._decode_token_s),
+                                                 ("handoff_s", self._handoff_s)) if value is not None}
+        return replace(p, **rates) if rates else p
 
 
 def _nnls3(x: list[tuple[float, float, float]], t: list[float]) -> list[float] | None:

@@ -71,6 +71,11 @@ class Response:
         parts = [c async for c in self._chunks()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    async def finish(self) -> None:
+        """Read (and drop) what is left of the body."""
+        async for _ in self._chunks():
+            pass
+
     async def lines(self) -> AsyncIterator[bytes]:
         """The body split at newlines (NDJSON), each line as soon as it has arrived."""
         rest = b""

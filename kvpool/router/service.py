@@ -443,6 +443,11 @@ class Router:
                         raise _BeforeFirst(worker.name, err)
                     raise err
                 got_any = True
+                if event.done:  # the body ends right after: read its end and pool the connection now
+                    await resp.finish()
+                    resp.release()
+                    yield event
+                    return
                 yield event
         except HopError as exc:
             self._failed(worker, path, exc)
