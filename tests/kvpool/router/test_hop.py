@@ -195,3 +195,28 @@ def test_failures_are_hop_errors():
     assert "not an HTTP answer" in garbage
     assert "TimeoutError" in timeout
     assert "cannot connect" in refused
+
+
+def test_a_stream_that_stalls_times_out(server):
+    """The read timeout holds between two chunks of a stream too (the watchdog aborts the call)."""
+    _, url = server
+
+    async def main():
+        hop = Hop(read_timeout=0.3)
+        got = []
+        try:
+            resp = await hop.request(url, "/stream", json.dumps({"n": 3, "gap": 1.5}).encode())
+            try:
+                with pytest.raises(HopError) as info:
+                    async for line in resp.lines():
+                        got.append(json.loads(line)["i"])
+            finally:
+                resp.release()
+            return got, str(info.value)
+        finally:
+            await hop.close()
+
+    started = time.monotonic()
+    got, error = asyncio.run(main())
+    assert got == [0] and "TimeoutError" in error
+    assert time.monotonic() - started < 1.4  # not waiting for the next line (1.5 s)
