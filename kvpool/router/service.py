@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,11 +39,12 @@ import aiohttp
 
 from kvpool import worker_api as wire
 from kvpool.auth import Entry, load_keyring
-from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable, error_from_code
+from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable
 from kvpool.http_guard import TENANT_HEADER, internal_headers
 from kvpool.keys import chunk_keys_hex, chunk_keys_hex_u32, parse_namespace_hex
+from kvpool.router.calls import WorkerCalls, _BeforeFirst
 from kvpool.router.cost import CostModel
-from kvpool.router.hop import Hop, HopError
+from kvpool.router.hop import Hop
 from kvpool.router.matcher import PrefixMatcher
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, make_policy, prefill_estimate,
@@ -95,7 +95,7 @@ class Outcome:
     route_s: float = 0.0
 
 
-class Router:
+class Router(WorkerCalls):
     def __init__(self, config: RouterConfig):
         self.config = config
         self.policy = make_policy(config.policy)
@@ -261,37 +261,52 @@ class Router:
         headers = self._headers(tenant)
         decision, req, keys = await self.route(ids, max_tokens, tenant, u32)
         out.route_s = time.perf_counter() - started
-        self.metrics.route.observe(out.route_s)
         out.prompt_tokens, out.decision = len(ids), decision
-        self.metrics.decisions.labels(policy=self.policy.name, kind=decision.kind).inc()
+        counted = False
+
+        def count() -> None:  # the route's metrics: once, after the first piece (off TTFT) at the latest
+            nonlocal counted
+            if not counted:
+                counted = True
+                self.metrics.route.observe(out.route_s)
+                self.metrics.decisions.labels(policy=self.policy.name, kind=decision.kind).inc()
+
         if decision.kind == "unavailable":
+            count()
             raise Unavailable(decision.reject)
         if decision.reject is not None:
+            count()
             self.metrics.rejected.inc()
             raise Rejected(decision.reject, decision)
         excluded: list[str] = []
-        for attempt in range(2):
-            try:
-                if self.backend is not None:
-                    stream = self.backend.run(self, decision, ids, max_tokens, sampling, out, request_id, tenant)
-                elif decision.prefill is None:
-                    stream = self._colocated(decision, ids, max_tokens, sampling, out, request_id, headers)
-                else:
-                    stream = self._disaggregated(decision, keys, req, ids, max_tokens, sampling, out, request_id,
-                                                 headers)
-                async for piece in stream:
-                    yield piece
-                return
-            except _BeforeFirst as exc:  # nothing reached the client yet: try once elsewhere
-                excluded.append(exc.worker)
-                if attempt == 1:
-                    raise exc.error from None
-                self.metrics.retries.labels(stage="route").inc()
-                decision = self.policy.choose(req, self.snapshot(keys, tuple(excluded)))
-                out.decision = decision
-                if decision.reject is not None or decision.decode is None:
-                    raise exc.error from None
-                log.warning("request %s: retrying on %s after %s", request_id, decision.decode, exc.error)
+        try:
+            for attempt in range(2):
+                try:
+                    if self.backend is not None:
+                        stream = self.backend.run(self, decision, ids, max_tokens, sampling, out, request_id,
+                                                  tenant)
+                    elif decision.prefill is None:
+                        stream = self._colocated(decision, ids, max_tokens, sampling, out, request_id, headers)
+                    else:
+                        stream = self._disaggregated(decision, keys, req, ids, max_tokens, sampling, out,
+                                                     request_id, headers)
+                    async for piece in stream:
+                        yield piece
+                        count()
+                    return
+                except _BeforeFirst as exc:  # nothing reached the client yet: try once elsewhere
+                    excluded.append(exc.worker)
+                    if attempt == 1:
+                        raise exc.error from None
+                    self.metrics.retries.labels(stage="route").inc()
+                    count()
+                    decision = self.policy.choose(req, self.snapshot(keys, tuple(excluded)))
+                    out.decision = decision
+                    if decision.reject is not None or decision.decode is None:
+                        raise exc.error from None
+                    log.warning("request %s: retrying on %s after %s", request_id, decision.decode, exc.error)
+        finally:
+            count()
 
     async def _colocated(self, d: Decision, ids: list[int], max_tokens: int, sampling: wire.SamplingParams,
                          out: Outcome, rid: str, headers: dict[str, str]) -> AsyncIterator[Piece]:
@@ -410,72 +425,6 @@ class Router:
         self.metrics.prompt_tokens.labels(source="computed").inc(head.computed_tokens)
         self.cost.params()
 
-    async def _post(self, worker: WorkerState, path: str, msg: Any, headers: dict[str, str] = None) -> bytes:
-        """The body of a 2xx answer; a worker that fails or answers 5xx/503 raises `_BeforeFirst`."""
-        try:
-            resp = await self.hop.request(worker.url, path, wire.encode(msg), headers)
-            try:
-                body = await resp.read()
-            finally:
-                resp.release()
-        except HopError as exc:
-            self._failed(worker, path, exc)
-            raise _BeforeFirst(worker.name, Unavailable(f"worker {worker.name} failed: {exc}"))
-        if resp.status >= 400:
-            raise self._error_of(worker, path, resp.status, body)
-        return body
-
-    async def _stream(self, worker: WorkerState, path: str, msg: Any, headers: dict[str, str],
-                      before_first: bool) -> AsyncIterator[wire.TokenEvent]:
-        got_any = False
-        resp = None
-        try:
-            resp = await self.hop.request(worker.url, path, wire.encode(msg), headers)
-            if resp.status >= 400:
-                raise self._error_of(worker, path, resp.status, await resp.read())
-            async for line in resp.lines():  # NDJSON: one event per line
-                if not line.strip():
-                    continue
-                event = wire.decode(line, wire.TokenEvent)
-                if event.error is not None:
-                    err = error_from_code(event.error.code, event.error.message)
-                    if not got_any and before_first:
-                        raise _BeforeFirst(worker.name, err)
-                    raise err
-                got_any = True
-                if event.done:  # the body ends right after: read its end and pool the connection now
-                    await resp.finish()
-                    resp.release()
-                    yield event
-                    return
-                yield event
-        except HopError as exc:
-            self._failed(worker, path, exc)
-            err = Unavailable(f"worker {worker.name} failed mid-request: {exc}")
-            if not got_any and before_first:
-                raise _BeforeFirst(worker.name, err) from None
-            raise err from None
-        finally:
-            if resp is not None:
-                resp.release()  # closes the connection unless the stream was read to its end
-
-    def _error_of(self, worker: WorkerState, path: str, status: int, body: bytes) -> Exception:
-        try:
-            doc = json.loads(body)
-            err = error_from_code(doc["code"], doc["message"])
-        except Exception:
-            err = Unavailable(f"worker {worker.name} answered {status} to {path}")
-        if status >= 500 or isinstance(err, Unavailable):  # down or draining: try elsewhere
-            self.metrics.worker_failures.labels(stage=path.rsplit("/", 1)[-1]).inc()
-            if status == 503 and worker.status == UP:  # a worker answers 503 only when leaving
-                worker.status = DRAINING
-            return _BeforeFirst(worker.name, err)
-        return err
-
-    def _failed(self, worker: WorkerState, path: str, exc: Exception) -> None:
-        self.metrics.worker_failures.labels(stage=path.rsplit("/", 1)[-1]).inc()
-        self.workers.mark_down(worker, f"{path}: {type(exc).__name__}: {exc}")
-
     # -- introspection -------------------------------------------------------------------------
     def _pressure(self) -> dict[str, float]:
         if self.workers is None:
@@ -513,15 +462,6 @@ class Rejected(KVPoolError):
     def __init__(self, message: str, decision: Decision):
         super().__init__(message)
         self.decision = decision
-
-
-class _BeforeFirst(Exception):
-    """A worker failed before this step streamed anything: the step may be retried elsewhere."""
-
-    def __init__(self, worker: str, error: Exception):
-        super().__init__(str(error))
-        self.worker = worker
-        self.error = error
 
 
 __all__ = ["Router", "RouterConfig", "Piece", "Outcome", "Rejected", "DOWN", "DRAINING", "UP"]
