@@ -19,16 +19,14 @@ Prompts are tokenized on a thread pool, off the event loop (short ones excepted:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 import uuid
-
-import msgspec
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -206,32 +204,34 @@ async def _send_stream(chunks: AsyncIterator[bytes], receive: Any, send: Any) ->
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
     try:
-        first = await anext(chunks)  # the request's first token: already in hand (see _complete)
-    except StopAsyncIteration:
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return
-    await send({"type": "http.response.body", "body": first, "more_body": True})
+        try:
+            first = await anext(chunks)  # the request's first token: already in hand (see _complete)
+        except StopAsyncIteration:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await send({"type": "http.response.body", "body": first, "more_body": True})
 
-    async def pump() -> None:
-        async for data in chunks:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        async def pump() -> None:
+            async for data in chunks:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def disconnected() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
 
-    streaming, gone = asyncio.ensure_future(pump()), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait((streaming, gone), return_when=asyncio.FIRST_COMPLETED)
+        streaming, gone = asyncio.ensure_future(pump()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait((streaming, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, gone):
+                task.cancel()
+            for task in (streaming, gone):  # wait for both to end (a cancelled one ends as CancelledError)
+                (result,) = await asyncio.gather(task, return_exceptions=True)
+                if isinstance(result, Exception):
+                    log.warning("a stream ended early: %r", result)
     finally:
-        for task in (streaming, gone):
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await streaming
         await chunks.aclose()  # cancelled mid-stream: its cleanup (the workers' streams closed) runs here
-    if not streaming.cancelled() and streaming.exception() is not None:
-        log.warning("a stream ended early: %s", streaming.exception())
 
 
 def _json_body(body: bytes) -> Any:

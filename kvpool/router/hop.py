@@ -52,8 +52,10 @@ class Response:
         self.status = status
         self._hop, self._key, self._reader, self._writer, self._call = hop, key, reader, writer, call
         self._chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        # neither a length nor chunks: the body runs to the connection's end (HTTP/1.0 style)
+        self._to_eof = not self._chunked and b"content-length" not in headers
         self._left = int(headers.get(b"content-length", b"0") or 0) if not self._chunked else 0
-        self._keep = headers.get(b"connection", b"").lower() != b"close"
+        self._keep = headers.get(b"connection", b"").lower() != b"close" and not self._to_eof
         self._done = False
         self._released = False
 
@@ -66,8 +68,8 @@ class Response:
         r, call, clock = self._reader, self._call, self._hop._clock
         try:
             if not self._chunked:
-                if self._left:
-                    yield await r.readexactly(self._left)
+                if self._to_eof or self._left:
+                    yield await (r.read() if self._to_eof else r.readexactly(self._left))
                 self._done = True
                 return
             while True:
@@ -84,7 +86,10 @@ class Response:
     async def read(self) -> bytes:
         if not self._chunked:  # (the usual answer: one read, no generator)
             try:
-                data = await self._reader.readexactly(self._left) if self._left else b""
+                if self._to_eof:
+                    data = await self._reader.read()
+                else:
+                    data = await self._reader.readexactly(self._left) if self._left else b""
             except (OSError, asyncio.IncompleteReadError) as exc:
                 raise self._broke(exc) from None
             self._done = True
@@ -114,7 +119,7 @@ class Response:
         self._released = True
         self._hop._calls.discard(self._call)
         if self._done and self._keep and not self._reader.at_eof():
-            self._hop._idle.setdefault(self._key, []).append((self._reader, self._writer, time.monotonic()))
+            self._hop._idle.setdefault(self._key, []).append((self._reader, self._writer, self._hop._clock()))
         else:
             self._writer.close()
 
@@ -203,7 +208,8 @@ class Hop:
         raise AssertionError("unreachable")
 
     async def _watch(self) -> None:
-        """Abort the calls that have waited `read_timeout` for their next bytes."""
+        """Abort the calls that have waited `read_timeout` for their next bytes; close the idle
+        connections too old to reuse (the worker has closed them, or soon will)."""
         period = min(1.0, self.read_timeout / 4)
         while True:
             await asyncio.sleep(period)
@@ -212,6 +218,11 @@ class Hop:
                 call.timed_out = True
                 self._calls.discard(call)
                 call.writer.transport.abort()  # the pending read fails at once
+            for key, conns in list(self._idle.items()):
+                fresh = [c for c in conns if now - c[2] < self.idle_s]
+                for _, writer, _ in (c for c in conns if now - c[2] >= self.idle_s):
+                    writer.close()
+                self._idle[key] = fresh
 
     async def close(self) -> None:
         if self._watchdog is not None:

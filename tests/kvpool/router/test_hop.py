@@ -220,3 +220,42 @@ def test_a_stream_that_stalls_times_out(server):
     got, error = asyncio.run(main())
     assert got == [0] and "TimeoutError" in error
     assert time.monotonic() - started < 1.4  # not waiting for the next line (1.5 s)
+
+
+def test_idle_connections_past_their_age_are_closed(server):
+    _, url = server
+
+    async def main():
+        hop = Hop(idle_s=0.2)
+        try:
+            await _echo(hop, url)
+            pooled = sum(len(v) for v in hop._idle.values())
+            await asyncio.sleep(1.3)  # the watchdog looks every second
+            return pooled, sum(len(v) for v in hop._idle.values())
+        finally:
+            await hop.close()
+
+    assert asyncio.run(main()) == (1, 0)
+
+
+def test_a_body_without_length_runs_to_the_connection_end():
+    async def old_server(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\n\r\nhello, ")
+        await writer.drain()
+        writer.write(b"world")
+        writer.close()
+
+    async def main():
+        srv = await asyncio.start_server(old_server, "127.0.0.1", 0)
+        hop = Hop()
+        try:
+            resp = await hop.request(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", "/", b"{}")
+            body = await resp.read()
+            resp.release()
+            return body, sum(len(v) for v in hop._idle.values())
+        finally:
+            await hop.close()
+            srv.close()
+
+    assert asyncio.run(main()) == (b"hello, world", 0)
