@@ -204,6 +204,10 @@ class Hop:
                 why = f"nothing for {self.read_timeout:g} s (TimeoutError)" if call.timed_out else \
                     f"{type(exc).__name__}: {exc}"
                 raise HopError(f"{url}{path}: {why}") from None
+            except BaseException:  # cancelled (its client left): the worker sees the connection go
+                self._calls.discard(call)
+                writer.close()
+                raise
             return _parse(self, key, reader, writer, block, url + path, call)
         raise AssertionError("unreachable")
 

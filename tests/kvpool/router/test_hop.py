@@ -259,3 +259,25 @@ def test_a_body_without_length_runs_to_the_connection_end():
             srv.close()
 
     assert asyncio.run(main()) == (b"hello, world", 0)
+
+
+def test_a_call_cancelled_while_waiting_closes_its_connection():
+    """A caller cancelled before its answer came (its client left): the call's connection is
+    closed at once, not left open for the watchdog (600 s by default)."""
+
+    async def main():
+        hop = Hop()
+        never = await asyncio.start_server(lambda r, w: asyncio.sleep(10), "127.0.0.1", 0)  # never answers
+        try:
+            task = asyncio.ensure_future(hop.request(f"http://127.0.0.1:{never.sockets[0].getsockname()[1]}",
+                                                     "/x", b"{}"))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return len(hop._calls), sum(len(v) for v in hop._idle.values())
+        finally:
+            never.close()
+            await hop.close()
+
+    assert asyncio.run(main()) == (0, 0)
