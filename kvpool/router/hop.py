@@ -60,18 +60,16 @@ class Response:
         self._released = False
 
     def _broke(self, exc: BaseException) -> HopError:
-        why = "TimeoutError: nothing for %g s" % self._hop.read_timeout if self._call.timed_out else (
-            f"{type(exc).__name__}: {exc}")
-        return HopError(f"the answer broke off: {why}")
+        return HopError(f"the answer broke off: {self._hop._why(self._call, exc)}")
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         r, call, clock = self._reader, self._call, self._hop._clock
+        if not self._chunked:
+            data = await self.read()
+            if data:
+                yield data
+            return
         try:
-            if not self._chunked:
-                if self._to_eof or self._left:
-                    yield await (r.read() if self._to_eof else r.readexactly(self._left))
-                self._done = True
-                return
             while True:
                 size = int((await r.readuntil(b"\r\n")).split(b";", 1)[0], 16)
                 data = await r.readexactly(size + 2)
@@ -151,7 +149,7 @@ class Hop:
 
     async def _connect(self, key: tuple) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
         idle = self._idle.get(key)
-        now = time.monotonic()
+        now = self._clock()
         while idle:
             reader, writer, since = idle.pop()
             if now - since < self.idle_s and not reader.at_eof() and not writer.is_closing():
@@ -188,28 +186,28 @@ class Hop:
                     await writer.drain()
                 block = await reader.readuntil(b"\r\n\r\n")
                 call.last = self._clock()
-            except asyncio.IncompleteReadError as exc:
+            except BaseException as exc:
                 self._calls.discard(call)
-                writer.close()
+                writer.close()  # (cancelled: its client left; the worker sees the connection go)
+                if not isinstance(exc, Exception):
+                    raise
                 # A reused connection the worker closed before reading anything (its keep-alive ran
                 # out in between): nothing was processed, so once more on a new connection.
-                if reused and not exc.partial and attempt == 0 and not call.timed_out:
+                if (isinstance(exc, asyncio.IncompleteReadError) and not exc.partial and reused and attempt == 0
+                        and not call.timed_out):
                     continue
-                why = f"nothing for {self.read_timeout:g} s (TimeoutError)" if call.timed_out else \
-                    "the connection closed before an answer"
-                raise HopError(f"{url}{path}: {why}") from None
-            except (OSError, asyncio.LimitOverrunError) as exc:
-                self._calls.discard(call)
-                writer.close()
-                why = f"nothing for {self.read_timeout:g} s (TimeoutError)" if call.timed_out else \
-                    f"{type(exc).__name__}: {exc}"
-                raise HopError(f"{url}{path}: {why}") from None
-            except BaseException:  # cancelled (its client left): the worker sees the connection go
-                self._calls.discard(call)
-                writer.close()
-                raise
+                if not isinstance(exc, (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
+                    raise
+                raise HopError(f"{url}{path}: {self._why(call, exc)}") from None
             return _parse(self, key, reader, writer, block, url + path, call)
         raise AssertionError("unreachable")
+
+    def _why(self, call: _Call, exc: BaseException) -> str:
+        if call.timed_out:
+            return f"TimeoutError: nothing for {self.read_timeout:g} s"
+        if isinstance(exc, asyncio.IncompleteReadError):
+            return "the connection closed before the answer ended"
+        return f"{type(exc).__name__}: {exc}"
 
     async def _watch(self) -> None:
         """Abort the calls that have waited `read_timeout` for their next bytes; close the idle
@@ -222,11 +220,9 @@ class Hop:
                 call.timed_out = True
                 self._calls.discard(call)
                 call.writer.transport.abort()  # the pending read fails at once
-            for key, conns in list(self._idle.items()):
-                fresh = [c for c in conns if now - c[2] < self.idle_s]
-                for _, writer, _ in (c for c in conns if now - c[2] >= self.idle_s):
-                    writer.close()
-                self._idle[key] = fresh
+            for conns in self._idle.values():
+                while conns and now - conns[0][2] >= self.idle_s:  # oldest first (appended in time order)
+                    conns.pop(0)[1].close()
 
     async def close(self) -> None:
         if self._watchdog is not None:
