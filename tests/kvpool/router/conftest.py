@@ -16,12 +16,17 @@ def hf():
     return AutoTokenizer.from_pretrained(reference_model_path())
 
 
-@pytest.fixture(params=[64, 200_000], ids=["tiny-cache", "big-cache"])
+@pytest.fixture(params=[(64, True), (200_000, True), (64, False)], ids=["tiny-cache", "big-cache", "no-tiktoken"])
 def rt(hf, request):
+    """With the fast engine for ASCII text (kvpool/router/fast_bpe.py) and without it (the
+    sentence cache over the `tokenizers` library for all text)."""
     from kvpool.router.tokenizer import RouterTokenizer
 
-    return RouterTokenizer(hf.backend_tokenizer.to_str(), hf.chat_template, bos_token=hf.bos_token,
-                           eos_token=hf.eos_token, cache_entries=request.param)
+    cache_entries, fast = request.param
+    tok = RouterTokenizer(hf.backend_tokenizer.to_str(), hf.chat_template, bos_token=hf.bos_token,
+                          eos_token=hf.eos_token, cache_entries=cache_entries, fast=fast)
+    assert (tok._fast is not None) == fast
+    return tok
 
 
 @pytest.fixture(scope="module")
