@@ -5,8 +5,10 @@
   snapshot of 16 workers with their local caches, the cache-aware choice). Cold prompts are new
   text every time; warm ones share a long system prompt and earlier turns with previous requests
   and differ in the last user message (multi-round chat). Baseline: tokenizing the same rendered
-  text in one call of the Rust tokenizer, without the router's sentence cache (the floor a router
-  that tokenizes has to beat). Goal: under 5 ms p99. Also: CPU per route (`cpu_*`, all threads:
+  text in one call of the `tokenizers` library (Rust), without the router's caches (what a router
+  that tokenizes as the model does has to beat). Also the floor of the fast engine the router
+  uses for ASCII text (`fast_engine_whole_text_p50_ms`: tiktoken on the whole text in one call,
+  kvpool/router/fast_bpe.py). Goal: under 5 ms p99. Also: CPU per route (`cpu_*`, all threads:
   robust on a loaded machine, unlike the wall-clock percentiles), the baseline's CPU
   (`floor_cpu_mean_ms`), collector pauses during the case (`gc_*`; the process is frozen after
   setup, as the router process is once started), and how `match_prefix` was answered
@@ -61,11 +63,13 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
     from engine_adapters.serving.launcher import LocalCluster, PoolSpec
     from kvpool import worker_api as wire
     from kvpool.keys import chunk_keys_hex
+    from kvpool.router.fast_bpe import fast_bpe
     from kvpool.router.matcher import PrefixMatcher
     from kvpool.router.service import Router, RouterConfig
     from kvpool.router.workers import Workers, WorkerState
 
     tok, rm = _tokenizer()
+    engine, _ = fast_bpe(rm.tokenizer.backend_tokenizer.to_str())  # its floor: the whole text in one call
     ns = rm.namespace(256)
     rng = random.Random(7)
     # The pool in its own process, as deployed: in this one its threads would take the GIL from
@@ -131,7 +135,7 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
             for _ in range(3):
                 await route_once(prompt(warm))
             ours, base, lengths = [], [], []
-            floor_cpu = []
+            floor_cpu, fast_floor = [], []
             for v in stages.values():
                 v.clear()
             gc_pauses.clear()
@@ -149,6 +153,10 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
                     tok.encode_uncached(text, add_special_tokens=False)
                     base.append((time.perf_counter() - started) * 1e3)
                     floor_cpu.append((time.process_time() - cpu) * 1e3)
+                    if engine is not None:
+                        started = time.perf_counter()
+                        engine.encode(text)
+                        fast_floor.append((time.perf_counter() - started) * 1e3)
                     step()
             gc.callbacks.remove(on_gc)
             p99 = statistics.quantiles(ours, n=100)[98]
@@ -158,6 +166,8 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
                        extra={**split, "p99_ms": round(p99, 3), "p50_ms": round(statistics.median(ours), 3),
                               "cpu_mean_ms": round(statistics.fmean(stages["cpu"]), 3),
                               "floor_cpu_mean_ms": round(statistics.fmean(floor_cpu), 3),
+                              "fast_engine_whole_text_p50_ms": round(statistics.median(fast_floor), 3)
+                              if fast_floor else None,
                               "gc_pauses": len(gc_pauses), "gc_pause_max_ms": round(max(gc_pauses, default=0.0), 3),
                               "match_inline_calls": router.pool.inline_calls,
                               "match_async_calls": router.pool.async_calls,

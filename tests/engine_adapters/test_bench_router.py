@@ -24,6 +24,7 @@ def test_router_bench_reports_routing_time_and_the_added_ttft():
         assert extra["prompt_tokens"] > 7000 and extra["chunks_indexed"] == 2000
         assert 0 < extra["p50_ms"] <= extra["p99_ms"] and extra["cpu_mean_ms"] > 0
         assert extra["match_inline_calls"] + extra["match_async_calls"] == 5
+        assert 0 < extra["fast_engine_whole_text_p50_ms"] < results[case]["baseline_value"]
     ttft = results["ttft_via_router"]
     assert ttft["baseline"] == "workers_called_directly" and ttft["value"] > 0 and ttft["baseline_value"] > 0
     assert {"added_p50_ms", "added_p50_ci95_ms", "added_raw_ttft_p50_ms"} <= set(ttft["extra"])
