@@ -131,6 +131,9 @@ class LoadReport(Message):
     decode_token_ms: float = 0.0  # recent mean time of one sequence's step in a decode batch (EWMA)
     open_streams: int = 0  # decode/generate streams still open (drain waits for 0)
     draining: bool = False  # refusing new work, finishing what it has
+    # With `GET /load?events_since=N`: the KV events after N as `/v1/events` gives them, so one
+    # poll brings both. None when not asked for.
+    events: "EventsResponse | None" = None
 
 
 class WorkerInfo(Message):

@@ -9,6 +9,7 @@ encode the answer. KV bytes never travel here (see `kvpool/worker_api.py`).
                             KV codec (how its chunks are stored in the pool)
     GET  /v1/tokenizer      TokenizerInfo: tokenizer JSON, chat template, special tokens (tokenize in a router)
     GET  /v1/events?since=N KV events (local prefix cache, pool writes) after N
+                            (`/load?events_since=N` gives them with the load: a router's poll)
     POST /v1/tokenize       TokenizeRequest -> TokenizeResponse
     POST /v1/prefill        PrefillRequest -> PrefillResponse          (prefill, both)
     POST /v1/decode         DecodeRequest -> NDJSON TokenEvent stream   (decode, both)
@@ -35,6 +36,7 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -92,8 +94,11 @@ def create_app(worker: Any) -> FastAPI:
         return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/load")
-    async def load() -> Response:
-        return _json(worker.load())
+    async def load(events_since: int | None = None) -> Response:
+        report = worker.load()
+        if events_since is not None:  # a router's poll: the KV events too, in the same answer
+            report = msgspec.structs.replace(report, events=worker.events.since(events_since, 1000))
+        return _json(report)
 
     @app.get("/v1/info")
     async def info() -> Response:

@@ -1,11 +1,13 @@
 """The router's HTTP/1.1 client for the calls on a request's path to a reference worker
-(POST /v1/prefill, /v1/decode, /v1/generate): keep-alive connections over asyncio streams.
+(POST /v1/prefill, /v1/decode, /v1/generate) and for its polls of each worker (GET /load):
+keep-alive connections over asyncio streams.
 
-Why not aiohttp, which the router keeps for polling and admin calls: each of these calls is on a
-request's TTFT or its first decode token, and aiohttp's machinery cost ~0.3 ms per call on each
-side of the worker (send, and reading the answer), about 40% of the router's own share of TTFT
-(BENCHMARKS.md, router section). This client does only what a worker's uvicorn answers: a status
-line and headers, then a body by `Content-Length` or the chunked transfer coding.
+Why not aiohttp, which the router keeps for admin calls and other engines' workers: each call on
+a request's path is on its TTFT or its first decode token, and aiohttp's machinery cost ~0.3 ms
+per call on each side of the worker (send, and reading the answer), about 40% of the router's
+own share of TTFT (BENCHMARKS.md, router section); the polls, 4 a second per worker, were most of
+an idle router's CPU. This client does only what a worker's uvicorn answers: a status line and
+headers, then a body by `Content-Length` or the chunked transfer coding.
 
     resp = await hop.request(url, "/v1/prefill", body, headers)
     try:
@@ -34,7 +36,12 @@ from urllib.parse import urlsplit
 
 
 class HopError(Exception):
-    """The worker could not be reached, or its answer broke off or was not HTTP."""
+    """The worker could not be reached, or its answer broke off or was not HTTP. `refused`: the
+    connection itself was refused (nothing listens there: the worker is gone)."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 class _Call:
@@ -163,16 +170,21 @@ class Hop:
                 reader, writer = await asyncio.open_connection(host, port, ssl=self._tls if tls else None,
                                                                limit=1 << 20)
         except (OSError, TimeoutError) as exc:
-            raise HopError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}") from None
+            raise HopError(f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}",
+                           refused=isinstance(exc, ConnectionRefusedError)) from None
         return reader, writer, False
 
-    async def request(self, url: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> Response:
-        """POST `body` (JSON) to `url + path`; returns once the status line and headers are in."""
+    async def request(self, url: str, path: str, body: bytes | None, headers: dict[str, str] | None = None) -> Response:
+        """POST `body` (JSON) to `url + path`, or GET it when `body` is None; returns once the
+        status line and headers are in."""
         key = self._target(url)
-        head = (b"POST " + path.encode() + b" HTTP/1.1\r\nhost: " + key[3] + b"\r\ncontent-type: application/json"
-                b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n" + self._headers
-                + b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items()
-                           if k.lower() != "content-type") + b"\r\n")
+        if body is None:
+            body, head = b"", b"GET " + path.encode() + b" HTTP/1.1\r\nhost: " + key[3] + b"\r\n"
+        else:
+            head = (b"POST " + path.encode() + b" HTTP/1.1\r\nhost: " + key[3] + b"\r\ncontent-type: application/json"
+                    b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n")
+        head += self._headers + b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items()
+                                         if k.lower() != "content-type") + b"\r\n"
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.ensure_future(self._watch())
         for attempt in range(2):

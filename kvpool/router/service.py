@@ -133,7 +133,8 @@ class Router(WorkerCalls):
         # The calls on a request's path (prefill, decode, generate) go through the leaner hop.py.
         self.hop = Hop(headers, read_timeout=self.config.request_timeout_s)
         self.workers = Workers(self.http, poll_s=self.config.poll_s, fail_after=self.config.fail_after,
-                               on_join=self._on_join, on_load=self._on_load, backend=self.backend)
+                               on_join=self._on_join, on_load=self._on_load, backend=self.backend,
+                               headers=headers)
         if self.config.pool:
             self.pool = await PrefixMatcher(self.config.pool).connect()
         for spec in self.config.workers:

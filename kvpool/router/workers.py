@@ -3,8 +3,10 @@ prefix cache, and who is leaving.
 
 Workers join by `POST /admin/workers` (a worker started with `--router` does it itself, and
 repeats it every few seconds, so a restarted router relearns its workers) or from the command
-line (`kvpool router --worker URL`). A poll loop reads each worker's `/load` and its KV events
-(`/v1/events`, tier "local": what entered and left its prefix cache) every `poll_s`. Workers of
+line (`kvpool router --worker URL`). A poll loop reads each worker's load and its KV events
+(tier "local": what entered and left its prefix cache) every `poll_s`, in one call
+(`GET /load?events_since=N`, on hop.py's client; a worker that answers without its events is
+also asked `/v1/events`). Workers of
 another API (vLLM's OpenAI servers: `backend`, see vllm_backend.py) are described and polled by
 their backend instead; their role is given at registration.
 
@@ -30,6 +32,7 @@ import aiohttp
 
 from kvpool import worker_api as wire
 from kvpool.errors import AlreadyExists, InvalidArgument, Unavailable
+from kvpool.router.hop import Hop, HopError
 from kvpool.router.policy import WorkerView
 
 log = logging.getLogger(__name__)
@@ -100,8 +103,12 @@ class WorkerState:
 class Workers:
     def __init__(self, http: aiohttp.ClientSession, *, poll_s: float = 0.25, fail_after: int = 3,
                  forget_s: float = 30.0, on_join: Callable[[WorkerState], Any] | None = None,
-                 on_load: Callable[[WorkerState], None] | None = None, backend: Any = None):
+                 on_load: Callable[[WorkerState], None] | None = None, backend: Any = None,
+                 headers: dict[str, str] | None = None):
         self.http = http
+        # Polls of reference workers: one `GET /load?events_since=N` each, on hop.py's client
+        # (its own connections; a poll unanswered for 4 polls' time fails).
+        self.hop = Hop(headers, read_timeout=max(1.0, 4 * poll_s)) if backend is None else None
         self.backend = backend
         self.poll_s = poll_s
         self.fail_after = fail_after
@@ -189,6 +196,8 @@ class Workers:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
+        if self.hop is not None:
+            await self.hop.close()
 
     async def _loop(self) -> None:
         while True:
@@ -203,12 +212,15 @@ class Workers:
                 load = await self.backend.poll(self.http, state, timeout=max(1.0, 4 * self.poll_s))
                 events = wire.EventsResponse(events=[], next=state.events_since)
             else:
-                load = await self._get(state.url, "/load", wire.LoadReport, timeout=max(1.0, 4 * self.poll_s))
-                events = await self._get(state.url, f"/v1/events?since={state.events_since}", wire.EventsResponse,
-                                         timeout=max(1.0, 4 * self.poll_s))
+                load = await self._poll_load(state)
+                events = load.events
+                if events is None:  # a worker that does not send its events with its load
+                    events = await self._get(state.url, f"/v1/events?since={state.events_since}",
+                                             wire.EventsResponse, timeout=max(1.0, 4 * self.poll_s))
         except Unavailable as exc:
             state.failures += 1
-            refused = isinstance(exc.__cause__, aiohttp.ClientConnectorError)
+            cause = exc.__cause__
+            refused = isinstance(cause, aiohttp.ClientConnectorError) or getattr(cause, "refused", False)
             if refused or state.failures >= self.fail_after:
                 self.mark_down(state, str(exc))
             if state.status == DOWN and time.monotonic() - state.down_since > self.forget_s:
@@ -241,6 +253,20 @@ class Workers:
             elif ev.kind == "removed":
                 state.local_keys.difference_update(ev.keys)
         state.events_since = resp.next
+
+    async def _poll_load(self, state: WorkerState) -> wire.LoadReport:
+        path = f"/load?events_since={state.events_since}"
+        try:
+            resp = await self.hop.request(state.url, path, None)
+            try:
+                status, body = resp.status, await resp.read()
+            finally:
+                resp.release()
+        except HopError as exc:
+            raise Unavailable(f"worker {state.url} unreachable: {exc}") from exc
+        if status != 200:
+            raise Unavailable(f"worker {state.url} answered {status} to {path}: {body[:200]!r}")
+        return wire.decode(body, wire.LoadReport)
 
     async def _get(self, url: str, path: str, type_: type, timeout: float) -> Any:
         try:

@@ -1,5 +1,5 @@
 """What a worker's own prefix cache holds reaches the router's policy (issue 9): real in-process
-workers prefill two conversations, their KV events (`GET /v1/events`, through the app) are applied
+workers prefill two conversations, their KV events (`GET /load?events_since=N`, through the app) are applied
 to the router's `WorkerState`s as its poll loop applies them, and the real `CacheAware` policy,
 on the snapshot those states give, sends each conversation's next round to the worker holding
 its prefix (the pool having evicted it), while round robin does not look. An eviction, seen as a
@@ -28,10 +28,14 @@ def ids_of(n: int, seed: int) -> list[int]:
 
 
 def follow_events(state: WorkerState, http) -> None:
-    """One poll of the worker's KV events into the router's view of it."""
-    resp = http.get(f"/v1/events?since={state.events_since}")
+    """One poll of the worker's KV events into the router's view of it, as the router polls
+    (`/load?events_since=N`: load and events in one answer, the same events `/v1/events` gives)."""
+    resp = http.get(f"/load?events_since={state.events_since}")
     assert resp.status_code == 200
-    Workers._apply_events(state, m.decode(resp.content, m.EventsResponse))
+    events = m.decode(resp.content, m.LoadReport).events
+    assert events == m.decode(http.get(f"/v1/events?since={state.events_since}").content, m.EventsResponse)
+    assert http.get("/load").json()["events"] is None  # not asked for, not sent
+    Workers._apply_events(state, events)
 
 
 def test_cache_aware_routes_a_conversation_to_the_worker_whose_events_show_its_prefix(worker_factory, http_of):

@@ -32,7 +32,7 @@ class _App:
             body += msg.get("body", b"")
             more = msg.get("more_body", False)
         if scope["path"] == "/echo":
-            doc = {"n": len(body), "port": scope["client"][1],
+            doc = {"n": len(body), "port": scope["client"][1], "method": scope["method"],
                    "token": dict(scope["headers"]).get(b"authorization", b"").decode()}
             data = json.dumps(doc).encode()
             await send({"type": "http.response.start", "status": 201,
@@ -102,6 +102,22 @@ def test_whole_answers_reuse_one_connection(server):
     (s1, a), (s2, b) = asyncio.run(main())
     assert (s1, a["n"], a["token"]) == (201, 100, "Bearer t0k")
     assert (s2, b["n"]) == (201, 200_000)
+    assert a["port"] == b["port"]  # kept alive
+    assert a["method"] == "POST"
+
+
+def test_a_get_without_a_body(server):
+    _, url = server
+
+    async def main():
+        hop = Hop()
+        try:
+            return [await _echo(hop, url, None) for _ in range(2)]
+        finally:
+            await hop.close()
+
+    (s1, a), (s2, b) = asyncio.run(main())
+    assert (s1, a["method"], a["n"]) == (201, "GET", 0) and (s2, b["method"]) == (201, "GET")
     assert a["port"] == b["port"]  # kept alive
 
 
@@ -183,18 +199,18 @@ def test_failures_are_hop_errors():
             other = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
             with pytest.raises(HopError) as info:
                 await hop.request(other, "/x", b"{}")
-            errors.append(str(info.value))
+            errors.append(info.value)
             srv.close()
         with pytest.raises(HopError) as info:
             await hop.request(f"http://127.0.0.1:{port}", "/x", b"{}")
-        errors.append(str(info.value))
+        errors.append(info.value)
         await hop.close()
         return errors
 
     garbage, timeout, refused = asyncio.run(main())
-    assert "not an HTTP answer" in garbage
-    assert "TimeoutError" in timeout
-    assert "cannot connect" in refused
+    assert "not an HTTP answer" in str(garbage) and not garbage.refused
+    assert "TimeoutError" in str(timeout) and not timeout.refused
+    assert "cannot connect" in str(refused) and refused.refused  # nothing listens: the router marks it down
 
 
 def test_a_stream_that_stalls_times_out(server):
