@@ -138,6 +138,9 @@ def fast_bpe(tokenizer_json: str) -> tuple[FastBPE | None, str]:
             pieces = bpe.tokenize(token)
             if len(pieces) != 1:
                 return None, f"{token!r} alone does not tokenize to itself"
-    encoding = tiktoken.Encoding("kvpool-router", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    try:
+        encoding = tiktoken.Encoding("kvpool-router", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    except Exception as exc:  # a tiktoken that takes these ranks otherwise: the tokenizers library alone
+        return None, f"tiktoken refused the vocabulary: {type(exc).__name__}: {exc}"
     absent_re = re.compile("[" + "".join(re.escape(chr(b)) for b in absent) + "]") if absent else None
-    return FastBPE(encoding._core_bpe.encode_ordinary, absent_re), ""
+    return FastBPE(encoding.encode_ordinary, absent_re), ""

@@ -103,7 +103,10 @@ class RouterTokenizer:
         import tokenizers
 
         self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
-        self._fast, why = fast_bpe(tokenizer_json) if fast else (None, "turned off")
+        try:
+            self._fast, why = fast_bpe(tokenizer_json) if fast else (None, "turned off")
+        except Exception as exc:  # an odd tokenizer JSON: the checks could not even run
+            self._fast, why = None, f"its checks failed: {type(exc).__name__}: {exc}"
         log.info("router tokenizer: %s", "tiktoken for ASCII text (proven to give the same ids), the tokenizers "
                  "library for the rest" if self._fast is not None else f"the tokenizers library alone ({why})")
         self.bos_token = bos_token
