@@ -119,6 +119,7 @@ class Router(WorkerCalls):
         self.keyring = load_keyring(config.auth_file)
         self.tenants = Tenants(self.keyring, config.pool, via_cache_salt=self.backend is not None)
         self.api_keys = self.tenants.api_keys  # app.py admits only requests with a tenant's API key
+        self._join_lock = asyncio.Lock()
         self._tokenize = ThreadPoolExecutor(max(1, config.tokenize_threads), thread_name_prefix="tokenize")
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -182,9 +183,13 @@ class Router(WorkerCalls):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
 
     async def _on_join(self, url: str, info: wire.WorkerInfo) -> None:
-        """The first worker teaches the router the model: tokenizer, context, chunking."""
-        if self.tokenizer is not None:
-            return
+        """The first worker teaches the router the model: tokenizer, context, chunking. Workers
+        joining at once wait for the first to finish (one tokenizer built, not one each)."""
+        async with self._join_lock:
+            if self.tokenizer is None:
+                await self._learn_model(url, info)
+
+    async def _learn_model(self, url: str, info: wire.WorkerInfo) -> None:
         if self.backend is not None:  # an engine without /v1/tokenizer: read from its model folder
             tok = self.backend.tokenizer_info()
         else:
