@@ -4,8 +4,9 @@ token ids are the worker's (tests compare them).
 
 Speed: a long prompt costs ~1.2 us per token in the `tokenizers` library, too slow for a router
 that must decide in a few ms. Two remedies:
-- new ASCII text goes to tiktoken's BPE engine, ~10x faster, built from the same vocabulary
-  and merges where it provably gives the same ids (kvpool/router/fast_bpe.py says why);
+- new text goes to tiktoken's BPE engine, ~10x faster, built from the same vocabulary and
+  merges where it provably gives the same ids (kvpool/router/fast_bpe.py says why and which
+  text it takes: ASCII always, other text with the library versions swept for it);
 - prompts repeat (system prompts, documents, earlier chat turns), so ids are cached: each
   segment between special tokens (with a chat template, one message) and, inside a new segment
   that the fast engine does not take, each sentence. Only new sentences are encoded, in one
@@ -107,8 +108,9 @@ class RouterTokenizer:
             self._fast, why = fast_bpe(tokenizer_json) if fast else (None, "turned off")
         except Exception as exc:  # an odd tokenizer JSON: the checks could not even run
             self._fast, why = None, f"its checks failed: {type(exc).__name__}: {exc}"
-        log.info("router tokenizer: %s", "tiktoken for ASCII text (proven to give the same ids), the tokenizers "
-                 "library for the rest" if self._fast is not None else f"the tokenizers library alone ({why})")
+        log.info("router tokenizer: %s", (f"tiktoken for {'all' if self._fast.any_text else 'ASCII'} text (proven "
+                 "to give the same ids), the tokenizers library for the rest") if self._fast is not None
+                 else f"the tokenizers library alone ({why})")
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.add_bos_token = add_bos_token
@@ -169,7 +171,7 @@ class RouterTokenizer:
                 if hit is None:
                     new.append(g)
         fast = self._fast
-        if new and fast is not None:  # new ASCII segments: whole, by the fast engine (~0.15 us/token)
+        if new and fast is not None:  # new segments it takes: whole, by the fast engine (~0.15 us/token)
             slow = []
             for g in new:
                 if fast.takes(g):
@@ -182,7 +184,7 @@ class RouterTokenizer:
             sentences = {g: [p for p in _CUT.split(g) if p] for g in new}
             have = {p: self._sentences.get(p) for ps in sentences.values() for p in ps}
             missing = [p for p, v in have.items() if v is None]
-            if missing and fast is not None:  # a segment with a non-ASCII character: its ASCII sentences
+            if missing and fast is not None:  # a segment it does not take: the sentences it does
                 for p in missing:
                     if fast.takes(p):
                         have[p] = _u32(fast.encode(p))

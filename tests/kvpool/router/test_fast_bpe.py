@@ -74,7 +74,7 @@ def test_any_ascii_text(fast, slow, parts):
     if fast.takes(text):
         _same(fast, slow, text)
     else:
-        assert not text.isascii() or any(fast.absent.search(c) for c in text)
+        assert not (text.isascii() or fast.any_text) or any(b in text.encode() for b in fast.absent)
 
 
 def test_made_up_words_take_unusual_merge_paths(fast, slow):
@@ -98,11 +98,74 @@ def test_real_text_docs_and_code(fast, slow):
             _same(fast, slow, text)
 
 
+def test_any_text_with_the_swept_versions(fast, slow):
+    """Beyond ASCII (taken with the versions in UNICODE_SWEPT): accents, CJK without spaces,
+    emoji, other scripts' digits and spaces, combining marks."""
+    if not fast.any_text:
+        pytest.skip("these tokenizers/tiktoken versions were not swept: ASCII text only")
+    rng = random.Random(5)
+    blocks = [(0xA0, 0x24F), (0x370, 0x3FF), (0x400, 0x4FF), (0x600, 0x6FF), (0x900, 0x97F), (0x2000, 0x206F),
+              (0x3000, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0x1F300, 0x1F64F), (0x0300, 0x036F)]
+    for _ in range(200):
+        parts = []
+        for _ in range(rng.randint(1, 60)):
+            a, z = rng.choice(blocks)
+            parts.append("".join(chr(rng.randint(a, z)) for _ in range(rng.randint(1, 8))))
+            parts.append(rng.choice([" ", "", "  ", "\n", ". ", "1", "'s ", "\u3000", "\u00a0"]))
+        _same(fast, slow, "".join(parts))
+    _same(fast, slow, "Caf\u00e9 \u2014 \u201cquoted\u201d; na\u00efve r\u00e9sum\u00e9. \u65e5\u672c\u8a9e\u306e\u6587\u3002 \U0001F600!")
+
+
+def test_refused_characters_are_those_with_a_missing_byte(fast):
+    """`takes` refuses exactly the texts whose UTF-8 holds a byte the vocabulary lacks, and
+    lone surrogates (checked here with a made-up set of missing bytes)."""
+    from kvpool.router.fast_bpe import FastBPE
+
+    engine = FastBPE(fast.encode, tuple(bytes([b]) for b in (0x04, 0x85, 0xC3, 0xE4, 0xF0, 0xF1)), True)
+    rng = random.Random(8)
+    points = [rng.randint(0, 0x10FFFF) for _ in range(50_000)] + [0x7F, 0xC0, 0xFF, 0x100, 0x800, 0x10000]
+    for cp in points:
+        text = "ab" + chr(cp) + "c"
+        if 0xD800 <= cp <= 0xDFFF:
+            assert not engine.takes(text)
+            continue
+        assert engine.takes(text) == (not any(bytes([b]) in engine.absent for b in text.encode())), hex(cp)
+    ascii_only = FastBPE(fast.encode, engine.absent, False)
+    assert not ascii_only.takes("caf\u00e9") and ascii_only.takes("cafe") and not ascii_only.takes("a\x04")
+
+
+@pytest.mark.slow
+def test_every_code_point_is_in_the_same_class():
+    """The sweep behind UNICODE_SWEPT: for each code point c beyond ASCII, whether "a"+c, "1"+c
+    and "!"+c are one pre-token (c in \\p{L}, in \\p{N}, or in neither nor \\s) is the same in
+    both libraries. tiktoken's side: an encoding whose vocabulary is the 256 bytes plus the probes
+    themselves, so a probe comes back as one id exactly when it is one pre-token."""
+    import tiktoken
+    import tokenizers
+
+    from kvpool.router.fast_bpe import GPT2_PATTERN, UNICODE_SWEPT
+
+    pre = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    base = {bytes([b]): b for b in range(256)}
+    points = [c for c in range(0x80, 0x110000) if not 0xD800 <= c <= 0xDFFF]
+    differ = []
+    for start in range(0, len(points), 120_000):
+        probes = [p + chr(c) for c in points[start:start + 120_000] for p in ("a", "1", "!")]
+        ranks = {**base, **{s.encode(): 256 + i for i, s in enumerate(probes)}}
+        enc = tiktoken.Encoding("probe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+        ours = [len(ids) == 1 for ids in enc.encode_ordinary_batch(probes, num_threads=2)]
+        differ += [s for s, one, (n) in zip(probes, ours, map(len, map(pre.pre_tokenize_str, probes)))
+                   if one != (n == 1)]
+    assert not differ, [hex(ord(s[1])) for s in differ[:20]]
+    assert (tokenizers.__version__, tiktoken.__version__) in UNICODE_SWEPT, "swept: add this pair to UNICODE_SWEPT"
+
+
 def test_router_tokenizer_uses_it_only_where_it_may(hf, rt):
-    """A segment with a non-ASCII character, or with a control character the vocabulary lacks,
-    goes to the `tokenizers` library; the ids equal the model's either way."""
+    """A segment with a character the vocabulary lacks a byte of goes to the `tokenizers`
+    library, and so does non-ASCII text with unswept library versions; the ids equal the model's
+    either way."""
     for text in ("Plain ASCII. Twice: plain ASCII.", "Caf\u00e9 au lait. Then more words.", "a\x04b. More text here.",
-                 "x" * 5000):
+                 "x" * 5000, "\U00050000 unused plane. Then words.", "\u65e5\u672c\u8a9e. Ok."):
         assert rt.encode(text) == list(hf(text).input_ids)
 
 
