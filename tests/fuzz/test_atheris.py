@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -34,9 +35,20 @@ def _names() -> list[str]:
     return sorted(targets())
 
 
+def _rss_limit_flags() -> list[str]:
+    """libFuzzer's memory limits, as if the harness started alone. Its RSS check reads the peak
+    RSS (`ru_maxrss`), which Linux carries across fork and exec: a harness started by a pytest
+    that grew to 4.4 GB (the slow suite, after its model tests) was "out of memory" at once with
+    the default 2 GB limit. So the limit is this process's peak plus 2 GB, and a single
+    allocation over 2 GB still counts as a finding."""
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    return [f"-rss_limit_mb={peak_mb + 2048}", "-malloc_limit_mb=2048"]
+
+
 def _fuzz(target: str, flags: list[str], tmp_path: Path, timeout: float) -> dict[str, int]:
     """Run the harness; return inputs tried per target (asserting a clean exit)."""
-    proc = subprocess.run([sys.executable, str(HARNESS), target, *flags, f"-artifact_prefix={tmp_path}/"],
+    proc = subprocess.run([sys.executable, str(HARNESS), target, *flags, *_rss_limit_flags(),
+                           f"-artifact_prefix={tmp_path}/"],
                           capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"atheris {target} exited {proc.returncode}:\n{out[-6000:]}"
