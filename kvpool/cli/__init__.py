@@ -56,6 +56,8 @@ def cli(log_level: str) -> None:
     (a pool: master + one node in one process).
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level.upper() != "DEBUG":  # httpx logs every request at INFO: noise around a bench's progress bar
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def main() -> None:

@@ -57,12 +57,8 @@ def _size(n: Any) -> str:
 def admin(ctx: click.Context, url: str | None, token_file: str | None, principal: str | None,
           config_file: str | None, as_json: bool) -> None:
     """Inspect and operate a running pool (nodes, stats, keys, eviction, drain, config)."""
-    import logging
-
     from kvpool.config import load_settings, read_secret_file
 
-    # httpx logs every request at INFO; for a CLI that is noise around the one line that matters
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     if token_file and principal:
         raise InvalidArgument("give --token-file (the admin) or --principal (a tenant), not both")
     token = read_secret_file(token_file, "--token-file") if token_file else None

@@ -4,7 +4,6 @@ decode worker), streaming the text. `--json` ends the output with one JSON line.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 
 import click
@@ -21,8 +20,6 @@ import click
 def generate(prefill_url, decode_url, prompt, message, max_tokens, as_json) -> None:
     """Send PROMPT (or MESSAGE) through a prefill and a decode worker and stream the answer."""
     from engine_adapters.serving.client import WorkerClient, generate as run
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
 
     if (prompt is None) == (message is None):
         raise click.UsageError("give exactly one of --prompt or --message")
