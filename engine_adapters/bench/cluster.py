@@ -13,7 +13,8 @@
 - `kvpool bench disagg`: the seed article's table. The same number of workers colocated (`--role
   both`, decode-priority chunked prefill) vs disaggregated (prefill + decode workers; pure, and
   with conditional disaggregation), under a mixed load of long and short prompts at several
-  rates: TTFT mean and std, TPOT p99, E2E p99, throughput, goodput, and each worker's busy
+  rates: TTFT mean and std, TPOT p99, ITL p99 (the gaps between tokens: a decode stalled by a
+  prefill shows there), E2E p99, throughput, goodput, and each worker's busy
   fraction (seconds in forward passes over the run's wall time: the "GPU utilization" row).
 
 Both start processes (pool, router, reference workers). Workers run one torch thread each, so N
@@ -42,6 +43,7 @@ _BUSY = re.compile(r"^kvpool_worker_(?:decode_step|prefill_chunk)_seconds_sum (\
 _PROMPT = re.compile(r'^kvpool_worker_prompt_tokens_total\{source="(\w+)"\} (\S+)$', re.M)
 _PREFILLS = re.compile(r'^kvpool_worker_requests_total\{kind="prefill"\} (\S+)$', re.M)
 _LOCAL_TOKENS = re.compile(r"^kvpool_worker_local_cache_tokens (\S+)$", re.M)
+_DECISIONS = re.compile(r'^kvpool_router_decisions_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', re.M)
 
 
 def _busy_seconds(url: str) -> float:
@@ -90,6 +92,16 @@ def _local_knowledge(cluster, router_url: str, chunk_tokens: int = 256) -> dict[
     return out
 
 
+def _router_decisions(cluster) -> dict[str, float]:
+    """The router's routing decisions so far, by kind (disaggregated, local_prefill, colocated, ...)."""
+    text = httpx.get(f"{cluster.router_url}/metrics", timeout=10,
+                     headers=internal_headers(load_keyring(cluster.env.get(AUTH_FILE_ENV)))).text
+    out: dict[str, float] = {}
+    for kind, value in _DECISIONS.findall(text):
+        out[kind] = out.get(kind, 0.0) + float(value)
+    return out
+
+
 def _extra_router(cluster, workdir: Path, name: str, args: list[str]) -> tuple[subprocess.Popen, str]:
     from engine_adapters.serving.launcher import KVPOOL
 
@@ -124,9 +136,9 @@ def _row(res: Any) -> dict[str, Any]:
     m = res.metrics
     return {"completed": m.completed, "failed": m.failed, "ttft_mean_ms": m.ttft.mean,
             "ttft_std_ms": m.ttft.std, "ttft_p99_ms": m.ttft.p99, "tpot_mean_ms": m.tpot.mean,
-            "tpot_p99_ms": m.tpot.p99, "e2e_p99_ms": m.e2e.p99, "req_per_s": m.request_throughput,
-            "out_tok_per_s": m.output_throughput, "goodput": m.goodput, "mean_cached_tokens": m.mean_cached_tokens,
-            "duration_s": m.duration_s, "errors": m.errors[:3]}
+            "tpot_p99_ms": m.tpot.p99, "itl_p99_ms": m.itl.p99, "e2e_p99_ms": m.e2e.p99,
+            "req_per_s": m.request_throughput, "out_tok_per_s": m.output_throughput, "goodput": m.goodput,
+            "mean_cached_tokens": m.mean_cached_tokens, "duration_s": m.duration_s, "errors": m.errors[:3]}
 
 
 def _slos(goodput: tuple[str, ...]) -> dict[str, float]:
@@ -302,11 +314,15 @@ def disagg(n_workers, configs, num_requests, input_len, output_len, range_ratio,
                 for r_i, rate in enumerate(rate_list):
                     _clear_caches(cluster)
                     before = {n: _busy_seconds(p.url) for n, p in cluster.workers.items()}
+                    decided = _router_decisions(cluster)
                     res = _run(base, random_requests(num_requests, input_len, output_len, range_ratio, seed=r_i),
                                rate, slos, name)
                     busy = {n: (_busy_seconds(p.url) - before[n]) / res.metrics.duration_s
                             for n, p in cluster.workers.items()}
-                    row = {"rate": rate, **_row(res), "busy": busy, "busy_mean": statistics.fmean(busy.values())}
+                    decisions = {k: int(v - decided.get(k, 0)) for k, v in _router_decisions(cluster).items()
+                                 if v > decided.get(k, 0)}
+                    row = {"rate": rate, **_row(res), "busy": busy, "busy_mean": statistics.fmean(busy.values()),
+                           "decisions": decisions}
                     table.setdefault(name, []).append(row)
                     step()
             fitted = httpx.get(f"{cluster.router_url}/admin/workers", timeout=10,
@@ -319,14 +335,14 @@ def disagg(n_workers, configs, num_requests, input_len, output_len, range_ratio,
         for row in rows:
             base_row = next((r for r in table.get("colocated", []) if r["rate"] == row["rate"]), None)
             for key, unit in (("ttft_mean_ms", "ms"), ("ttft_std_ms", "ms"), ("tpot_p99_ms", "ms"),
-                              ("e2e_p99_ms", "ms"), ("out_tok_per_s", "tok/s"), ("goodput", "req/s"),
-                              ("busy_mean", "fraction")):
+                              ("itl_p99_ms", "ms"), ("e2e_p99_ms", "ms"), ("out_tok_per_s", "tok/s"),
+                              ("goodput", "req/s"), ("busy_mean", "fraction")):
                 value = row[key] or 0.0
                 is_base = name == "colocated" or base_row is None
                 report.add(f"{key}/{name}@{row['rate']:g}", [value], unit,
                            baseline=None if is_base else "colocated",
                            baseline_values=None if is_base or not base_row[key] else [base_row[key]],
-                           extra={k: v for k, v in row.items() if k == "busy"} if key == "busy_mean" else None)
+                           extra={k: row[k] for k in ("busy", "decisions")} if key == "busy_mean" else None)
     report.notes.append(f"{n_workers} workers per config, 1 torch thread each; {num_requests} requests per rate, "
                         f"prompt {input_len}±{int(range_ratio * 100)}% words, answer {output_len}±"
                         f"{int(range_ratio * 100)}% tokens; goodput SLOs {slos}")
