@@ -5,7 +5,9 @@
 - SSD (lmdb) get / put vs sequential file read / write of the same bytes in the same directory
   (neither side fsyncs: the lmdb tier does not, see kvpool/tiers/ssd.py).
 - Eviction policy: block hit ratio of S3-FIFO and ARC vs LRU replaying a request trace (512-token
-  prefix-hash blocks), counting only each request's cached *prefix* as a prefix cache would.
+  prefix-hash blocks), counting only each request's cached *prefix* as a prefix cache would, with
+  each request's blocks also read once by its decode worker a few requests later (the P/D
+  hand-off); `handoffs_lost` is the share of those reads that found a block evicted.
 Goals (issue "Foundations"): DRAM get_into >= 0.7x memcpy from 1 MiB up; SSD get >= 0.5x read.
 """
 
@@ -15,6 +17,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 import numpy as np
@@ -121,14 +124,24 @@ def _bench_ssd(report: Report, size: int, total: int, reps: int, workdir: str, t
         tier.close()
 
 
-def replay_trace(requests: list[list[int]], policy_name: str, capacity_blocks: int) -> float:
-    """Prefix-block hit ratio of a prefix cache of `capacity_blocks` blocks under a policy."""
+class Replay(NamedTuple):
+    hit_ratio: float  # prefix blocks found cached, over all prompt blocks
+    handoffs_lost: float  # blocks the decode worker found evicted, over all it read
+
+
+def replay_trace(requests: list[list[int]], policy_name: str, capacity_blocks: int,
+                 handoff_lag: int | None = 4) -> Replay:
+    """A pool of `capacity_blocks` blocks under a policy, used as in P/D serving: each request's
+    prefill reads its cached prefix and writes the blocks it computed; with `handoff_lag`, the
+    decode worker then reads the request's blocks, `handoff_lag` requests later (the KV hand-off,
+    read once and possibly evicted before it), counted apart from the prefix hits."""
     from kvpool.tiers import make_policy
 
     policy = make_policy(policy_name, capacity_blocks)
     cached: set[int] = set()
-    hits = total = 0
+    hits = total = lost = handed = 0
     evictable = lambda k: True  # noqa: E731 - nothing is pinned in a replay
+    waiting: list[list[int]] = []
     for blocks in requests:
         total += len(blocks)
         n = 0
@@ -145,7 +158,16 @@ def replay_trace(requests: list[list[int]], policy_name: str, capacity_blocks: i
                 cached.discard(policy.evict(evictable))
             policy.insert(b, 1)
             cached.add(b)
-    return hits / total if total else 0.0
+        if handoff_lag is not None:
+            waiting.append(blocks)
+            if len(waiting) > handoff_lag:
+                for b in waiting.pop(0):
+                    handed += 1
+                    if b in cached:
+                        policy.access(b)
+                    else:
+                        lost += 1
+    return Replay(hits / total if total else 0.0, lost / handed if handed else 0.0)
 
 
 def _bench_policy(report: Report, trace: str, limit: int | None, tick) -> None:
@@ -161,9 +183,11 @@ def _bench_policy(report: Report, trace: str, limit: int | None, tick) -> None:
         lru = replay_trace(requests, "lru", cap)
         for name in ("s3fifo", "arc"):
             ours = replay_trace(requests, name, cap)
-            report.add(f"policy_hit_ratio_{name}", [ours], "hit_ratio", size=cap, baseline="lru", baseline_values=[lru],
+            report.add(f"policy_hit_ratio_{name}", [ours.hit_ratio], "hit_ratio", size=cap, baseline="lru",
+                       baseline_values=[lru.hit_ratio],
                        extra={"cache_blocks": cap, "unique_blocks": unique, "requests": len(requests),
-                              "fraction_of_unique": fraction})
+                              "fraction_of_unique": fraction, "handoffs_lost": round(ours.handoffs_lost, 5),
+                              "lru_handoffs_lost": round(lru.handoffs_lost, 5), "handoff_lag": 4})
         tick()
 
 

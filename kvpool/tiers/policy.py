@@ -174,6 +174,15 @@ class ARCPolicy:
     evicted from each. A miss that hits B1 means T1 was too small: the target `p` for T1 grows;
     a B2 hit shrinks it. So the split between recency and frequency follows the workload, and a
     scan only ever fills T1.
+
+    Here a new key's insert is a write (a put), not a reference as in a read-through cache: a
+    key enters T1 unread, its first read refreshes it in T1, its second moves it to T2. Counting
+    the write as the first reference sent every prefill-to-decode hand-off (written once, read
+    once by the decode worker soon after) to T2 at that read, where consumed hand-offs outranked
+    the new ones still waiting for their reader, and with `p` near 0 (nothing re-references an
+    evicted hand-off) every eviction took an unread one: a hand-off pattern that LRU served
+    fully lost 98% of its reads (tests/kvpool/tiers/test_policy.py). Invariant: `_unread` is
+    a subset of T1.
     """
 
     name = "arc"
@@ -189,6 +198,7 @@ class ARCPolicy:
         self._b2: OrderedDict[str, int] = OrderedDict()
         self._bytes = {"t1": 0, "t2": 0, "b1": 0, "b2": 0}
         self._queues = {"t1": self._t1, "t2": self._t2, "b1": self._b1, "b2": self._b2}
+        self._unread: set[str] = set()  # in T1, written and not read since
 
     def _push(self, name: str, key: str, size: int) -> None:
         self._queues[name][key] = size
@@ -219,8 +229,13 @@ class ARCPolicy:
             self._push("t2", key, size)
         else:
             self._push("t1", key, size)
+            self._unread.add(key)
 
     def access(self, key: str) -> None:
+        if key in self._unread:  # its first read: the first reference
+            self._unread.discard(key)
+            self._t1.move_to_end(key)
+            return
         hit = self._pop("t1", key)
         if hit is not None:
             self._push("t2", *hit)
@@ -228,6 +243,7 @@ class ARCPolicy:
             self._t2.move_to_end(key)
 
     def remove(self, key: str) -> None:
+        self._unread.discard(key)
         if self._pop("t1", key) is None:
             self._pop("t2", key)
 
@@ -239,6 +255,7 @@ class ARCPolicy:
             if victim is None:
                 continue
             _, size = self._pop(name, victim)  # type: ignore[misc]
+            self._unread.discard(victim)
             self._push("b1" if name == "t1" else "b2", victim, size)
             self._trim_ghosts()
             return victim

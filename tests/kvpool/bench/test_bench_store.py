@@ -30,6 +30,15 @@ def test_bench_store_json_shape(tmp_path):
 
 def test_replay_counts_prefix_hits_only():
     # Request 2 shares block 1 but not block 0: a prefix cache cannot use it.
-    assert replay_trace([[0, 1], [2, 1]], "lru", 10) == 0.0
-    assert replay_trace([[0, 1], [0, 1, 2]], "lru", 10) == 2 / 5
-    assert replay_trace([[0, 1], [0, 1]], "lru", 1) == 0.0  # too small to keep the prefix
+    assert replay_trace([[0, 1], [2, 1]], "lru", 10).hit_ratio == 0.0
+    assert replay_trace([[0, 1], [0, 1, 2]], "lru", 10).hit_ratio == 2 / 5
+    assert replay_trace([[0, 1], [0, 1]], "lru", 1).hit_ratio == 0.0  # too small to keep the prefix
+
+
+def test_replay_counts_handoffs_the_decode_worker_lost():
+    # Each request's blocks are read by its decoder one request later: with room for 6 blocks they
+    # are all still there; with room for 2, the next request's writes evicted them first.
+    requests = [[0, 1], [2, 3], [4, 5]]
+    assert replay_trace(requests, "lru", 6, handoff_lag=1).handoffs_lost == 0.0
+    assert replay_trace(requests, "lru", 2, handoff_lag=1).handoffs_lost == 1.0
+    assert replay_trace(requests, "lru", 2, handoff_lag=None).handoffs_lost == 0.0  # no decode reads
