@@ -165,9 +165,10 @@ def _setup_note(scenario: str, n_prefill: int, n_decode: int, local_cache: str |
 # prefill workers holds its half (3-4 conversations, 6-8 chunks). The number of conversations is
 # odd, so round robin over 2 prefill workers does not keep a conversation on one worker by
 # accident (with many users it would not either). The pool evicts least recently used first: it
-# still carries every prefill's KV to the decode worker, and under ARC (the default) a pool this
-# small evicted just-pushed KV before the decode worker read it (8-11 failed requests of 28 at
-# 0.25 req/s), since objects read once already outrank new ones there.
+# still carries every prefill's KV to the decode worker. Under ARC (the default) a pool this small
+# evicted just-pushed KV before the decode worker read it (8-11 failed requests of 28 at 0.25 req/s)
+# while ARC counted a put as a reference; since it counts reads only, that of 1 request in 84
+# (BENCHMARKS.md).
 SCENARIOS: dict[str, dict[str, Any]] = {
     "shared-pool": {"conversations": 6, "system_prompts": 2, "system_len": 600, "pool_dram": None,
                     "pool_eviction": None, "local_cache": None},
