@@ -181,8 +181,9 @@ class ARCPolicy:
     once by the decode worker soon after) to T2 at that read, where consumed hand-offs outranked
     the new ones still waiting for their reader, and with `p` near 0 (nothing re-references an
     evicted hand-off) every eviction took an unread one: a hand-off pattern that LRU served
-    fully lost 98% of its reads (tests/kvpool/tiers/test_policy.py). Invariant: `_unread` is
-    a subset of T1.
+    fully lost 98% of its reads (tests/kvpool/tiers/test_policy.py). A promotion from SSD is
+    inserted too, though a read made it: it usually finds its ghost (its demotion left one) and
+    enters T2 as any ghost hit does. Invariant: `_unread` is a subset of T1.
     """
 
     name = "arc"
