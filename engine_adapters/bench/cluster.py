@@ -80,10 +80,14 @@ def _counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[st
             "hit_ratio": (tokens["local"] + tokens["pool"]) / total if total else None}
 
 
+def _internal(cluster) -> dict[str, str]:
+    """Headers for the router's /admin and /metrics (its internal token, with a keyring)."""
+    return internal_headers(load_keyring(cluster.env.get(AUTH_FILE_ENV)))
+
+
 def _local_knowledge(cluster, router_url: str, chunk_tokens: int = 256) -> dict[str, list[int]]:
     """Per worker: [local chunks the router knows of from its KV events, chunks the worker holds]."""
-    listed = httpx.get(f"{router_url}/admin/workers", timeout=10,
-                       headers=internal_headers(load_keyring(cluster.env.get(AUTH_FILE_ENV)))).json()["workers"]
+    listed = httpx.get(f"{router_url}/admin/workers", timeout=10, headers=_internal(cluster)).json()["workers"]
     known = {w["url"]: w["local_cache_chunks"] for w in listed}
     out = {}
     for name, proc in cluster.workers.items():
@@ -94,8 +98,7 @@ def _local_knowledge(cluster, router_url: str, chunk_tokens: int = 256) -> dict[
 
 def _router_decisions(cluster) -> dict[str, float]:
     """The router's routing decisions so far, by kind (disaggregated, local_prefill, colocated, ...)."""
-    text = httpx.get(f"{cluster.router_url}/metrics", timeout=10,
-                     headers=internal_headers(load_keyring(cluster.env.get(AUTH_FILE_ENV)))).text
+    text = httpx.get(f"{cluster.router_url}/metrics", timeout=10, headers=_internal(cluster)).text
     out: dict[str, float] = {}
     for kind, value in _DECISIONS.findall(text):
         out[kind] = out.get(kind, 0.0) + float(value)
@@ -326,8 +329,7 @@ def disagg(n_workers, configs, num_requests, input_len, output_len, range_ratio,
                            "decisions": decisions}
                     table.setdefault(name, []).append(row)
                     step()
-            fitted = httpx.get(f"{cluster.router_url}/admin/workers", timeout=10,
-                               headers=internal_headers(load_keyring(cluster.env.get(AUTH_FILE_ENV)))).json()
+            fitted = httpx.get(f"{cluster.router_url}/admin/workers", timeout=10, headers=_internal(cluster)).json()
             report.notes.append(f"{name}: router's fitted cost model after the runs ({fitted['cost_samples']} "
                                 f"prefills): " + ", ".join(f"{k}={v:.3g}" for k, v in fitted["cost"].items()))
         finally:
