@@ -124,13 +124,16 @@ def _bench_ssd(report: Report, size: int, total: int, reps: int, workdir: str, t
         tier.close()
 
 
+HANDOFF_LAG = 4  # requests between a prefill's write of its blocks and its decode worker's read
+
+
 class Replay(NamedTuple):
     hit_ratio: float  # prefix blocks found cached, over all prompt blocks
     handoffs_lost: float  # blocks the decode worker found evicted, over all it read
 
 
 def replay_trace(requests: list[list[int]], policy_name: str, capacity_blocks: int,
-                 handoff_lag: int | None = 4) -> Replay:
+                 handoff_lag: int | None = HANDOFF_LAG) -> Replay:
     """A pool of `capacity_blocks` blocks under a policy, used as in P/D serving: each request's
     prefill reads its cached prefix and writes the blocks it computed; with `handoff_lag`, the
     decode worker then reads the request's blocks, `handoff_lag` requests later (the KV hand-off,
@@ -187,7 +190,7 @@ def _bench_policy(report: Report, trace: str, limit: int | None, tick) -> None:
                        baseline_values=[lru.hit_ratio],
                        extra={"cache_blocks": cap, "unique_blocks": unique, "requests": len(requests),
                               "fraction_of_unique": fraction, "handoffs_lost": round(ours.handoffs_lost, 5),
-                              "lru_handoffs_lost": round(lru.handoffs_lost, 5), "handoff_lag": 4})
+                              "lru_handoffs_lost": round(lru.handoffs_lost, 5), "handoff_lag": HANDOFF_LAG})
         tick()
 
 
