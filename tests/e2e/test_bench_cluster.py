@@ -54,7 +54,9 @@ def test_bench_policies_compares_the_three_on_the_same_workers(tmp_path):
         row = cases[f"ttft_mean/{policy}@0.5"]["extra"]
         assert row["completed"] == 4 and row["failed"] == 0, row["errors"]
         assert sum(row["prefills_by_worker"].values()) == 4
+        # every worker is listed by the router (-1: unknown to it), its local chunks counted on both sides
         assert set(row["local_chunks_known_held"]) == set(row["prefills_by_worker"])
+        assert all(known >= 0 and held >= 0 for known, held in row["local_chunks_known_held"].values()), row
     assert cases["ttft_mean/cache_aware@0.5"]["baseline"] == "best_other_policy"
     # a second round finds its system prompt's chunk cached (the worker's own cache or, when its KV
     # events had not reached the router yet, the pool); both would, but for a round that arrives
