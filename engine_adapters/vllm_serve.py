@@ -27,6 +27,7 @@ from typing import Callable
 
 import httpx
 
+from engine_adapters.serving.cpus import format_list
 from engine_adapters.serving.launcher import (_PRCTL, LocalCluster, PoolSpec, Proc, RouterSpec, _die_with_parent,
                                               _reap, _terminate)
 from kvpool.auth import load_keyring
@@ -67,14 +68,18 @@ class VLLMSpec:
                 "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
                 "--kv-transfer-config", json.dumps(ktc), *self.extra_args]
 
-    def env(self) -> dict[str, str]:
-        cores = min(2, os.cpu_count() or 1)
+    def env(self, cores: list[int] | None = None) -> dict[str, str]:
+        """The server's environment; `cores`: its OpenMP threads bound to these (one per core),
+        else to the first two cores of the machine."""
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_space_gib))
         # The model runs inside the engine-core process instead of a third one: a server starts
         # in ~80 s instead of ~130 s on 2 cores (each process imports vLLM), and holds ~3 GB.
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if cores == 1 else f"0-{cores - 1}")
+        if cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = format_list(cores)
+        else:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", format_list(list(range(min(2, os.cpu_count() or 1)))))
         env.update({"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
         return env
 
@@ -101,12 +106,17 @@ class VLLMCluster:
     """Pool + vLLM servers (one per role entry) + the router with `--engine vllm`."""
 
     def __init__(self, workdir: str | os.PathLike, spec: VLLMSpec, roles: list[str], *, pool_args: list[str] | None = None,
-                 router_port: int = 0, router_args: list[str] | None = None, timeout_s: float = 900.0):
+                 router_port: int = 0, router_args: list[str] | None = None, timeout_s: float = 900.0,
+                 cpus: list[list[int]] | None = None):
+        """`cpus`: the cores of each server, in `roles` order (`cpus.plan`); None: vLLM's default binding."""
         unknown = [r for r in roles if r not in KV_ROLES]
         if unknown or not roles:
             raise InvalidArgument(f"server roles must be among {sorted(KV_ROLES)}, got {roles}")
         self.workdir = Path(workdir)
         self.spec, self.roles, self.timeout_s = spec, roles, timeout_s
+        if cpus is not None and len(cpus) != len(roles):
+            raise InvalidArgument(f"{len(cpus)} core sets for {len(roles)} servers")
+        self.cpus = cpus
         self.pool = LocalCluster(self.workdir, [], PoolSpec(args=list(pool_args or [])))
         self.router_spec = RouterSpec(port=router_port, args=list(router_args or []))
         self.router: LocalCluster | None = None
@@ -127,7 +137,8 @@ class VLLMCluster:
             for i, role in enumerate(self.roles):
                 name = f"vllm-{role}-{i}"
                 port = _free_port()
-                proc = self._spawn(name, self.spec.command(role, port, self.pool_address))
+                cores = self.cpus[i] if self.cpus else None
+                proc = self._spawn(name, self.spec.command(role, port, self.pool_address), cores)
                 proc.url = f"http://127.0.0.1:{port}"
                 self.servers[name] = proc
             say(f"starting {len(self.servers)} vLLM servers (about a minute each on 2 cores)")
@@ -163,11 +174,13 @@ class VLLMCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str, argv: list[str]) -> Proc:
+    def _spawn(self, name: str, argv: list[str], cores: list[int] | None = None) -> Proc:
         log_path = self.workdir / f"{name}.log"
+        if cores:  # the whole server (its engine, tokenizer and HTTP threads) on its cores
+            argv = ["taskset", "-c", format_list(cores), *argv]
         with open(log_path, "wb") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.spec.env(), cwd=self.workdir, start_new_session=True,
+                                     env=self.spec.env(cores), cwd=self.workdir, start_new_session=True,
                                      preexec_fn=_die_with_parent if _PRCTL is not None else None)
         return Proc(name, popen, log_path)
 

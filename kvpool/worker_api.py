@@ -128,7 +128,9 @@ class LoadReport(Message):
     cache_capacity_tokens: int
     max_batch: int
     prefill_queue_tokens: int = 0  # prompt tokens queued or in flight that are still to be computed
-    decode_token_ms: float = 0.0  # recent mean time of one sequence's step in a decode batch (EWMA)
+    # a decode step of B sequences takes about decode_step_ms + B * decode_token_ms (fitted over recent steps)
+    decode_token_ms: float = 0.0  # what each sequence in the batch adds to a step
+    decode_step_ms: float = 0.0  # what every step costs whatever its batch (0: all of it is per sequence)
     open_streams: int = 0  # decode/generate streams still open (drain waits for 0)
     draining: bool = False  # refusing new work, finishing what it has
     # With `GET /load?events_since=N`: the KV events after N as `/v1/events` gives them, so one

@@ -60,10 +60,9 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: 
 
         vllm_python = find_vllm_python(vllm_python)
     import torch
-    from transformers import DynamicCache
 
     import kvpool
-    from engine_adapters.serving.runner import ModelRunner
+    from engine_adapters.serving.model_runner import ModelRunner
     from engine_adapters.model import load_reference_model
     from kvpool.worker_api import PrefillRequest
     from engine_adapters.serving.service import Worker, WorkerConfig
@@ -123,10 +122,10 @@ def adapter(tokens: int, reps: int, chunk_tokens: int, engine: str, vllm_dtype: 
 
             def floor_ms() -> tuple[float, int]:
                 ids = fresh_prompt()
-                cache = DynamicCache(config=rm.model.config)
-                runner.extend(cache, ids[:floor_cached])  # the engine's own cache of the prefix (not timed)
+                kv = runner.new_kv(len(ids))
+                runner.step([(kv, ids[:floor_cached])])  # the engine's own cache of the prefix (not timed)
                 started = time.perf_counter()
-                runner.extend(cache, ids[floor_cached:])  # the worker's engine makes this very call
+                runner.step([(kv, ids[floor_cached:])])  # the worker's engine makes this very call
                 return (time.perf_counter() - started) * 1e3, floor_cached
 
             cases = {"cold": lambda: ttft(fresh_prompt()), "cached_50": lambda: cached(0.5),

@@ -34,13 +34,13 @@ class WorkerMetrics:
                                        buckets=_LATENCY, registry=r)
         self.decode_kv_tokens = Counter("kvpool_worker_decode_kv_tokens", "KV tokens a decode loaded, by source",
                                         ["source"], registry=r)
-        scheduler = lambda: worker.scheduler  # noqa: E731 - read at scrape time
+        engine = lambda: worker.engine  # noqa: E731 - read at scrape time
         Gauge("kvpool_worker_queue_length", "Prefill jobs and decode sequences waiting", registry=r
-              ).set_function(lambda: scheduler().queue_length)
+              ).set_function(lambda: engine().queue_length)
         Gauge("kvpool_worker_active_sequences", "Sequences in the running decode batch", registry=r
-              ).set_function(lambda: scheduler().active_sequences)
+              ).set_function(lambda: engine().active_sequences)
         Gauge("kvpool_worker_kv_tokens", "KV tokens held by running work", registry=r
-              ).set_function(lambda: scheduler().kv_tokens())
+              ).set_function(lambda: engine().kv_tokens())
         Gauge("kvpool_worker_local_cache_bytes", "Bytes in the local prefix cache", registry=r
               ).set_function(lambda: worker.cache.nbytes)
         Gauge("kvpool_worker_local_cache_tokens", "Tokens in the local prefix cache", registry=r

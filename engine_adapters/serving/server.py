@@ -186,7 +186,7 @@ def build_worker(config: WorkerConfig, *, model_cache: str | None = None, dtype:
 def serve(config: WorkerConfig, *, host: str = "127.0.0.1", port: int = 0, ready_file: str | None = None,
           model_cache: str | None = None, dtype: str = "float32",
           on_ready: Callable[[str], None] | None = None, router: str | None = None,
-          drain_timeout: float = 60.0, threads: int | None = None) -> None:
+          drain_timeout: float = 60.0, threads: int | None = None, cpus: str | None = None) -> None:
     """Serve until a signal, then drain (see the module docstring). Signals drain only when this
     runs on the main thread (the only one that may install signal handlers)."""
     import uvicorn
@@ -195,7 +195,11 @@ def serve(config: WorkerConfig, *, host: str = "127.0.0.1", port: int = 0, ready
 
     check_bind(host, load_keyring() is not None, "kvpool worker")  # protected mode
     sock = bind(host, port)  # first, so a taken port fails before the slow model load
-    if threads:
+    if cpus:
+        from engine_adapters.serving.cpus import parse, pin
+
+        log.info("pinned to cores %s with %d torch thread(s)", cpus, pin(parse(cpus), threads))
+    elif threads:
         import torch
 
         torch.set_num_threads(threads)

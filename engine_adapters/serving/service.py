@@ -1,11 +1,11 @@
-"""A reference worker: the model, its local prefix cache, the pool, and the scheduler, behind the
+"""A reference worker: the model, its local prefix cache, the pool, and the engine, behind the
 three operations the HTTP API exposes (prefill, decode, generate).
 
 Prefill of a prompt of n tokens:
   1. chunk keys of its full chunks; the longest run held in the local cache (k_local chunks);
   2. the longest run in the pool (one match_prefix); chunks the pool has beyond k_local are
      fetched, verified and added to the local cache (a damaged one ends the run: recomputed);
-  3. the scheduler computes only tokens [cached, n) on a cache built from those chunks (at
+  3. the engine computes only tokens [cached, n) on a cache built from those chunks (at
      least the last token, so a fully cached prompt still yields its logits);
   4. the new full chunks enter the local cache; every full chunk the pool lacks (new, or local
      only) and the tail are pushed through the adapter; a KV handle names them.
@@ -21,11 +21,11 @@ side effect, a handle without token ids, of another namespace or tenant, or with
 handle names. Without a keyring there is one untenanted namespace, as before.
 
 Draining (SIGTERM, see `server.py`): new prefill/decode/generate calls get `Unavailable`; the
-process exits once `idle()`: nothing accepted is in flight (`admission.py`), nothing in the scheduler.
+process exits once `idle()`: nothing accepted is in flight (`admission.py`), nothing in the engine.
 
 Invariants:
 - KV bytes never pass through the HTTP layer: a handle names pool objects only.
-- Only the scheduler's engine thread runs the model; fetches and pushes run in other threads and
+- Only the engine thread runs the model; fetches and pushes run in other threads and
   never touch a cache after it has been submitted.
 - A chunk whose check fails is a miss (recomputed), never KV.
 """
@@ -44,13 +44,14 @@ from engine_adapters.serving import sampling
 from engine_adapters.serving.admission import Admission
 from engine_adapters.serving.config import WorkerConfig
 from engine_adapters.serving.events import EventLog
-from engine_adapters.serving.kvio import cache_from_chunks, chunks_from_cache
 from kvpool.worker_api import (DecodeRequest, GenerateRequest, LoadReport, PrefillRequest,
                                               PrefillResponse, SamplingParams, TokenEvent, TokenizeRequest,
                                               TokenizerInfo, WorkerInfo, error_event)
 from engine_adapters.serving.metrics import WorkerMetrics
 from engine_adapters.serving.prefix_cache import LocalPrefixCache
-from engine_adapters.serving.runner import ModelRunner
+from engine_adapters.serving.engine import Engine
+from engine_adapters.serving.kv_cache import SequenceKV
+from engine_adapters.serving.model_runner import ModelRunner
 from engine_adapters.serving.scheduler import Scheduler
 from engine_adapters.serving.sequence import DecodeSequence, PrefillJob
 from engine_adapters.serving.tenants import Tenants, TenantKV
@@ -58,8 +59,6 @@ from kvpool.codec import stored_bytes_per_token
 from kvpool.errors import InvalidArgument, KVPoolError, LayoutMismatch
 
 log = logging.getLogger(__name__)
-
-DECODE_EWMA_ALPHA = 0.2  # weight of the newest step in `decode_token_ms`
 
 
 @dataclass
@@ -113,28 +112,32 @@ class Worker:
         self.eos = frozenset(model.eos_token_ids)
         self.metrics = WorkerMetrics(config.role, self)
         self.runner = ModelRunner(model.model)
-        self.scheduler = Scheduler(self.runner, max_batch=config.max_batch, max_kv_tokens=config.max_kv_tokens,
-                                   prefill_chunk_tokens=config.prefill_chunk_tokens,
-                                   on_decode_step=self._decode_step,
-                                   on_prefill_chunk=self.metrics.prefill_chunk)
+        self.engine = Engine(self.runner, Scheduler(max_batch=config.max_batch, max_kv_tokens=config.max_kv_tokens,
+                                                    prefill_chunk_tokens=config.prefill_chunk_tokens),
+                             on_step=self._on_step)
         self.admission = Admission()
-        self._unsubmitted_tokens = 0  # prompt tokens accepted but not yet handed to the scheduler
-        self._decode_token_ms = 0.0
+        self._unsubmitted_tokens = 0  # prompt tokens accepted but not yet handed to the engine
         self._tokenizer_info: TokenizerInfo | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, warmup: bool = True) -> "Worker":
         if warmup:  # the first forward of a process is several times slower; pay it before serving
-            from transformers import DynamicCache
-
             started = time.perf_counter()
-            self.runner.extend(DynamicCache(), list(range(1, 65)))
-            log.info("warm-up forward took %.2f s", time.perf_counter() - started)
-        self.scheduler.start()
+            kvs = [self.runner.new_kv(66) for _ in range(4)]
+            self.runner.step([(kvs[0], list(range(1, 65)))])
+            for kv in kvs[1:]:
+                kv.data[:, :, :, :64] = kvs[0].data[:, :, :, :64]
+                kv.length = 64
+            for batch in (1, 4):  # two batch sizes: the first estimate of a decode step's cost line
+                seconds = time.perf_counter()
+                self.runner.step([(kv, [1]) for kv in kvs[:batch]])
+                self.engine.decode_cost.observe(batch, time.perf_counter() - seconds)
+            log.info("warm-up forwards took %.2f s", time.perf_counter() - started)
+        self.engine.start()
         return self
 
     def stop(self) -> None:
-        self.scheduler.stop()
+        self.engine.stop()
         self.tenants.close()
 
     def _connect(self, credential: Any) -> Any:
@@ -153,7 +156,7 @@ class Worker:
         log.info("draining: %d requests and streams in flight", self.admission.in_flight)
 
     def idle(self) -> bool:
-        return self.admission.in_flight == 0 and not self.scheduler.busy
+        return self.admission.in_flight == 0 and not self.engine.busy
 
     def wait_idle(self, timeout: float, poll_s: float = 0.05) -> bool:
         """Block (not on the event loop) until `idle()`, or `timeout` seconds; True when idle."""
@@ -164,11 +167,12 @@ class Worker:
             time.sleep(poll_s)
         return True
 
-    def _decode_step(self, batch: int, seconds: float) -> None:  # engine thread
+    def _on_step(self, batch: int, prefill_tokens: int, seconds: float) -> None:  # engine thread
+        if prefill_tokens:
+            self.metrics.prefill_chunk(prefill_tokens, seconds)
+        if not batch:
+            return
         self.metrics.decode_step(batch, seconds)
-        per_token_ms = seconds * 1e3 / batch
-        old = self._decode_token_ms
-        self._decode_token_ms = per_token_ms if old == 0.0 else old + DECODE_EWMA_ALPHA * (per_token_ms - old)
 
     # -- small queries -------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -181,12 +185,13 @@ class Worker:
 
     def load(self) -> LoadReport:
         per_token = self.layout.bytes_per_token
-        return LoadReport(role=self.config.role, queue_length=self.scheduler.queue_length,
-                          active_sequences=self.scheduler.active_sequences, kv_tokens=self.scheduler.kv_tokens(),
+        step_s, seq_s = self.engine.decode_cost.fit()
+        return LoadReport(role=self.config.role, queue_length=self.engine.queue_length,
+                          active_sequences=self.engine.active_sequences, kv_tokens=self.engine.kv_tokens(),
                           cache_tokens=self.cache.tokens, cache_capacity_tokens=self.cache.capacity_bytes // per_token,
                           max_batch=self.config.max_batch,
-                          prefill_queue_tokens=self._unsubmitted_tokens + self.scheduler.prefill_tokens(),
-                          decode_token_ms=round(self._decode_token_ms, 3),
+                          prefill_queue_tokens=self._unsubmitted_tokens + self.engine.prefill_tokens(),
+                          decode_token_ms=round(seq_s * 1e3, 3), decode_step_ms=round(step_s * 1e3, 3),
                           open_streams=self.admission.open_streams, draining=self.admission.draining)
 
     def tokenizer_info(self) -> TokenizerInfo:
@@ -254,17 +259,20 @@ class Worker:
         return _Prefix(keys, local + fetched, len(local), len(fetched), fetch_ms)
 
     async def run_prefill(self, ids: list[int], request_id: str, params: SamplingParams | None = None,
-                          kv: TenantKV | None = None) -> tuple[PrefillJob, _Prefix]:
-        """Find the cached prefix, compute the rest; the job holds the cache, the last logits and
-        the first token (picked per `params`)."""
+                          kv: TenantKV | None = None, room: int = 0) -> tuple[PrefillJob, _Prefix]:
+        """Find the cached prefix, compute the rest; the job holds the KV (with space for `room`
+        more tokens: what a decode on it will add), the last logits and the first token (picked
+        per `params`)."""
         self._unsubmitted_tokens += len(ids)  # event loop only: no lock
         try:
             prefix = await asyncio.to_thread(self._find_prefix, kv or self.tenants.default, ids)
             cached = len(prefix.chunks) * self.layout.chunk_tokens
             usable = min(cached, len(ids) - 1)  # compute at least one token: its logits give the first token
-            cache = await asyncio.to_thread(cache_from_chunks, prefix.chunks, usable)
-            job = PrefillJob(request_id, ids, cache, usable, sampling=params)
-            self.scheduler.submit_prefill(job)
+            capacity = min(len(ids) + room, self.runner.max_positions)
+            cache = (await asyncio.to_thread(SequenceKV.from_chunks, prefix.chunks, usable, capacity) if usable
+                     else self.runner.new_kv(capacity))
+            job = PrefillJob(request_id, ids, cache, sampling=params)
+            self.engine.submit_prefill(job)
         finally:
             self._unsubmitted_tokens -= len(ids)
         await asyncio.wrap_future(job.future)
@@ -276,8 +284,8 @@ class Worker:
         full = len(ids) // c
         have = len(prefix.chunks)
         if full > have and self.cache.capacity_bytes > 0:  # (a disabled cache would drop the copies)
-            self.cache.put_many(zip(prefix.keys[have:full], chunks_from_cache(job.cache, have, full, c)))
-        return kv.adapter.save(ids, job.cache, request_id=request_id, start_token=0)
+            self.cache.put_many(zip(prefix.keys[have:full], job.kv.chunks(have, full, c)))
+        return kv.adapter.save(ids, job.kv.layers(), request_id=request_id, start_token=0)
 
     async def prefill(self, req: PrefillRequest, tenant: str | None = None) -> PrefillResponse:
         self._require("prefill", "both")
@@ -324,7 +332,7 @@ class Worker:
                                fetch_ms=round(prefix.fetch_ms, 3), compute_ms=round(job.compute_s * 1e3, 3))
 
     # -- decode --------------------------------------------------------------------------------
-    def _load_handle(self, kv: TenantKV, handle: KVHandle) -> Any:
+    def _load_handle(self, kv: TenantKV, handle: KVHandle, room: int) -> SequenceKV:
         kv.adapter.store.check_handle(handle)
         keys = list(handle.chunk_keys)
         local = self.cache.get_run(keys)
@@ -335,7 +343,8 @@ class Worker:
         self.cache.put_many(zip(rest, fetched[:len(rest)]))
         self.metrics.decode_loaded(len(local) * self.layout.chunk_tokens,
                                    handle.num_tokens - len(local) * self.layout.chunk_tokens)
-        return cache_from_chunks(local + fetched, handle.num_tokens)
+        capacity = min(handle.num_tokens + room, self.runner.max_positions)
+        return SequenceKV.from_chunks(local + fetched, handle.num_tokens, capacity)
 
     def _release(self, kv: TenantKV, handle: KVHandle, verified: bool = False) -> None:
         try:
@@ -374,7 +383,7 @@ class Worker:
                 done = TokenEvent(request_id=rid, done=True, finish_reason=reason)
                 return self.admission.watch(_single(done), slot)
             try:
-                cache = await asyncio.to_thread(self._load_handle, kv, handle)
+                cache = await asyncio.to_thread(self._load_handle, kv, handle, req.max_tokens)
             except BaseException:
                 if req.release:
                     await asyncio.to_thread(self._release, kv, handle)
@@ -386,7 +395,7 @@ class Worker:
         events = self._stream(rid, cache, req.first_token, req.max_tokens - 1, stop, params, on_done)
         return self.admission.watch(events, slot)
 
-    async def _stream(self, rid: str, cache: Any, first: int, budget: int, stop: frozenset[int],
+    async def _stream(self, rid: str, cache: SequenceKV, first: int, budget: int, stop: frozenset[int],
                       params: SamplingParams | None, on_done: Any = None) -> AsyncIterator[TokenEvent]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -400,7 +409,7 @@ class Worker:
         index = 0
         finished = False
         try:
-            self.scheduler.submit_decode(seq)
+            self.engine.submit_decode(seq)
             while True:
                 token, reason, error = await queue.get()
                 if error is not None:
@@ -421,7 +430,7 @@ class Worker:
         finally:
             if not finished:  # the client went away: leave the batch at the next step
                 seq.cancelled = True
-                self.scheduler.wake()
+                self.engine.wake()
             if on_done is not None:
                 await asyncio.to_thread(on_done)
 
@@ -439,7 +448,7 @@ class Worker:
         slot = self.admission.open_stream()
         try:
             kv = await asyncio.to_thread(self.tenants.get, tenant)
-            job, prefix = await self.run_prefill(ids, rid, params, kv)
+            job, prefix = await self.run_prefill(ids, rid, params, kv, room=req.max_tokens)
             # Full chunks still go to the local cache and the pool (prefix reuse); no tail, no handle.
             await asyncio.to_thread(self._publish, kv, ids, job, prefix, None)
             head = self._prefill_response(rid, ids, job, prefix, None, started)
@@ -456,7 +465,7 @@ class Worker:
         if first in stop or max_tokens == 1:
             yield TokenEvent(request_id=rid, done=True, finish_reason="stop" if first in stop else "length")
             return
-        events = self._stream(rid, job.cache, first, max_tokens - 1, stop, params)
+        events = self._stream(rid, job.kv, first, max_tokens - 1, stop, params)
         try:
             async for event in events:
                 yield event

@@ -103,7 +103,9 @@ class Report:
             "bench": self.bench,
             "version": __version__,
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                        "platform": platform.platform(terse=True)},
+                        "platform": platform.platform(terse=True),
+                        "load": [round(x, 2) for x in os.getloadavg()]},
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "results": [r.to_json() for r in self.results],
             **({"notes": self.notes} if self.notes else {}),
         }

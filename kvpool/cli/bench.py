@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "adapter": "engine_adapters.bench.adapter:adapter",
     "codec": "engine_adapters.bench.codec:codec",
     "disagg": "engine_adapters.bench.cluster:disagg",
+    "engine": "engine_adapters.bench.engine:engine",
     "policies": "engine_adapters.bench.cluster:policies",
     "pool": "kvpool.bench.pool:pool",
     "router": "engine_adapters.bench.router:router",

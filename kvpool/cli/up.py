@@ -94,11 +94,14 @@ def _load_config(path: str | None) -> dict:
 @click.option("--kv-codec", default="none", show_default=True, metavar="CODEC",
               help="How every worker stores KV chunks in the pool (`kvpool worker --kv-codec`): none (lossless), "
                    "int8, fp8, or one of those + '+zstd'; lossy codecs are opt-in.")
+@click.option("--cpus-per-worker", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Give each worker (or vLLM server) N cores of its own, in order (0: no pinning, the kernel "
+                   "shares every core). The router and the pool are not pinned.")
 @click.option("--auth-file", type=click.Path(dir_okay=False, exists=True),
               help="Keyring (`kvpool auth init`): authentication on every port, API keys at the router; passed "
                    "to every process as KVPOOL_AUTH_FILE [default: none, everything open on loopback].")
 def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args, worker_args, demo, max_tokens,
-       workdir, ssd_path, engine, dtype, chunk_tokens, vllm_python, vllm_args, kv_codec, auth_file) -> None:
+       workdir, ssd_path, engine, dtype, chunk_tokens, vllm_python, vllm_args, kv_codec, cpus_per_worker, auth_file) -> None:
     """Start the pool, the workers and the router as separate processes on loopback.
 
     The router's OpenAI-compatible API is at http://127.0.0.1:PORT/v1; Ctrl-C stops everything.
@@ -127,6 +130,11 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
     if ssd_path:
         pool_table["ssd_path"] = ssd_path
     tables = _worker_tables(config["workers"], n_prefill, n_decode, n_colocated)
+    cores = None
+    if cpus_per_worker:
+        from engine_adapters.serving.cpus import plan
+
+        cores = plan(len(tables), cpus_per_worker)
     workdir = workdir or tempfile.mkdtemp(prefix="kvpool-up-")
     console = Console(stderr=True)
     if engine == "vllm":
@@ -142,11 +150,15 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
         check_python(python)
         spec = reference_spec(python=python, dtype=dtype, chunk_tokens=chunk_tokens, extra_args=list(vllm_args))
         cluster = VLLMCluster(workdir, spec, [w["role"] for w in tables], pool_args=_flags(pool_table),
-                              router_port=port, router_args=["--policy", policy, *router_args])
+                              router_port=port, router_args=["--policy", policy, *router_args], cpus=cores)
     else:
         codec_args = ["--kv-codec", kv_codec] if kv_codec != "none" else []
-        workers = [WorkerSpec(role=w["role"], name=w.get("name", ""), args=_flags(w) + codec_args + list(worker_args))
-                   for w in tables]
+        from engine_adapters.serving.cpus import format_list
+
+        workers = [WorkerSpec(role=w["role"], name=w.get("name", ""),
+                              args=_flags(w) + codec_args + list(worker_args)
+                              + (["--cpus", format_list(cores[i])] if cores else []))
+                   for i, w in enumerate(tables)]
         cluster = LocalCluster(workdir, workers, PoolSpec(args=_flags(pool_table)),
                                router=RouterSpec(port=port, args=["--policy", policy, *router_args]))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends the cluster as cleanly as Ctrl-C does

@@ -74,12 +74,14 @@ def read_tenant_salt(path: str | None) -> str:
 @click.option("--drain-timeout", type=float, default=60.0, show_default=True, metavar="SECONDS",
               help="On SIGTERM/SIGINT: refuse new work, wait at most this long for open streams, then exit.")
 @click.option("--threads", type=click.IntRange(min=1), metavar="N",
-              help="torch intra-op threads (default: torch's own choice).")
+              help="torch intra-op threads (default: one per core of --cpus, else torch's own choice).")
+@click.option("--cpus", metavar="LIST",
+              help="Run on these cores only, e.g. 0 or 2-3 (sched_setaffinity); torch gets one thread per core.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="KVPOOL_CONFIG",
               help="Settings file (JSON or TOML).")
 def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch, max_kv_tokens,
            prefill_chunk_tokens, dtype, tenant_salt_file, kv_codec, model_cache, ready_file, router_url, drain_timeout, threads,
-           config_file) -> None:
+           cpus, config_file) -> None:
     """Serve a reference worker's HTTP API (/v1/prefill, /v1/decode, /v1/generate, /load, /metrics).
 
     SIGTERM or SIGINT drains first (503 to new requests, open streams finish), then exits 0.
@@ -95,4 +97,4 @@ def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch,
                           kv_codec=kv_codec)
     serve(config, host=settings.host, port=port, ready_file=ready_file, model_cache=model_cache, dtype=dtype,
           on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"), router=router_url,
-          drain_timeout=drain_timeout, threads=threads)
+          drain_timeout=drain_timeout, threads=threads, cpus=cpus)

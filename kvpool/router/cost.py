@@ -7,8 +7,9 @@ computed token attends to the cached tokens and, on average, half of the compute
 coefficients are a least-squares fit (non-negative) over the most recent prefill reports
 (`PrefillResponse.compute_ms` with its computed and cached token counts); until enough samples
 exist, the defaults (or a profile's values) stand. The pool's fetch rate is a moving average of
-`fetch_ms` over the bytes fetched; the per-sequence decode step time is the workers' own
-`decode_token_ms`.
+`fetch_ms` over the bytes fetched. A decode step of B sequences takes
+`decode_step_s + B * decode_token_s`, moving averages of the line each worker fits over its own
+steps (`decode_step_ms`, `decode_token_ms` in its load report).
 
 `CostParams` is the frozen snapshot a policy reads; `CostModel` is the mutable fitter the router
 feeds. The simulator builds `CostParams` from a performance profile instead.
@@ -28,7 +29,8 @@ class CostParams:
     prefill_token_s: float = 2e-3
     prefill_attn_s: float = 0.0  # per (computed token x attended token)
     fetch_bytes_per_s: float = 1e9
-    decode_token_s: float = 0.02  # one sequence's share of a decode step
+    decode_token_s: float = 0.02  # what each sequence adds to a decode step
+    decode_step_s: float = 0.0  # what every decode step costs whatever its batch (a batching engine's weights read)
     handoff_s: float = 0.01  # disaggregation's own overhead: push, second call, pull
     interleave_tokens: int = 512  # a colocated worker runs one decode step per this many prefill tokens
 
@@ -53,6 +55,7 @@ class CostModel:
         self._params = self._prior
         self._fetch_rate: float | None = None
         self._decode_token_s: float | None = None
+        self._decode_step_s: float | None = None
         self._handoff_s: float | None = None
         self._fitted = self._prior  # the prior with the last prefill fit
         self._new = 0  # prefill samples since that fit
@@ -69,11 +72,13 @@ class CostModel:
                 self._fetch_rate = rate if self._fetch_rate is None else 0.8 * self._fetch_rate + 0.2 * rate
             self._dirty = True
 
-    def observe_decode_token(self, seconds: float) -> None:
-        if seconds > 0:
+    def observe_decode(self, token_s: float, step_s: float = 0.0) -> None:
+        """A worker's decode line: `step_s + B * token_s` for a step of B sequences."""
+        if token_s > 0 or step_s > 0:
             with self._lock:
-                prev = self._decode_token_s
-                self._decode_token_s = seconds if prev is None else 0.8 * prev + 0.2 * seconds
+                prev, prev_step = self._decode_token_s, self._decode_step_s
+                self._decode_token_s = token_s if prev is None else 0.8 * prev + 0.2 * token_s
+                self._decode_step_s = step_s if prev_step is None else 0.8 * prev_step + 0.2 * step_s
                 self._dirty = True
 
     def observe_handoff(self, seconds: float) -> None:
@@ -114,8 +119,45 @@ class CostModel:
     def _with_rates(self, p: CostParams) -> CostParams:
         rates = {name: value for name, value in (("fetch_bytes_per_s", self._fetch_rate),
                                                  ("decode_token_s", self._decode_token_s),
+                                                 ("decode_step_s", self._decode_step_s),
                                                  ("handoff_s", self._handoff_s)) if value is not None}
         return replace(p, **rates) if rates else p
+
+
+class DecodeLine:
+    """What a decode step costs as a line in its batch size, `base_s + per_seq_s * B`, fitted by
+    least squares over the last `window` decode-only steps (a step shared with a prefill chunk
+    says nothing of decode's own cost). `base_s` is what every step pays whatever its batch
+    (reading the weights, on a CPU most of it); `per_seq_s` what each sequence adds (its
+    attention over its KV, its share of the matmuls). Until the steps seen span two batch sizes,
+    the line goes through the origin (`per_seq_s` = mean time per sequence): an overestimate for
+    larger batches, never an underestimate. A reference worker reports its line in `/load`; the
+    simulator's instances keep one the same way."""
+
+    def __init__(self, window: int = 128):
+        self._steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self._fit: tuple[float, float] = (0.0, 0.0)
+        self._new = 0
+
+    def observe(self, batch: int, seconds: float) -> None:
+        self._steps.append((batch, seconds))
+        self._new += 1
+
+    def fit(self) -> tuple[float, float]:
+        """(base_s, per_seq_s); (0, 0) before any step."""
+        if self._new:
+            self._new = 0
+            steps = list(self._steps)
+            n = len(steps)
+            mb = sum(b for b, _ in steps) / n
+            mt = sum(t for _, t in steps) / n
+            var = sum((b - mb) ** 2 for b, _ in steps)
+            slope = sum((b - mb) * (t - mt) for b, t in steps) / var if var > 0 else 0.0
+            base = mt - slope * mb
+            if var == 0 or slope <= 0 or base < 0:
+                base, slope = 0.0, sum(t / b for b, t in steps) / n
+            self._fit = (base, slope)
+        return self._fit
 
 
 def _nnls3(x: list[tuple[float, float, float]], t: list[float]) -> list[float] | None:

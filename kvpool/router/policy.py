@@ -101,7 +101,8 @@ def cached_tokens(req: RouteRequest, w: WorkerView) -> int:
 def prefill_estimate(req: RouteRequest, w: WorkerView, cost: CostParams) -> float:
     """Queue wait + computing the uncached tokens + fetching from the pool what `w` lacks locally.
 
-    On a worker that also decodes, each prefill chunk waits for one decode step of its batch."""
+    On a worker that also decodes, each prefill chunk shares its step with the batch's decode
+    tokens, which add what each sequence adds to a step."""
     cached = cached_tokens(req, w)
     computed = req.prompt_tokens - cached
     fetch_chunks = max(0, req.pool_prefix_chunks - w.local_prefix_chunks)
@@ -115,8 +116,8 @@ def prefill_estimate(req: RouteRequest, w: WorkerView, cost: CostParams) -> floa
 
 
 def tbt_estimate(w: WorkerView, cost: CostParams) -> float:
-    """Time between tokens once one more sequence joins `w`'s batch (sequences step in turn)."""
-    return (min(w.active_sequences, w.max_batch) + 1) * cost.decode_token_s
+    """Time between tokens once one more sequence joins `w`'s batch: one step of that batch."""
+    return cost.decode_step_s + (min(w.active_sequences, w.max_batch) + 1) * cost.decode_token_s
 
 
 def _decoders(snap: Snapshot) -> list[WorkerView]:

@@ -208,8 +208,8 @@ class Router(WorkerCalls):
                  self.chunk_tokens)
 
     def _on_load(self, state: WorkerState) -> None:
-        if state.load is not None and state.load.decode_token_ms > 0:
-            self.cost.observe_decode_token(state.load.decode_token_ms / 1e3)
+        if state.load is not None and (state.load.decode_token_ms > 0 or state.load.decode_step_ms > 0):
+            self.cost.observe_decode(state.load.decode_token_ms / 1e3, state.load.decode_step_ms / 1e3)
 
     @property
     def model_name(self) -> str | None:

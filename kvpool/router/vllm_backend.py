@@ -170,11 +170,11 @@ class VLLMBackend:
             itl_ms = 1e3 * (total[0] - before[0]) / (total[1] - before[1])
         self._itl[state.url] = total
         waiting = int(m.get("vllm:num_requests_waiting", 0))
-        return wire.LoadReport(role=state.role, queue_length=waiting,
-                               active_sequences=int(m.get("vllm:num_requests_running", 0)),
+        running = int(m.get("vllm:num_requests_running", 0))
+        return wire.LoadReport(role=state.role, queue_length=waiting, active_sequences=running,
                                kv_tokens=int(m.get("vllm:kv_cache_usage_perc", 0.0) * capacity), cache_tokens=0,
                                cache_capacity_tokens=capacity, max_batch=self.settings.max_batch,
-                               decode_token_ms=itl_ms)
+                               decode_token_ms=itl_ms / max(1, running))  # a step of the batch it ran
 
     # -- execution ------------------------------------------------------------------------------
     async def run(self, router: "Router", d: "Decision", ids: list[int], max_tokens: int,

@@ -97,6 +97,7 @@ class WorkerState:
                     "queue_length": load.queue_length, "prefill_queue_tokens": load.prefill_queue_tokens,
                     "active_sequences": load.active_sequences, "kv_tokens": load.kv_tokens,
                     "open_streams": load.open_streams, "decode_token_ms": load.decode_token_ms,
+                    "decode_step_ms": load.decode_step_ms,
                     "max_batch": load.max_batch}}
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from kvpool.router.cost import DecodeLine
 from kvpool.router.policy import WorkerView
 from kvpool.sim.profile import Profile
 
@@ -73,6 +74,7 @@ class Instance:
         self.prefill_s = 0.0  # of busy_s: prefill chunks
         self.join_s = 0.0  # of busy_s: assembling handed-off sequences' KV
         self.steps = 0
+        self.decode_line = DecodeLine()  # as a reference worker fits its decode steps
 
     # -- what the router sees ------------------------------------------------------------------------
     def view(self, local_chunks: int = 0) -> WorkerView:
@@ -130,7 +132,9 @@ class Instance:
             dt = now - t0
             self.join_s += join
             self._advance(steps, dt, batch)
-            self.sim.cost.observe_decode_token(dt / (steps * batch))
+            self.decode_line.observe(batch, dt / steps)
+            step_s, token_s = self.decode_line.fit()
+            self.sim.cost.observe_decode(token_s, step_s)
         else:
             _, t0, batch, job, chunk, join = step
             dt = now - t0

@@ -153,11 +153,13 @@ class Profile:
     def cost_params(self) -> CostParams:
         """The router cost model's prior from this profile (the simulator then fits it online,
         as the router does)."""
-        batch = max(1, self.max_batch // 4)
-        per_seq = self.decode_step_s(batch, batch * 2048) / batch
+        batch = max(1, self.max_batch // 4)  # the line through steps of B and 2B sequences of 2048 tokens each
+        one, two = self.decode_step_s(batch, batch * 2048), self.decode_step_s(2 * batch, 2 * batch * 2048)
+        per_seq = max(0.0, (two - one) / batch)
         return CostParams(prefill_fixed_s=self.p0, prefill_token_s=self.p_tok, prefill_attn_s=self.p_attn,
                           fetch_bytes_per_s=min(self.link_bytes_per_s, self.dram_read_bytes_per_s),
-                          decode_token_s=per_seq, handoff_s=2 * self.rpc_s,
+                          decode_token_s=per_seq, decode_step_s=max(0.0, one - per_seq * batch),
+                          handoff_s=2 * self.rpc_s,
                           interleave_tokens=self.prefill_chunk_tokens)
 
     # -- storage -----------------------------------------------------------------------------------

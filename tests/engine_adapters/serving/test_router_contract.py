@@ -44,7 +44,7 @@ def test_prefill_queue_tokens_count_a_queued_prompt(worker_factory):
     async def go():
         task = asyncio.create_task(w.prefill(m.PrefillRequest(token_ids=ids_of(200, seed=12))))
         for _ in range(500):
-            if w.scheduler.queue_length:
+            if w.engine.queue_length:
                 break
             await asyncio.sleep(0.01)
         load = w.load()

@@ -9,11 +9,10 @@ import threading
 
 import pytest
 import torch
-from transformers import DynamicCache
-
 from kvpool.handle import KVHandle
 from kvpool import worker_api as m
-from engine_adapters.serving.runner import ModelRunner
+from engine_adapters.serving.engine import Engine
+from engine_adapters.serving.model_runner import ModelRunner
 from engine_adapters.serving.scheduler import Scheduler
 from engine_adapters.serving.sequence import DecodeSequence, PrefillJob
 from engine_adapters.serving.service import Worker, WorkerConfig
@@ -93,11 +92,11 @@ def test_damaged_pool_chunk_is_recomputed_removed_and_healed(worker_factory, poo
 
 
 def test_decode_steps_come_first_and_prefill_fills_the_gaps(reference_model):
-    """While a sequence decodes, a long prefill advances one chunk per decode step, never two."""
-    timeline: list[str] = []
+    """While a sequence decodes, a long prefill advances one chunk per step, in the same forward
+    as the decode token; the sequence gets a token every step."""
+    steps: list[tuple[int, int]] = []
     runner = ModelRunner(reference_model.model)
-    sched = Scheduler(runner, prefill_chunk_tokens=32, on_decode_step=lambda n, s: timeline.append("D"),
-                      on_prefill_chunk=lambda n, s: timeline.append("P"))
+    engine = Engine(runner, Scheduler(prefill_chunk_tokens=32), on_step=lambda d, p, s: steps.append((d, p)))
     done = threading.Event()
     tokens: list[int] = []
 
@@ -107,33 +106,73 @@ def test_decode_steps_come_first_and_prefill_fills_the_gaps(reference_model):
         if reason is not None:
             done.set()
 
-    cache = DynamicCache()
-    first = runner.greedy(runner.extend(cache, ids_of(20, seed=5)))
-    sched.submit_decode(DecodeSequence("d", cache, first, 12, frozenset(), emit))
-    job = PrefillJob("p", ids_of(160, seed=6), DynamicCache(), 0)
-    sched.submit_prefill(job)
-    sched.start()
+    kv = runner.new_kv(64)
+    first = runner.greedy(runner.step([(kv, ids_of(20, seed=5))])[0])
+    engine.submit_decode(DecodeSequence("d", kv, first, 12, frozenset(), emit))
+    job = PrefillJob("p", ids_of(160, seed=6), runner.new_kv(160))
+    engine.submit_prefill(job)
+    engine.start()
     try:
         assert done.wait(120) and job.future.result(120) is not None
     finally:
-        sched.stop()
+        engine.stop()
     assert len(tokens) == 12
-    assert timeline.count("P") == 5
-    while_decoding = "".join(timeline)[: 2 * timeline.count("P")]
-    assert "PP" not in while_decoding and while_decoding.startswith("D"), timeline
+    prefill_steps = [p for d, p in steps if p]
+    assert sum(prefill_steps) == 160 and all(p <= 31 for p in prefill_steps)  # 32 less the decode token
+    assert all(d == 1 for d, p in steps[:len(prefill_steps)]), steps  # each chunk rode on a decode step
+
+
+def test_a_sequence_alone_decodes_exactly_like_generate_and_in_a_batch_agrees(reference_model):
+    """Alone in its steps, a sequence gets `model.generate`'s greedy tokens; in a batch with three
+    others, each gets the tokens it gets alone (this prompt set agrees fully; `kvpool bench engine`
+    measures agreement at large)."""
+    model = reference_model.model
+    runner = ModelRunner(model)
+    prompts = [ids_of(n, seed=20 + n) for n in (40, 300, 120, 70)]
+
+    def run(batch: list[list[int]], new: int) -> list[list[int]]:
+        engine = Engine(runner, Scheduler(max_batch=8)).start()
+        outs: list[list[int]] = [[] for _ in batch]
+        dones = [threading.Event() for _ in batch]
+        try:
+            jobs = [engine.submit_prefill(PrefillJob(str(i), ids, runner.new_kv(len(ids) + new)))
+                    for i, ids in enumerate(batch)]
+            for i, j in enumerate(jobs):
+                outs[i].append(j.future.result(120))
+
+            def emitter(i):
+                def emit(token, reason, error):
+                    assert error is None
+                    outs[i].append(token)
+                    if reason is not None:
+                        dones[i].set()
+                return emit
+            for i, j in enumerate(jobs):
+                engine.submit_decode(DecodeSequence(str(i), j.kv, outs[i][0], new - 1, frozenset(), emitter(i)))
+            assert all(d.wait(120) for d in dones)
+        finally:
+            engine.stop()
+        return outs
+
+    alone = [run([p], 12)[0] for p in prompts]
+    for p, got in zip(prompts, alone):
+        want = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+        assert got[:len(want)] == want  # (generate stops at an EOS; these sequences have no stop ids)
+    assert run(prompts, 12) == alone
 
 
 def test_stop_fails_pending_work_with_unavailable(reference_model):
-    sched = Scheduler(ModelRunner(reference_model.model))  # never started: nothing runs
-    job = sched.submit_prefill(PrefillJob("p", [1, 2, 3], DynamicCache(), 0))
+    runner = ModelRunner(reference_model.model)
+    engine = Engine(runner, Scheduler())  # never started: nothing runs
+    job = engine.submit_prefill(PrefillJob("p", [1, 2, 3], runner.new_kv(8)))
     errors: list[BaseException | None] = []
-    sched.submit_decode(DecodeSequence("d", DynamicCache(), 1, 3, frozenset(), lambda t, r, e: errors.append(e)))
-    sched.stop()
+    engine.submit_decode(DecodeSequence("d", runner.new_kv(8), 1, 3, frozenset(), lambda t, r, e: errors.append(e)))
+    engine.stop()
     with pytest.raises(Unavailable):
         job.future.result(timeout=1)
     assert len(errors) == 1 and isinstance(errors[0], Unavailable)
     with pytest.raises(Unavailable):
-        sched.submit_prefill(PrefillJob("q", [1, 2], DynamicCache(), 0))
+        engine.submit_prefill(PrefillJob("q", [1, 2], runner.new_kv(8)))
 
 
 def test_bad_requests_raise_typed_errors(worker_factory):

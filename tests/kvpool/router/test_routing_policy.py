@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kvpool.router.cost import CostModel, CostParams
 from kvpool.router.policy import (POLICIES, CacheAware, LeastLoaded, RoundRobin, RouteRequest, Snapshot, Targets,
-                                  WorkerView, cached_tokens, make_policy, prefill_estimate, without_workers)
+                                  WorkerView, cached_tokens, make_policy, prefill_estimate, tbt_estimate,
+                                  without_workers)
 
 COST = CostParams(prefill_fixed_s=0.01, prefill_token_s=1e-3, prefill_attn_s=0.0, fetch_bytes_per_s=1e9,
                   decode_token_s=0.01, handoff_s=0.005)
@@ -191,8 +192,8 @@ def test_cost_model_recovers_coefficients():
     assert p.prefill_attn_s == pytest.approx(2e-8, rel=0.3)
     assert p.fetch_bytes_per_s == pytest.approx(1e9, rel=0.01)
     assert p.prefill_s(1000, 0) == pytest.approx(0.02 + 0.4 + 0.01, rel=0.1)
-    m.observe_decode_token(0.03)
-    assert m.params().decode_token_s == pytest.approx(0.03)
+    m.observe_decode(0.03, 0.05)
+    assert m.params().decode_token_s == pytest.approx(0.03) and m.params().decode_step_s == pytest.approx(0.05)
 
 
 def test_cost_model_refits_only_after_a_new_prefill_sample(monkeypatch):
@@ -210,7 +211,7 @@ def test_cost_model_refits_only_after_a_new_prefill_sample(monkeypatch):
     fitted = m.params()
     assert fits == [5]
     for s in (0.03, 0.05, 0.04):
-        m.observe_decode_token(s)
+        m.observe_decode(s)
         m.observe_handoff(0.012)
         p = m.params()
         assert (p.prefill_fixed_s, p.prefill_token_s, p.prefill_attn_s) == (
@@ -268,3 +269,22 @@ def test_cost_fit_equals_numpy_least_squares():
         assert min(ours) >= 0
         pred = np.asarray(rows) @ np.asarray(ours)
         assert np.allclose(pred, np.asarray(rows) @ ref, rtol=1e-9, atol=1e-9 * max(times)), trial
+
+
+def test_decode_line_fits_a_batching_engine_and_falls_back_through_the_origin():
+    """A worker's decode steps as a line in the batch size: base + per sequence; with one batch
+    size seen, the line goes through the origin (larger batches overestimated, never under)."""
+    from kvpool.router.cost import DecodeLine
+
+    line = DecodeLine()
+    assert line.fit() == (0.0, 0.0)
+    for _ in range(3):
+        line.observe(1, 0.087)
+    assert line.fit() == (0.0, pytest.approx(0.087))
+    for b in (4, 8, 16, 32, 8, 1):
+        line.observe(b, 0.075 + 0.012 * b)
+    base, per_seq = line.fit()
+    assert base == pytest.approx(0.075, rel=0.05) and per_seq == pytest.approx(0.012, rel=0.05)
+    cost = CostParams(decode_token_s=per_seq, decode_step_s=base)
+    w = WorkerView("d", "decode", active_sequences=15)
+    assert tbt_estimate(w, cost) == pytest.approx(0.075 + 16 * 0.012, rel=0.05)
