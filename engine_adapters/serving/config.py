@@ -8,12 +8,13 @@ from kvpool.codec import get_codec
 from kvpool.errors import InvalidArgument
 
 ROLES = ("prefill", "decode", "both")
+NO_POOL = "none"  # `pool`: a plain engine that shares nothing (the baseline of what the pool costs)
 
 
 @dataclass
 class WorkerConfig:
     role: str = "both"
-    pool: str = "127.0.0.1:7600"
+    pool: str = "127.0.0.1:7600"  # NO_POOL: none (no reuse across workers, nothing stored)
     chunk_tokens: int = 256
     local_cache_bytes: int = 512 << 20
     max_batch: int = 32
@@ -30,6 +31,9 @@ class WorkerConfig:
         if self.role not in ROLES:
             raise InvalidArgument(f"role must be one of {ROLES}, got {self.role!r}")
         get_codec(self.kv_codec)  # an unknown name is InvalidArgument now, not at the first save
+        if self.pool == NO_POOL and self.role != "both":
+            raise InvalidArgument("a worker without a pool can only be colocated (role both): prefill and decode "
+                                  "workers hand KV over through the pool")
         if self.prefill_chunk_tokens is None and self.role in ("both", "decode"):
             self.prefill_chunk_tokens = 512
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:

@@ -26,11 +26,11 @@ class WorkerMetrics:
                                          "first token, KV pushed)", buckets=_LATENCY, registry=r)
         self.tbt_seconds = Histogram("kvpool_worker_time_between_tokens_seconds", "Time between streamed tokens",
                                      buckets=_LATENCY, registry=r)
-        self.step_seconds = Histogram("kvpool_worker_decode_step_seconds", "One decode step of the whole batch",
-                                      buckets=_LATENCY, registry=r)
+        self.step_seconds = Histogram("kvpool_worker_decode_step_seconds", "One engine step with decode tokens "
+                                      "(and the prefill chunk it carried, if any)", buckets=_LATENCY, registry=r)
         self.batch_size = Histogram("kvpool_worker_decode_batch_size", "Sequences per decode step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
-        self.chunk_seconds = Histogram("kvpool_worker_prefill_chunk_seconds", "One prefill chunk",
+        self.chunk_seconds = Histogram("kvpool_worker_prefill_chunk_seconds", "One engine step of prefill only",
                                        buckets=_LATENCY, registry=r)
         self.decode_kv_tokens = Counter("kvpool_worker_decode_kv_tokens", "KV tokens a decode loaded, by source",
                                         ["source"], registry=r)

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from engine_adapters.serving.config import NO_POOL
 from engine_adapters.serving.service import Worker, WorkerConfig
 from kvpool.auth import check_bind, load_keyring
 from kvpool.http_guard import internal_headers
@@ -179,7 +180,8 @@ def build_worker(config: WorkerConfig, *, model_cache: str | None = None, dtype:
     started = time.perf_counter()
     rm = load_reference_model(cache_dir=model_cache, dtype=dtype)
     log.info("model %s loaded in %.1f s", rm.model_id, time.perf_counter() - started)
-    pool = kvpool.connect(config.pool)  # untenanted requests; with a keyring, each tenant gets its own
+    # untenanted requests; with a keyring, each tenant gets its own
+    pool = kvpool.connect(config.pool) if config.pool != NO_POOL else None
     return Worker(config, rm, pool, keyring=load_keyring())
 
 

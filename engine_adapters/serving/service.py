@@ -42,7 +42,7 @@ from typing import Any, AsyncIterator
 from kvpool.handle import KVHandle
 from engine_adapters.serving import sampling
 from engine_adapters.serving.admission import Admission
-from engine_adapters.serving.config import WorkerConfig
+from engine_adapters.serving.config import NO_POOL, WorkerConfig
 from engine_adapters.serving.events import EventLog
 from kvpool.worker_api import (DecodeRequest, GenerateRequest, LoadReport, PrefillRequest,
                                               PrefillResponse, SamplingParams, TokenEvent, TokenizeRequest,
@@ -98,6 +98,7 @@ class Worker:
         self.config = config
         self.rm = model  # engine_adapters.model.ReferenceModel
         self.pool = pool
+        self.pooled = config.pool != NO_POOL  # else nothing is read from or written to a pool
         namespace = model.namespace(config.chunk_tokens, config.tenant_salt)
         self.namespace = replace(namespace, layout=replace(namespace.layout, codec=config.kv_codec))
         self.layout = self.namespace.layout
@@ -168,11 +169,10 @@ class Worker:
         return True
 
     def _on_step(self, batch: int, prefill_tokens: int, seconds: float) -> None:  # engine thread
-        if prefill_tokens:
+        if batch:  # a step with decode tokens counts as a decode step, prefill chunk or not
+            self.metrics.decode_step(batch, seconds)
+        else:
             self.metrics.prefill_chunk(prefill_tokens, seconds)
-        if not batch:
-            return
-        self.metrics.decode_step(batch, seconds)
 
     # -- small queries -------------------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -250,7 +250,7 @@ class Worker:
         fetch_ms = 0.0
         if len(local) < len(keys):
             started = time.perf_counter()
-            in_pool = kv.reader.match(keys)
+            in_pool = kv.reader.match(keys) if self.pooled else 0
             if in_pool > len(local):
                 fetched = [view.as_torch() for view in kv.reader.run(keys[len(local):in_pool])]
             fetch_ms = (time.perf_counter() - started) * 1e3
@@ -285,6 +285,8 @@ class Worker:
         have = len(prefix.chunks)
         if full > have and self.cache.capacity_bytes > 0:  # (a disabled cache would drop the copies)
             self.cache.put_many(zip(prefix.keys[have:full], job.kv.chunks(have, full, c)))
+        if not self.pooled:
+            return None
         return kv.adapter.save(ids, job.kv.layers(), request_id=request_id, start_token=0)
 
     async def prefill(self, req: PrefillRequest, tenant: str | None = None) -> PrefillResponse:

@@ -81,6 +81,7 @@ class Report:
         self.bench = bench
         self.results: list[Result] = []
         self.notes: list[str] = []
+        self.setup: dict[str, Any] = {}  # how the run was set up, as data (what a reader rebuilds it from)
 
     def add(self, case: str, values: list[float], unit: str, *, size: int | None = None,
             baseline: str | None = None, baseline_values: list[float] | None = None,
@@ -108,6 +109,7 @@ class Report:
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "results": [r.to_json() for r in self.results],
             **({"notes": self.notes} if self.notes else {}),
+            **({"setup": self.setup} if self.setup else {}),
         }
 
     def emit(self, as_json: bool) -> None:

@@ -5,6 +5,7 @@ Same arguments and seed, same requests, byte for byte (string seeds go through S
 common English words, each about one token for a BPE tokenizer, so `words` ~ prompt tokens.
 
 - `random_requests`: independent prompts; no shared prefix beyond chance.
+- `mixed_requests`: the same, a given fraction of them long (cold long prompts among short ones).
 - `chat_requests`: multi-round conversations over a few long shared system prompts; round k
   carries rounds 1..k-1 (with a deterministic stand-in for the assistant's answers), ordered
   round by round so a conversation's earlier turn is sent before its later one.
@@ -99,6 +100,24 @@ def random_requests(num_requests: int, input_len: int, output_len: int, range_ra
         n_in, n_out = _span(rng, input_len, range_ratio), _span(rng, output_len, range_ratio)
         out.append(Request(messages=(("user", words(rng, n_in)),), max_tokens=n_out, prompt_words=n_in,
                            tag=f"random {i}"))
+    return out
+
+
+def mixed_requests(num_requests: int, long_fraction: float, long_len: int, short_len: int, output_len: int,
+                   range_ratio: float = 0.0, seed: int = 0) -> list[Request]:
+    """Independent prompts, each long (`long_len` words) with probability `long_fraction`, else
+    short (`short_len`), lengths ± `range_ratio`; answers of `output_len` tokens (± the same).
+    Every prompt is new text: nothing is cached (the seed's "long cold prompts among short ones")."""
+    if not 0 <= range_ratio < 1 or not 0 <= long_fraction <= 1:
+        raise ValueError("range_ratio must be in [0, 1) and long_fraction in [0, 1]")
+    rng = random.Random(f"mixed-{seed}")
+    out = []
+    for i in range(num_requests):
+        long = rng.random() < long_fraction
+        n_in = _span(rng, long_len if long else short_len, range_ratio)
+        n_out = _span(rng, output_len, range_ratio)
+        out.append(Request(messages=(("user", words(rng, n_in)),), max_tokens=n_out, prompt_words=n_in,
+                           tag=f"{'long' if long else 'short'} {i}"))
     return out
 
 

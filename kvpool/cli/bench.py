@@ -16,9 +16,9 @@ import click
 BENCHES: dict[str, str] = {
     "adapter": "engine_adapters.bench.adapter:adapter",
     "codec": "engine_adapters.bench.codec:codec",
-    "disagg": "engine_adapters.bench.cluster:disagg",
+    "disagg": "engine_adapters.bench.disagg:disagg",
     "engine": "engine_adapters.bench.engine:engine",
-    "policies": "engine_adapters.bench.cluster:policies",
+    "policies": "engine_adapters.bench.policies:policies",
     "pool": "kvpool.bench.pool:pool",
     "router": "engine_adapters.bench.router:router",
     "serve": "kvpool.bench.serve:serve",

@@ -43,7 +43,8 @@ def read_tenant_salt(path: str | None) -> str:
 @click.option("--role", type=click.Choice(["prefill", "decode", "both"]), required=True,
               help="prefill: prompt in, first token + KV handle out; decode: handle in, tokens out; "
                    "both: colocated, decode-priority scheduling.")
-@click.option("--pool", "pool_address", help="Pool address HOST:PORT (default: settings 'master').")
+@click.option("--pool", "pool_address", help="Pool address HOST:PORT (default: settings 'master'); 'none': a colocated "
+                                         "worker that shares nothing (the baseline of what the pool costs).")
 @click.option("--host", help="Address to listen on (default 127.0.0.1).")
 @click.option("--port", type=int, default=0, show_default=True, help="HTTP port (0: any free port).")
 @click.option("--chunk-tokens", type=int, help="Tokens per KV chunk (default: settings, 256).")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from engine_adapters.bench.cluster import SCENARIOS, _counter_delta, _setup_note, policies
+from engine_adapters.bench.cluster import counter_delta
+from engine_adapters.bench.policies import SCENARIOS, _setup_note, policies
 from kvpool.errors import InvalidArgument
 from kvpool.sim.profile import Profile
 from kvpool.sim.validate import cases
@@ -32,7 +33,7 @@ def test_counter_delta_gives_prefills_per_worker_and_the_hit_ratio():
     before = {"p0": {"prefills": 2, "local": 0, "pool": 0, "computed": 1000}, "p1": {"prefills": 1}}
     after = {"p0": {"prefills": 5, "local": 512, "pool": 0, "computed": 1300},
              "p1": {"prefills": 2, "local": 0, "pool": 256, "computed": 700}}
-    delta = _counter_delta(before, after)
+    delta = counter_delta(before, after)
     assert delta["prefills_by_worker"] == {"p0": 3, "p1": 1}
     assert delta["prompt_tokens_by_source"] == {"local": 512, "pool": 256, "computed": 1000}
     assert delta["hit_ratio"] == 768 / 1768

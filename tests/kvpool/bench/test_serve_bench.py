@@ -21,8 +21,8 @@ from kvpool.bench.serve import Target, build_report, plot
 from kvpool.bench.serve_client import (SSEParser, ServeResult, poisson_offsets, run_serve_bench, send_request,
                                        trace_offsets)
 from kvpool.bench.serve_metrics import RequestRecord, parse_slo, summarize
-from kvpool.bench.workloads import (VOCAB, block_text, chat_requests, docqa_requests, random_requests,
-                                    trace_requests)
+from kvpool.bench.workloads import (VOCAB, block_text, chat_requests, docqa_requests, mixed_requests,
+                                    random_requests, trace_requests)
 
 REAL_TRACE = Path("/work/shared/data/traces/conversation_trace.jsonl")
 
@@ -32,7 +32,8 @@ REAL_TRACE = Path("/work/shared/data/traces/conversation_trace.jsonl")
 def test_workloads_are_deterministic_per_seed():
     for make in (lambda s: random_requests(20, 50, 8, 0.3, seed=s),
                  lambda s: chat_requests(4, 3, 2, 100, 20, 16, seed=s),
-                 lambda s: docqa_requests(3, 200, 2, 16, seed=s)):
+                 lambda s: docqa_requests(3, 200, 2, 16, seed=s),
+                 lambda s: mixed_requests(20, 0.3, 1500, 150, 64, 0.1, seed=s)):
         assert make(7) == make(7)
         assert make(7) != make(8)
 
@@ -47,6 +48,16 @@ def test_random_lengths_and_vocabulary():
     assert set(reqs[0].messages[0][1].split()) <= set(VOCAB)
     fixed = random_requests(5, 64, 8, 0.0, seed=1)
     assert {len(r.messages[0][1].split()) for r in fixed} == {64} and {r.max_tokens for r in fixed} == {8}
+
+
+def test_mixed_has_its_fraction_of_long_prompts():
+    reqs = mixed_requests(400, 0.3, 1500, 150, 64, 0.1, seed=2)
+    long = [r for r in reqs if r.tag.startswith("long")]
+    assert 0.24 < len(long) / len(reqs) < 0.36
+    assert all(1350 <= r.prompt_words <= 1650 for r in long)
+    assert all(135 <= r.prompt_words <= 165 for r in reqs if r not in long)
+    assert len({r.messages[0][1] for r in reqs}) == len(reqs)  # every prompt new: nothing cached
+    assert {r.tag for r in mixed_requests(20, 0.0, 1500, 150, 64, seed=2)} == {f"short {i}" for i in range(20)}
 
 
 def test_chat_rounds_extend_the_conversation():
