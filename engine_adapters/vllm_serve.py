@@ -58,15 +58,16 @@ class VLLMSpec:
         return {"kvpool_address": pool_address, "chunk_tokens": self.chunk_tokens, "model_id": self.model_id,
                 "weights_fingerprint": self.weights_fingerprint}
 
-    def command(self, role: str, port: int, pool_address: str) -> list[str]:
+    def command(self, role: str, port: int, pool_address: str | None) -> list[str]:
+        """The server's argv; `pool_address` None: a plain vLLM server, no kvpool connector."""
         ktc = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "engine_adapters.vllm",
                "kv_role": KV_ROLES[role], "kv_load_failure_policy": "recompute",
-               "kv_connector_extra_config": self.connector(pool_address)}
+               "kv_connector_extra_config": self.connector(pool_address)} if pool_address else None
         return [self.python, "-m", ENTRY, "--model", self.model_path, "--served-model-name", self.model_id,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype,
                 "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
                 "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-                "--kv-transfer-config", json.dumps(ktc), *self.extra_args]
+                *(["--kv-transfer-config", json.dumps(ktc)] if ktc else []), *self.extra_args]
 
     def env(self, cores: list[int] | None = None) -> dict[str, str]:
         """The server's environment; `cores`: its OpenMP threads bound to these (one per core),
@@ -136,14 +137,11 @@ class VLLMCluster:
             self.pool.start(say)
             for i, role in enumerate(self.roles):
                 name = f"vllm-{role}-{i}"
-                port = _free_port()
-                cores = self.cpus[i] if self.cpus else None
-                proc = self._spawn(name, self.spec.command(role, port, self.pool_address), cores)
-                proc.url = f"http://127.0.0.1:{port}"
-                self.servers[name] = proc
+                self.servers[name] = spawn_server(self.workdir, self.spec, name, role, self.pool_address,
+                                                  self.cpus[i] if self.cpus else None)
             say(f"starting {len(self.servers)} vLLM servers (about a minute each on 2 cores)")
             for proc in self.servers.values():
-                self._wait_healthy(proc, say)
+                wait_healthy(proc, self.timeout_s, say)
             workers = [f"{name.split('-')[1]}={proc.url}" for name, proc in self.servers.items()]
             args = ["--engine", "vllm", "--tokenizer", self.spec.model_path, "--kv-dtype", self.spec.dtype,
                     "--kv-connector-config", json.dumps(self.spec.connector(self.pool_address)),
@@ -174,31 +172,6 @@ class VLLMCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str, argv: list[str], cores: list[int] | None = None) -> Proc:
-        log_path = self.workdir / f"{name}.log"
-        if cores:  # the whole server (its engine, tokenizer and HTTP threads) on its cores
-            argv = ["taskset", "-c", format_list(cores), *argv]
-        with open(log_path, "wb") as out:
-            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.spec.env(cores), cwd=self.workdir, start_new_session=True,
-                                     preexec_fn=_die_with_parent if _PRCTL is not None else None)
-        return Proc(name, popen, log_path)
-
-    def _wait_healthy(self, proc: Proc, say: Callable[[str], None]) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(proc.url + "/health", timeout=5).status_code == 200:
-                    say(f"{proc.name} ready at {proc.url}")
-                    return
-            except httpx.HTTPError:
-                pass
-            code = proc.popen.poll()
-            if code is not None:
-                raise Unavailable(f"{proc.name} exited with status {code}:\n{proc.log_tail(40)}")
-            time.sleep(0.5)
-        raise Unavailable(f"{proc.name} did not answer /health within {self.timeout_s:.0f} s:\n{proc.log_tail(40)}")
-
     def _wait_registered(self, say: Callable[[str], None]) -> None:
         want = {proc.url for proc in self.servers.values()}
         deadline = time.monotonic() + 60
@@ -214,6 +187,38 @@ class VLLMCluster:
             time.sleep(0.2)
         raise Unavailable(f"the vLLM servers did not join the router within 60 s:\n"
                           f"{self.router.router_proc.log_tail() if self.router and self.router.router_proc else ''}")
+
+
+def spawn_server(workdir: Path, spec: VLLMSpec, name: str, role: str, pool_address: str | None,
+                 cores: list[int] | None = None) -> Proc:
+    """Start one vLLM server (`pool_address` None: without the kvpool connector), on `cores` if
+    given; its log is `workdir/name.log`. Returns at once: `wait_healthy` waits for it."""
+    port = _free_port()
+    argv = spec.command(role, port, pool_address)
+    if cores:  # the whole server (its engine, tokenizer and HTTP threads) on its cores
+        argv = ["taskset", "-c", format_list(cores), *argv]
+    log_path = Path(workdir) / f"{name}.log"
+    with open(log_path, "wb") as out:
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=spec.env(cores), cwd=workdir, start_new_session=True,
+                                 preexec_fn=_die_with_parent if _PRCTL is not None else None)
+    return Proc(name, popen, log_path, url=f"http://127.0.0.1:{port}")
+
+
+def wait_healthy(proc: Proc, timeout_s: float, say: Callable[[str], None] = lambda msg: None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(proc.url + "/health", timeout=5).status_code == 200:
+                say(f"{proc.name} ready at {proc.url}")
+                return
+        except httpx.HTTPError:
+            pass
+        code = proc.popen.poll()
+        if code is not None:
+            raise Unavailable(f"{proc.name} exited with status {code}:\n{proc.log_tail(40)}")
+        time.sleep(0.5)
+    raise Unavailable(f"{proc.name} did not answer /health within {timeout_s:.0f} s:\n{proc.log_tail(40)}")
 
 
 def _free_port() -> int:

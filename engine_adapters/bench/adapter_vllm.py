@@ -27,7 +27,7 @@ def vllm_python(explicit: str | None) -> str:
         if Path(python).exists() or python == sys.executable:
             probe = subprocess.run([python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"])
             if probe.returncode == 0:
-                return python
+                return str(Path(python).absolute()) if Path(python).exists() else python
     raise click.UsageError(f"--engine vllm: no vLLM in {', '.join(candidates)} (`make test` builds .venv-vllm)")
 
 

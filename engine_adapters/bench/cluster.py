@@ -29,9 +29,23 @@ _DECISIONS = re.compile(r'^kvpool_router_decisions_total\{[^}]*kind="(\w+)"[^}]*
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time a process has used so far (user + system, all its threads), from /proc."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time a process and its live descendants have used so far (user + system, all their
+    threads), from /proc: a vLLM server's engine core runs in a child process."""
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, seconds)
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, (0, 0.0))[1]
+        todo += [child for child, (parent, _) in stats.items() if parent == p]
+    return total
 
 
 def busy_seconds(url: str) -> float:
@@ -74,7 +88,7 @@ def counter_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str
 
 def internal(cluster) -> dict[str, str]:
     """Headers for the router's /admin and /metrics (its internal token, with a keyring)."""
-    return internal_headers(load_keyring(cluster.env.get(AUTH_FILE_ENV)))
+    return internal_headers(load_keyring(getattr(cluster, "env", os.environ).get(AUTH_FILE_ENV)))
 
 
 def local_knowledge(cluster, router_url: str, chunk_tokens: int = 256) -> dict[str, list[int]]:
@@ -97,11 +111,14 @@ def router_decisions(cluster) -> dict[str, float]:
     return out
 
 
-def extra_router(cluster, workdir: Path, name: str, args: list[str]) -> tuple[subprocess.Popen, str]:
+def extra_router(cluster, workdir: Path, name: str, args: list[str],
+                 workers: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """One more router over `workers` (URLs; default: every worker of the cluster) and its URL."""
     from engine_adapters.serving.launcher import KVPOOL
 
     ready = workdir / f"{name}.ready"
-    workers = [x for p in cluster.workers.values() for x in ("--worker", p.url)]
+    urls = workers if workers is not None else [p.url for p in cluster.workers.values()]
+    workers = [x for url in urls for x in ("--worker", url)]
     log = open(workdir / f"{name}.log", "wb")
     proc = subprocess.Popen([*KVPOOL, "router", "--port", "0", "--pool", cluster.pool_address, "--ready-file",
                              str(ready), *args, *workers], stdout=log, stderr=subprocess.STDOUT)

@@ -51,6 +51,7 @@ WORKLOADS: dict[str, dict[str, float]] = {
     "mixed": {"long_fraction": 0.3, "long_len": 1500, "short_len": 150, "output_len": 64, "range_ratio": 0.1},
     "short": {"long_fraction": 0.0, "long_len": 0, "short_len": 150, "output_len": 64, "range_ratio": 0.5},
     "long": {"long_fraction": 1.0, "long_len": 1500, "short_len": 0, "output_len": 64, "range_ratio": 0.1},
+    "smoke": {"long_fraction": 0.5, "long_len": 300, "short_len": 40, "output_len": 6, "range_ratio": 0.1},  # seconds
 }
 
 

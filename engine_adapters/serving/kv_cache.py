@@ -10,9 +10,9 @@ Invariants:
   a sequence that grows one token a step copies its KV O(log n) times, not once a step).
 - Nothing a caller holds aliases `data`: `from_chunks` copies the chunks in, `chunk` copies out.
   A chunk tensor handed to the local prefix cache or the pool is never written afterwards.
-- Only the engine thread writes a sequence's KV once it is submitted; another thread may read it
-  (to save it to the pool) only after the engine has handed it back (the prefill's future is
-  resolved, or the sequence has finished).
+- Only the engine thread writes a sequence's KV once it is submitted, and only appends: tokens
+  before `length` never change. Another thread may read those (to save a prompt's KV to the pool
+  while its decode goes on) once the engine has computed them (the prefill's future resolved).
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ class SequenceKV:
         old = self.data
         shape = list(old.shape)
         shape[3] = new_cap
-        self.data = torch.empty(shape, dtype=old.dtype, device=old.device)
-        self.data[:, :, :, :self.length].copy_(old[:, :, :, :self.length])
+        new = torch.empty(shape, dtype=old.dtype, device=old.device)
+        new[:, :, :, :self.length].copy_(old[:, :, :, :self.length])
+        self.data = new  # filled first: a reader sees the old tensor or the whole new one
 
     def clone(self) -> "SequenceKV":
         """An independent copy (same capacity and length)."""
@@ -87,15 +88,20 @@ class SequenceKV:
         """Tokens `[start, end)` as a new contiguous `[layers, 2, kv_heads, end - start, head_dim]`."""
         if not 0 <= start <= end <= self.length:
             raise ValueError(f"tokens [{start}, {end}) are outside the cache's [0, {self.length})")
-        out = torch.empty((self.data.shape[0], 2, self.data.shape[2], end - start, self.data.shape[4]),
-                          dtype=self.data.dtype, device=self.data.device)
-        return out.copy_(self.data[:, :, :, start:end])
+        data = self.data  # one read: a concurrent `reserve` swaps it for a copy
+        out = torch.empty((data.shape[0], 2, data.shape[2], end - start, data.shape[4]), dtype=data.dtype,
+                          device=data.device)
+        return out.copy_(data[:, :, :, start:end])
 
     def chunks(self, first: int, last: int, chunk_tokens: int) -> list[torch.Tensor]:
         """Full chunks `first..last-1` (chunk i is tokens `[i*c, (i+1)*c)`)."""
         return [self.chunk(i * chunk_tokens, (i + 1) * chunk_tokens) for i in range(first, last)]
 
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(K, V) per layer, `[kv_heads, length, head_dim]` views: what an adapter's `save` reads."""
-        n = self.length
-        return [(self.data[i, 0, :, :n], self.data[i, 1, :, :n]) for i in range(self.data.shape[0])]
+    def layers(self, end: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) per layer of tokens `[0, end)` (default: all), `[kv_heads, end, head_dim]` views:
+        what an adapter's `save` reads."""
+        n = self.length if end is None else end
+        if not 0 <= n <= self.length:
+            raise ValueError(f"tokens [0, {n}) are outside the cache's [0, {self.length})")
+        data = self.data  # one read: a concurrent `reserve` swaps it for a copy
+        return [(data[i, 0, :, :n], data[i, 1, :, :n]) for i in range(data.shape[0])]

@@ -287,7 +287,7 @@ class Worker:
             self.cache.put_many(zip(prefix.keys[have:full], job.kv.chunks(have, full, c)))
         if not self.pooled:
             return None
-        return kv.adapter.save(ids, job.kv.layers(), request_id=request_id, start_token=0)
+        return kv.adapter.save(ids, job.kv.layers(len(ids)), request_id=request_id, start_token=0)
 
     async def prefill(self, req: PrefillRequest, tenant: str | None = None) -> PrefillResponse:
         self._require("prefill", "both")
@@ -451,28 +451,39 @@ class Worker:
         try:
             kv = await asyncio.to_thread(self.tenants.get, tenant)
             job, prefix = await self.run_prefill(ids, rid, params, kv, room=req.max_tokens)
-            # Full chunks still go to the local cache and the pool (prefix reuse); no tail, no handle.
-            await asyncio.to_thread(self._publish, kv, ids, job, prefix, None)
             head = self._prefill_response(rid, ids, job, prefix, None, started)
         except BaseException:
             slot.release()
             raise
+        # Full chunks still go to the local cache and the pool (prefix reuse), off the first
+        # token's path (no tail, no handle: nobody waits for them). The prompt's KV is final: the
+        # decode below only appends after it.
+        publish = asyncio.ensure_future(asyncio.to_thread(self._publish, kv, ids, job, prefix, None))
+        publish.add_done_callback(_log_failed_publish)
         stop = frozenset(req.stop_token_ids) if req.stop_token_ids is not None else self.eos
-        return self.admission.watch(self._generate_stream(head, job, req.max_tokens, stop, params), slot)
+        return self.admission.watch(self._generate_stream(head, job, req.max_tokens, stop, params, publish), slot)
 
-    async def _generate_stream(self, head: PrefillResponse, job: PrefillJob, max_tokens: int,
-                               stop: frozenset[int], params: SamplingParams | None) -> AsyncIterator[TokenEvent]:
+    async def _generate_stream(self, head: PrefillResponse, job: PrefillJob, max_tokens: int, stop: frozenset[int],
+                               params: SamplingParams | None, publish: asyncio.Future) -> AsyncIterator[TokenEvent]:
         rid, first = head.request_id, head.first_token
-        yield TokenEvent(request_id=rid, index=0, token_id=first, text=head.text, prefill=head)
-        if first in stop or max_tokens == 1:
-            yield TokenEvent(request_id=rid, done=True, finish_reason="stop" if first in stop else "length")
-            return
-        events = self._stream(rid, job.kv, first, max_tokens - 1, stop, params)
         try:
-            async for event in events:
-                yield event
-        finally:  # closing this stream closes the decode under it now, not at garbage collection
-            await events.aclose()
+            yield TokenEvent(request_id=rid, index=0, token_id=first, text=head.text, prefill=head)
+            if first in stop or max_tokens == 1:
+                yield TokenEvent(request_id=rid, done=True, finish_reason="stop" if first in stop else "length")
+                return
+            events = self._stream(rid, job.kv, first, max_tokens - 1, stop, params)
+            try:
+                async for event in events:
+                    yield event
+            finally:  # closing this stream closes the decode under it now, not at garbage collection
+                await events.aclose()
+        finally:  # the stream (and its admission slot) ends once its KV is stored: a drain waits for it
+            await asyncio.wait([publish])
+
+
+def _log_failed_publish(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("storing a prompt's KV failed (it is served, not cached): %s", task.exception())
 
 
 def _unique(request_id: str | None) -> str:

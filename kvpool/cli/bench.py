@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "codec": "engine_adapters.bench.codec:codec",
     "disagg": "engine_adapters.bench.disagg:disagg",
     "engine": "engine_adapters.bench.engine:engine",
+    "overhead": "engine_adapters.bench.overhead:overhead",
     "policies": "engine_adapters.bench.policies:policies",
     "pool": "kvpool.bench.pool:pool",
     "router": "engine_adapters.bench.router:router",

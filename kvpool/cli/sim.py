@@ -261,9 +261,11 @@ def calibrate(out_path, workdir, repeats, as_json) -> None:
 
     path = Path(out_path) if out_path else local_profile_path()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-sim-calibrate-"))
-    args = ["--threads", "1", "--local-cache", "0"]
-    cluster = LocalCluster(workdir, [WorkerSpec("prefill", "prefill-0", list(args)),
-                                     WorkerSpec("decode", "decode-0", list(args))]).start()
+    from engine_adapters.serving.cpus import format_list, plan as cores_for
+
+    cores = cores_for(2, 1)  # a core each, as `kvpool bench disagg` pins its workers
+    cluster = LocalCluster(workdir, [WorkerSpec("prefill", "prefill-0", ["--local-cache", "0", "--cpus", format_list(cores[0])]),
+                                     WorkerSpec("decode", "decode-0", ["--local-cache", "0", "--cpus", format_list(cores[1])])]).start()
     try:
         samples, bytes_per_token = measure(cluster.url("prefill-0"), cluster.url("decode-0"), repeats=repeats)
     finally:

@@ -1,15 +1,17 @@
 """`kvpool sim calibrate`: measure this machine's reference workers and fit the `local` profile.
 
-`kvpool sim calibrate` starts a real pool and two real workers (one prefill, one decode; one
-torch thread each, no local prefix cache so cached prefixes come from the pool); `measure` calls
-them directly over HTTP:
+`kvpool sim calibrate` starts a real pool and two real workers (one prefill, one decode; each
+pinned to a core of its own with one torch thread, as `kvpool bench disagg` runs them; no local
+prefix cache so cached prefixes come from the pool); `measure` calls them directly over HTTP:
 - prefill: prompts of c new tokens after k tokens already in the pool; the worker reports
   `compute_ms`, `fetch_ms` and `push_ms` (`kvpool.worker_api.PrefillResponse`). The router's
   own fitter (`CostModel`) gives p0, p_tok, p_attn; fetch and push rates are bytes / time.
-- decode: B sequences of L-token prompts decoded together; the time between the tokens the
-  client receives (the engine's step plus streaming each token out, which shares the worker's
-  two cores and its GIL with the step) is fitted, non-negative least squares, as
-  step = d0 + d_seq*B + d_kv*(KV tokens in the batch). The engine-only step time
+- decode: B sequences of L-token prompts decoded together (one forward per step, the batched
+  engine); the time between the tokens the client receives (the engine's step plus streaming
+  each token out, which shares the worker's core and its GIL with the step) is fitted,
+  non-negative least squares, as step = d_weights + d_seq*B + d_kv*(KV tokens in the batch):
+  the fixed part is what every step pays (on a CPU, reading the weights), which a colocated
+  step shares with the prefill chunk it carries (`fused`). The engine-only step time
   (`kvpool_worker_decode_step_seconds`) is kept in the samples for comparison.
 - the control hop: a prefill's wall time seen by the caller minus the `prefill_ms` it reports.
 Only the CLI starts the processes (it alone sees `engine_adapters`). It takes a few minutes on
@@ -36,9 +38,10 @@ from kvpool.router.cost import CostModel, _nnls3
 from kvpool.sim.profile import Profile
 
 PREFILL_GRID = ((64, 0), (256, 0), (512, 0), (1024, 0), (64, 1024), (256, 1024), (512, 512))  # (computed, cached)
-# (batch, prompt tokens): batch 1 at four contexts separates the per-sequence and per-KV-token
-# costs and the hand-off's fixed and per-byte parts; batches 2 and 4 the batch term
-DECODE_GRID = ((1, 64), (1, 512), (1, 1024), (1, 1536), (2, 64), (2, 1024), (4, 64), (4, 512))
+# (batch, prompt tokens): batch 1 at four contexts separates the per-KV-token cost and the
+# hand-off's fixed and per-byte parts; batches 4 to 16 the per-sequence term
+DECODE_GRID = ((1, 64), (1, 512), (1, 1024), (1, 1536), (4, 256), (4, 1024), (8, 256), (8, 1024), (16, 256),
+               (16, 512))
 DECODE_TOKENS = 16
 NO_BYTE_COST = 1e15  # bytes/s of a hand-off whose time shows no per-byte part
 _METRIC = re.compile(r"^(kvpool_worker_decode_(?:step_seconds|batch_size)_(?:sum|count)) (\S+)$", re.M)
@@ -150,26 +153,26 @@ def fit(samples: dict[str, Any], bytes_per_token: int) -> Profile:
     fetch = [s["fetched_bytes"] / (s["fetch_ms"] / 1e3) for s in samples["prefill"] if s["fetched_bytes"] and s["fetch_ms"] > 0]
     push = [s["pushed_bytes"] / (s["push_ms"] / 1e3) for s in samples["prefill"] if s["pushed_bytes"] and s["push_ms"] > 0]
     dec = samples["decode"]
-    d0 = d_seq = d_kv = 0.0
+    d_weights = d_seq = d_kv = 0.0
     if dec:
         # what a client sees between tokens (the engine step plus streaming it out), where measured
         x = np.array([[1.0, s["batch"], s["kv_tokens"]] for s in dec])
         t = np.array([(s.get("client_tbt_ms") or s["step_ms"]) / 1e3 for s in dec])
         coef = _nnls3(x, t)
         if coef is not None:
-            d0, d_seq, d_kv = (float(c) for c in coef)
+            d_weights, d_seq, d_kv = (float(c) for c in coef)
     fetch_rate = statistics.median(fetch) if fetch else 1e9
     pull_fixed, pull_rate = _fit_open(dec, samples["hop_ms"])
     return Profile(
         name="local", description="calibrated from this machine's reference workers (kvpool sim calibrate, "
                                   f"{time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())})",
         p0=p.prefill_fixed_s, p_tok=p.prefill_token_s, p_attn=p.prefill_attn_s, p_floor=0.0,
-        d0=d0, d_seq=d_seq, d_weights=0.0, d_kv=d_kv, d_tok=0.0, fused=False, prefill_chunk_tokens=512,
+        d0=0.0, d_seq=d_seq, d_weights=d_weights, d_kv=d_kv, d_tok=0.0, fused=True, prefill_chunk_tokens=256,
         bytes_per_token=bytes_per_token, link_bytes_per_s=fetch_rate,
         pull_bytes_per_s=pull_rate or fetch_rate, pull_fixed_s=pull_fixed, dram_read_bytes_per_s=fetch_rate,
         ssd_read_bytes_per_s=fetch_rate, push_bytes_per_s=statistics.median(push) if push else 1e9,
         rpc_s=statistics.median(samples["hop_ms"]) / 1e3 if samples["hop_ms"] else 0.002,
-        max_batch=32, max_kv_tokens=65536, price_per_hour=0.0, cards=0, card="cpu (1 torch thread)",
+        max_batch=32, max_kv_tokens=65536, price_per_hour=0.0, cards=0, card="cpu (1 pinned core, 1 torch thread)",
         model="SmolLM2-135M-Instruct (float32)")
 
 
@@ -191,25 +194,3 @@ def _fit_open(dec: list[dict[str, Any]], hop_ms: list[float]) -> tuple[float, fl
     fixed, per_byte = float(coef[0]), float(coef[1])
     return fixed, (1.0 / per_byte if per_byte > 0 else NO_BYTE_COST)
 
-
-def with_decode_costs(base: Profile, fit_doc: dict[str, Any], anchor_step_s: float, anchor_kv_tokens: float,
-                      note: str = "") -> Profile:
-    """`base` with its decode side replaced by the terms `benchmarks/sim_decode_costs.py` measured
-    (its `fit`: one sequence's step = per_seq + per_kv_token*L, the join's extra per KV token, the
-    KV load's CPU per token), scaled so that a step at `anchor_kv_tokens` of context takes
-    `anchor_step_s`: the shape comes from the measurement (CPU time, taken on whatever load the
-    machine had), the scale from a step time measured on a quiet machine (the workers' own
-    `decode_token_ms` in a recorded run). The KV load becomes `pull_bytes_per_s` (a load thread
-    with a core to itself: its CPU time is its wall time)."""
-    step, join, load = fit_doc["step_cpu_s"], fit_doc["join_extra_cpu_s"], fit_doc["load_cpu_s_worker_plus_pool"]
-    measured = step["per_seq"] + step["per_kv_token"] * anchor_kv_tokens
-    scale = anchor_step_s / measured
-    per_token_load = max(0.0, load["per_kv_token"]) * scale
-    return replace(base, name="local",
-                   description=(f"{base.description}; decode side: benchmarks/sim_decode_costs.py "
-                                f"({fit_doc.get('when', '?')}, load average {float(fit_doc.get('load_average', [0])[0]):.1f}) "
-                                f"scaled x{scale:.3f} to {anchor_step_s * 1e3:.1f} ms per sequence-step at "
-                                f"{anchor_kv_tokens:.0f} KV tokens{'; ' + note if note else ''}"),
-                   d0=0.0, d_seq=step["per_seq"] * scale, d_kv=max(0.0, step["per_kv_token"]) * scale,
-                   d_join_kv=max(0.0, join["per_kv_token"]) * scale,
-                   pull_bytes_per_s=base.bytes_per_token / per_token_load if per_token_load > 0 else base.pull_bytes_per_s)

@@ -9,14 +9,14 @@ roofline-derived one (`roofline.py`) are used the same way.
 
 The prefill form is the router's cost model (`kvpool/router/cost.py`) with a memory floor (a
 GPU reads all weights once per forward however few tokens it computes). The decode form has a
-serial part (`d_seq`: the reference worker steps each sequence as its own batch-1 forward) and a
-roofline part (weights + KV read from HBM, overlapped with the batch's matmuls). A colocated
+per-sequence part (`d_seq`: each sequence's rows of the matmuls and its own attention) and a
+roofline part (weights + KV read, overlapped with the batch's matmuls; on a CPU, calibrated by
+`kvpool sim calibrate`, the fixed part `d_weights` is mostly the weights read). A colocated
 iteration that runs one prefill chunk next to a decode step costs the sum of both (`fused`
-false: the reference worker) or one fused forward (`fused` true: a GPU engine batching the chunk
-with the decode tokens, Sarathi-style). A sequence handed off from a prefill instance arrives as
-pool chunks: the reference worker concatenates them into its cache in the first step the
-sequence is part of (`engine_adapters/serving/kvio.py`, `ChunkedLayer`), so that step is longer
-for the whole batch by `d_join_kv` per KV token (`benchmarks/sim_decode_costs.py` measures it).
+false) or one fused forward (`fused` true: the chunk batched with the decode tokens,
+Sarathi-style, as the reference engine and GPU engines do). An engine that assembles a handed-off
+sequence's KV inside the step that first includes it makes that step longer for the whole batch
+by `d_join_kv` per KV token (0 for the reference engine: it assembles the KV before the join).
 
 Invariants: every time is in seconds and never negative; `decode_steps_s` is increasing in the
 number of steps, so `steps_within` can bisect it.

@@ -10,11 +10,11 @@ tokenizer and chat template), so this module needs no model.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from kvpool.bench.serve_client import poisson_offsets
-from kvpool.bench.workloads import Request, chat_requests, random_requests
+from kvpool.bench.workloads import Request, chat_requests, mixed_requests
 from kvpool.errors import InvalidArgument
 from kvpool.sim.engine import SimConfig
 from kvpool.sim.profile import Profile
@@ -22,8 +22,6 @@ from kvpool.sim.workload import Workload, from_token_lists
 
 Tokenize = Callable[[list[dict[str, str]]], list[int]]
 POLICY_ORDER = ("round_robin", "least_loaded", "cache_aware")  # the bench's run order (seeds)
-DISAGG = {  # config -> (prefill, decode, colocated, local_prefill_tokens), as `kvpool bench disagg`
-    "colocated": (0, 0, 2, 0), "disaggregated": (1, 1, 0, 0), "disagg+conditional": (1, 1, 0, 256)}
 
 
 @dataclass
@@ -71,21 +69,27 @@ def cases(doc: dict[str, Any], tokenize: Tokenize, profile: Profile, chunk_token
                                  "tpot_p99_ms": extra.get("tpot_p99_ms"),
                                  "mean_cached_tokens": extra.get("mean_cached_tokens")}))
     elif doc.get("bench") == "disagg":
-        m = re.search(r"(\d+) requests per rate, prompt (\d+)±(\d+)% words, answer (\d+)±", notes)
-        if not m:
-            raise InvalidArgument("disagg document without its setup note")
-        n_req, input_len, spread, output_len = (int(x) for x in m.groups())
-        rates = sorted({float(c.split("@")[1]) for c in by_case if c.startswith("ttft_mean_ms/")})
-        for r_i, rate in enumerate(rates):
-            reqs = random_requests(n_req, input_len, output_len, spread / 100, seed=r_i)
+        setup = doc.get("setup")
+        if not setup:
+            raise InvalidArgument("disagg document without its setup (recorded before the bench wrote one)")
+        if setup.get("engine", "reference") != "reference":
+            raise InvalidArgument("only runs of the reference engine are simulated (the local profile is its own)")
+        p_split, d_split = setup["split"]
+        shapes = {"colocated": (0, 0, setup["workers"], 0), "disaggregated": (p_split, d_split, 0, 0),
+                  "disagg+conditional": (p_split, d_split, 0, 256)}
+        prof = replace(profile, prefill_chunk_tokens=setup["chunk_tokens"])
+        cores = 0 if setup.get("cpus_per_worker") else host_cores  # pinned workers: nothing shared
+        for r_i, rate in enumerate(setup["rates"]):
+            reqs = mixed_requests(setup["num_requests"], setup["long_fraction"], int(setup["long_len"]),
+                                  int(setup["short_len"]), int(setup["output_len"]), setup["range_ratio"], seed=r_i)
             work = _workload(reqs, rate, tokenize, chunk_tokens)
-            for name, (n_p, n_d, n_c, local) in DISAGG.items():
+            for name, (n_p, n_d, n_c, local) in shapes.items():
                 row = by_case.get(f"ttft_mean_ms/{name}@{rate:g}")
                 if row is None:
                     continue
                 out.append(Case(name, rate, work,
-                                SimConfig(prefill=n_p, decode=n_d, colocated=n_c, profile=profile,
-                                          local_prefill_tokens=local, host_cores=host_cores),
+                                SimConfig(prefill=n_p, decode=n_d, colocated=n_c, profile=prof,
+                                          local_prefill_tokens=local, host_cores=cores),
                                 {"ttft_mean_ms": row["value"], "tpot_mean_ms": None,
                                  "tpot_p99_ms": by_case[f"tpot_p99_ms/{name}@{rate:g}"]["value"],
                                  "mean_cached_tokens": None}))

@@ -29,7 +29,7 @@ def _bench(args: list[str], tmp_path: Path) -> dict:
 
 def test_bench_disagg_reports_the_seeds_table(tmp_path):
     doc = _bench(["disagg", "--config", "colocated", "--config", "disagg+conditional", "--num-requests", "4",
-                  "--input-len", "60", "--output-len", "6", "--rate", "4", "--plot", str(tmp_path / "t.png")], tmp_path)
+                  "--workload", "smoke", "--rate", "4", "--plot", str(tmp_path / "t.png")], tmp_path)
     cases = {r["case"]: r for r in doc["results"]}
     for config in ("colocated", "disagg+conditional"):
         for metric in ("ttft_mean_ms", "ttft_std_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_p99_ms", "out_tok_per_s",
@@ -39,11 +39,13 @@ def test_bench_disagg_reports_the_seeds_table(tmp_path):
         assert cases[f"itl_p99_ms/{config}@4"]["value"] > 0
         extra = cases[f"busy_mean/{config}@4"]["extra"]
         assert all(0 < b <= 1.05 for b in extra["busy"].values()), extra
+        assert set(extra["cpu"]) == set(extra["busy"]) | {"router", "pool"} and extra["cpu"]["router"] > 0, extra
         assert sum(extra["decisions"].values()) == 4, extra  # every request routed once, none refused
     assert set(cases["busy_mean/colocated@4"]["extra"]["decisions"]) == {"colocated"}
     assert set(cases["busy_mean/disagg+conditional@4"]["extra"]["decisions"]) <= {"disaggregated", "local_prefill"}
     assert cases["tpot_p99_ms/disagg+conditional@4"]["baseline"] == "colocated"
     assert (tmp_path / "t.png").stat().st_size > 0
+    assert doc["setup"]["split"] == [1, 1] and doc["setup"]["cpus_per_worker"] == 1
 
 
 def test_bench_policies_compares_the_three_on_the_same_workers(tmp_path):

@@ -192,6 +192,30 @@ def test_bad_requests_raise_typed_errors(worker_factory):
         asyncio.run(d.open_decode(m.DecodeRequest(handle=other, first_token=1)))
 
 
+def test_a_worker_without_a_pool_serves_alone_and_stores_nothing(worker_factory, pool):
+    """`--pool none`: a colocated worker that shares nothing (the baseline of what the pool
+    costs): the same tokens as a pooled one, no chunk in the pool, its own prefix cache still
+    used; a prefill or decode worker cannot be one (they hand KV over through the pool)."""
+    ids = ids_of(600, seed=41)
+
+    async def tokens(w) -> list[int]:
+        return [e.token_id async for e in await w.open_generate(m.GenerateRequest(token_ids=ids, max_tokens=6))
+                if e.token_id is not None and e.token_id >= 0]
+
+    alone = worker_factory(role="both", pool="none")
+    pooled = worker_factory(role="both")
+    assert asyncio.run(tokens(alone)) == asyncio.run(tokens(pooled))
+    keys = alone.adapter.chunk_keys(ids)
+    assert len(keys) == 2 and pool.exists_batch(keys) == [True, True]  # the pooled worker stored them
+    pool.remove(keys[0])
+    pool.remove(keys[1])
+    asyncio.run(tokens(alone))  # again: its own cache serves the prefix, nothing reaches the pool
+    assert pool.exists_batch(keys) == [False, False]
+    assert alone.cache.hits >= 2
+    with pytest.raises(InvalidArgument, match="colocated"):
+        WorkerConfig(role="prefill", pool="none")
+
+
 def test_without_a_keyring_decode_still_checks_token_ids_and_namespace(worker_factory, pool):
     """No keyring: handles are unsigned, but a handle without token ids, or of another tenant's
     namespace (salt), is refused before anything is released; a request naming a tenant is refused."""

@@ -1,0 +1,151 @@
+"""`kvpool bench overhead`: what the pool costs when there is nothing to reuse.
+
+A cold workload (every prompt new text, `disagg.py`'s presets) through the same engine twice,
+alternating rounds (pool, no pool, pool, no pool, ...), the same prompts in both halves of a
+round, fresh prompts every round:
+- reference: a colocated worker with the pool (it looks every prompt up, stores every full chunk)
+  vs the same worker with `--pool none` (it shares nothing), each behind a router of its own, the
+  two pinned to the same cores (they never run at once);
+- vllm (`--engine vllm`): a vLLM server with kvpool's connector (`kv_both`: it looks up and stores
+  every prompt) vs a plain vLLM server, same flags otherwise, their own OpenAI APIs.
+Each round sends `--requests` requests, at most `--concurrency` at a time. Reported per engine:
+mean TTFT and output tokens/s, the no-pool run as the baseline (LMCache's users measure a 3-15%
+loss on such workloads; the goal here is within 3% for our worker, 5% for the vLLM connector).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import click
+
+from engine_adapters.bench.disagg import WORKLOADS, requests_of
+from kvpool.bench.report import Report, progress
+
+
+@click.command()
+@click.option("--engine", "engines", multiple=True, type=click.Choice(["reference", "vllm"]),
+              help="Engines to measure (default: reference; vllm needs .venv-vllm).")
+@click.option("--workload", type=click.Choice(sorted(WORKLOADS)), default="mixed", show_default=True)
+@click.option("--rounds", type=int, default=6, show_default=True, help="Measured rounds (after one warm-up).")
+@click.option("--requests", "n_requests", type=int, default=8, show_default=True, help="Requests per round.")
+@click.option("--concurrency", type=int, default=2, show_default=True, help="Requests in flight at most.")
+@click.option("--cpus", default="0", show_default=True, help="Cores of both engines under test (one at a time).")
+@click.option("--vllm-python", type=click.Path(dir_okay=False))
+@click.option("--workdir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True)
+def overhead(engines, workload, rounds, n_requests, concurrency, cpus, vllm_python, workdir, as_json) -> None:
+    """The pool on vs off on a workload with no reuse: TTFT and throughput, same run."""
+    from engine_adapters.serving.cpus import parse
+
+    cores = parse(cpus)
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-bench-overhead-"))
+    report = Report("overhead")
+    report.setup = {"workload": workload, **WORKLOADS[workload], "rounds": rounds, "requests": n_requests,
+                    "concurrency": concurrency, "cpus": cpus}
+    for engine in engines or ("reference",):
+        with (_reference(workdir / "reference", cores) if engine == "reference"
+              else _vllm(workdir / "vllm", cores, vllm_python)) as (pooled, plain):
+            samples = _alternate(pooled, plain, workload, rounds, n_requests, concurrency, engine)
+        prefix = "" if engine == "reference" else "vllm_"
+        for metric, unit in (("ttft_mean_ms", "ms"), ("out_tok_per_s", "tok/s")):
+            ours, theirs = samples["pool"][metric], samples["no_pool"][metric]
+            per_round = [round(b / a if unit == "ms" else a / b, 3) for a, b in zip(ours, theirs)]
+            # value and baseline: the mean over all rounds (every round weighs its requests alike)
+            report.add(f"{prefix}{metric}/pool", [sum(ours) / len(ours)], unit, baseline="no_pool",
+                       baseline_values=[sum(theirs) / len(theirs)],
+                       extra={"ratio_per_round": per_round, "failed": samples["pool"]["failed"],
+                              "failed_no_pool": samples["no_pool"]["failed"]})
+    report.notes.append(f"cold {workload} workload {WORKLOADS[workload]}; {rounds} rounds of {n_requests} requests "
+                        f"(at most {concurrency} at once) per side, alternating; engines pinned to cores {cpus}; "
+                        "goal: ratio >= 0.97 (reference), >= 0.95 (vllm)")
+    report.emit(as_json)
+
+
+def _alternate(pooled: str, plain: str, workload: str, rounds: int, n: int, concurrency: int,
+               label: str) -> dict[str, dict[str, list[float]]]:
+    from kvpool.bench.serve_client import run_serve_bench
+
+    out = {side: {"ttft_mean_ms": [], "out_tok_per_s": [], "failed": 0} for side in ("pool", "no_pool")}
+    # Rounds differ (how many long prompts they draw), so the figures are paired: per round, the
+    # two sides ran the same prompts; `_summarize` compares the sums over the rounds.
+    bar, step = progress(2 * (rounds + 1), f"overhead ({label})")
+    with bar:
+        for r in range(rounds + 1):  # round 0 warms both up
+            reqs = requests_of(workload, n, seed=1000 + r)
+            order = (("pool", pooled), ("no_pool", plain)) if r % 2 else (("no_pool", plain), ("pool", pooled))
+            for side, url in order:  # who goes first alternates too
+                res = run_serve_bench(url, reqs, math.inf, max_concurrency=concurrency, label=side)
+                if r:
+                    out[side]["ttft_mean_ms"].append(res.metrics.ttft.mean)
+                    out[side]["out_tok_per_s"].append(res.metrics.output_throughput)
+                    out[side]["failed"] += res.metrics.failed
+                step()
+    return out
+
+
+class _reference:
+    """A pool, a pooled and a pool-less colocated worker, a router for each; yields their /v1 URLs."""
+
+    def __init__(self, workdir: Path, cores: list[int]):
+        from engine_adapters.serving.cpus import format_list
+        from engine_adapters.serving.launcher import LocalCluster, WorkerSpec
+
+        pin = ["--cpus", format_list(cores), "--prefill-chunk-tokens", "256"]
+        self.cluster = LocalCluster(workdir, [WorkerSpec("both", "pooled", pin),
+                                              WorkerSpec("both", "plain", ["--pool", "none", *pin])])
+        self.routers: list = []
+
+    def __enter__(self) -> tuple[str, str]:
+        from engine_adapters.bench.cluster import extra_router
+
+        self.cluster.start()
+        urls = []
+        for name in ("pooled", "plain"):
+            proc, url = extra_router(self.cluster, self.cluster.workdir, f"router-{name}", [],
+                                     workers=[self.cluster.workers[name].url])
+            self.routers.append(proc)
+            urls.append(f"{url}/v1")
+        return urls[0], urls[1]
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.routers:
+            proc.terminate()
+            proc.wait(10)
+        self.cluster.stop()
+
+
+class _vllm:
+    """A pool, a vLLM server with the kvpool connector and a plain one; yields their /v1 URLs."""
+
+    def __init__(self, workdir: Path, cores: list[int], vllm_python: str | None):
+        from engine_adapters.bench.adapter_vllm import vllm_python as find_python
+        from engine_adapters.vllm_serve import check_python, reference_spec
+
+        python = find_python(vllm_python)
+        check_python(python)
+        self.workdir, self.cores = workdir, cores
+        self.spec = reference_spec(python=python, dtype="float32")
+        self.procs: list = []
+
+    def __enter__(self) -> tuple[str, str]:
+        from engine_adapters.serving.launcher import LocalCluster
+        from engine_adapters.vllm_serve import spawn_server, wait_healthy
+
+        self.pool = LocalCluster(self.workdir, []).start()
+        for name, address in (("vllm-pooled", self.pool.pool_address), ("vllm-plain", None)):
+            self.procs.append(spawn_server(self.workdir, self.spec, name, "both", address, self.cores))
+        for proc in self.procs:
+            wait_healthy(proc, 900)
+        return f"{self.procs[0].url}/v1", f"{self.procs[1].url}/v1"
+
+    def __exit__(self, *exc) -> None:
+        from engine_adapters.serving.launcher import _reap, _terminate
+
+        for proc in self.procs:
+            _terminate(proc.popen)
+        for proc in self.procs:
+            _reap(proc.popen, 15)
+        self.pool.stop()
