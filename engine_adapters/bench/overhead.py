@@ -8,9 +8,11 @@ round, fresh prompts every round:
   two pinned to the same cores (they never run at once);
 - vllm (`--engine vllm`): a vLLM server with kvpool's connector (`kv_both`: it looks up and stores
   every prompt) vs a plain vLLM server, same flags otherwise, their own OpenAI APIs.
-Each round sends `--requests` requests, at most `--concurrency` at a time. Reported per engine:
-mean TTFT and output tokens/s, the no-pool run as the baseline (LMCache's users measure a 3-15%
-loss on such workloads; the goal here is within 3% for our worker, 5% for the vLLM connector).
+Each round sends `--requests` requests, at most `--concurrency` at a time (default one: a TTFT is
+then the request's own service time, and its pair on the other side saw the same prompt). Reported
+per engine: mean TTFT and output tokens/s, the no-pool run as the baseline, and the median and
+quartiles of the paired ratios (LMCache's users measure a 3-15% loss on such workloads; the goal
+here is within 3% for our worker, 5% for the vLLM connector).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from kvpool.bench.report import Report, progress
 @click.option("--workload", type=click.Choice(sorted(WORKLOADS)), default="mixed", show_default=True)
 @click.option("--rounds", type=int, default=6, show_default=True, help="Measured rounds (after one warm-up).")
 @click.option("--requests", "n_requests", type=int, default=8, show_default=True, help="Requests per round.")
-@click.option("--concurrency", type=int, default=2, show_default=True, help="Requests in flight at most.")
+@click.option("--concurrency", type=int, default=1, show_default=True,
+              help="Requests in flight at most (1: each TTFT is the request's own service time).")
 @click.option("--cpus", default="0", show_default=True, help="Cores of both engines under test (one at a time).")
 @click.option("--vllm-python", type=click.Path(dir_okay=False))
 @click.option("--workdir", type=click.Path(file_okay=False))
@@ -50,14 +53,14 @@ def overhead(engines, workload, rounds, n_requests, concurrency, cpus, vllm_pyth
               else _vllm(workdir / "vllm", cores, vllm_python)) as (pooled, plain):
             samples = _alternate(pooled, plain, workload, rounds, n_requests, concurrency, engine)
         prefix = "" if engine == "reference" else "vllm_"
-        for metric, unit in (("ttft_mean_ms", "ms"), ("out_tok_per_s", "tok/s")):
+        failed = {"failed": samples["pool"]["failed"], "failed_no_pool": samples["no_pool"]["failed"]}
+        for metric, unit, case in (("ttft_ms", "ms", "ttft_mean_ms"), ("out_tok_per_s", "tok/s", "out_tok_per_s")):
             ours, theirs = samples["pool"][metric], samples["no_pool"][metric]
-            per_round = [round(b / a if unit == "ms" else a / b, 3) for a, b in zip(ours, theirs)]
-            # value and baseline: the mean over all rounds (every round weighs its requests alike)
-            report.add(f"{prefix}{metric}/pool", [sum(ours) / len(ours)], unit, baseline="no_pool",
+            # value and baseline: means over every request (TTFT) or round (tokens/s); the paired
+            # ratios (same prompt, or same round, on both sides) say how sure the difference is
+            report.add(f"{prefix}{case}/pool", [sum(ours) / len(ours)], unit, baseline="no_pool",
                        baseline_values=[sum(theirs) / len(theirs)],
-                       extra={"ratio_per_round": per_round, "failed": samples["pool"]["failed"],
-                              "failed_no_pool": samples["no_pool"]["failed"]})
+                       extra={**_paired(ours, theirs, unit == "ms"), **failed})
     report.notes.append(f"cold {workload} workload {WORKLOADS[workload]}; {rounds} rounds of {n_requests} requests "
                         f"(at most {concurrency} at once) per side, alternating; engines pinned to cores {cpus}; "
                         "goal: ratio >= 0.97 (reference), >= 0.95 (vllm)")
@@ -66,11 +69,11 @@ def overhead(engines, workload, rounds, n_requests, concurrency, cpus, vllm_pyth
 
 def _alternate(pooled: str, plain: str, workload: str, rounds: int, n: int, concurrency: int,
                label: str) -> dict[str, dict[str, list[float]]]:
+    """Per side: every request's TTFT (ms, in the same order on both sides: the same prompts) and
+    every round's output tokens/s."""
     from kvpool.bench.serve_client import run_serve_bench
 
-    out = {side: {"ttft_mean_ms": [], "out_tok_per_s": [], "failed": 0} for side in ("pool", "no_pool")}
-    # Rounds differ (how many long prompts they draw), so the figures are paired: per round, the
-    # two sides ran the same prompts; `_summarize` compares the sums over the rounds.
+    out = {side: {"ttft_ms": [], "out_tok_per_s": [], "failed": 0} for side in ("pool", "no_pool")}
     bar, step = progress(2 * (rounds + 1), f"overhead ({label})")
     with bar:
         for r in range(rounds + 1):  # round 0 warms both up
@@ -79,11 +82,21 @@ def _alternate(pooled: str, plain: str, workload: str, rounds: int, n: int, conc
             for side, url in order:  # who goes first alternates too
                 res = run_serve_bench(url, reqs, math.inf, max_concurrency=concurrency, label=side)
                 if r:
-                    out[side]["ttft_mean_ms"].append(res.metrics.ttft.mean)
+                    out[side]["ttft_ms"] += [rec.ttft * 1e3 for rec in res.records]
                     out[side]["out_tok_per_s"].append(res.metrics.output_throughput)
                     out[side]["failed"] += res.metrics.failed
                 step()
     return out
+
+
+def _paired(ours: list[float], theirs: list[float], latency: bool) -> dict[str, float]:
+    """Median and quartiles of the pairwise ratios (baseline / ours for a latency)."""
+    import statistics
+
+    ratios = sorted((b / a if latency else a / b) for a, b in zip(ours, theirs) if a > 0 and b > 0)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {"paired_ratio_median": round(statistics.median(ratios), 4), "paired_ratio_q1": round(q[0], 4),
+            "paired_ratio_q3": round(q[2], 4), "pairs": len(ratios)}
 
 
 class _reference:

@@ -81,7 +81,12 @@ def test_registers_drains_with_a_stream_in_flight_and_exits_zero(spawn_worker):
 
 
 def test_idle_worker_exits_zero_within_seconds_and_decode_role_generates(spawn_worker):
-    worker = spawn_worker("decode")
+    import os
+
+    core = max(os.sched_getaffinity(0))
+    worker = spawn_worker("decode", "--cpus", str(core))  # pinned: one core, one torch thread
+    status = open(f"/proc/{worker.popen.pid}/status").read()
+    assert f"Cpus_allowed_list:\t{core}\n" in status, status
     resp = httpx.post(f"{worker.url}/v1/generate", json={"token_ids": list(range(200, 220)), "max_tokens": 3},
                       timeout=60)
     assert resp.status_code == 200
