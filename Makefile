@@ -152,7 +152,7 @@ bench: bench-deps
 	# the cluster benches take ~6 and ~13 minutes: kvpool bench policies --json; kvpool bench disagg --json
 
 gpu-check: $(STAMP)
-	$(BIN)/python -m kvpool.bench.gpu_check
+	$(BIN)/python -m kvpool.tools.bench.gpu_check
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis

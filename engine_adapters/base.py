@@ -7,7 +7,7 @@ request-scoped object `tail/<request id>`. It never hands the engine KV it could
 
 Usage (the HuggingFace adapter; every adapter has the same methods, `kv` in its engine's format):
 
-    from engine_adapters.model import load_reference_model
+    from reference_worker.model import load_reference_model
     from engine_adapters.hf import HFAdapter
     rm = load_reference_model()                       # float32 CPU; dtype="bfloat16" also works
     ad = HFAdapter(pool, rm.model, rm.namespace(chunk_tokens=256, tenant_salt=""))

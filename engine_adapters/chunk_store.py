@@ -21,7 +21,7 @@ from engine_adapters.base import KVEvent, SaveResult
 from engine_adapters.chunk_reader import ChunkReader
 from kvpool.chunk_format import ChunkAuth, ChunkView, decode_chunk, seal_into
 from kvpool.codec import encode_raw_object
-from kvpool.auth import chunk_mac_key, load_keyring, tenant_salt
+from kvpool.security.keyring import chunk_mac_key, load_keyring, tenant_salt
 from kvpool.config import read_secret_file
 from kvpool.contract import PoolClient
 from kvpool.errors import AlreadyExists, CorruptObject, InvalidArgument, KVPoolError, LayoutMismatch
@@ -101,7 +101,7 @@ class ChunkStore:
     thread that made the change, outside any lock).
 
     Every chunk it writes names its namespace and key and, given `mac_key` (the tenant's
-    `kvpool.auth.chunk_mac_key`, with a keyring), carries a MAC under it; its reader accepts only
+    `kvpool.security.keyring.chunk_mac_key`, with a keyring), carries a MAC under it; its reader accepts only
     such chunks (`engine_adapters.chunk_reader`).
     """
 

@@ -26,7 +26,7 @@ can use layer 0 while later layers are still arriving.
 Binding (`ChunkAuth`): a chunk names where it belongs, the namespace and the key it was written
 under, so a valid chunk copied under another key, or another tenant's chunk (tenants' namespaces
 differ by their salt), is refused. The unkeyed xxh3 checksum catches accidents; the keyed MAC,
-under the tenant's chunk MAC key (`kvpool.auth.chunk_mac_key`), catches writers who lie: without
+under the tenant's chunk MAC key (`kvpool.security.keyring.chunk_mac_key`), catches writers who lie: without
 the tenant's secret nobody can make a chunk its readers accept. BLAKE3 keyed, not HMAC-SHA256:
 measured here on 1-8 MiB payloads, 3.2-6 GiB/s against 0.85-1.6 GiB/s (SHA-NI), and a chunk of
 the reference model is 6-12 MiB. A reader with a MAC key accepts only chunks with a valid MAC; a
@@ -107,7 +107,7 @@ def key_digest(key: str) -> bytes:
 class ChunkAuth:
     """Where a writer's or reader's chunks belong and how they are authenticated: the namespace
     digest (16 bytes, `Namespace.digest()`) and, with a keyring, the tenant's 32-byte chunk MAC
-    key (`kvpool.auth.chunk_mac_key`; None: unkeyed, the binding is checked, not authenticated)."""
+    key (`kvpool.security.keyring.chunk_mac_key`; None: unkeyed, the binding is checked, not authenticated)."""
 
     namespace: bytes
     mac_key: bytes | None = field(default=None, repr=False)
@@ -116,7 +116,7 @@ class ChunkAuth:
         if not isinstance(self.namespace, (bytes, bytearray)) or len(self.namespace) != 16:
             raise InvalidArgument("ChunkAuth.namespace must be a 16-byte namespace digest")
         if self.mac_key is not None and (not isinstance(self.mac_key, (bytes, bytearray)) or len(self.mac_key) != 32):
-            raise InvalidArgument("ChunkAuth.mac_key must be 32 bytes (kvpool.auth.chunk_mac_key)")
+            raise InvalidArgument("ChunkAuth.mac_key must be 32 bytes (kvpool.security.keyring.chunk_mac_key)")
 
     @property
     def keyed(self) -> bool:

@@ -56,7 +56,7 @@ class RpcSettings(BaseSettings):
     rpc_spin: int = Field(64, ge=0)  # polls a client may make for a reply before sleeping (0: off)
     server_spin: int = Field(64, ge=0)  # polls a server thread may make for its sole client's next request
     rpc_unix: bool = True  # same-host clients move to the server's abstract unix socket (Linux)
-    # Authentication (kvpool.auth): a keyring file turns it on for every port; a client speaks as
+    # Authentication (kvpool.security.keyring): a keyring file turns it on for every port; a client speaks as
     # `principal` from it. None: off, and services listen on loopback only (protected mode).
     auth_file: str | None = None
     principal: str | None = None

@@ -75,9 +75,9 @@ def check_key(key: Any) -> str:
     return key
 
 
-# A tenant's keys are stored as "<tenant id>\x00<key>" (the pool scopes them, `kvpool.rpc.authz`):
+# A tenant's keys are stored as "<tenant id>\x00<key>" (the pool scopes them, `kvpool.security.authz`):
 # a user key never contains NUL, so no key of one tenant (or of an unscoped client) can name
-# another tenant's. The tenant id is at most 64 characters (`kvpool.auth.parse_role`).
+# another tenant's. The tenant id is at most 64 characters (`kvpool.security.keyring.parse_role`).
 SCOPE_SEP = "\x00"
 MAX_TENANT_BYTES = 64
 

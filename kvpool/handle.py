@@ -16,7 +16,7 @@ decode worker before any side effect): a loader refuses a handle without `token_
 re-derives every chunk key from them and its own namespace (the tenant salt included), so a handle
 can name only the keys of its own prompt in its own namespace; the tail key must be
 `tail/<request_id>`. With a keyring the prefill worker also signs the handle (`signed`: HMAC-SHA256
-under `kvpool.auth.handle_key` of the tenant's secret, over every other field, the tenant's id
+under `kvpool.security.keyring.handle_key` of the tenant's secret, over every other field, the tenant's id
 included) and a decode worker accepts it only for that tenant with a valid signature (`verify`):
 a handle of another tenant, or one edited or made up by whoever relays it (the router, a client),
 is refused with `Forbidden`, and `release=true` removes nothing it names.
@@ -68,7 +68,7 @@ class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
         return hmac.new(key, b"kvpool-handle/v1\n" + msgspec.json.encode(unsigned), hashlib.sha256).hexdigest()
 
     def signed(self, key: bytes, tenant: str | None) -> "KVHandle":
-        """This handle for `tenant`, signed under `key` (`kvpool.auth.handle_key`)."""
+        """This handle for `tenant`, signed under `key` (`kvpool.security.keyring.handle_key`)."""
         bound = msgspec.structs.replace(self, tenant=tenant, signature=None)
         return msgspec.structs.replace(bound, signature=bound._mac(key))
 

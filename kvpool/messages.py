@@ -77,7 +77,7 @@ class NodeInfo(Msg):
     shm_path: Union[str, None]
     capacity: dict[str, int]  # tier -> bytes
     transfer_segment: Union[bytes, None] = None  # transfer engine SegmentDescriptor.to_bytes()
-    index_path: Union[str, None] = None  # the DRAM index same-host readers map (kvpool.tiers.shm_index)
+    index_path: Union[str, None] = None  # the DRAM index same-host readers map (kvpool.shm.index)
     unix: Union[str, None] = None  # the node RPC's unix socket, for same-host clients (kvpool.rpc)
 
 
@@ -138,7 +138,7 @@ class HelloReply(Msg):
     replicas: int  # default replica count
     hostname: str = ""  # the server's machine: same-host clients may move to `unix`
     unix: Union[str, None] = None  # the server's unix socket (kvpool.rpc)
-    scope: str = ""  # how the pool stores this client's keys: "<tenant>\x00" + key ("": unscoped; kvpool.rpc.authz)
+    scope: str = ""  # how the pool stores this client's keys: "<tenant>\x00" + key ("": unscoped; kvpool.security.authz)
 
 
 class PutStart(Msg):

@@ -152,7 +152,7 @@ class WorkerInfo(Message):
     # pool bytes of one token as kv_codec stores it (what a fetch moves; 0: bytes_per_token)
     stored_bytes_per_token: int = 0
     # The namespace's canonical JSON (kvpool.keys.Namespace.canonical_json): a router salts it per
-    # tenant (tenant_salt replaced by kvpool.auth.tenant_salt) to hash a tenant's prompts.
+    # tenant (tenant_salt replaced by kvpool.security.keyring.tenant_salt) to hash a tenant's prompts.
     namespace_doc: str = ""
 
 
@@ -160,7 +160,7 @@ class TokenizerInfo(Message):
     """What a router needs to tokenize exactly as the worker does, without the model:
     the `tokenizers` JSON, the chat template (jinja) and the special tokens it refers to.
 
-    The worker's `/v1/tokenize` equals, id for id (tests/engine_adapters/serving/test_tokenizer_info.py):
+    The worker's `/v1/tokenize` equals, id for id (tests/reference_worker/test_tokenizer_info.py):
       tok = tokenizers.Tokenizer.from_str(tokenizer_json)
       prompt:   ids = tok.encode(prompt).ids (special tokens on); [bos id] + ids if add_bos_token
       messages: text = template.render(messages=[{"role", "content"}, ...], add_generation_prompt=True,

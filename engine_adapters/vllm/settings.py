@@ -14,7 +14,7 @@ import torch
 from engine_adapters.chunk_store import plugin_tenant_salt
 from engine_adapters.vllm.layouts import PAGED_LAYOUTS
 from kvpool.chunk_format import KVLayout
-from kvpool.auth import request_salt
+from kvpool.security.keyring import request_salt
 from kvpool.codec import get_codec
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace
@@ -106,6 +106,6 @@ class ConnectorSettings:
     def namespace(self, tp_rank: int, cache_salt: str | None = None) -> Namespace:
         """The chunk key namespace of TP rank `tp_rank` for requests carrying `cache_salt` (vLLM's
         per-request salt, `Request.cache_salt`; None: the configured namespace, as before salts),
-        salted with `kvpool.auth.request_salt(tenant_salt, cache_salt)`."""
+        salted with `kvpool.security.keyring.request_salt(tenant_salt, cache_salt)`."""
         return Namespace(self.model_id, self.weights_fingerprint, self.layout, tp_rank, self.tp_size,
                          request_salt(self.tenant_salt, cache_salt))

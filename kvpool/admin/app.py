@@ -15,9 +15,9 @@ Invariants:
   (400 malformed input, 401 token, 404 unknown key or node, 413, 503, ...); an unexpected
   exception is logged here and answered 500 without a traceback. The app keeps serving.
 - With a bearer token configured (`settings.admin_token`, or `admin_token_file`), every endpoint
-  but the probes and the schema requires it (`kvpool.admin.auth`); a refused request never
-  reaches the master. A request body over 1 MiB is answered 413 (`kvpool.http_guard`).
-- A tenant (its derived token, `kvpool.admin.auth`) sees only its own keys, named as it names
+  but the probes and the schema requires it (`kvpool.security.admin_token`); a refused request never
+  reaches the master. A request body over 1 MiB is answered 413 (`kvpool.security.http_guard`).
+- A tenant (its derived token, `kvpool.security.admin_token`) sees only its own keys, named as it names
   them, and its own use and quota: another tenant's key answers exactly as a missing key (404,
   the same body); every other endpoint is 403 for it.
 - `admin_token` is never returned by `GET /v1/config`.
@@ -37,13 +37,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.admin import schemas as s
-from kvpool.admin.auth import TenantTokens, needs_token, tenant_tokens
-from kvpool.auth import load_keyring
+from kvpool.security.admin_token import TenantTokens, needs_token, tenant_tokens
+from kvpool.security.keyring import load_keyring
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins
 from kvpool.contract import check_key, check_stored_key, scope_prefix
 from kvpool.config import Settings
 from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, Unavailable
-from kvpool.http_guard import HttpGuard
+from kvpool.security.http_guard import HttpGuard
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def _with_node_tiers(stats: dict[str, Any], nodes: list[dict[str, Any]]) -> dict
 
 
 def _tenant(request: Request) -> str | None:
-    """The tenant asking (its token, `kvpool.admin.auth`), or None: the admin's whole view."""
+    """The tenant asking (its token, `kvpool.security.admin_token`), or None: the admin's whole view."""
     return request.scope.get("state", {}).get("tenant")
 
 
@@ -232,7 +232,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         return _error(exc.status_code, code, str(exc.detail))
 
     app.add_middleware(_CatchAll)
-    # Outermost: who is asking (the admin token, a tenant's: kvpool/admin/auth.py), then the body
+    # Outermost: who is asking (the admin token, a tenant's: kvpool/security/admin_token.py), then the body
     # cap, before anything else runs.
     app.add_middleware(HttpGuard, what="the admin API", token=current_token, needs_token=needs_token,
                        tenants=TenantTokens(tenant_tokens(load_keyring(settings.auth_file))),

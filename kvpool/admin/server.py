@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from kvpool.auth import is_loopback
+from kvpool.security.keyring import is_loopback
 from kvpool.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)

@@ -71,8 +71,8 @@ def admin(ctx: click.Context, url: str | None, token_file: str | None, principal
 
 
 def _tenant_token(principal: str, auth_file: str | None) -> str:
-    """The admin-API token of tenant `principal` (`kvpool.auth.admin_api_token`)."""
-    from kvpool.auth import admin_api_token, load_keyring
+    """The admin-API token of tenant `principal` (`kvpool.security.keyring.admin_api_token`)."""
+    from kvpool.security.keyring import admin_api_token, load_keyring
 
     keyring = load_keyring(auth_file)
     if keyring is None:

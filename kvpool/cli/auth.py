@@ -56,7 +56,7 @@ def auth() -> None:
 def init(out_dir: str, tenants: tuple[str, ...], force: bool) -> None:
     """Write a keyring with a node principal, an admin principal and one principal per --tenant
     (random secrets, one API key each), the admin API token and the internal HTTP token."""
-    from kvpool.auth import Keyring, internal_http_token, parse_role
+    from kvpool.security.keyring import Keyring, internal_http_token, parse_role
 
     if len(set(tenants)) != len(tenants):
         raise click.UsageError("a --tenant is given twice")

@@ -1,8 +1,8 @@
 """`kvpool bench <name>`: every benchmark, by name. Each measures our figure and its baseline in
-the same run (`kvpool.bench.report`); `--json` ends the output with one JSON line.
+the same run (`kvpool.tools.bench.report`); `--json` ends the output with one JSON line.
 
-The pool's own benchmarks live in `kvpool.bench`; those that need an engine or start reference
-workers live with the adapters, in `engine_adapters.bench` (the CLI is the one part of kvpool
+The pool's own benchmarks live in `kvpool.tools.bench`; those that need an engine or start reference
+workers live with the adapters, in `kvpool.tools.bench` (the CLI is the one part of kvpool
 that may reach up into engine_adapters). A benchmark module is imported only when it runs.
 """
 
@@ -14,17 +14,17 @@ import click
 
 # bench name -> "module:attribute" (a click command)
 BENCHES: dict[str, str] = {
-    "adapter": "engine_adapters.bench.adapter:adapter",
-    "codec": "engine_adapters.bench.codec:codec",
-    "disagg": "engine_adapters.bench.disagg:disagg",
-    "engine": "engine_adapters.bench.engine:engine",
-    "overhead": "engine_adapters.bench.overhead:overhead",
-    "policies": "engine_adapters.bench.policies:policies",
-    "pool": "kvpool.bench.pool:pool",
-    "router": "engine_adapters.bench.router:router",
-    "serve": "kvpool.bench.serve:serve",
-    "store": "kvpool.bench.store:store",
-    "transfer": "kvpool.bench.transfer:transfer",
+    "adapter": "kvpool.tools.bench.adapter:adapter",
+    "codec": "kvpool.tools.bench.codec:codec",
+    "disagg": "kvpool.tools.bench.disagg:disagg",
+    "engine": "kvpool.tools.bench.engine:engine",
+    "overhead": "kvpool.tools.bench.overhead:overhead",
+    "policies": "kvpool.tools.bench.policies:policies",
+    "pool": "kvpool.tools.bench.pool:pool",
+    "router": "kvpool.tools.bench.router:router",
+    "serve": "kvpool.tools.bench.serve:serve",
+    "store": "kvpool.tools.bench.store:store",
+    "transfer": "kvpool.tools.bench.transfer:transfer",
 }
 
 

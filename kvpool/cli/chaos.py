@@ -25,9 +25,9 @@ def chaos(seed: int, duration: float, min_faults: int, clients: int, rate: float
     """Faults under load: SIGKILL/SIGSTOP of nodes and of the leading master, etcd restarts,
     cut/delayed/blackholed links, a full SSD disk; then every operation and every key checked.
 
-    Exits 1 when a promise was broken (see kvpool.chaos.checker). The same --seed replays the
+    Exits 1 when a promise was broken (see kvpool.tools.chaos.checker). The same --seed replays the
     same fault schedule."""
-    from kvpool.chaos.campaign import run_campaign
+    from kvpool.tools.chaos.campaign import run_campaign
 
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvpool-chaos-"))
     click.echo(f"chaos campaign, seed {seed}, {duration:.0f}s, at least {min_faults} faults; logs in {workdir}")

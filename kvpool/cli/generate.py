@@ -19,7 +19,7 @@ import click
               "cached_tokens, computed_tokens.")
 def generate(prefill_url, decode_url, prompt, message, max_tokens, as_json) -> None:
     """Send PROMPT (or MESSAGE) through a prefill and a decode worker and stream the answer."""
-    from engine_adapters.serving.client import WorkerClient, generate as run
+    from reference_worker.client import WorkerClient, generate as run
 
     if (prompt is None) == (message is None):
         raise click.UsageError("give exactly one of --prompt or --message")

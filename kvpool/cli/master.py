@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpool.auth import check_bind
+from kvpool.security.keyring import check_bind
 from kvpool.cli.service_options import common_options, run_until_signal, settings_from
 
 
@@ -19,7 +19,7 @@ def master(config_file, **flags) -> None:
     from kvpool.master.server import MasterServer
 
     settings = settings_from(config_file, **flags)
-    check_bind(settings.host, bool(settings.auth_file), "kvpool master")  # protected mode (kvpool.auth)
+    check_bind(settings.host, bool(settings.auth_file), "kvpool master")  # protected mode (kvpool.security.keyring)
     server = MasterServer(settings).start()
     if settings.admin_port:
         from kvpool.admin.app import create_app

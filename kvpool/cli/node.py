@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from kvpool.auth import check_bind
+from kvpool.security.keyring import check_bind
 from kvpool.cli.service_options import common_options, node_options, run_until_signal, settings_from
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def node(config_file, **flags) -> None:
     from kvpool.node import StoreNode
 
     settings = settings_from(config_file, **flags)
-    check_bind(settings.host, bool(settings.auth_file), "kvpool node")  # protected mode (kvpool.auth)
+    check_bind(settings.host, bool(settings.auth_file), "kvpool node")  # protected mode (kvpool.security.keyring)
     store_node = StoreNode(settings).start()
     metrics = None
     if settings.admin_port:

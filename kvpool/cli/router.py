@@ -50,7 +50,7 @@ def router(host, port, pool_address, workers, engine, tokenizer_path, kv_connect
 
     from kvpool.router.server import serve
     from kvpool.router.service import RouterConfig
-    from kvpool.router.vllm_backend import VLLMSettings
+    from kvpool.router.backends.vllm import VLLMSettings
 
     vllm = None
     if engine == "vllm":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpool.auth import check_bind
+from kvpool.security.keyring import check_bind
 from kvpool.cli.service_options import common_options, node_options, run_until_signal, settings_from
 from kvpool.errors import InvalidArgument
 
@@ -21,7 +21,7 @@ def serve(config_file, **flags) -> None:
     from kvpool.embedded import EmbeddedPool
 
     settings = settings_from(config_file, **flags)
-    check_bind(settings.host, bool(settings.auth_file), "kvpool serve")  # protected mode (kvpool.auth)
+    check_bind(settings.host, bool(settings.auth_file), "kvpool serve")  # protected mode (kvpool.security.keyring)
     if settings.meta:
         raise InvalidArgument("`kvpool serve` is the embedded mode (no etcd); for a cluster run "
                               "`kvpool master --meta ...` and `kvpool node --meta ...`")

@@ -57,8 +57,8 @@ def _workload_options(fn):
 
 
 def _load(opts: dict[str, Any]):
-    from kvpool.sim.profile import load_profile
-    from kvpool.sim.workload import load_trace, synthetic
+    from kvpool.tools.sim.profile import load_profile
+    from kvpool.tools.sim.workload import load_trace, synthetic
 
     if opts["trace"] and opts["synthetic"]:
         raise click.UsageError("give --trace FILE or --synthetic N, not both")
@@ -77,7 +77,7 @@ def _load(opts: dict[str, Any]):
 
 def _config(opts: dict[str, Any], prof, dprof, **over):
     from kvpool.config import parse_size
-    from kvpool.sim.engine import SimConfig
+    from kvpool.tools.sim.engine import SimConfig
 
     cfg = SimConfig(profile=prof, decode_profile=dprof, ssd_bytes=parse_size(opts["ssd"]), eviction=opts["eviction"],
                     policy=opts["policy"], cache=opts["cache"], local_prefill_tokens=opts["local_prefill_tokens"],
@@ -114,9 +114,9 @@ def sim(ctx: click.Context, prefill, decode, colocated, dram, goodput_steps, plo
     """
     if ctx.invoked_subcommand is not None:
         return
-    from kvpool.sim.engine import Simulation
-    from kvpool.sim.goodput import goodput_search
-    from kvpool.sim.results import summarize
+    from kvpool.tools.sim.engine import Simulation
+    from kvpool.tools.sim.goodput import goodput_search
+    from kvpool.tools.sim.results import summarize
 
     if not (prefill or decode or colocated):
         raise click.UsageError("give --prefill N --decode M, or --colocated K")
@@ -128,7 +128,7 @@ def sim(ctx: click.Context, prefill, decode, colocated, dram, goodput_steps, plo
     cfg = _config(opts, prof, dprof, prefill=prefill, decode=decode, colocated=colocated,
                   dram_bytes=_size_or_unlimited(dram))
     slo = (opts["slo_ttft_ms"] / 1e3, opts["slo_tbt_ms"] / 1e3, opts["slo_target"])
-    from kvpool.bench.report import progress
+    from kvpool.tools.bench.report import progress
 
     bar, step = progress(len(workload) + goodput_steps, f"simulating {len(workload)} requests")
     with bar:
@@ -141,7 +141,7 @@ def sim(ctx: click.Context, prefill, decode, colocated, dram, goodput_steps, plo
     summary["goodput_rps"] = None if goodput is None else round(goodput, 5)
     summary["goodput_search"] = points
     if plot_path:
-        from kvpool.sim.plot import plot_run
+        from kvpool.tools.sim.plot import plot_run
 
         summary["plot"] = str(plot_run(simulation, summary, points, Path(plot_path)))
     _emit(summary, as_json)
@@ -204,8 +204,8 @@ def _json_default(obj: Any) -> Any:
 @click.option("--json", "as_json", is_flag=True)
 def plan(mixes, drams, dram_price, min_hit_ratio, plot_path, as_json, **opts) -> None:
     """Sweep capacities and instance mixes; print the cheapest configuration meeting the targets."""
-    from kvpool.bench.report import progress
-    from kvpool.sim.plan import cheapest, sweep
+    from kvpool.tools.bench.report import progress
+    from kvpool.tools.sim.plan import cheapest, sweep
 
     workload, prof, dprof = _load(opts)
     mix_list = [m for m in mixes.split(",") if m.strip()]
@@ -223,7 +223,7 @@ def plan(mixes, drams, dram_price, min_hit_ratio, plot_path, as_json, **opts) ->
                        "slo_target": opts["slo_target"], "min_hit_ratio": min_hit_ratio},
            "rows": rows, "cheapest": best}
     if plot_path:
-        from kvpool.sim.plot import plot_plan
+        from kvpool.tools.sim.plot import plot_plan
 
         doc["plot"] = str(plot_plan(rows, best, opts["slo_target"], Path(plot_path)))
     from rich.console import Console
@@ -246,7 +246,7 @@ def plan(mixes, drams, dram_price, min_hit_ratio, plot_path, as_json, **opts) ->
 
 @sim.command()
 @click.option("--out", "out_path", type=click.Path(dir_okay=False),
-              help="Where to write the profile (default: the 'local' profile path, ~/.cache/kvpool/sim/local.json).")
+              help="Where to write the profile (default: the 'local' profile path, ~/.cache/kvpool/tools/sim/local.json).")
 @click.option("--workdir", type=click.Path(file_okay=False))
 @click.option("--repeats", type=int, default=2, show_default=True, help="Measurements per prefill point (all of them fitted).")
 @click.option("--json", "as_json", is_flag=True)
@@ -255,13 +255,13 @@ def calibrate(out_path, workdir, repeats, as_json) -> None:
     vs batch size and KV, pool fetch and push rates) and write the 'local' profile."""
     import tempfile
 
-    from engine_adapters.serving.launcher import LocalCluster, WorkerSpec
-    from kvpool.sim.calibrate import fit, measure
-    from kvpool.sim.profile import local_profile_path
+    from kvpool.launch.local import LocalCluster, WorkerSpec
+    from kvpool.tools.sim.calibrate import fit, measure
+    from kvpool.tools.sim.profile import local_profile_path
 
     path = Path(out_path) if out_path else local_profile_path()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-sim-calibrate-"))
-    from engine_adapters.serving.cpus import format_list, plan as cores_for
+    from kvpool.launch.cpus import format_list, plan as cores_for
 
     cores = cores_for(2, 1)  # a core each, as `kvpool bench disagg` pins its workers
     cluster = LocalCluster(workdir, [WorkerSpec("prefill", "prefill-0", ["--local-cache", "0", "--cpus", format_list(cores[0])]),
@@ -297,9 +297,9 @@ def study(prefill, decode, cheap_decode_profile, scales, capacities, goodput_ste
     disaggregated at equal count and equal cost. Writes one JSON document (and a PNG)."""
     import time
 
-    from kvpool.bench.report import progress
-    from kvpool.sim.profile import load_profile
-    from kvpool.sim.study import Study
+    from kvpool.tools.bench.report import progress
+    from kvpool.tools.sim.profile import load_profile
+    from kvpool.tools.sim.study import Study
 
     workload, prof, dprof = _load(opts)
     slo = (opts["slo_ttft_ms"] / 1e3, opts["slo_tbt_ms"] / 1e3, opts["slo_target"])
@@ -335,7 +335,7 @@ def study(prefill, decode, cheap_decode_profile, scales, capacities, goodput_ste
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
     if plot_path:
-        from kvpool.sim.plot import plot_study
+        from kvpool.tools.sim.plot import plot_study
 
         plot_study(doc, Path(plot_path))
     click.echo(f"{st.runs} simulations in {doc['wall_s']} s; written to {out_path}")
@@ -352,11 +352,11 @@ def validate(bench_json, profile_name, host_cores, as_json) -> None:
     and compare mean TTFT and TPOT with what the real cluster measured."""
     from transformers import AutoTokenizer
 
-    from engine_adapters.model import reference_model_path
-    from kvpool.sim.engine import Simulation
-    from kvpool.sim.profile import load_profile
-    from kvpool.sim.results import summarize
-    from kvpool.sim.validate import cases, compare
+    from reference_worker.model import reference_model_path
+    from kvpool.tools.sim.engine import Simulation
+    from kvpool.tools.sim.profile import load_profile
+    from kvpool.tools.sim.results import summarize
+    from kvpool.tools.sim.validate import cases, compare
 
     tok = AutoTokenizer.from_pretrained(reference_model_path())
 

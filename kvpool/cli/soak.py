@@ -29,10 +29,10 @@ def soak(duration: float, out_dir: Path, name: str, seed: int, sample_s: float, 
     client processes that are SIGKILLed mid-operation or exit cleanly and are replaced.
 
     Samples each server's RSS, open fds and threads and the pool's /dev/shm files; judges each
-    series over its second half (see kvpool.chaos.leaks for the allowances). Exits 1 when
+    series over its second half (see kvpool.tools.chaos.leaks for the allowances). Exits 1 when
     anything grew, a server died or a read was wrong."""
-    from kvpool.chaos.leaks import plot
-    from kvpool.chaos.soak import run_soak, summary
+    from kvpool.tools.chaos.leaks import plot
+    from kvpool.tools.chaos.soak import run_soak, summary
 
     out_dir.mkdir(parents=True, exist_ok=True)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvpool-soak-"))

@@ -4,7 +4,7 @@ The CLI is the one place in `kvpool` that sees `engine_adapters` (imported on us
 
 The tenant salt is a secret (it keys the namespace), so it never comes from argv, which any local
 user reads in `ps`: `--tenant-salt-file FILE` or `KVPOOL_TENANT_SALT`. With a keyring
-(`KVPOOL_AUTH_FILE`) a worker derives each tenant's salt itself (engine_adapters/serving/tenants.py).
+(`KVPOOL_AUTH_FILE`) a worker derives each tenant's salt itself (reference_worker/tenants.py).
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def worker(role, pool_address, host, port, chunk_tokens, local_cache, max_batch,
 
     SIGTERM or SIGINT drains first (503 to new requests, open streams finish), then exits 0.
     """
-    from engine_adapters.serving.server import serve
-    from engine_adapters.serving.service import WorkerConfig
+    from reference_worker.server import serve
+    from reference_worker.service import WorkerConfig
 
     settings = load_settings(config_file, host=host, chunk_tokens=chunk_tokens)
     config = WorkerConfig(role=role, pool=pool_address or settings.master, chunk_tokens=settings.chunk_tokens,

@@ -14,7 +14,7 @@ from kvpool.client.sync import Client
 
 def connect(address: str = "127.0.0.1:7600", **kwargs: Any) -> Client:
     """A connected synchronous client. kwargs: timeout, replicas, use_shm, writer_node, data_path
-    ("auto" | "rpc" | "engine"), transfer_engine, transports, credential (a `kvpool.auth.Credential`;
+    ("auto" | "rpc" | "engine"), transfer_engine, transports, credential (a `kvpool.security.keyring.Credential`;
     default: `KVPOOL_PRINCIPAL` in the keyring file `KVPOOL_AUTH_FILE`, see `Client`)."""
     return Client(address, **kwargs)
 

@@ -1,5 +1,5 @@
 """A client's connection to one store node: its RPC connection and, on the same host, its
-arena and DRAM index mapped read-only (`kvpool.tiers.shm_index`).
+arena and DRAM index mapped read-only (`kvpool.shm.index`).
 
 What the connection keeps between calls: pins to release (`unpin_later`: they ride on the next
 request to that node, or a one-way `NodeUnpin` from `flush`, so an unpin costs no round trip),
@@ -18,13 +18,13 @@ import os
 import socket
 from typing import Any, Callable, Sequence
 
-from kvpool.auth import Credential
+from kvpool.security.keyring import Credential
 from kvpool.config import RpcSettings
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import NodePin, NodeStats, NodeUnpin
 from kvpool.rpc import RpcClient, parse_address
-from kvpool.tiers import shm_index
-from kvpool.tiers.arena import populate
+from kvpool.shm import index as shm_index
+from kvpool.shm.arena import populate
 
 log = logging.getLogger(__name__)
 

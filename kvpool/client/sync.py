@@ -30,14 +30,14 @@ from typing import Any, Callable, Sequence, TypeVar
 from kvpool.client.datapath import DataPaths
 from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn
 from kvpool.client.where import EmbeddedWhere, MasterWhere
-from kvpool.auth import Credential
+from kvpool.security.keyring import Credential
 from kvpool.config import RpcSettings
 from kvpool.contract import check_key
 from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, NotLeader, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Admin, Exists, Hello, MatchPrefix, Placed, Release, Remove
 from kvpool.rpc import RpcClient
 from kvpool.rpc.client import credential_from
-from kvpool.tiers.base import readable_view, writable_view
+from kvpool.shm.views import readable_view, writable_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 Batch requests answer per item (`Err` in place of a result), so one bad key never fails the
 others. `Admin` exposes the read-only admin methods by name (a fixed allow-list) for SDK users and tests.
-Who may call which (`kvpool.rpc.authz` has already let the message through): node and admin
+Who may call which (`kvpool.security.authz` has already let the message through): node and admin
 principals every method; a tenant only `keys` and `key_info`, over its own keys, named as it
 names them (the listing is filtered by its scope and unscoped).
 """
@@ -17,7 +17,7 @@ from kvpool.messages import (PROTOCOL_VERSION, Admin, BatchResult, Bools, Count,
                              HeartbeatReply, Hello, HelloReply, Info, Lookup, LookupReply, MatchPrefix, Ok, PutEnd,
                              PutPlans, PutStart, RegisterNode, Release, Remove, per_item)
 from kvpool.contract import check_key
-from kvpool.rpc.authz import unscope
+from kvpool.security.authz import unscope
 
 # Read-only on purpose: the RPC port has no token; changes go through the REST admin API.
 _ADMIN_METHODS = {"nodes", "node", "stats", "key_info", "keys", "config"}

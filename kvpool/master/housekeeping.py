@@ -28,7 +28,7 @@ from kvpool.errors import AllPinned
 from kvpool.master.migration import Migration
 from kvpool.master.state import MasterState
 from kvpool.master.tables import COMPLETE, NODE_UP, PENDING
-from kvpool.tiers.policy import tenant_of
+from kvpool.security.tenancy import tenant_of
 
 log = logging.getLogger("kvpool.master.service")
 

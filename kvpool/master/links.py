@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvpool.auth import Credential
+from kvpool.security.keyring import Credential
 from kvpool.master.tables import NodeEntry
 from kvpool.messages import NodeCopy, NodeRemove
 from kvpool.rpc import RpcClient

@@ -3,7 +3,7 @@
 The master plans every put (`MasterService.put_start`), so it is the one place that sees a
 tenant's whole footprint; it refuses a put past the tenant's `quota_bytes` / `quota_keys` (from
 the keyring) with `QuotaExceeded` before placing it. A tenant's use is, over the objects of its
-scoped keys ("<tenant>\\x00<key>", `kvpool.rpc.authz`; unscoped keys count as tenant ""):
+scoped keys ("<tenant>\\x00<key>", `kvpool.security.authz`; unscoped keys count as tenant ""):
 
     bytes = sum(size x replicas)   keys = number of objects
 
@@ -33,7 +33,7 @@ from typing import Any
 
 from kvpool.contract import SCOPE_SEP
 from kvpool.errors import QuotaExceeded
-from kvpool.tiers.policy import tenant_of
+from kvpool.security.tenancy import tenant_of
 
 
 class _ChargedReplicas(dict):

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from kvpool.auth import load_keyring
+from kvpool.security.keyring import load_keyring
 from kvpool.config import Settings
 from kvpool.errors import KeyNotFound, NotLeader, Unavailable
 from kvpool.master.quotas import TenantObjects, check_quota

@@ -4,11 +4,11 @@ configured, and who signs the ranges it hands out.
 With a keyring, the node's transfer engine authenticates every data connection against it
 (any principal of the keyring: a tenant's client reads through it too), proves the node
 principal when it connects out, and serves only granted ranges (`transfer.grant`, signed with
-`kvpool.auth.grant_key` of the node principal's secret). The node signs a READ grant for each
+`kvpool.security.keyring.grant_key` of the node principal's secret). The node signs a READ grant for each
 range it pins for a reader (`Pins.grants`, until the pin's lease ends, revoked when the pin is
 released) and a WRITE grant for each reservation (`Writes.open`, until the put's deadline,
 revoked at its commit or abort). The RPC that hands the ranges out is
-itself authorized per principal (`kvpool.rpc.authz`): a tenant only ever pins or reserves its
+itself authorized per principal (`kvpool.security.authz`): a tenant only ever pins or reserves its
 own keys, so it only ever holds grants to its own objects' bytes.
 
 Without a keyring nothing changes: no handshake, no grants, the data port serves any range
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvpool.auth import Keyring, grant_key
+from kvpool.security.keyring import Keyring, grant_key
 
 log = logging.getLogger("kvpool.node")
 

@@ -20,7 +20,7 @@ frame already being received at that moment can still land (bounded by the minim
 Keys: `write`, `open` and `copy` are the node's boundary for the keys of a write request: each
 validates an item's key once, as the pool stores it (`check_stored_key`; a bad one fails that
 item only), unless the RPC dispatch already did (a tenant's keys, validated and scoped by
-`kvpool.rpc.authz`: `checked`); everything below them (`TieredStore.reserve` / `commit` /
+`kvpool.security.authz`: `checked`); everything below them (`TieredStore.reserve` / `commit` /
 `abort`) trusts it. (The in-process master's `put_start` still checks its own.)
 
 Deadlines: a `NodeWrite` whose payload is still arriving at its put deadline has its connection
@@ -150,7 +150,7 @@ class Writes:
 
     def write(self, key: str, size: int, put_id: int, replicas: int, payload: Payload, checked: bool = False) -> Placed:
         """One object of a `NodeWrite`: its `size` bytes are next in `payload`. `checked`: the
-        key was validated already (a tenant's, scoped at dispatch by `kvpool.rpc.authz`)."""
+        key was validated already (a tenant's, scoped at dispatch by `kvpool.security.authz`)."""
         local = False
         try:
             if not checked:

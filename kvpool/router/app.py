@@ -8,7 +8,7 @@ parse, call `Router`, shape the answer (see `openai_api.py`).
     DELETE /admin/workers?url=URL      (forget it now)
     GET  /admin/route?prompt=...       (the decision for a prompt, without running it)
 
-Guard: a request body over 1 MiB is answered 413 (kvpool.http_guard, in OpenAI's error shape).
+Guard: a request body over 1 MiB is answered 413 (kvpool.security.http_guard, in OpenAI's error shape).
 With a keyring (`KVPOOL_AUTH_FILE`) whose tenants have `api_keys`, `/v1/*` needs
 `Authorization: Bearer <API key>` and runs as that key's tenant (service.py); no key or a wrong
 one is a 401 shaped as OpenAI's. With any keyring, `/admin/*` and `/metrics` need the internal
@@ -31,9 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvpool import worker_api as wire
-from kvpool.auth import Entry
+from kvpool.security.keyring import Entry
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
-from kvpool.http_guard import HttpGuard, internal_token
+from kvpool.security.http_guard import HttpGuard, internal_token
 from kvpool.router import openai_api as oa
 from kvpool.router.service import Outcome, Piece, Rejected, Router
 

@@ -2,7 +2,7 @@
 
 A policy is a pure function of a `RouteRequest` and a `Snapshot` (worker load, what each worker
 already holds of this prompt, the fitted cost model, the targets). It keeps no state and does no
-I/O, so the router and the simulator (`kvpool/sim/`) run the very same code; what changes
+I/O, so the router and the simulator (`kvpool/tools/sim/`) run the very same code; what changes
 between calls lives in the snapshot (round robin reads the request's arrival number).
 
 Invariants of every `Decision`:

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from kvpool.auth import AUTH_FILE_ENV, is_loopback
+from kvpool.security.keyring import AUTH_FILE_ENV, is_loopback
 from kvpool.errors import InvalidArgument
 from kvpool.listen import bind, url_of, write_ready
 from kvpool.router.app import create_app

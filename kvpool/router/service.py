@@ -38,11 +38,11 @@ from typing import Any, AsyncIterator, Callable
 import aiohttp
 
 from kvpool import worker_api as wire
-from kvpool.auth import Entry, load_keyring
+from kvpool.security.keyring import Entry, load_keyring
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable
-from kvpool.http_guard import TENANT_HEADER, internal_headers
+from kvpool.security.http_guard import TENANT_HEADER, internal_headers
 from kvpool.keys import chunk_keys_hex, chunk_keys_hex_u32, parse_namespace_hex
-from kvpool.router.calls import WorkerCalls, _BeforeFirst
+from kvpool.router.backends.reference import WorkerCalls, _BeforeFirst
 from kvpool.router.cost import CostModel
 from kvpool.router.hop import Hop
 from kvpool.router.matcher import PrefixMatcher
@@ -51,7 +51,7 @@ from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, mak
                                   tbt_estimate, without_workers)
 from kvpool.router.tenants import Tenant, Tenants
 from kvpool.router.tokenizer import RouterTokenizer
-from kvpool.router.vllm_backend import make_backend
+from kvpool.router.backends.vllm import make_backend
 from kvpool.router.workers import DOWN, DRAINING, UP, Workers, WorkerState
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 With a keyring whose tenants have `api_keys` (`api_keys` is then true and app.py admits only
 requests bearing one), each request runs as the tenant its key belongs to. For tenant T:
 - the namespace is the workers' namespace (`WorkerInfo.namespace_doc`, its canonical JSON) with
-  `tenant_salt` replaced by `kvpool.auth.tenant_salt(T, secret)`: the same salt a worker derives
+  `tenant_salt` replaced by `kvpool.security.keyring.tenant_salt(T, secret)`: the same salt a worker derives
   when the router names T in `X-KVPool-Tenant`, so both hash T's prompts into the same keys, and
   nobody without T's secret can compute them;
 - `match_prefix` asks the pool as T's principal, through one client per tenant made on its first
@@ -11,9 +11,9 @@ requests bearing one), each request runs as the tenant its key belongs to. For t
 
 Behind vLLM servers (`--engine vllm`, `via_cache_salt`), which take no tenant header and hold one
 pool credential, tenant T is isolated by vLLM's own per-request salt instead:
-- each request carries `cache_salt` = `kvpool.auth.engine_cache_salt` of T's salt
+- each request carries `cache_salt` = `kvpool.security.keyring.engine_cache_salt` of T's salt
   (`Tenant.cache_salt`, sent by vllm_backend.py), which the connector mixes into its configured
-  salt (`kvpool.auth.request_salt`): T's namespace is the servers' with that mixed salt;
+  salt (`kvpool.security.keyring.request_salt`): T's namespace is the servers' with that mixed salt;
 - `match_prefix` asks the pool as the router's own principal (one client for every tenant): the
   servers write every tenant's chunks as their one principal, so T's principal would see none.
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import xxhash
 
-from kvpool.auth import Credential, Entry, Keyring, engine_cache_salt, request_salt, tenant_salt
+from kvpool.security.keyring import Credential, Entry, Keyring, engine_cache_salt, request_salt, tenant_salt
 from kvpool.keys import NAMESPACE_PREFIX
 
 log = logging.getLogger(__name__)

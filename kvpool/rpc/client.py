@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import msgspec
 
-from kvpool.auth import Credential, load_keyring
+from kvpool.security.keyring import Credential, load_keyring
 from kvpool.config import RpcSettings
 from kvpool.errors import InvalidArgument, LimitExceeded, Unauthorized, Unavailable, error_from_code
 from kvpool.messages import PROTOCOL_VERSION, Err

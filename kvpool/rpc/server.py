@@ -15,10 +15,10 @@ Invariants: at most one request is outstanding on a connection; a one-way frame
 Identity: with a keyring (`keyring=`, else `settings.auth_file`), each new connection must open
 with `transfer.auth`'s handshake (channel "rpc"); its proved principal is `ServerConn.principal`,
 and `_dispatch` authorizes every request against it and scopes a tenant's keys
-(`kvpool.rpc.authz`). A connection that does not open with a hello gets one `Err("unauthorized")`
+(`kvpool.security.authz`). A connection that does not open with a hello gets one `Err("unauthorized")`
 saying how to configure a credential, and is closed. The unix socket also takes only peers of
 this process's uid or root (`SO_PEERCRED`), keyring or not: an abstract socket has no file
-permissions. Without a keyring every connection is `kvpool.auth.ANYONE`. Keys are validated once:
+permissions. Without a keyring every connection is `kvpool.security.keyring.ANYONE`. Keys are validated once:
 a tenant's here (`authz`), anyone else's per item where they enter the node or the master.
 
 Limits (`RpcSettings`: header and idle timeouts, minimum body rate, connection caps; see
@@ -41,13 +41,13 @@ from typing import Any, Callable, Sequence
 
 import msgspec
 
-from kvpool.auth import ANYONE, Keyring, Principal, load_keyring
+from kvpool.security.keyring import ANYONE, Keyring, Principal, load_keyring
 from kvpool.config import RpcSettings
 from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, LimitExceeded, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
                               request_decoder, send_frame, unix_name)
-from kvpool.rpc.authz import NODE_ONLY, ROLE_NAMES, RULES, rank, scope_of
+from kvpool.security.authz import NODE_ONLY, ROLE_NAMES, RULES, rank, scope_of
 from kvpool.rpc.spin import SpinPolicy, local
 from transfer.auth import HANDSHAKE_TIMEOUT, MAGIC, AuthError, looks_like_hello, peer_uid, serve_handshake
 from transfer.framing import Listener, Stalled, peer_pid, refuse_after
@@ -66,8 +66,8 @@ class ServerConn:
     def __init__(self, sock: socket.socket, peer: str, principal: Principal = ANYONE):
         self.sock = sock
         self.peer = peer
-        self.principal = principal  # who proved themselves on this connection (`kvpool.auth`)
-        self.rank = rank(principal)  # its role's rank (`kvpool.rpc.authz`), once per connection
+        self.principal = principal  # who proved themselves on this connection (`kvpool.security.keyring`)
+        self.rank = rank(principal)  # its role's rank (`kvpool.security.authz`), once per connection
         self.scope = scope_of(principal)  # the prefix of its keys as stored ("": unscoped)
         self.replied = False
         self.oneway = False

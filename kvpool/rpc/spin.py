@@ -9,7 +9,7 @@ sole active client and tells that client so (FLAG_SPIN), and a client (`rpc_spin
 only when told: clients cannot see each other (on 2 cores, 4 clients that all spun got 0.85x the
 throughput with a worse p99). Settings: `kvpool.config.RpcSettings`.
 
-Measured here (2 cores, 64 KiB put/get, benchmarks/spin_load.py): one client 2-3x the ops/s over
+Measured here (2 cores, 64 KiB put/get, kvpool/tools/scripts/spin_load.py): one client 2-3x the ops/s over
 TCP and 1.4-1.6x same-host; 4 clients 1.0-1.16x; 16 clients 0.79-1.04x (mean 0.95x), p99 within
 noise. Large payloads are received polling for a sole active client: puts of 1 MiB 1.4x and
 8 MiB 1.36x the GB/s of sleeping in MSG_WAITALL (none at 256 KiB); client side from 2 MiB,

@@ -2,7 +2,6 @@
 `TieredStore` that moves objects between them. See `base.py` for the tier contract."""
 
 from kvpool.tiers.allocator import PageAllocator
-from kvpool.tiers.arena import SharedArena
 from kvpool.tiers.base import Location, Reservation, Tier
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.hbm import HbmTier, cuda_unavailable_reason
@@ -12,5 +11,5 @@ from kvpool.tiers.store import TieredStore
 
 __all__ = [
     "ARCPolicy", "DramTier", "EvictionPolicy", "HbmTier", "LRUPolicy", "Location", "PageAllocator", "Reservation",
-    "S3FIFOPolicy", "SharedArena", "SsdTier", "Tier", "TieredStore", "cuda_unavailable_reason", "make_policy",
+    "S3FIFOPolicy", "SsdTier", "Tier", "TieredStore", "cuda_unavailable_reason", "make_policy",
 ]

@@ -10,7 +10,7 @@ Invariants:
   is ever placed there.
 - `used` is the page-rounded sum of live allocations (visible or reserved) and never exceeds
   `capacity`.
-- With an index (`kvpool.tiers.shm_index`), every visible object is published there at
+- With an index (`kvpool.shm.index`), every visible object is published there at
   `commit` and unpublished before its space is freed (`remove`), or earlier (`unpublish`).
 Not thread-safe by itself: `TieredStore` serializes calls and handles pins.
 """
@@ -22,9 +22,10 @@ from typing import Any
 from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.allocator import PageAllocator
-from kvpool.tiers.arena import SharedArena
-from kvpool.tiers.base import Location, PagedEntries, Reservation, readable_view, writable_view
-from kvpool.tiers.shm_index import ShmIndex, auto_slots, index_path, supported
+from kvpool.shm.arena import SharedArena
+from kvpool.tiers.base import Location, PagedEntries, Reservation
+from kvpool.shm.views import readable_view, writable_view
+from kvpool.shm.index import ShmIndex, auto_slots, index_path, supported
 
 
 class DramTier(PagedEntries):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.tiers.policy import tenant_of
+from kvpool.security.tenancy import tenant_of
 
 
 class Entry:

@@ -16,7 +16,8 @@ from typing import Any
 from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import CapacityError, ObjectTooLarge, Unavailable
 from kvpool.tiers.allocator import PageAllocator
-from kvpool.tiers.base import PagedEntries, readable_view, writable_view
+from kvpool.tiers.base import PagedEntries
+from kvpool.shm.views import readable_view, writable_view
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Protocol
 
-from kvpool.contract import SCOPE_SEP
 from kvpool.errors import InvalidArgument
+from kvpool.security.tenancy import tenant_of
 
 Evictable = Callable[[str], bool]
 
@@ -273,12 +273,6 @@ class ARCPolicy:
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
-
-
-def tenant_of(key: str) -> str:
-    """The tenant a stored key belongs to ("<tenant>\\x00<key>", `kvpool.contract`); "" unscoped."""
-    sep = key.find(SCOPE_SEP)
-    return key[:sep] if sep > 0 else ""
 
 
 class FairPolicy:

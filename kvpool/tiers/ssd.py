@@ -35,7 +35,7 @@ import xxhash
 from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.allocator import pages_for
-from kvpool.tiers.base import readable_view, writable_view
+from kvpool.shm.views import readable_view, writable_view
 from kvpool.tiers.stats import TierStats
 
 log = logging.getLogger(__name__)

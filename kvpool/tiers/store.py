@@ -34,9 +34,10 @@ import threading
 from typing import Any, Callable, Iterator, Sequence
 
 from kvpool.contract import check_stored_key as check_key
-from kvpool.auth import load_keyring
+from kvpool.security.keyring import load_keyring
 from kvpool.errors import AllPinned, AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
-from kvpool.tiers.base import Location, Reservation, readable_view, writable_view
+from kvpool.tiers.base import Location, Reservation
+from kvpool.shm.views import readable_view, writable_view
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.entries import Entry as _Entry, EntryIndex
 from kvpool.tiers.hbm import open_hbm

@@ -1,6 +1,6 @@
 """Tenants in one node's store: how much each holds, and its quota.
 
-A tenant's keys are stored scoped, "<tenant>\x00<key>" (`kvpool.contract`, `kvpool.rpc.authz`);
+A tenant's keys are stored scoped, "<tenant>\x00<key>" (`kvpool.contract`, `kvpool.security.authz`);
 unscoped keys (authentication off, admins, nodes) count as tenant "". Quotas come from the
 keyring (`quota_bytes`, `quota_keys`). The master enforces them pool-wide on every put it plans
 (`kvpool.master.quotas`); this per-node check (a tenant's use here is what this node's store
@@ -11,9 +11,9 @@ module doc). Eviction fairness across tenants is `kvpool.tiers.policy.FairPolicy
 
 from __future__ import annotations
 
-from kvpool.auth import Keyring
+from kvpool.security.keyring import Keyring
 from kvpool.errors import QuotaExceeded
-from kvpool.tiers.policy import tenant_of
+from kvpool.security.tenancy import tenant_of
 
 
 def tenant_quotas(keyring: Keyring | None) -> dict[str, tuple[int, int]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvpool.launch.processes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +42,6 @@ UID = 10001  # the image's user: the secret files must be readable by it
 def _podman_compose() -> str | None:
     exe = Path(sys.executable).with_name("podman-compose")
     return str(exe) if exe.exists() else shutil.which("podman-compose")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -81,7 +76,7 @@ class Stack:
     def __init__(self, workdir: Path):
         self.project = f"kvpool-test-{os.getpid()}"
         self.pc = _podman_compose()
-        self.router_port, self.admin_a, self.admin_b = _free_port(), _free_port(), _free_port()
+        self.router_port, self.admin_a, self.admin_b = free_port(), free_port(), free_port()
         keyring, token, tls, self.api_key, self.admin_token = _credentials(workdir)
         self.env = dict(os.environ, KVPOOL_KEYRING=str(keyring), KVPOOL_ADMIN_TOKEN_SECRET=str(token),
                         KVPOOL_ETCD_TLS=str(tls),

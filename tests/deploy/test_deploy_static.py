@@ -16,7 +16,6 @@ deny every ingress but the router's and the pods' own.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess

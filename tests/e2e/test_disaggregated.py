@@ -14,7 +14,7 @@ import concurrent.futures
 import pytest
 
 from e2e_support import assert_same_tokens, filler_ids, reference
-from engine_adapters.serving.client import generate
+from reference_worker.client import generate
 
 pytestmark = pytest.mark.model
 

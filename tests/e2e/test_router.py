@@ -5,7 +5,6 @@ seeded sampling, cached prompt tokens reported, and OpenAI-shaped 4xx errors."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import httpx
 import openai
@@ -138,7 +137,7 @@ def test_metrics_report_requests_and_pressure(openai_client, cluster):
 
 def test_admission_refuses_with_429_early(cluster, tmp_path):
     """A second router over the same workers with an impossible TTFT target refuses at once."""
-    from engine_adapters.serving.launcher import KVPOOL
+    from kvpool.launch.local import KVPOOL
 
     urls = [p.url for p in cluster.workers.values()]
     ready = tmp_path / "router.ready"

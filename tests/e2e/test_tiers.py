@@ -14,7 +14,7 @@ import time
 import pytest
 
 from e2e_support import assert_same_tokens, filler_ids, reference
-from engine_adapters.serving.client import generate
+from reference_worker.client import generate
 from kvpool.errors import CorruptObject
 from kvpool.keys import chunk_keys_hex
 from kvpool.chunk_format import HEADER_SIZE, decode_chunk

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from engine_adapters.bench.cluster import counter_delta
-from engine_adapters.bench.policies import SCENARIOS, _setup_note, policies
+from kvpool.tools.bench.cluster import counter_delta
+from kvpool.tools.bench.policies import SCENARIOS, _setup_note, policies
 from kvpool.errors import InvalidArgument
-from kvpool.sim.profile import Profile
-from kvpool.sim.validate import cases
+from kvpool.tools.sim.profile import Profile
+from kvpool.tools.sim.validate import cases
 
 
 def test_bad_sizes_are_usage_errors_before_anything_starts(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_adapters.model import (MODEL_ID, default_cache_root, gguf_path, load_reference_model,
+from reference_worker.model import (MODEL_ID, default_cache_root, gguf_path, load_reference_model,
                                    weights_fingerprint)
 from kvpool.chunk_format import KVLayout
 from kvpool.errors import InvalidArgument, Unavailable
@@ -76,7 +76,7 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_converting_at_once_share_one_complete_cache(tmp_path):
-    code = ("import sys; from engine_adapters.model import load_reference_model; "
+    code = ("import sys; from reference_worker.model import load_reference_model; "
             "rm = load_reference_model(cache_dir=sys.argv[1]); print(rm.path)")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,

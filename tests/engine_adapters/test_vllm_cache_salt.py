@@ -16,7 +16,7 @@ import torch
 
 from engine_adapters import vllm as conn
 from fakes.vllm_engine import FakeVllmEngine
-from kvpool.auth import Keyring, engine_cache_salt, request_salt
+from kvpool.security.keyring import Keyring, engine_cache_salt, request_salt
 from kvpool.client import connect
 from kvpool.config import load_settings
 from kvpool.embedded import EmbeddedPool
@@ -102,7 +102,7 @@ def test_router_hashes_a_tenants_prompt_into_the_keys_the_connector_wrote(pool, 
     salted as tenants.py does behind vLLM) is the connector's for the tenant's cache_salt, so its
     lookups see exactly that tenant's chunks."""
     from kvpool.router.tenants import Tenants
-    from kvpool.router.vllm_backend import VLLMSettings
+    from kvpool.router.backends.vllm import VLLMSettings
 
     (tmp_path / "config.json").write_text(json.dumps({
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,

@@ -17,16 +17,16 @@ def pytest_terminal_summary(terminalreporter):
 def worker_http():
     """A TestClient of a real worker (role both, the reference model, an embedded pool of its own)."""
     pytest.importorskip("torch")
-    from engine_adapters.model import is_cached
+    from reference_worker.model import is_cached
 
     if not is_cached():
-        pytest.skip("the reference model is not converted yet (engine_adapters/model.py, `make run` does it)")
+        pytest.skip("the reference model is not converted yet (reference_worker/model.py, `make run` does it)")
     from fastapi.testclient import TestClient
 
     import kvpool
-    from engine_adapters.model import load_reference_model
-    from engine_adapters.serving.app import create_app
-    from engine_adapters.serving.service import Worker, WorkerConfig
+    from reference_worker.model import load_reference_model
+    from reference_worker.app import create_app
+    from reference_worker.service import Worker, WorkerConfig
     from kvpool.config import load_settings
     from kvpool.embedded import EmbeddedPool
 

@@ -18,13 +18,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import httpx
 
-from kvpool.chaos.procs import etcd_binary, free_port
+from kvpool.launch.processes import free_port
+from kvpool.tools.chaos.procs import etcd_binary
 
 
 def wait_for(pred: Callable[[], object], timeout: float = 10.0, step: float = 0.05,

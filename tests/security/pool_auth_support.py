@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvpool.auth import Credential
+from kvpool.security.keyring import Credential
 
 SECRETS = {"node": "n" * 40, "ops": "o" * 40, "acme": "a" * 40, "beta": "b" * 40}
 ROLES = {"node": "node", "ops": "admin", "acme": "tenant:acme", "beta": "tenant:beta"}

@@ -1,5 +1,5 @@
 """A tenant's view of the REST admin API (issue 13), on a real `kvpool serve` over real HTTP: with
-its own derived token (`kvpool.auth.admin_api_token`) a tenant lists and inspects only its own
+its own derived token (`kvpool.security.keyring.admin_api_token`) a tenant lists and inspects only its own
 keys, named as it names them (another tenant's key is answered exactly as a missing key), sees
 its own use and quota, and gets 403 from everything else; the admin token keeps the whole view;
 the tenant's raw secret is no credential. `kvpool admin --principal` speaks as the tenant."""
@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 import kvpool
-from kvpool.auth import admin_api_token
+from kvpool.security.keyring import admin_api_token
 from pool_auth_support import SECRETS, clean_env, cred, write_keyring
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kvpool"))

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvpool.auth import Keyring, check_bind, chunk_mac_key, tenant_salt
+from kvpool.security.keyring import Keyring, check_bind, chunk_mac_key, tenant_salt
 from kvpool.errors import InvalidArgument
 from transfer.auth import AuthError, client_handshake, looks_like_hello, serve_handshake
 

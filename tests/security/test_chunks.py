@@ -22,11 +22,11 @@ import pytest
 
 import kvpool
 from engine_adapters.chunk_store import ChunkStore
-from kvpool.auth import chunk_mac_key, tenant_salt
+from kvpool.security.keyring import chunk_mac_key, tenant_salt
 from kvpool.chunk_format import HEADER_SIZE, ChunkAuth, KVLayout, encode_chunk
 from kvpool.errors import AlreadyExists
 from kvpool.keys import Namespace
-from kvpool.auth import Credential
+from kvpool.security.keyring import Credential
 from pool_auth_support import ROLES, SECRETS
 from served_support import Serve
 

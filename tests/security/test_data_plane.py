@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import kvpool
-from kvpool.auth import grant_key
+from kvpool.security.keyring import grant_key
 from kvpool import messages as m
 from kvpool.messages import NodePin, NodeReserve
 from kvpool.rpc import RpcClient

@@ -10,8 +10,8 @@ import stat
 
 import pytest
 
-from kvpool.tiers.arena import SharedArena
-from kvpool.tiers.shm_index import ShmIndex
+from kvpool.shm.arena import SharedArena
+from kvpool.shm.index import ShmIndex
 from kvpool.tiers.ssd import SsdTier
 from transfer.shm import create_shm_buffer
 

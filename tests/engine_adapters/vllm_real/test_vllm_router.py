@@ -48,7 +48,7 @@ def chat_text(model_path) -> str:
 @pytest.fixture(scope="module")
 def plain(model_path):
     """A plain vLLM engine's greedy output on the completion prompt and on the rendered chat."""
-    from engine_adapters.vllm_run import run_engines
+    from kvpool.tools.vllm_run import run_engines
 
     engine = {"name": "plain", "dtype": "float32", "block_size": 32, "max_model_len": MAX_MODEL_LEN, "connector": None,
               "phases": [{"prompts": [PROMPT, chat_text(model_path)], "max_tokens": MAX_TOKENS}]}

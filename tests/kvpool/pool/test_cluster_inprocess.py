@@ -216,7 +216,7 @@ def test_a_restarted_master_relearns_every_object_from_the_nodes(cluster):
 def test_same_host_cluster_reads_use_the_node_index_after_the_masters_lookup(cluster):
     """Cluster mode: a get is the master's Lookup, then a copy through the named node's shm
     index (no request to the node); a removed object is a miss, as the master says."""
-    from kvpool.tiers.shm_index import supported
+    from kvpool.shm.index import supported
 
     if not supported():
         pytest.skip("the shm index is used on x86-64 only")

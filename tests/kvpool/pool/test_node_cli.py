@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-
 import httpx
-
 from etcd_testing import spawn
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvpool.launch.processes import free_port
 
 
 def test_node_serves_metrics_with_its_store_stats():

@@ -12,7 +12,7 @@ import os
 import pytest
 
 import kvpool
-from kvpool.tiers.shm_index import supported
+from kvpool.shm.index import supported
 
 pytestmark = pytest.mark.skipif(not supported(), reason="the shm index is used on x86-64 only")
 

@@ -11,7 +11,7 @@ import pytest
 def hf():
     from transformers import AutoTokenizer
 
-    from engine_adapters.model import reference_model_path
+    from reference_worker.model import reference_model_path
 
     return AutoTokenizer.from_pretrained(reference_model_path())
 

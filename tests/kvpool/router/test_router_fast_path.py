@@ -90,7 +90,7 @@ def pool_address(tmp_path_factory):
 
 def test_matcher_inline_answers_as_the_async_client(pool_address):
     import kvpool
-    from kvpool.chaos.proxy import FaultProxy
+    from kvpool.tools.chaos.proxy import FaultProxy
     from kvpool.router.matcher import PrefixMatcher
 
     keys = [f"{i:032x}" for i in range(40)]

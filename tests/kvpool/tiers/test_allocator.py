@@ -60,7 +60,11 @@ def test_best_fit_reuses_holes():
     alloc.free(b)
     assert alloc.alloc(PAGE) == b  # the one-page hole, not the big tail
     alloc.free(a)
-    assert alloc.alloc(8 * PAGE) is None or alloc.largest_free() >= 0
+    # Free now: the 4-page hole at 0 and the 7-page tail; no 8 contiguous pages anywhere.
+    assert alloc.largest_free() == 7 * PAGE
+    assert alloc.alloc(8 * PAGE) is None
+    assert alloc.alloc(4 * PAGE) == a  # best fit: the hole that fits exactly, not the tail
+    assert alloc.largest_free() == 7 * PAGE
 
 
 def test_bad_calls():

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.tiers.policy import FairPolicy, make_policy, tenant_of
+from kvpool.tiers.policy import FairPolicy, make_policy
+from kvpool.security.tenancy import tenant_of
 
 KEYS = [f"{t}\x00k{i}" if t else f"k{i}" for t in ("", "a", "b") for i in range(6)]
 op = st.tuples(st.sampled_from(["insert", "access", "remove", "evict", "pin", "unpin"]), st.sampled_from(KEYS),

@@ -1,4 +1,4 @@
-"""The DRAM index in shared memory (`kvpool.tiers.shm_index`): what is published is exactly what
+"""The DRAM index in shared memory (`kvpool.shm.index`): what is published is exactly what
 is stored, and an optimistic reader in another process never accepts bytes of another object."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from kvpool.errors import InvalidArgument
 from kvpool.tiers import TieredStore
-from kvpool.tiers.shm_index import ShmIndex, ShmIndexReader, auto_slots, index_path, supported
+from kvpool.shm.index import ShmIndex, ShmIndexReader, auto_slots, index_path, supported
 
 pytestmark = pytest.mark.skipif(not supported(), reason="the shm index is used on x86-64 only")
 

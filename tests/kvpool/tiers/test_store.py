@@ -197,7 +197,7 @@ def test_another_process_reads_a_pinned_object(make_store):
     with store.pinned("k") as loc:
         code = (
             "import sys, xxhash\n"
-            "from kvpool.tiers import SharedArena\n"
+            "from kvpool.shm.arena import SharedArena\n"
             "a = SharedArena.attach(sys.argv[1])\n"
             "o, n = int(sys.argv[2]), int(sys.argv[3])\n"
             "print(xxhash.xxh3_64_hexdigest(a.buffer[o:o+n]))\n"

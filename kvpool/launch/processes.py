@@ -1,0 +1,79 @@
+"""Child processes, one way for everyone: `kvpool up`, the benches, the chaos campaigns and the
+tests start `kvpool` subcommands (and etcd, vLLM, redis) through here.
+
+`spawn` starts a command in its own session with its output in a log file and, on Linux, a
+SIGTERM if the parent dies (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans; `stop`
+sends SIGTERM, waits `grace_s`, then SIGKILL. `free_port` is a free loopback TCP port (bound and
+released: another process may take it first, which callers that can bind port 0 avoid).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+# `kvpool` as this interpreter runs it: works without the console script on PATH, and a
+# PYTHONPATH checkout runs its own code.
+KVPOOL = [sys.executable, "-c", "from kvpool.cli import main; main()"]
+
+try:  # resolved here, not in the child: after fork only the plain call is safe
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the launcher dies
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn(cmd: Sequence[str], log_path: str | Path | None = None, env: dict[str, str] | None = None,
+          cwd: str | Path | None = None, die_with_parent: bool = True, append: bool = False) -> subprocess.Popen:
+    """Start `cmd` in a new session, stdout and stderr into `log_path` (discarded when None)."""
+    out = open(log_path, "ab" if append else "wb") if log_path is not None else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=cwd, start_new_session=True,
+                                preexec_fn=_die_with_parent if die_with_parent and _PRCTL is not None else None)
+    finally:
+        if log_path is not None:
+            out.close()
+
+
+def terminate(popen: subprocess.Popen | None) -> None:
+    """SIGTERM, if it still runs (does not wait: `reap` does, so many can stop at once)."""
+    if popen is not None and popen.poll() is None:
+        try:
+            popen.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def reap(popen: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """Wait up to `grace_s` for it to exit, then SIGKILL it."""
+    if popen is None:
+        return
+    try:
+        popen.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        log.warning("process %d ignored SIGTERM for %.0f s; killing it", popen.pid, grace_s)
+        popen.kill()
+        popen.wait()
+
+
+def stop(popen: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    terminate(popen)
+    reap(popen, grace_s)

