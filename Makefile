@@ -32,7 +32,7 @@ help:
 	@echo "make test-slow  the long suites (load tests, chaos, deploy/ in podman containers)"
 	@echo "make image      build the kvpool:local container image with podman (deploy/build-image.sh)"
 	@echo "make bench      every 'kvpool bench', JSON results under bench-results/"
-	@echo "make gpu-check  on a CUDA machine: HBM tier conformance + host<->device copy bench"
+	@echo "make gpu-check  on a CUDA machine: arena<->device copy bench + the cuda tests"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -99,7 +99,6 @@ class Settings(RpcSettings):
     dram_capacity: int = 1 << 30
     ssd_path: str | None = None  # None: no SSD tier
     ssd_capacity: int = 8 << 30
-    hbm_capacity: int = 0  # bytes of device memory; 0 = no HBM tier
     shm_index_slots: int = Field(-1, ge=-1)  # same-host readers' DRAM index: -1 sized from DRAM, 0 off
     # ARC beat LRU at every cache size on the conversation trace; S3-FIFO only at 2% (BENCHMARKS.md).
     eviction: str = "arc"  # "lru" | "s3fifo" | "arc"
@@ -119,7 +118,7 @@ class Settings(RpcSettings):
     admin_token_file: str | None = None  # ... read from this file (a mounted secret); never put it on argv
     log_level: str = "INFO"
 
-    @field_validator("dram_capacity", "ssd_capacity", "hbm_capacity", mode="before")
+    @field_validator("dram_capacity", "ssd_capacity", mode="before")
     @classmethod
     def _size(cls, value: Any) -> int:
         return parse_size(value)

@@ -12,7 +12,6 @@
     client              WorkerClient and `generate(prefill, decode, ids)`: the disaggregated path
     sampling            greedy or seeded temperature/top-p sampling (same seed, same tokens on any worker)
     admission           draining and in-flight counts (a draining worker finishes, then leaves)
-    launcher            LocalCluster: pool, router and workers as real processes on free loopback ports
 
 The wire messages are `kvpool.worker_api` (the router, in kvpool, speaks them too).
 

@@ -198,7 +198,7 @@ def serve(config: WorkerConfig, *, host: str = "127.0.0.1", port: int = 0, ready
     check_bind(host, load_keyring() is not None, "kvpool worker")  # protected mode
     sock = bind(host, port)  # first, so a taken port fails before the slow model load
     if cpus:
-        from kvpool.launch.cpus import parse, pin
+        from reference_worker.cpus import parse, pin
 
         log.info("pinned to cores %s with %d torch thread(s)", cpus, pin(parse(cpus), threads))
     elif threads:

@@ -255,13 +255,13 @@ def calibrate(out_path, workdir, repeats, as_json) -> None:
     vs batch size and KV, pool fetch and push rates) and write the 'local' profile."""
     import tempfile
 
-    from kvpool.launch.local import LocalCluster, WorkerSpec
+    from kvpool.tools.launch.local import LocalCluster, WorkerSpec
     from kvpool.tools.sim.calibrate import fit, measure
     from kvpool.tools.sim.profile import local_profile_path
 
     path = Path(out_path) if out_path else local_profile_path()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-sim-calibrate-"))
-    from kvpool.launch.cpus import format_list, plan as cores_for
+    from reference_worker.cpus import format_list, plan as cores_for
 
     cores = cores_for(2, 1)  # a core each, as `kvpool bench disagg` pins its workers
     cluster = LocalCluster(workdir, [WorkerSpec("prefill", "prefill-0", ["--local-cache", "0", "--cpus", format_list(cores[0])]),

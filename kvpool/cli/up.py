@@ -2,7 +2,7 @@
 reference model, the router with its OpenAI API in front), serving until Ctrl-C. `--demo` sends
 two chat requests that share a long prefix through the router with the OpenAI client, prints the
 answers with their TTFT and cached tokens, and stops. `--engine vllm` runs vLLM OpenAI servers
-with the kvpool connector instead of the reference workers (kvpool/launch/vllm.py).
+with the kvpool connector instead of the reference workers (kvpool/tools/launch/vllm.py).
 `--auth-file KEYRING` (from `kvpool auth init`) turns authentication on: every process it starts
 gets KVPOOL_AUTH_FILE, and the router then wants a tenant's API key (docs/security.md)."""
 
@@ -108,7 +108,7 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
     """
     from rich.console import Console
 
-    from kvpool.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
+    from kvpool.tools.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
     for name in ("httpx", "httpx2"):  # one line per request is noise here (httpx2: the openai client's)
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -132,13 +132,13 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
     tables = _worker_tables(config["workers"], n_prefill, n_decode, n_colocated)
     cores = None
     if cpus_per_worker:
-        from kvpool.launch.cpus import plan
+        from reference_worker.cpus import plan
 
         cores = plan(len(tables), cpus_per_worker)
     workdir = workdir or tempfile.mkdtemp(prefix="kvpool-up-")
     console = Console(stderr=True)
     if engine == "vllm":
-        from kvpool.launch.vllm import VLLMCluster, check_python, reference_spec
+        from kvpool.tools.launch.vllm import VLLMCluster, check_python, reference_spec
 
         if worker_args:
             raise click.UsageError("--worker-arg is for the reference workers; vLLM servers take --vllm-arg")
@@ -153,7 +153,7 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
                               router_port=port, router_args=["--policy", policy, *router_args], cpus=cores)
     else:
         codec_args = ["--kv-codec", kv_codec] if kv_codec != "none" else []
-        from kvpool.launch.cpus import format_list
+        from reference_worker.cpus import format_list
 
         workers = [WorkerSpec(role=w["role"], name=w.get("name", ""),
                               args=_flags(w) + codec_args + list(worker_args)

@@ -67,7 +67,7 @@ class Tier(Protocol):
 
 
 class PagedEntries:
-    """The bookkeeping shared by the tiers that carve one arena with a `PageAllocator` (DRAM, HBM).
+    """The bookkeeping shared by the tiers that carve one arena with a `PageAllocator` (DRAM).
 
     Subclasses set `self.allocator` and `self._entries` (visible key -> (offset, length)) and
     implement the byte copies (`put`, `get`, `get_into`, `close`).

@@ -34,7 +34,6 @@ class TierStats:
 class StoreStats:
     """A `TieredStore`'s counters: one `TierStats` per tier, and reads no tier could serve."""
 
-    hbm: TierStats = field(default_factory=TierStats)
     dram: TierStats = field(default_factory=TierStats)
     ssd: TierStats = field(default_factory=TierStats)
     absent: int = 0  # reads of keys no tier holds (tier misses also count reads served lower)

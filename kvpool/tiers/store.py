@@ -23,7 +23,8 @@ and held by DRAM or SSD.
 Keys: `put`, `get`, `get_into`, `pin`, `remove`, `match_prefix` validate theirs; `reserve`,
 `commit`, `abort`, `contains`, `size_of` trust theirs (validated once by `kvpool.node.writes`).
 Pins do not expire: whoever pins (the node, for a same-host reader or a transfer) unpins, also
-when its peer goes away. HBM (with CUDA) is `store.hbm`, a tier outside the DRAM <-> SSD chain.
+when its peer goes away. KV in GPU memory is the engine's own (vLLM's blocks, the reference
+worker's prefix cache); the pool's tiers are host DRAM and SSD.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from kvpool.tiers.base import Location, Reservation
 from kvpool.shm.views import readable_view, writable_view
 from kvpool.tiers.dram import DramTier
 from kvpool.tiers.entries import Entry as _Entry, EntryIndex
-from kvpool.tiers.hbm import open_hbm
 from kvpool.tiers.policy import FairPolicy, make_policy
 from kvpool.tiers.ssd import SsdShelf, SsdTier
 from kvpool.tiers.stats import StoreStats
@@ -55,10 +55,10 @@ SMALL_COPY = 256 << 10
 
 
 class TieredStore:
-    """DRAM arena (+ optional SSD, + optional HBM) with eviction, demotion, promotion and pins."""
+    """DRAM arena (+ optional SSD) with eviction, demotion, promotion and pins."""
 
     def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
-                 policy: str = "s3fifo", shm_name: str | None = None, hbm_capacity: int = 0, *,
+                 policy: str = "s3fifo", shm_name: str | None = None, *,
                  on_event: EventHook | None = None, prefault: bool = True, ssd_durable: bool = False,
                  index_slots: int = -1, quotas: dict[str, tuple[int, int]] | None = None):
         """`quotas`: tenant -> (bytes, keys) it may hold on this node (0: no limit); a reservation
@@ -73,12 +73,9 @@ class TieredStore:
         self.policy = policy
         self.dram = DramTier(dram_capacity, shm_name, prefault=prefault, index_slots=index_slots)
         self.ssd: SsdTier | None = None
-        self.hbm = None
         try:
             if ssd_path is not None:
                 self.ssd = SsdTier(ssd_path, ssd_capacity, durable=ssd_durable)
-            if hbm_capacity > 0:
-                self.hbm = open_hbm(hbm_capacity)
         except BaseException:
             self.close()
             raise
@@ -94,12 +91,12 @@ class TieredStore:
 
     @classmethod
     def from_settings(cls, settings: Any, **kwargs: Any) -> "TieredStore":
-        """A store sized from `kvpool.config.Settings` (dram/ssd/hbm capacity, ssd_path, eviction)."""
+        """A store sized from `kvpool.config.Settings` (dram/ssd capacity, ssd_path, eviction)."""
         if "quotas" not in kwargs and getattr(settings, "auth_file", None):
             kwargs["quotas"] = tenant_quotas(load_keyring(settings.auth_file))
         return cls(settings.dram_capacity, ssd_path=settings.ssd_path,
                    ssd_capacity=settings.ssd_capacity if settings.ssd_path else 0,
-                   policy=settings.eviction, hbm_capacity=settings.hbm_capacity,
+                   policy=settings.eviction,
                    index_slots=settings.shm_index_slots, **kwargs)
 
     @property
@@ -458,7 +455,7 @@ class TieredStore:
         """{"policy", "tiers": {name: {capacity, used, objects, hits, misses, ...}}, "total": {...}}
         (`kvpool.tiers.stats.StoreStats.report`)."""
         with self._lock:
-            return self._stats.report(self.policy, {"hbm": self.hbm, "dram": self.dram, "ssd": self.ssd},
+            return self._stats.report(self.policy, {"dram": self.dram, "ssd": self.ssd},
                                       self._entries)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -474,7 +471,7 @@ class TieredStore:
     def close(self) -> None:
         """Unmap and unlink the arena, close lmdb. Later calls raise or misbehave: close last."""
         with self._lock:
-            for tier in (getattr(self, "hbm", None), getattr(self, "ssd", None), getattr(self, "dram", None)):
+            for tier in (getattr(self, "ssd", None), getattr(self, "dram", None)):
                 if tier is not None:
                     tier.close()
 

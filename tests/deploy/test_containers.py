@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.launch.processes import free_port
+from kvpool.tools.launch.processes import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ def rm():
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    from kvpool.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
+    from kvpool.tools.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
     workdir = tmp_path_factory.mktemp("cluster")
     pool = PoolSpec(args=["--dram-capacity", POOL_DRAM, "--ssd-path", str(workdir / "ssd"),

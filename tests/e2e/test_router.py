@@ -137,7 +137,7 @@ def test_metrics_report_requests_and_pressure(openai_client, cluster):
 
 def test_admission_refuses_with_429_early(cluster, tmp_path):
     """A second router over the same workers with an impossible TTFT target refuses at once."""
-    from kvpool.launch.local import KVPOOL
+    from kvpool.tools.launch.local import KVPOOL
 
     urls = [p.url for p in cluster.workers.values()]
     ready = tmp_path / "router.ready"

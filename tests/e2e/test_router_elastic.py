@@ -22,7 +22,7 @@ PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse k
 
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory):
-    from kvpool.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
+    from kvpool.tools.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
     workdir = tmp_path_factory.mktemp("elastic")
     c = LocalCluster(workdir, [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode-a")],
@@ -49,7 +49,7 @@ def _wait(predicate, timeout: float, what: str):
 def _add(cluster, name: str):
     """Start one more decode worker; returns its process once the router has it in rotation, and
     how long that took after the worker was healthy."""
-    from kvpool.launch.local import WorkerSpec
+    from kvpool.tools.launch.local import WorkerSpec
 
     proc = cluster.add_worker(WorkerSpec("decode", name))
     started = time.monotonic()
@@ -128,7 +128,7 @@ def test_kv_lost_before_decode_is_recomputed_not_failed(elastic, rm, tmp_path):
     generates the rest from the prompt and the first token, and the request completes with the
     greedy tokens of a single-process run instead of failing after its first token."""
     from e2e_support import reference
-    from kvpool.launch.local import WorkerSpec
+    from kvpool.tools.launch.local import WorkerSpec
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     with open(tmp_path / "empty-pool.log", "w") as log:

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 import httpx
 
-from kvpool.launch.processes import free_port
+from kvpool.tools.launch.processes import free_port
 from kvpool.tools.chaos.procs import etcd_binary
 
 

@@ -52,7 +52,7 @@ def http_of():
 def spawn_worker(embedded_pool, tmp_path):
     """`spawn_worker(role, *args)`: a `kvpool worker` process on the test's pool, healthy when
     returned (a `launcher.Proc`: `.url`, `.popen`, `.log_tail()`). Stopped at teardown if alive."""
-    from kvpool.launch.local import LocalCluster, PoolSpec, WorkerSpec
+    from kvpool.tools.launch.local import LocalCluster, PoolSpec, WorkerSpec
 
     clusters = []
 

@@ -13,7 +13,7 @@ import pytest
 from serving_support import RecordingRouter
 
 from kvpool import worker_api as m
-from kvpool.launch.processes import free_port
+from kvpool.tools.launch.processes import free_port
 
 pytestmark = pytest.mark.model
 

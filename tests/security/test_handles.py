@@ -31,7 +31,7 @@ PROMPT_TOKENS = 300  # one full 256-token chunk and a 44-token tail
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from kvpool.launch.local import LocalCluster, PoolSpec, WorkerSpec
+    from kvpool.tools.launch.local import LocalCluster, PoolSpec, WorkerSpec
 
     workdir = tmp_path_factory.mktemp("handles")
     keyring = write_keyring(workdir / "keyring.toml")

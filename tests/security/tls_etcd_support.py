@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from kvpool.launch.processes import free_port
+from kvpool.tools.launch.processes import free_port
 
 
 @contextlib.contextmanager

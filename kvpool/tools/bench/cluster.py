@@ -57,7 +57,7 @@ def start_cluster(workdir: Path, roles: list[str], router_args: list[str],
                   start: bool = True):
     """A pool, workers of `roles` and a router; `worker_args`: every worker's extra flags, or a
     function of (index, role) giving each its own. Started unless `start` is False."""
-    from kvpool.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
+    from kvpool.tools.launch.local import LocalCluster, PoolSpec, RouterSpec, WorkerSpec
 
     args_of = worker_args if callable(worker_args) else (lambda i, role: list(worker_args))
     specs = [WorkerSpec(role, f"{role}-{i}", args_of(i, role)) for i, role in enumerate(roles)]
@@ -114,7 +114,7 @@ def router_decisions(cluster) -> dict[str, float]:
 def extra_router(cluster, workdir: Path, name: str, args: list[str],
                  workers: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """One more router over `workers` (URLs; default: every worker of the cluster) and its URL."""
-    from kvpool.launch.local import KVPOOL
+    from kvpool.tools.launch.local import KVPOOL
 
     ready = workdir / f"{name}.ready"
     urls = workers if workers is not None else [p.url for p in cluster.workers.values()]

@@ -165,13 +165,13 @@ class _cluster:
 
     def __init__(self, engine: str, workdir: Path, roles: list[str], config: str, per_worker: int, chunk: int,
                  vllm_python: str | None):
-        from kvpool.launch.cpus import format_list, plan
+        from reference_worker.cpus import format_list, plan
 
         cores = plan(len(roles), per_worker) if per_worker else None
         router_args = CONFIGS[config][1]
         if engine == "vllm":
             from kvpool.tools.bench.adapter_vllm import vllm_python as find_python
-            from kvpool.launch.vllm import VLLMCluster, check_python, reference_spec
+            from kvpool.tools.launch.vllm import VLLMCluster, check_python, reference_spec
 
             python = find_python(vllm_python)
             check_python(python)

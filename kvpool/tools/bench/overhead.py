@@ -41,7 +41,7 @@ from kvpool.tools.bench.report import Report, progress
 @click.option("--json", "as_json", is_flag=True)
 def overhead(engines, workload, rounds, n_requests, concurrency, cpus, vllm_python, workdir, as_json) -> None:
     """The pool on vs off on a workload with no reuse: TTFT and throughput, same run."""
-    from kvpool.launch.cpus import parse
+    from reference_worker.cpus import parse
 
     cores = parse(cpus)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-bench-overhead-"))
@@ -103,8 +103,8 @@ class _reference:
     """A pool, a pooled and a pool-less colocated worker, a router for each; yields their /v1 URLs."""
 
     def __init__(self, workdir: Path, cores: list[int]):
-        from kvpool.launch.cpus import format_list
-        from kvpool.launch.local import LocalCluster, WorkerSpec
+        from reference_worker.cpus import format_list
+        from kvpool.tools.launch.local import LocalCluster, WorkerSpec
 
         pin = ["--cpus", format_list(cores), "--prefill-chunk-tokens", "256"]
         self.cluster = LocalCluster(workdir, [WorkerSpec("both", "pooled", pin),
@@ -135,7 +135,7 @@ class _vllm:
 
     def __init__(self, workdir: Path, cores: list[int], vllm_python: str | None):
         from kvpool.tools.bench.adapter_vllm import vllm_python as find_python
-        from kvpool.launch.vllm import check_python, reference_spec
+        from kvpool.tools.launch.vllm import check_python, reference_spec
 
         python = find_python(vllm_python)
         check_python(python)
@@ -144,8 +144,8 @@ class _vllm:
         self.procs: list = []
 
     def __enter__(self) -> tuple[str, str]:
-        from kvpool.launch.local import LocalCluster
-        from kvpool.launch.vllm import spawn_server, wait_healthy
+        from kvpool.tools.launch.local import LocalCluster
+        from kvpool.tools.launch.vllm import spawn_server, wait_healthy
 
         self.pool = LocalCluster(self.workdir, []).start()
         for name, address in (("vllm-pooled", self.pool.pool_address), ("vllm-plain", None)):
@@ -155,7 +155,7 @@ class _vllm:
         return f"{self.procs[0].url}/v1", f"{self.procs[1].url}/v1"
 
     def __exit__(self, *exc) -> None:
-        from kvpool.launch.processes import reap, terminate
+        from kvpool.tools.launch.processes import reap, terminate
 
         for proc in self.procs:
             terminate(proc.popen)

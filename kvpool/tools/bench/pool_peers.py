@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvpool.launch.processes import free_port, stop
+from kvpool.tools.launch.processes import free_port, stop
 
 log = logging.getLogger(__name__)
 

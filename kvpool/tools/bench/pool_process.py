@@ -9,7 +9,7 @@ import subprocess
 import time
 from typing import Any, Callable
 
-from kvpool.launch.processes import KVPOOL, stop
+from kvpool.tools.launch.processes import KVPOOL, stop
 
 
 class PoolProcess:

@@ -60,7 +60,7 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
     import tempfile
 
     import kvpool
-    from kvpool.launch.local import LocalCluster, PoolSpec
+    from kvpool.tools.launch.local import LocalCluster, PoolSpec
     from kvpool import worker_api as wire
     from kvpool.keys import chunk_keys_hex
     from kvpool.router.fast_bpe import fast_bpe
@@ -191,7 +191,7 @@ class TtftProbe:
         import httpx
 
         from reference_worker.client import WorkerClient
-        from kvpool.launch.local import LocalCluster, RouterSpec, WorkerSpec
+        from kvpool.tools.launch.local import LocalCluster, RouterSpec, WorkerSpec
 
         self.cluster = LocalCluster(tempfile.mkdtemp(prefix="kvpool-bench-router-"),
                                     [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode")],

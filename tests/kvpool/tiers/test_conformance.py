@@ -1,8 +1,4 @@
-"""The one conformance suite every tier runs (the contract is in kvpool/tiers/base.py).
-
-`hbm-cpu` runs the HBM tier's code on a host tensor, so its logic is checked on every machine;
-`hbm-cuda` is the real device arena and skips (with the reason) where CUDA is absent.
-"""
+"""The one conformance suite every tier runs (the contract is in kvpool/tiers/base.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvpool.errors import CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
-from kvpool.tiers import DramTier, HbmTier, SsdTier, Tier, cuda_unavailable_reason
+from kvpool.tiers import DramTier, SsdTier, Tier
 
 CAPACITY = 1 << 20
 
@@ -20,15 +16,10 @@ def _make(kind: str, tmp_path):
         return DramTier(CAPACITY)
     if kind == "ssd":
         return SsdTier(str(tmp_path / "lmdb"), CAPACITY)
-    if kind == "hbm-cpu":
-        return HbmTier(CAPACITY, device="cpu")
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"HBM tier needs CUDA: {reason}")
-    return HbmTier(CAPACITY)
+    raise ValueError(kind)
 
 
-@pytest.fixture(params=["dram", "ssd", "hbm-cpu", pytest.param("hbm-cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(params=["dram", "ssd"])
 def tier(request, tmp_path):
     t = _make(request.param, tmp_path)
     yield t

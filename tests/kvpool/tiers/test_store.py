@@ -221,15 +221,6 @@ def test_from_settings(tmp_path):
         assert stats["tiers"]["dram"]["capacity"] == 2 << 20 and stats["tiers"]["ssd"]["capacity"] == 4 << 20
 
 
-def test_hbm_request_without_cuda_runs_without_it(make_store):
-    from kvpool.tiers import cuda_unavailable_reason
-
-    if cuda_unavailable_reason() is None:
-        pytest.skip("this machine has CUDA")
-    store = make_store(hbm_capacity=1 << 20)
-    assert store.hbm is None and "hbm" not in store.stats()["tiers"]
-
-
 def test_close_with_a_live_export_does_not_raise():
     import numpy as np
 

@@ -28,7 +28,7 @@ from typing import Callable
 import httpx
 
 from kvpool.errors import Unavailable
-from kvpool.launch.processes import KVPOOL, reap, spawn, terminate
+from kvpool.tools.launch.processes import KVPOOL, reap, spawn, terminate
 from kvpool.security.http_guard import internal_headers
 from kvpool.security.keyring import AUTH_FILE_ENV, load_keyring
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvpool.launch.cpus import format_list, parse, plan
+from reference_worker.cpus import format_list, parse, plan
 from kvpool.errors import InvalidArgument
 
 
@@ -33,7 +33,7 @@ def test_plan_gives_disjoint_cores_in_order_or_refuses():
 
 def test_a_pinned_process_runs_on_its_core_with_one_thread():
     core = sorted(os.sched_getaffinity(0))[-1]
-    code = ("import os, torch; from kvpool.launch.cpus import pin, parse; "
+    code = ("import os, torch; from reference_worker.cpus import pin, parse; "
             f"n = pin(parse('{core}')); print(sorted(os.sched_getaffinity(0)), n, torch.get_num_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

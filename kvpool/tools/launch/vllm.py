@@ -27,9 +27,9 @@ from typing import Callable
 import httpx
 
 from kvpool.errors import InvalidArgument, Unavailable
-from kvpool.launch.cpus import format_list
-from kvpool.launch.local import LocalCluster, PoolSpec, Proc, RouterSpec
-from kvpool.launch.processes import free_port, reap, spawn, terminate
+from reference_worker.cpus import format_list
+from kvpool.tools.launch.local import LocalCluster, PoolSpec, Proc, RouterSpec
+from kvpool.tools.launch.processes import free_port, reap, spawn, terminate
 from kvpool.security.http_guard import internal_headers
 from kvpool.security.keyring import load_keyring
 
