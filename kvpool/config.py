@@ -33,6 +33,11 @@ TRANSPORTS = ("shm", "tcp", "rdma")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+# The pool's one default eviction policy (Settings, TieredStore): ARC beat LRU at every cache size
+# on the conversation trace, S3-FIFO only at 2% (docs/bench-history.md).
+DEFAULT_EVICTION = "arc"
+
+
 def parse_size(value: int | str) -> int:
     """`"4GiB"`, `"512m"`, `1048576` -> bytes (never negative)."""
     if isinstance(value, bool):  # bool is an int subclass; `true` is never a size
@@ -100,8 +105,7 @@ class Settings(RpcSettings):
     ssd_path: str | None = None  # None: no SSD tier
     ssd_capacity: int = 8 << 30
     shm_index_slots: int = Field(-1, ge=-1)  # same-host readers' DRAM index: -1 sized from DRAM, 0 off
-    # ARC beat LRU at every cache size on the conversation trace; S3-FIFO only at 2% (BENCHMARKS.md).
-    eviction: str = "arc"  # "lru" | "s3fifo" | "arc"
+    eviction: str = DEFAULT_EVICTION  # "lru" | "s3fifo" | "arc"
 
     # Pool behaviour.
     replicas: int = Field(1, ge=1)

@@ -13,8 +13,8 @@ import click
 @click.option("--worker", "workers", multiple=True, metavar="[ROLE=]URL",
               help="A worker to route to (repeatable); workers started with --router URL join by themselves. "
                    "With --engine vllm, ROLE is prefill, decode or both (default both).")
-@click.option("--engine", type=click.Choice(["kvpool", "vllm"]), default="kvpool", show_default=True,
-              help="The workers' API: kvpool's reference workers, or vLLM OpenAI servers running the kvpool "
+@click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
+              help="The workers' engine (as `kvpool up --engine`): kvpool's reference workers, or vLLM OpenAI servers running the kvpool "
                    "connector (prefill = kv_producer, decode = kv_consumer; see docs/vllm.md).")
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(file_okay=False, exists=True),
               help="--engine vllm: the model folder the vLLM servers load (tokenizer.json, chat template, "

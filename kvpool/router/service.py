@@ -72,7 +72,7 @@ class RouterConfig:
     fail_after: int = 3
     request_timeout_s: float = 600.0
     workers: list[str] = field(default_factory=list)  # "URL" or "ROLE=URL" (the role: --engine vllm only)
-    engine: str = "kvpool"  # the workers' API: "kvpool" (reference workers) or "vllm" (vllm_backend.py)
+    engine: str = "reference"  # the workers' engine: "reference" (reference workers) or "vllm" (backends/vllm.py)
     vllm: Any = None  # VLLMSettings, with engine "vllm"
     auth_file: str | None = None  # keyring (default: KVPOOL_AUTH_FILE); its tenants' api_keys admit requests
     tokenize_threads: int = 4  # prompts are tokenized on these threads, off the event loop

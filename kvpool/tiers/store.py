@@ -34,6 +34,7 @@ import logging
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
+from kvpool.config import DEFAULT_EVICTION
 from kvpool.contract import check_stored_key as check_key
 from kvpool.security.keyring import load_keyring
 from kvpool.errors import AllPinned, AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
@@ -58,7 +59,7 @@ class TieredStore:
     """DRAM arena (+ optional SSD) with eviction, demotion, promotion and pins."""
 
     def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
-                 policy: str = "s3fifo", shm_name: str | None = None, *,
+                 policy: str = DEFAULT_EVICTION, shm_name: str | None = None, *,
                  on_event: EventHook | None = None, prefault: bool = True, ssd_durable: bool = False,
                  index_slots: int = -1, quotas: dict[str, tuple[int, int]] | None = None):
         """`quotas`: tenant -> (bytes, keys) it may hold on this node (0: no limit); a reservation

@@ -366,10 +366,10 @@ def _adds_bos(tokenizer_json: str, bos: str | None) -> bool:
 
 
 def make_backend(engine: str, settings: VLLMSettings | None) -> VLLMBackend | None:
-    if engine == "kvpool":
+    if engine == "reference":
         return None
     if engine != "vllm":
-        raise InvalidArgument(f"unknown engine {engine!r}: 'kvpool' (the reference workers) or 'vllm'")
+        raise InvalidArgument(f"unknown engine {engine!r}: 'reference' (the reference workers) or 'vllm'")
     if settings is None or not settings.model_path:
         raise InvalidArgument("--engine vllm needs --tokenizer (the model folder the vLLM servers load)")
     return VLLMBackend(settings)

@@ -58,7 +58,7 @@ def test_tokenizer_info_needs_the_tokenizer(folder):
 
 
 def test_make_backend():
-    assert make_backend("kvpool", None) is None
+    assert make_backend("reference", None) is None
     with pytest.raises(InvalidArgument, match="--tokenizer"):
         make_backend("vllm", None)
     with pytest.raises(InvalidArgument, match="unknown engine"):
