@@ -144,7 +144,7 @@ test-slow: $(STAMP) system-deps container-tools
 # Best effort: a bench whose peer is missing prints a note and measures the rest.
 bench-deps: $(STAMP) system-deps
 	-@ldconfig -p | grep -q libibverbs.so.1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; }
-	-$(BIN)/pip install -q ".[mooncake]"
+	-$(BIN)/pip install -q -e ".[mooncake]"
 
 bench: bench-deps
 	mkdir -p bench-results

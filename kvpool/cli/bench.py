@@ -1,9 +1,8 @@
 """`kvpool bench <name>`: every benchmark, by name. Each measures our figure and its baseline in
 the same run (`kvpool.tools.bench.report`); `--json` ends the output with one JSON line.
 
-The pool's own benchmarks live in `kvpool.tools.bench`; those that need an engine or start reference
-workers live with the adapters, in `kvpool.tools.bench` (the CLI is the one part of kvpool
-that may reach up into engine_adapters). A benchmark module is imported only when it runs.
+Every benchmark lives in `kvpool.tools.bench` (which, as a tool, may import the adapters and the
+reference worker). A benchmark module is imported only when it runs.
 """
 
 from __future__ import annotations

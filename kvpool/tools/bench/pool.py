@@ -37,6 +37,7 @@ bytes on this path.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -223,11 +224,17 @@ def _sizes(text: str) -> list[int]:
 @click.option("--peers", default="redis,mooncake", show_default=True, help="Baselines to run (redis, mooncake).")
 @click.option("--no-put", is_flag=True, help="Measure gets only.")
 @click.option("--no-engine", is_flag=True, help="Leave out the transfer-engine data path (tcp-engine).")
+@click.option("--clients", default="", metavar="N,N,...",
+              help="Many-clients mode: aggregate gets of this many client processes at once (e.g. 1,4,16,64), "
+                   "ours (TCP and same-host) vs the peers with the same counts; --sizes, --reps and --peers apply.")
+@click.option("--duration", default=2.0, show_default=True, type=click.FloatRange(0.2, 60),
+              help="Many-clients mode: seconds each turn runs.")
 @click.option("--auth", is_flag=True, help="Also run a pool with a keyring and a tenant client (TCP and shm), "
               "compared with the pool without (authentication's cost).")
 def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int, batch: int, peers: str,
-         no_put: bool, no_engine: bool, auth: bool) -> None:
-    """SDK put/get GB/s and ops/s (TCP forced and same-host shm) vs Redis and Mooncake Store (TCP)."""
+         no_put: bool, no_engine: bool, clients: str, duration: float, auth: bool) -> None:
+    """SDK put/get GB/s and ops/s (TCP forced and same-host shm) vs Redis and Mooncake Store (TCP);
+    with --clients, aggregate gets of many client processes at once."""
     from kvpool.config import parse_size
 
     size_list = _sizes(sizes)
@@ -235,6 +242,8 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
     wanted = {p.strip() for p in peers.split(",") if p.strip()}
     if wanted - {"redis", "mooncake"}:
         raise InvalidArgument(f"unknown peer(s) {sorted(wanted - {'redis', 'mooncake'})}; known: redis, mooncake")
+    if clients:
+        return _many_clients(as_json, size_list, reps, wanted, _counts(clients), duration)
     report = Report("pool")
     workloads = [Workload(s, max(min_ops, per_rep // s), batch) for s in size_list]
     working_set = sum(w.size * w.count for w in workloads)
@@ -291,6 +300,71 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
                 log.warning("cleanup failed", exc_info=True)
     _check_goals(report)
     report.emit(as_json)
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgument(f"--clients takes counts like 1,4,16,64, got {text!r}") from None
+    if not counts or min(counts) < 1 or max(counts) > 256:
+        raise InvalidArgument(f"--clients takes counts between 1 and 256, got {text!r}")
+    return counts
+
+
+def _many_clients(as_json: bool, sizes: list[int], reps: int, wanted: set[str], counts: list[int],
+                  duration: float) -> None:
+    """`--clients`: every system serves the same keys to 1..N client processes (pool_clients.py)."""
+    from kvpool.tools.bench import pool_clients
+    from kvpool.tools.bench.pool_peers import _mooncake_env
+
+    report = Report("pool")
+    report.notes.append(f"many clients: {counts} client processes, {duration:g} s per turn, {reps} turns per "
+                        f"system, gets of one value at a time; {os.cpu_count()} CPUs shared by clients and servers")
+    closers: list[Callable[[], None]] = []
+    try:
+        server = PoolProcess(dram_capacity=1 << 30)
+        closers.append(server.close)
+        loader = Ours(server.address, False, "loader")
+        closers.append(loader.close)
+        specs: dict[str, dict] = {"ours_tcp": {"address": server.address}, "ours_shm": {"address": server.address}}
+        load: list[Callable[[str, np.ndarray], None]] = [loader.put]
+        if "redis" in wanted:
+            try:
+                redis = RedisPeer()
+                closers.append(redis.close)
+                specs["redis"] = {"port": redis.port}
+                load.append(redis.put)
+            except RuntimeError as exc:
+                report.notes.append(f"Redis skipped: {exc}")
+        if "mooncake" in wanted:
+            why = mooncake_available()
+            if why is None:
+                mc = MooncakePeer(segment_bytes=512 << 20, buffer_bytes=64 << 20)
+                closers.append(mc.close)
+                specs["mooncake"] = {"metadata_url": mc.metadata_url, "master": mc.master_address,
+                                     "env": {k: v for k, v in _mooncake_env().items() if k.startswith(("MC_", "GLOG_"))}}
+                load.append(lambda key, value, mc=mc: _mooncake_put(mc, key, value))
+            else:
+                report.notes.append(f"Mooncake skipped: {why}")
+        for size in sizes:
+            for i in range(pool_clients.KEYS):
+                value = pool_clients._value(size, i)
+                for put in load:
+                    put(pool_clients._key(size, i), value)
+        pool_clients.run(report, specs, counts, sizes, reps, duration)
+    finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:
+                log.warning("cleanup failed", exc_info=True)
+    report.emit(as_json)
+
+
+def _mooncake_put(mc: Any, key: str, value: np.ndarray) -> None:
+    mc.register(value)
+    mc.put(key, value)
 
 
 def _run(report: Report, systems: list[Any], workloads: list[Workload], reps: int, no_put: bool) -> None:

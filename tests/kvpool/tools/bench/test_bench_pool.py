@@ -64,3 +64,29 @@ def test_bench_pool_auth_is_paired_with_a_control_and_cpu_per_op():
         assert x["server_cpu_us"] > 0 and x["baseline_server_cpu_us"] > 0
     assert any(n.startswith("auth cost put_tcp+auth") for n in doc["notes"])
     assert any(n.startswith("control put_tcp+control") for n in doc["notes"])
+
+
+def test_bench_pool_many_clients_measures_every_system_at_every_count():
+    """`--clients`: each count of client processes reads checked values from ours (TCP and
+    same-host) and Redis; a wrong value would fail the run (each get is checked in the client)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    r = subprocess.run(
+        [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--clients", "1,3", "--reps", "1",
+         "--sizes", "64KiB", "--duration", "0.3", "--peers", "redis"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = {(x["case"], x["baseline"]): x for x in doc["results"]}
+    for count in (1, 3):
+        for path in ("tcp", "shm"):
+            x = rows[(f"get_{path}_clients_{count}", "redis")]
+            assert x["unit"] == "ops/s" and x["value"] > 0 and x["baseline_value"] > 0
+            assert x["extra"]["clients"] == count
+            assert 0 < x["extra"]["p50_us"] <= x["extra"]["p99_us"]
+            assert 0 < x["extra"]["redis_p50_us"] <= x["extra"]["redis_p99_us"]
+
+
+def test_bench_pool_refuses_bad_client_counts():
+    r = subprocess.run([str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--clients", "0,x"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--clients" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,192 @@
+"""`kvpool bench pool --clients 1,4,16,64`: aggregate get throughput and latency of many client
+processes at once, ours against Redis and Mooncake Store with the same client counts, one run.
+
+Each client is its own process (a Python client's own GIL must not be what limits the figure),
+started once per client count and kept for every system: it opens one connection per system
+(kvpool SDK over TCP and same-host, redis-py over TCP, Mooncake's client over TCP) and, when told,
+runs gets of `size` bytes into a preallocated buffer from a common start time for `duration`
+seconds, recording each get's latency. Every get is checked (the first 8 bytes of each value
+are its index). Systems alternate per repetition (A B C, B C A, ...) so all see the same noise.
+Figures: aggregate ops/s (the sum over clients of gets completed in the window, divided by it),
+latency p50/p99 over every get of every client; ratios against each baseline's figure at the
+same client count. On this 2-core machine clients and servers share the cores: the question the
+figure answers is whether a server's aggregate falls as clients are added, not how far it scales.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from kvpool.tools.bench.report import Report, progress
+
+log = logging.getLogger(__name__)
+
+KEYS = 32  # distinct values per size and system
+
+
+def _key(size: int, i: int) -> str:
+    return f"clients/{size}/{i}"
+
+
+def _value(size: int, i: int) -> np.ndarray:
+    value = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+    value[:8] = np.frombuffer(int(i).to_bytes(8, "little"), dtype=np.uint8)
+    return value
+
+
+class _Conn:
+    """One system's client inside a client process."""
+
+    def __init__(self, name: str, spec: dict[str, Any], sizes: list[int]):
+        self.name = name
+        self.outs = {s: np.empty(s, dtype=np.uint8) for s in sizes}
+        if name.startswith("ours"):
+            import kvpool
+
+            self.client = kvpool.connect(spec["address"], use_shm=name == "ours_shm", transports=("tcp",))
+            self.get_into = self.client.get_into
+        elif name == "redis":
+            import redis
+
+            self.client = redis.Redis(host="127.0.0.1", port=spec["port"], socket_timeout=30)
+
+            def get_into(key: str, out: np.ndarray) -> int:
+                data = self.client.get(key)
+                memoryview(out)[:len(data)] = data
+                return len(data)
+
+            self.get_into = get_into
+        elif name == "mooncake":
+            os.environ.update(spec["env"])
+            from mooncake.store import MooncakeDistributedStore
+
+            self.client = MooncakeDistributedStore()
+            rc = self.client.setup("127.0.0.1", spec["metadata_url"], 0, 16 << 20, "tcp", "", spec["master"])
+            if rc != 0:
+                raise RuntimeError(f"Mooncake client setup failed with code {rc}")
+            for out in self.outs.values():
+                if self.client.register_buffer(out.ctypes.data, out.nbytes) != 0:
+                    raise RuntimeError("Mooncake register_buffer failed")
+            store = self.client
+
+            def get_into(key: str, out: np.ndarray) -> int:
+                n = store.get_into(key, out.ctypes.data, out.nbytes)
+                if n < 0:
+                    raise RuntimeError(f"Mooncake get_into({key!r}) failed with code {n}")
+                return n
+
+            self.get_into = get_into
+        else:
+            raise ValueError(name)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:
+            pass
+
+
+def _client_main(conn: Any, index: int, specs: dict[str, dict], sizes: list[int]) -> None:
+    """A client process: set up on request, run timed get loops, report counts and latencies."""
+    logging.basicConfig(level=logging.WARNING)
+    systems: dict[str, _Conn] = {}
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "quit":
+                break
+            _, name, size, start_at, duration = cmd
+            try:
+                system = systems.get(name) or systems.setdefault(name, _Conn(name, specs[name], sizes))
+                out = system.outs[size]
+                keys = [_key(size, (index + i) % KEYS) for i in range(KEYS)]
+                lat = np.empty(1 << 20, dtype=np.float32)
+                n = 0
+                while time.time() < start_at:
+                    time.sleep(0.001)
+                clock = time.perf_counter
+                end = clock() + duration
+                while True:
+                    t0 = clock()
+                    if t0 >= end:
+                        break
+                    got = system.get_into(keys[n % KEYS], out)
+                    lat[n % lat.size] = clock() - t0
+                    if got != size or int.from_bytes(out[:8].tobytes(), "little") != (index + n) % KEYS:
+                        raise RuntimeError(f"{name}: get {n} of client {index} returned wrong bytes")
+                    n += 1
+                conn.send(("ok", n, lat[:min(n, lat.size)]))
+            except Exception as exc:  # reported, not raised: the parent decides
+                conn.send(("error", f"{type(exc).__name__}: {exc}", None))
+    finally:
+        for system in systems.values():
+            system.close()
+
+
+def run(report: Report, specs: dict[str, dict], client_counts: list[int], sizes: list[int], reps: int,
+        duration: float) -> None:
+    """Every (client count, size) x system, `reps` alternating turns each; rows into `report`."""
+    ctx = mp.get_context("spawn")
+    names = list(specs)
+    bar, advance = progress(len(client_counts) * len(sizes) * reps * len(names), "pool, many clients")
+    with bar:
+        for count in client_counts:
+            procs, pipes = [], []
+            try:
+                for i in range(count):
+                    parent, child = ctx.Pipe()
+                    p = ctx.Process(target=_client_main, args=(child, i, specs, sizes), daemon=True)
+                    p.start()
+                    procs.append(p)
+                    pipes.append(parent)
+                for size in sizes:
+                    figures: dict[str, list[tuple[float, np.ndarray]]] = {n: [] for n in names}
+                    for rep in range(reps):
+                        order = names[rep % len(names):] + names[:rep % len(names)]
+                        for name in order:
+                            start_at = time.time() + (5.0 if rep == 0 else 0.5) + 0.02 * count
+                            for pipe in pipes:
+                                pipe.send(("run", name, size, start_at, duration))
+                            answers = [pipe.recv() for pipe in pipes]
+                            bad = [a[1] for a in answers if a[0] != "ok"]
+                            if bad:
+                                raise RuntimeError(f"{name} with {count} clients: {bad[0]}")
+                            total = sum(a[1] for a in answers)
+                            figures[name].append((total / duration, np.concatenate([a[2] for a in answers])))
+                            advance()
+                    _add(report, count, size, figures)
+            finally:
+                for pipe in pipes:
+                    try:
+                        pipe.send(("quit",))
+                    except OSError:
+                        pass
+                for p in procs:
+                    p.join(10)
+                    if p.is_alive():
+                        p.kill()
+
+
+def _add(report: Report, count: int, size: int, figures: dict[str, list[tuple[float, np.ndarray]]]) -> None:
+    def lat(name: str, q: float) -> float:
+        return round(float(np.percentile(np.concatenate([f[1] for f in figures[name]]), q)) * 1e6, 1)
+
+    ours = [n for n in figures if n.startswith("ours")]
+    peers = [n for n in figures if not n.startswith("ours")]
+    for name in ours:
+        values = [f[0] for f in figures[name]]
+        extra = {"clients": count, "p50_us": lat(name, 50), "p99_us": lat(name, 99)}
+        for peer in peers:
+            extra[f"{peer}_p50_us"], extra[f"{peer}_p99_us"] = lat(peer, 50), lat(peer, 99)
+        case = f"get_{name.removeprefix('ours_')}_clients_{count}"
+        if not peers:
+            report.add(case, values, "ops/s", size=size, extra=extra)
+        for peer in peers:
+            report.add(case, values, "ops/s", size=size, baseline=peer,
+                       baseline_values=[f[0] for f in figures[peer]], extra=extra)
