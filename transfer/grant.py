@@ -22,9 +22,14 @@ handed across hosts needs their clocks within the grant's lifetime of each other
 
 Revocation: the signer revokes a grant whose range stops being the holder's before the grant
 expires (a pin released, a reservation committed or aborted), so the range can be reused for
-another object without the old holder reaching it. A WRITE frame already being received when
-its grant is revoked still lands (bounded by the minimum body rate): the pool's reservation
-invariant keeps such a range out of reuse only until the put's deadline (`kvpool.node.writes`).
+another object without the old holder reaching it. A grant is checked when a frame starts, and
+a frame can take long (a WRITE whose sender pauses, a READ whose receiver drains slowly), so
+the checker also counts the frames moving bytes under each grant (`admit` ... `done`), and
+`revoke` returns only once none is left: it gives them `GRACE` seconds to finish (a well-behaved
+frame is done by then: its holder asks for the revocation only after its bytes moved), then
+cuts the rest (their connections are shut down and the server stops touching the range within
+one `CUT_STEP`) and waits for them to stop. So when `revoke` returns, no byte of the range moves
+under that grant any more, and its owner may reuse the range.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+import logging
+import socket
 import struct
+import threading
 import time
 from typing import Callable
 
@@ -45,6 +53,23 @@ _EXPIRES, _EXPIRES_AT = struct.Struct("<Q"), SIGNED - 8
 _LABEL = b"kvpool-grant/v1\0"
 _OPS = {READ: "READ", WRITE: "WRITE"}
 SWEEP_AT = 4096  # revoked entries before the expired ones are swept (then twice what is left)
+GRACE = 0.1  # seconds a revoked grant's frames get to finish by themselves before they are cut
+CUT_STEP = 1 << 20  # a WRITE under a grant is received in steps of this, each after a look at `Frame.cut`
+STUCK_LOG_S = 5.0  # a revoke still waiting for a cut frame logs again after this
+
+log = logging.getLogger("transfer.grant")
+
+
+class Frame:
+    """One connection's frame in flight under a grant (`Grants.admit` .. `Grants.done`):
+    `cut` is set (and `sock` shut down) when its grant is revoked while it still moves bytes."""
+
+    __slots__ = ("sock", "signed", "cut")
+
+    def __init__(self, sock: socket.socket | None):
+        self.sock = sock
+        self.signed: bytes | None = None
+        self.cut = False
 
 
 class Grants:
@@ -61,6 +86,10 @@ class Grants:
         self._revoked: dict[bytes, int] = {}  # signed part of a revoked grant -> its expiry (ms)
         self._sweep_at = SWEEP_AT
         self._last: tuple = (b"", None)  # the last grant whose signature checked, and its fields
+        self._moving: dict[Frame, None] = {}  # frames moving bytes under a grant now (`Frame.signed`: which)
+        self._lock = threading.Lock()  # revokes (the hot path, `admit` / `done`, takes none)
+        self._ended = threading.Condition(self._lock)  # notified when a frame ends while a revoke waits
+        self._awaited = 0  # revokes waiting for frames to end
 
     def _mac(self, signed: bytes) -> bytes:
         return hashlib.blake2b(self._prefix + signed, key=self._key, digest_size=16).digest()
@@ -86,24 +115,95 @@ class Grants:
 
     def revoke(self, grant: bytes) -> None:
         """Refuse `grant` from now on, before it expires (the pin it came with was released, the
-        reservation ended): its range may soon hold another object."""
+        reservation ended): its range may soon hold another object. Returns once no frame moves
+        bytes under it any more (see the module doc): it may block for `GRACE` seconds and a cut."""
         if len(grant) != SIZE:
             return
+        signed = bytes(grant[:SIGNED])
         now = time.time() * 1000
-        revoked = self._revoked
-        if len(revoked) >= self._sweep_at:  # amortized: a sweep per doubling, not per revoke
-            revoked = self._revoked = {k: t for k, t in list(revoked.items()) if t > now}
-            self._sweep_at = max(SWEEP_AT, 2 * len(revoked))
-        expires = _EXPIRES.unpack_from(grant, _EXPIRES_AT)[0]
-        if expires > now:
-            revoked[bytes(grant[:SIGNED])] = expires
+        with self._lock:
+            revoked = self._revoked
+            if len(revoked) >= self._sweep_at:  # amortized: a sweep per doubling, not per revoke
+                # (a minute late: a frame whose grant checked just before it expired may still be admitted)
+                revoked = self._revoked = {k: t for k, t in list(revoked.items()) if t > now - 60_000}
+                self._sweep_at = max(SWEEP_AT, 2 * len(revoked))
+            expires = _EXPIRES.unpack_from(grant, _EXPIRES_AT)[0]
+            revoked[signed] = max(expires, int(now) + 1)  # kept until the sweep even if expired: `admit` reads it
+            # After the mark: a frame admitted from now on is refused, and one admitted before is in `_moving`.
+            if any(f.signed == signed for f in list(self._moving)):
+                self._awaited += 1
+                try:
+                    self._stop_frames(signed)
+                finally:
+                    self._awaited -= 1
+
+    def _under(self, signed: bytes) -> list[Frame]:
+        return [f for f in list(self._moving) if f.signed == signed]
+
+    def _stop_frames(self, signed: bytes) -> None:
+        """Wait for the frames of the (just revoked) grant `signed` to end, cutting those that do
+        not end within `GRACE` seconds (lock held; the waits release it)."""
+        deadline = time.monotonic() + GRACE
+        while (left := deadline - time.monotonic()) > 0 and self._under(signed):
+            self._ended.wait(left)
+        frames = self._under(signed)
+        if not frames:
+            return
+        op, _, seg_id, offset, length, _ = _SIGNED.unpack(signed)
+        log.info("grant revoked while %d frame(s) still moved bytes under it (%s of [%d, +%d) on #%d): "
+                 "cutting their connections", len(frames), _OPS.get(op, op), offset, length, seg_id)
+        for frame in frames:
+            frame.cut = True
+            if frame.sock is not None:
+                try:
+                    frame.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread out of recv / send
+                except OSError:
+                    pass
+        while frames := self._under(signed):
+            if not self._ended.wait(STUCK_LOG_S):
+                log.warning("still waiting for %d cut frame(s) of a revoked grant to stop", len(frames))
 
     def check(self, grant: bytes | bytearray | memoryview, op: int, seg_id: int, offset: int,
               length: int) -> str | None:
-        """Why `grant` does not allow `op` on [offset, offset + length) of `seg_id` (None: it does).
+        """Why `grant` does not allow `op` on [offset, offset + length) of `seg_id` (None: it does)."""
+        why, signed = self._verify(grant, op, seg_id, offset, length)
+        if why is None and self._revoked and signed in self._revoked:
+            return REVOKED
+        return why
+
+    def admit(self, grant: bytes | bytearray | memoryview, op: int, seg_id: int, offset: int, length: int,
+              frame: Frame) -> str | None:
+        """`check`, and when the grant allows the op, count `frame` as moving bytes under it until
+        `done(frame)` (a revocation meanwhile waits for it, or cuts it).
+
+        No lock (this runs per frame): each step is one atomic operation under the GIL, in an
+        order that makes it safe against `revoke`, which marks the grant first and then looks
+        for its frames: the frame is entered before the mark is read, so either the revoke
+        finds the frame or the frame finds the mark."""
+        why, signed = self._verify(grant, op, seg_id, offset, length)
+        if why is not None:
+            return why
+        frame.signed = signed
+        self._moving[frame] = None
+        if self._revoked and signed in self._revoked:
+            self.done(frame)
+            return REVOKED
+        return None
+
+    def done(self, frame: Frame) -> None:
+        """`frame`, admitted by `admit`, moves no more bytes."""
+        self._moving.pop(frame, None)
+        frame.signed = None
+        if self._awaited:  # a revoke is waiting for its frames to end
+            with self._lock:
+                self._ended.notify_all()
+
+    def _verify(self, grant: bytes | bytearray | memoryview, op: int, seg_id: int, offset: int,
+                length: int) -> tuple[str | None, bytes]:
+        """(why `grant` does not allow the op, revocation aside (None: it does), its signed part).
         The slices of one op carry the same grant: its signature is checked once."""
         if len(grant) != SIZE:
-            return "malformed grant"
+            return "malformed grant", b""
         last, known = self._last
         if grant == last:
             g_op, g_seg, g_off, g_len, expires, signed = known
@@ -111,19 +211,20 @@ class Grants:
             g_op, _, g_seg, g_off, g_len, expires, mac = GRANT.unpack(grant)
             signed = bytes(grant[:SIGNED])
             if not hmac.compare_digest(mac, self._mac(signed)):
-                return "grant signature is not valid (forged, altered, or for another engine)"
+                return "grant signature is not valid (forged, altered, or for another engine)", signed
             self._last = (bytes(grant), (g_op, g_seg, g_off, g_len, expires, signed))
         if g_op != op:
-            return f"a {_OPS.get(g_op, g_op)} grant does not allow a {_OPS.get(op, op)}"
+            return f"a {_OPS.get(g_op, g_op)} grant does not allow a {_OPS.get(op, op)}", signed
         if g_seg != seg_id:
-            return f"grant is for segment #{g_seg}, not #{seg_id}"
+            return f"grant is for segment #{g_seg}, not #{seg_id}", signed
         if offset < g_off or offset + length > g_off + g_len:
-            return f"[{offset}, {offset + length}) is outside the granted [{g_off}, {g_off + g_len})"
+            return f"[{offset}, {offset + length}) is outside the granted [{g_off}, {g_off + g_len})", signed
         if expires <= time.time() * 1000:
-            return "grant expired"
-        if self._revoked and signed in self._revoked:
-            return "grant revoked (its pin was released or its reservation ended)"
-        return None
+            return "grant expired", signed
+        return None, signed
+
+
+REVOKED = "grant revoked (its pin was released or its reservation ended)"
 
 
 def fields(grant: bytes | bytearray | memoryview) -> tuple:

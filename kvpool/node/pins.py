@@ -8,9 +8,11 @@ pin id under the lock unpins its keys.
 
 Grants: when the node's transfer engine requires them (authentication on), each pinned range
 handed to a reader comes with a READ grant (`grants`) that expires with the pin's lease and is
-revoked when the pin is released (whoever releases it), so the data server serves that reader
-exactly the pinned bytes, and only while they are pinned: once unpinned, the range may hold
-another tenant's object.
+revoked when the pin is released (whoever releases it), before the unpin, so the data server
+serves that reader exactly the pinned bytes, and only while they are pinned: the revocation
+returns only once no READ frame started under the grant is still sending (it waits for them
+briefly, then cuts them: `transfer.grant`), because once unpinned (and removed or evicted), the
+range may hold another tenant's object.
 """
 
 from __future__ import annotations

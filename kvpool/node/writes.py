@@ -10,12 +10,14 @@ removal never deletes a newer object.
 
 Invariant: an open reservation lives in `_open` until exactly one of commit, abort, a removal
 naming its put, the close of its writer's connection, or its deadline (`put_timeout_s`); whoever
-pops it under the lock finishes it. Known limit: one-sided writes cannot be recalled, so a writer
-must finish within the put timeout; a write landing after its reservation was aborted and reused
-would corrupt the new object. With grants (authentication on) the WRITE grant handed out with a
-reservation expires at its deadline and is revoked when the reservation ends (commit, abort,
-expiry, its writer's connection closing), so the data server refuses any later WRITE frame; a
-frame already being received at that moment can still land (bounded by the minimum body rate).
+pops it under the lock finishes it. With grants (authentication on) the WRITE grant handed out
+with a reservation expires at its deadline and is revoked when the reservation ends (commit,
+abort, expiry, a removal, its writer's connection closing), before its range is published or
+freed: the data server refuses any later WRITE frame, and the revocation returns only once no
+frame started under the grant still writes (it waits for them briefly, then cuts them:
+`transfer.grant`), so no byte of an ended reservation lands in a reused range. Without grants
+(authentication off, loopback only) a one-sided write cannot be recalled: a writer must finish
+within the put timeout.
 
 Keys: `write`, `open` and `copy` are the node's boundary for the keys of a write request: each
 validates an item's key once, as the pool stores it (`check_stored_key`; a bad one fails that
