@@ -17,7 +17,8 @@ idle past the idle timeout is closed.
 With `auth` (principal -> secret), each connection must open with `transfer.auth`'s handshake
 (channel "transfer"); one that opens with anything else gets an E_UNAUTHORIZED reply (req_id 0)
 and is closed. With `grants`, every READ/WRITE must carry a grant (`transfer.grant`) that covers
-it: a missing, forged, expired, other-op or out-of-range grant gets E_FORBIDDEN and nothing
+it, issued to the principal the connection proved: a missing, forged, expired, other-op,
+out-of-range or other principal's grant gets E_FORBIDDEN and nothing
 moves (a WRITE's payload is drained, not written). An admitted frame counts as moving bytes
 under its grant until its last byte is sent or received (`Grants.admit` / `done`), so the
 grant's revocation waits for it or cuts its connection (`transfer.grant`). Without either, anyone who reaches the port
@@ -89,13 +90,14 @@ class DataServer:
         except Exception:
             log.exception("%s: unexpected error serving %s", self.name, addr)
 
-    def _open(self, conn: socket.socket, addr, hview: memoryview) -> int:
+    def _open(self, conn: socket.socket, addr, hview: memoryview) -> tuple[int, str]:
         """Before the first frame: the handshake when this server has `auth` (or when a client
         offers one: it is told there is none). Returns how many header bytes are already read,
-        or -1: close the connection (refused, closed, or silent for its first tick)."""
+        or -1: close the connection (refused, closed, or silent for its first tick); and the
+        principal the connection proved ("" without authentication)."""
         got = self._recv_header(conn, hview[:4], 1)
         if got == 0:  # closed, or silent for a whole tick: a new connection speaks at once
-            return -1
+            return -1, ""
         if looks_like_hello(hview[:4]) or self.auth is not None:
             if not looks_like_hello(hview[:4]):
                 got = 4 + self._recv_header(conn, hview[4:], 1, started=True)
@@ -104,15 +106,15 @@ class DataServer:
                 body = HOW_TO_AUTH.encode()
                 framing.refuse_after(conn, wire.RESP.pack(wire.MAGIC, wire.VERSION, wire.E_UNAUTHORIZED, 0, req_id,
                                                           len(body)) + body)
-                return -1
+                return -1, ""
             try:
                 principal = serve_handshake(conn, bytes(hview[:4]), self.auth, "transfer")
             except AuthError as exc:
                 log.warning("%s: refused %s: %s", self.name, addr, exc)
-                return -1
+                return -1, ""
             log.debug("%s: %s authenticated as %r", self.name, addr, principal)
-            return 0
-        return got
+            return 0, principal
+        return got, ""
 
     def _recv_header(self, conn: socket.socket, view: memoryview, idle_ticks: int, started: bool = False) -> int:
         """Fill `view` (a frame header, or its first bytes); 0: the peer closed or stayed idle
@@ -151,12 +153,12 @@ class DataServer:
         grants = self.grants
         grant = bytearray(GRANT_SIZE)
         gview = memoryview(grant)
-        frame = Frame(conn)
         idle = self.limits.idle_ticks() or -1  # -1: never idle-closed
         pace = self.limits.min_per_tick
-        have = self._open(conn, addr, hview)
+        have, principal = self._open(conn, addr, hview)
         if have < 0:
             return
+        frame = Frame(conn, principal)  # the grants it presents must name its principal
         while True:
             if have:
                 first, have = have, 0

@@ -259,7 +259,8 @@ class StoreNode:
             offsets[i] = -1
         pin_id = self.pins.hold(kept, conn) if kept else 0
         try:
-            conn.reply(Pins(pin_id, offsets, sizes, self.pins.grants(offsets, sizes, pin_id)), views)
+            conn.reply(Pins(pin_id, offsets, sizes, self.pins.grants(offsets, sizes, pin_id, conn.principal.name)),
+                       views)
         finally:
             self.pins.unpin([msg.keys[i] for i in inline])
 

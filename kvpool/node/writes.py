@@ -11,7 +11,7 @@ removal never deletes a newer object.
 Invariant: an open reservation lives in `_open` until exactly one of commit, abort, a removal
 naming its put, the close of its writer's connection, or its deadline (`put_timeout_s`); whoever
 pops it under the lock finishes it. With grants (authentication on) the WRITE grant handed out
-with a reservation expires at its deadline and is revoked when the reservation ends (commit,
+with a reservation (to the writer's principal: only its own data connections may use it) expires at its deadline and is revoked when the reservation ends (commit,
 abort, expiry, a removal, its writer's connection closing), before its range is published or
 freed: the data server refuses any later WRITE frame, and the revocation returns only once no
 frame started under the grant still writes (it waits for them briefly, then cuts them:
@@ -61,8 +61,8 @@ class _Open:
 class Writes:
     """`store`: the node's `TieredStore`; `master`: the in-process `MasterService` (embedded
     mode) or None; `node_id`, `segment`: what a `Placed` names; `put_timeout_s`: how long an
-    open reservation may wait for its commit. `sign`: (op, offset, length, ttl_s) -> a grant of
-    the transfer segment, set once the engine is up (None: no grants)."""
+    open reservation may wait for its commit. `sign`: (op, offset, length, ttl_s, principal) -> a
+    grant of the transfer segment, set once the engine is up (None: no grants)."""
 
     def __init__(self, store: Any, node_id: str, segment: str, put_timeout_s: float, master: Any = None):
         self.store = store
@@ -70,7 +70,7 @@ class Writes:
         self.node_id = node_id
         self.segment = segment
         self.put_timeout_s = put_timeout_s
-        self.sign: Callable[[int, int, int, float], bytes | None] | None = None
+        self.sign: Callable[[int, int, int, float, str], bytes | None] | None = None
         self.revoke: Callable[[bytes], None] | None = None
         self._put_ids: dict[str, int] = {}  # key -> the put that wrote our copy
         self._open: dict[str, _Open] = {}
@@ -226,7 +226,7 @@ class Writes:
             if local:
                 self.master.put_abort(key, put_id)
             raise
-        grant = b"" if self.sign is None else self.sign(WRITE, res.offset, size, self.put_timeout_s)
+        grant = b"" if self.sign is None else self.sign(WRITE, res.offset, size, self.put_timeout_s, _principal(conn))
         with self._lock:
             self._open[key] = _Open(put_id, res.offset, time.monotonic() + self.put_timeout_s, local, conn, grant)
         if conn is not None:
@@ -298,3 +298,9 @@ class Writes:
                 mine = write is not None and write.put_id == put_id and write.conn is conn
             if mine:
                 self.abort(key, put_id)
+
+
+def _principal(conn: Any) -> str:
+    """The name the writer's connection proved (its grants name it); "" for an in-process caller."""
+    principal = getattr(conn, "principal", None)
+    return principal.name if principal is not None else ""
