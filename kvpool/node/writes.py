@@ -39,10 +39,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, Unavailable
 from kvpool.contract import check_stored_key as check_key
 from kvpool.messages import Err, NodeGet, Placed, Slot
 from kvpool.rpc import Payload, RpcClient
+from kvpool.security.tickets import Spent, Tickets
 from transfer import WRITE
 
 log = logging.getLogger("kvpool.node")
@@ -71,6 +72,9 @@ class Writes:
         self.segment = segment
         self.put_timeout_s = put_timeout_s
         self.sign: Callable[[int, int, int, float, str], bytes | None] | None = None
+        # a cluster node with a keyring: the master's put tickets, checked on every write it did not plan
+        self.tickets: Tickets | None = None
+        self._spent = Spent()
         self.revoke: Callable[[bytes], None] | None = None
         self._put_ids: dict[str, int] = {}  # key -> the put that wrote our copy
         self._open: dict[str, _Open] = {}
@@ -110,12 +114,15 @@ class Writes:
 
     # ------------------------------------------------------------------ plan, reserve, publish
 
-    def plan(self, key: str, size: int, put_id: int, replicas: int) -> tuple[int, bool] | None:
+    def plan(self, key: str, size: int, put_id: int, replicas: int, ticket: bytes = b"") -> tuple[int, bool] | None:
         """(put id, local) of a write of `key` to this node; None when the object already exists.
 
         put_id 0 is a one-round-trip put: planned here at the in-process master, which must place
         it on this node alone (local: the caller publishes or aborts it there). Any other put id
-        must be a put the master expects on this node."""
+        must be a put the master expects on this node: the in-process master is asked; a node
+        whose master is elsewhere checks the master's `ticket` (with a keyring: `tickets`), used
+        once, and refuses (`Forbidden`) a write without a valid one, so no write lands here that
+        the master did not admit under its tenant's pool-wide quota."""
         master = self.master
         if put_id == 0:
             if master is None:
@@ -128,8 +135,16 @@ class Writes:
                 master.put_abort(key, plan.put_id)
                 raise InvalidArgument("a one-round-trip put needs a single-node plan; use put_start")
             return plan.put_id, True
-        if master is not None and not master.expects_write(key, put_id, self.node_id):
-            raise InvalidArgument(f"no pending put {put_id} of {key!r} on this node")
+        if master is not None:
+            if not master.expects_write(key, put_id, self.node_id):
+                raise InvalidArgument(f"no pending put {put_id} of {key!r} on this node")
+        elif self.tickets is not None:
+            why = self.tickets.check(ticket, put_id, key, size, self.node_id)
+            if why is None and not self._spent.take(put_id, key, ticket):
+                why = "put ticket already used (a ticket admits one write)"
+            if why is not None:
+                log.info("node %s: refused a write of %r under put %d: %s", self.node_id, key, put_id, why)
+                raise Forbidden(f"write of {key!r} under put {put_id} refused: {why}")
         return put_id, False
 
     def reserve(self, key: str, size: int, put_id: int):
@@ -150,14 +165,16 @@ class Writes:
 
     # ------------------------------------------------------------------ bytes in the request / from a peer
 
-    def write(self, key: str, size: int, put_id: int, replicas: int, payload: Payload, checked: bool = False) -> Placed:
+    def write(self, key: str, size: int, put_id: int, replicas: int, payload: Payload, checked: bool = False,
+              ticket: bytes = b"") -> Placed:
         """One object of a `NodeWrite`: its `size` bytes are next in `payload`. `checked`: the
-        key was validated already (a tenant's, scoped at dispatch by `kvpool.security.authz`)."""
+        key was validated already (a tenant's, scoped at dispatch by `kvpool.security.authz`);
+        `ticket`: the master's put ticket for this node (`plan`)."""
         local = False
         try:
             if not checked:
                 check_key(key)
-            planned = self.plan(key, size, put_id, replicas)
+            planned = self.plan(key, size, put_id, replicas, ticket)
             if planned is None:
                 payload.skip(size)
                 return Placed(self.node_id, "", "", -1)
@@ -210,13 +227,13 @@ class Writes:
 
     # ------------------------------------------------------------------ the writer moves the bytes (transfer engine)
 
-    def open(self, key: str, size: int, put_id: int, replicas: int, conn: Any) -> Slot:
+    def open(self, key: str, size: int, put_id: int, replicas: int, conn: Any, ticket: bytes = b"") -> Slot:
         """Reserve `key` for a writer that fills it through the transfer engine; `Slot(0, -1)`
-        when it already exists."""
+        when it already exists. `ticket`: as `write`."""
         check_key(key)
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidArgument(f"NodeReserve: size must be a positive integer, got {size!r}")
-        planned = self.plan(key, size, put_id, replicas)
+        planned = self.plan(key, size, put_id, replicas, ticket)
         if planned is None:
             return Slot(0, -1)
         put_id, local = planned
@@ -276,6 +293,7 @@ class Writes:
         return True
 
     def expire(self) -> None:
+        self._spent.sweep()
         now = time.monotonic()
         with self._lock:
             stale = [(k, w.put_id) for k, w in self._open.items() if w.deadline <= now]
