@@ -89,6 +89,7 @@ class Grants:
             raise ValueError("a grant key must be at least 16 bytes")
         self._key = bytes(key)
         self._prefix = _LABEL + engine.encode() + b"\0"
+        self._keyed = hashlib.blake2b(self._prefix, key=self._key, digest_size=16)  # copied per MAC: no keyed init
         self._serial = itertools.count(1)
         self._revoked: dict[bytes, int] = {}  # signed part of a revoked grant -> its expiry (ms)
         self._sweep_at = SWEEP_AT
@@ -102,8 +103,9 @@ class Grants:
         name = principal.encode()
         if len(name) > 255:
             raise ValueError("a principal name is at most 255 bytes of UTF-8")
-        return hashlib.blake2b(self._prefix + bytes((len(name),)) + name + signed, key=self._key,
-                               digest_size=16).digest()
+        h = self._keyed.copy()
+        h.update(bytes((len(name),)) + name + signed)
+        return h.digest()
 
     def signer(self, seg_id: int) -> Callable[[int, int, int, float, str], bytes]:
         """`sign` for one segment: (op, offset, length, ttl_s, principal) -> grant (the node's hot path)."""

@@ -54,11 +54,12 @@ class Tickets:
     def __init__(self, key: bytes):
         if len(key) < 16:
             raise ValueError("a ticket key must be at least 16 bytes")
-        self._key = bytes(key)
+        self._keyed = hashlib.blake2b(_LABEL, key=bytes(key), digest_size=16)  # copied per MAC: no keyed init
 
     def _mac(self, put_id: int, key: str, size: int, node_id: str, deadline_ms: int) -> bytes:
-        msg = _LABEL + _FIELDS.pack(put_id, size, deadline_ms) + _text(tenant_of(key)) + _text(node_id) + _text(key)
-        return hashlib.blake2b(msg, key=self._key, digest_size=16).digest()
+        h = self._keyed.copy()
+        h.update(b"".join((_FIELDS.pack(put_id, size, deadline_ms), _text(tenant_of(key)), _text(node_id), _text(key))))
+        return h.digest()
 
     def sign(self, put_id: int, key: str, size: int, node_id: str, ttl_s: float) -> bytes:
         """A ticket for the write of `size` bytes of `key` (as stored) under put `put_id` on
