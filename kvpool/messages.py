@@ -102,6 +102,7 @@ class Placed(Msg):
 class Target(Msg):
     node_id: str
     address: str
+    ticket: bytes = b""  # the master's put ticket for this node (`kvpool.security.tickets`; auth on)
 
 
 class PutPlan(Msg):
@@ -259,12 +260,14 @@ class NodeUnpin(Msg):
 
 class NodeWrite(Msg):
     """Payload = the values back to back. put_ids[i] == 0: the server's own master plans the
-    put (embedded mode: one round trip). Reply: `WriteReply`."""
+    put (embedded mode: one round trip). `tickets[i]`: the plan's ticket for this node (a cluster
+    node with a keyring takes no write without one). Reply: `WriteReply`."""
 
     keys: list[str]
     sizes: list[int]
     put_ids: list[int]
     replicas: int = 0
+    tickets: list[bytes] = []
 
 
 class NodeReserve(Msg):
@@ -277,6 +280,7 @@ class NodeReserve(Msg):
     put_ids: list[int]
     replicas: int = 0
     unpin: list[int] = []
+    tickets: list[bytes] = []  # as `NodeWrite.tickets`
 
 
 class Slot(Msg):

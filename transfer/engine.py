@@ -20,6 +20,8 @@ and `credential` is what this engine proves to its peers. `grant_key` makes the 
 serve only ranges a grant covers (`transfer.grant`; `grant` signs one): the owner of the
 segments hands grants out, and callers pass them in `Op.grant`. Same-host shm peers map the
 segment's file, which is 0600: only this uid (which could read our memory anyway) gets there.
+A grant names the principal it is for; the data server honours it only on a connection
+authenticated as that principal.
 RDMA: with `grant_key`, segments are registered for remote READ only (a WRITE goes over tcp,
 where its grant is checked); a remote READ is still not checked against grants: any peer that
 set up queue pairs through the (authenticated) control channel can read every registered
@@ -166,19 +168,21 @@ class TransferEngine:
     def requires_grants(self) -> bool:
         return self._grants is not None
 
-    def grant(self, seg_name: str, opcode: int, offset: int, length: int, ttl_s: float) -> bytes | None:
+    def grant(self, seg_name: str, opcode: int, offset: int, length: int, ttl_s: float,
+              principal: str = "") -> bytes | None:
         """A grant for `opcode` on [offset, offset + length) of our segment `seg_name`, valid
-        `ttl_s` seconds; None when this engine does not require grants."""
+        `ttl_s` seconds, to the peer whose data connection proves `principal` ("": this engine
+        authenticates nobody); None when this engine does not require grants."""
         if self._grants is None:
             return None
         desc = self._descriptors.get(seg_name)
         if desc is None:
             raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}")
-        return self._grants.sign(opcode, desc.seg_id, offset, length, ttl_s)
+        return self._grants.sign(opcode, desc.seg_id, offset, length, ttl_s, principal)
 
     def signer(self, seg_name: str) -> Any:
-        """`grant` bound to one segment: (opcode, offset, length, ttl_s) -> grant; None when
-        this engine does not require grants."""
+        """`grant` bound to one segment: (opcode, offset, length, ttl_s, principal) -> grant; None
+        when this engine does not require grants."""
         if self._grants is None:
             return None
         return self._grants.signer(self.descriptor(seg_name).seg_id)

@@ -17,8 +17,11 @@ idle past the idle timeout is closed.
 With `auth` (principal -> secret), each connection must open with `transfer.auth`'s handshake
 (channel "transfer"); one that opens with anything else gets an E_UNAUTHORIZED reply (req_id 0)
 and is closed. With `grants`, every READ/WRITE must carry a grant (`transfer.grant`) that covers
-it: a missing, forged, expired, other-op or out-of-range grant gets E_FORBIDDEN and nothing
-moves (a WRITE's payload is drained, not written). Without either, anyone who reaches the port
+it, issued to the principal the connection proved: a missing, forged, expired, other-op,
+out-of-range or other principal's grant gets E_FORBIDDEN and nothing
+moves (a WRITE's payload is drained, not written). An admitted frame counts as moving bytes
+under its grant until its last byte is sent or received (`Grants.admit` / `done`), so the
+grant's revocation waits for it or cuts its connection (`transfer.grant`). Without either, anyone who reaches the port
 may READ and WRITE any registered byte, as before: the pool then listens on loopback only.
 """
 
@@ -31,7 +34,7 @@ from typing import Callable
 from transfer import framing, wire
 from transfer.auth import AuthError, SecretLookup, looks_like_hello, serve_handshake
 from transfer.errors import PeerUnavailable, TransferError
-from transfer.grant import SIZE as GRANT_SIZE, Grants
+from transfer.grant import CUT_STEP, SIZE as GRANT_SIZE, Frame, Grants
 
 log = logging.getLogger("transfer.tcp_server")
 
@@ -87,13 +90,14 @@ class DataServer:
         except Exception:
             log.exception("%s: unexpected error serving %s", self.name, addr)
 
-    def _open(self, conn: socket.socket, addr, hview: memoryview) -> int:
+    def _open(self, conn: socket.socket, addr, hview: memoryview) -> tuple[int, str]:
         """Before the first frame: the handshake when this server has `auth` (or when a client
         offers one: it is told there is none). Returns how many header bytes are already read,
-        or -1: close the connection (refused, closed, or silent for its first tick)."""
+        or -1: close the connection (refused, closed, or silent for its first tick); and the
+        principal the connection proved ("" without authentication)."""
         got = self._recv_header(conn, hview[:4], 1)
         if got == 0:  # closed, or silent for a whole tick: a new connection speaks at once
-            return -1
+            return -1, ""
         if looks_like_hello(hview[:4]) or self.auth is not None:
             if not looks_like_hello(hview[:4]):
                 got = 4 + self._recv_header(conn, hview[4:], 1, started=True)
@@ -102,15 +106,15 @@ class DataServer:
                 body = HOW_TO_AUTH.encode()
                 framing.refuse_after(conn, wire.RESP.pack(wire.MAGIC, wire.VERSION, wire.E_UNAUTHORIZED, 0, req_id,
                                                           len(body)) + body)
-                return -1
+                return -1, ""
             try:
                 principal = serve_handshake(conn, bytes(hview[:4]), self.auth, "transfer")
             except AuthError as exc:
                 log.warning("%s: refused %s: %s", self.name, addr, exc)
-                return -1
+                return -1, ""
             log.debug("%s: %s authenticated as %r", self.name, addr, principal)
-            return 0
-        return got
+            return 0, principal
+        return got, ""
 
     def _recv_header(self, conn: socket.socket, view: memoryview, idle_ticks: int, started: bool = False) -> int:
         """Fill `view` (a frame header, or its first bytes); 0: the peer closed or stayed idle
@@ -151,9 +155,10 @@ class DataServer:
         gview = memoryview(grant)
         idle = self.limits.idle_ticks() or -1  # -1: never idle-closed
         pace = self.limits.min_per_tick
-        have = self._open(conn, addr, hview)
+        have, principal = self._open(conn, addr, hview)
         if have < 0:
             return
+        frame = Frame(conn, principal)  # the grants it presents must name its principal
         while True:
             if have:
                 first, have = have, 0
@@ -188,37 +193,44 @@ class DataServer:
                     framing.recv_paced(conn, gview[got:], 0)
             if opcode == wire.OP_READ or opcode == wire.OP_WRITE:
                 err = seg = None
+                admitted = False
                 if grants is not None:
                     if not flags & wire.FLAG_GRANT:
                         why = "no grant: this engine serves only granted ranges"
                     else:
-                        why = grants.check(grant, opcode, seg_id, offset, length)
+                        why = grants.admit(grant, opcode, seg_id, offset, length, frame)
+                        admitted = why is None
                     if why is not None:
                         log.info("%s: refused %s of [%d, +%d) on #%d from %s: %s", self.name,
                                  "READ" if opcode == wire.OP_READ else "WRITE", offset, length, seg_id, addr, why)
                         err = (wire.E_FORBIDDEN, why)
-                if err is None:
-                    entry = segments.get(seg_id)
-                    if entry is None:
-                        err = (wire.E_NO_SEGMENT, f"no segment #{seg_id} on {self.name} (never registered or "
-                                                  "unregistered since)")
-                    else:
-                        seg = entry[1]
-                        if offset + length > len(seg):
-                            err = (wire.E_RANGE, f"[{offset}, {offset + length}) outside segment "
-                                                 f"{entry[0]!r} of {len(seg)} bytes")
-                if opcode == wire.OP_WRITE:
+                try:  # an admitted frame counts as moving bytes under its grant until `done` (`transfer.grant`)
                     if err is None:
-                        framing.recv_paced(conn, seg[offset:offset + length], pace)
-                    else:
-                        framing.drain(conn, length, pace)
+                        entry = segments.get(seg_id)
+                        if entry is None:
+                            err = (wire.E_NO_SEGMENT, f"no segment #{seg_id} on {self.name} (never registered or "
+                                                      "unregistered since)")
+                        else:
+                            seg = entry[1]
+                            if offset + length > len(seg):
+                                err = (wire.E_RANGE, f"[{offset}, {offset + length}) outside segment "
+                                                     f"{entry[0]!r} of {len(seg)} bytes")
+                    if opcode == wire.OP_WRITE:
+                        if err is not None:
+                            framing.drain(conn, length, pace)
+                        elif admitted:
+                            _recv_granted(conn, seg[offset:offset + length], pace, frame)
+                        else:
+                            framing.recv_paced(conn, seg[offset:offset + length], pace)
+                    elif err is None:
+                        wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, length)
+                        framing.send_all(conn, [resp, seg[offset:offset + length]])
+                finally:
+                    if admitted:  # before the WRITE's answer: its writer may end the reservation right after
+                        grants.done(frame)
                 if err is not None:
                     self._reply_error(conn, resp, req_id, *err)
-                    continue
-                if opcode == wire.OP_READ:
-                    wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, length)
-                    framing.send_all(conn, [resp, seg[offset:offset + length]])
-                else:
+                elif opcode == wire.OP_WRITE:
                     wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, wire.OK, 0, req_id, 0)
                     conn.sendall(resp)
             elif opcode == wire.OP_PING:
@@ -264,3 +276,13 @@ class DataServer:
         body = message.encode()
         wire.RESP.pack_into(resp, 0, wire.MAGIC, wire.VERSION, status, 0, req_id, len(body))
         framing.send_all(conn, [resp, body])
+
+
+def _recv_granted(conn: socket.socket, view: memoryview, pace: int, frame: Frame) -> None:
+    """`framing.recv_paced` in steps of `CUT_STEP`, stopping at the first step after the frame's
+    grant was revoked (`Frame.cut`): a cut frame stops writing into its range within one step,
+    whatever the kernel still delivers (`Grants.revoke` waits for that before the range is reused)."""
+    for start in range(0, len(view), CUT_STEP):
+        if frame.cut:
+            raise ConnectionError("the frame's grant was revoked mid-frame; connection cut")
+        framing.recv_paced(conn, view[start:start + CUT_STEP], pace)

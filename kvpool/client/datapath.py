@@ -20,7 +20,8 @@ so "auto" keeps TCP peers on `rpc`; `engine` is the only one-sided path, the one
 A path's `read(work, keys, views, out)` fills out[i] for each (node, indexes) of `work` (bytes
 when `views` is None, else the size copied into views[i], or `TOO_SMALL`; misses stay) and
 returns (indexes to retry on another replica, addresses of nodes that are gone); `write(work,
-keys, put_ids, views, replicas)` returns {(address, i): `Placed` | `EXISTS` | a `KVPoolError`},
+keys, put_ids, views, replicas, tickets)` (tickets[i]: node address -> the master's put ticket of
+key i, or None) returns {(address, i): `Placed` | `EXISTS` | a `KVPoolError`},
 every node's request sent before any reply is awaited.
 """
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvpool.client.engine_path import EnginePath
-from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out
+from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, node_tickets
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable, error_from_code
 from kvpool.messages import Err, NodeGet, NodePin, NodeWrite
 from kvpool.rpc import RpcClient
@@ -70,14 +71,15 @@ class RpcPath:
                 out[i] = cur.deliver(n, None if views is None else views[j])
 
     def write(self, work: Work, keys: Sequence[str], put_ids: Sequence[int], views: Sequence[memoryview],
-              replicas: int = 0) -> dict[tuple[str, int], Any]:
+              replicas: int = 0, tickets: Sequence[dict[str, bytes] | None] | None = None
+              ) -> dict[tuple[str, int], Any]:
         result: dict[tuple[str, int], Any] = {}
 
         def request(conn: NodeConn, idx: list[int]) -> tuple[NodeWrite, Sequence[Any]]:
-            if len(idx) == len(keys) == 1:  # the common single put: no sub-lists
+            if tickets is None and len(idx) == len(keys) == 1:  # the common single put: no sub-lists
                 return NodeWrite(list(keys), [views[0].nbytes], list(put_ids), replicas), views
             return (NodeWrite([keys[i] for i in idx], [views[i].nbytes for i in idx], [put_ids[i] for i in idx],
-                              replicas), [views[i] for i in idx])
+                              replicas, node_tickets(tickets, conn, idx)), [views[i] for i in idx])
 
         for conn, idx, reply in fan_out(work, request):
             if isinstance(reply, KVPoolError):

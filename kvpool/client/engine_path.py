@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out
+from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, node_tickets
 from kvpool.errors import KVPoolError, Unavailable, error_from_code
 from kvpool.messages import Err, NodeCommit, NodePin, NodeReserve, Placed, Slot
 
@@ -159,9 +159,11 @@ class EnginePath:
     # ------------------------------------------------------------------ writes
 
     def write(self, work: Sequence[tuple[NodeConn, list[int]]], keys: Sequence[str], put_ids: Sequence[int],
-              views: Sequence[memoryview], replicas: int = 0) -> dict[tuple[str, int], Any]:
+              views: Sequence[memoryview], replicas: int = 0,
+              tickets: Sequence[dict[str, bytes] | None] | None = None) -> dict[tuple[str, int], Any]:
         """Write views[i] to each (node, indexes); put_ids[i] == 0: the node plans the put
-        (embedded). Returns {(address, i): Placed | EXISTS | a KVPoolError}."""
+        (embedded); tickets[i]: the master's put tickets of key i by node address (or None).
+        Returns {(address, i): Placed | EXISTS | a KVPoolError}."""
         from transfer import WRITE, Op
 
         self._learn_credential(work)
@@ -171,7 +173,7 @@ class EnginePath:
         owners: list[tuple[int, int]] = []  # op -> (reserved entry, position)
         for conn, idx, slots in fan_out(work, lambda conn, idx: (
                 NodeReserve([keys[i] for i in idx], [views[i].nbytes for i in idx], [put_ids[i] for i in idx],
-                            replicas, conn.take_unpins()), ())):
+                            replicas, conn.take_unpins(), node_tickets(tickets, conn, idx)), ())):
             if isinstance(slots, KVPoolError):
                 result.update(((conn.address, i), slots) for i in idx)
                 continue

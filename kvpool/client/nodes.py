@@ -37,6 +37,13 @@ TOO_SMALL = -2  # a read result: the caller's buffer cannot hold the object
 EXISTS = "exists"  # a write result: the key was already complete, nothing was written
 
 
+def node_tickets(tickets: Sequence[dict[str, bytes] | None] | None, conn: "NodeConn", idx: list[int]) -> list[bytes]:
+    """The put tickets of keys `idx` for the node on `conn` (`NodeWrite.tickets`); [] without any."""
+    if tickets is None:
+        return []
+    return [(tickets[i] or {}).get(conn.address, b"") for i in idx]
+
+
 class NodeConn:
     def __init__(self, address: str, rpc: RpcClient | None = None, *, timeout: float = 10.0, use_shm: bool = True,
                  shm_path: str | None = None, hostname: str | None = None, arena_size: int | None = None,

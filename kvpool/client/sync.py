@@ -339,8 +339,9 @@ class Client:
             for i in lost:
                 errors[i] = errors[i] or Unavailable(f"node {address} is unreachable")
         results: dict[tuple[str, int], Any] = {}
+        tickets = [p.tickets for p in plans] if any(p.tickets for p in plans) else None
         for path, work in groups.items():
-            results.update(path.write(work, keys, [p.put_id for p in plans], views, want))
+            results.update(path.write(work, keys, [p.put_id for p in plans], views, want, tickets))
         for (address, i), res in results.items():
             if isinstance(res, Placed):
                 written[i].append(res)

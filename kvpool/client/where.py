@@ -22,6 +22,7 @@ class Plan:
     targets: list[str] = field(default_factory=list)  # node addresses to write to
     exists: bool = False  # already complete: nothing to write
     error: Exception | None = None  # refused before any byte moved
+    tickets: dict[str, bytes] | None = None  # node address -> the master's put ticket (auth on)
 
     @property
     def to_write(self) -> bool:
@@ -72,7 +73,10 @@ class MasterWhere:
         """`token`: the put's id, the same on its retries (`MasterService.put_start`)."""
         plans = master.call(PutStart(list(keys), list(sizes), replicas, self.writer_node, token)).plans
         return [Plan(error=error_from_code(p.code, p.message)) if isinstance(p, Err)
-                else Plan(p.put_id, [t.address for t in p.targets], p.exists) for p in plans]
+                else Plan(p.put_id, [t.address for t in p.targets], p.exists,
+                          tickets={t.address: t.ticket for t in p.targets} if p.targets and p.targets[0].ticket
+                          else None)
+                for p in plans]
 
     def publish(self, master: RpcClient, keys: Sequence[str], plans: Sequence[Plan], written: list[list[Placed]],
                 errors: list[Exception | None]) -> list[Exception | None]:

@@ -16,15 +16,18 @@ so whatever takes an object or a replica out of it (remove, eviction, a reclaime
 node, a node's own eviction reported in its heartbeat) gives its room back, and a new leader
 rebuilds it from the nodes' re-reports as it rebuilds the table.
 
-Each node's store also checks the quota against what it alone holds (`kvpool.tiers.tenants`),
-and that check is kept in cluster mode as a backstop, not a second count (the two never add up:
-a node's share of a tenant is never more than the pool's, so the node's check cannot refuse
-what the master's admitted, except for the moment a remove's queued removal takes to reach the
-node). It bounds writes no master planned: a cluster node cannot ask the master about a
-`NodeWrite`'s put id, so a tenant writing to a node directly is held to its quota there. In
-embedded mode every write the node takes is planned by the master in its own process
-(`kvpool.node.writes.Writes.plan`), so the node's check would add only that spurious refusal and
-is off (`StoreNode`).
+Writes the master did not plan are refused, not merely counted: with a keyring the master signs
+each planned write's put ticket for its node (`kvpool.security.tickets`, after the quota check),
+and a node whose master runs elsewhere takes a `NodeWrite` or `NodeReserve` only under a valid
+ticket for that put, key, size and node, once (`kvpool.node.writes.Writes.plan`). So a tenant
+sending writes with invented put ids straight to each node gains nothing (it used to hold up to
+its quota on every node: N nodes x quota). Each node's store also checks the quota against what
+it alone holds (`kvpool.tiers.tenants`), kept in cluster mode as a backstop, not a second count
+(the two never add up: a node's share of a tenant is never more than the pool's, so the node's
+check cannot refuse what the master's admitted, except for the moment a remove's queued removal
+takes to reach the node). In embedded mode every write the node takes is planned by the master
+in its own process, so the node's check would add only that spurious refusal and is off
+(`StoreNode`).
 """
 
 from __future__ import annotations

@@ -218,6 +218,8 @@ class MasterService:
     def put_start(self, key: str, size: int, replicas: int | None = None, writer_node: str = "",
                   token: int = 0) -> PutPlan:
         """Plan a put: choose nodes and record a pending object. `exists=True`: already complete.
+        With a keyring each target comes with its put ticket (`kvpool.security.tickets`), signed
+        once the put is admitted under its tenant's quota: the nodes take no write without it.
 
         `token` (not 0): the writer's id of this put. A pending put of `key` with the same token
         is this put's earlier attempt, whose writer gave up on it (a lost reply or connection,
@@ -264,7 +266,13 @@ class MasterService:
             st.pending.add(key)
             for n in chosen:
                 n.used += size
-            return PutPlan(put_id=put_id, targets=[Target(n.node_id, n.address) for n in chosen])
+            tickets, local = st.tickets, st.local
+            if tickets is None:
+                return PutPlan(put_id=put_id, targets=[Target(n.node_id, n.address) for n in chosen])
+            # a node in another process takes the write only with the ticket (a node here asks us)
+            return PutPlan(put_id=put_id, targets=[
+                Target(n.node_id, n.address, b"" if n.node_id in local else
+                       tickets.sign(put_id, key, size, n.node_id, st.put_timeout_s)) for n in chosen])
 
     def put_end(self, key: str, put_id: int, written: Sequence[Placed]) -> None:
         """Publish a put with the replicas that landed; no replica landed = abort."""

@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from kvpool.security.keyring import load_keyring
+from kvpool.security.keyring import load_keyring, ticket_key
+from kvpool.security.tickets import Tickets
 from kvpool.config import Settings
 from kvpool.errors import KeyNotFound, NotLeader, Unavailable
 from kvpool.master.quotas import TenantObjects, check_quota
@@ -48,8 +49,11 @@ class MasterState:
         self.removal_memory_s = max(60.0, 20 * self.node_timeout_s)  # how long an acknowledged remove is remembered
         self.lock = threading.RLock()
         self.objects: TenantObjects = TenantObjects()  # key -> ObjectEntry, with each tenant's use
+        keyring = load_keyring(s.auth_file) if s.auth_file else None
         # tenant -> (quota_bytes, quota_keys), pool-wide (`kvpool.master.quotas`)
-        self.quotas = tenant_quotas(load_keyring(s.auth_file)) if s.auth_file else {}
+        self.quotas = tenant_quotas(keyring) if keyring is not None else {}
+        # signs each planned write's ticket for its node (`kvpool.security.tickets`); None: no keyring
+        self.tickets = Tickets(ticket_key(keyring.node_credential().secret)) if keyring is not None else None
         self.nodes: dict[str, NodeEntry] = {}
         self.banned: set[str] = set()  # node ids an operator removed
         self.migrating: set[str] = set()  # keys with a drain copy in flight

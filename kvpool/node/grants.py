@@ -7,7 +7,10 @@ principal when it connects out, and serves only granted ranges (`transfer.grant`
 `kvpool.security.keyring.grant_key` of the node principal's secret). The node signs a READ grant for each
 range it pins for a reader (`Pins.grants`, until the pin's lease ends, revoked when the pin is
 released) and a WRITE grant for each reservation (`Writes.open`, until the put's deadline,
-revoked at its commit or abort). The RPC that hands the ranges out is
+revoked at its commit or abort). A revocation returns once no frame started under the grant
+still moves bytes (`transfer.grant`: it waits for them, then cuts them), and the node frees or
+publishes the range only after it: a range is never reused while such a frame runs. The RPC
+that hands the ranges out is
 itself authorized per principal (`kvpool.security.authz`): a tenant only ever pins or reserves its
 own keys, so it only ever holds grants to its own objects' bytes.
 

@@ -7,10 +7,12 @@ the close of its connection (`conn_closed`) or the end of its lease (`expire`): 
 pin id under the lock unpins its keys.
 
 Grants: when the node's transfer engine requires them (authentication on), each pinned range
-handed to a reader comes with a READ grant (`grants`) that expires with the pin's lease and is
-revoked when the pin is released (whoever releases it), so the data server serves that reader
-exactly the pinned bytes, and only while they are pinned: once unpinned, the range may hold
-another tenant's object.
+handed to a reader comes with a READ grant (`grants`) to that reader's principal that expires with the pin's lease and is
+revoked when the pin is released (whoever releases it), before the unpin, so the data server
+serves that reader exactly the pinned bytes, and only while they are pinned: the revocation
+returns only once no READ frame started under the grant is still sending (it waits for them
+briefly, then cuts them: `transfer.grant`), because once unpinned (and removed or evicted), the
+range may hold another tenant's object.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ class Pins:
     def __init__(self, store: Any, lease_s: float, visible: Callable[[str], bool] | None = None):
         self.store = store
         self.lease_s = lease_s
-        # (op, offset, length, ttl_s) -> a grant of our transfer segment, or None: no grants
-        self.sign: Callable[[int, int, int, float], bytes | None] | None = None
+        # (op, offset, length, ttl_s, principal) -> a grant of our transfer segment, or None: no grants
+        self.sign: Callable[[int, int, int, float, str], bytes | None] | None = None
         self.revoke: Callable[[bytes], None] | None = None
         self._grants: dict[int, list[bytes]] = {}  # pin id -> the grants handed out with it
         self._visible = visible
@@ -74,14 +76,15 @@ class Pins:
             sizes.append(loc.length)
         return pinned, offsets, sizes, copies
 
-    def grants(self, offsets: list[int], sizes: list[int], pin_id: int) -> list[bytes]:
-        """A READ grant per range pinned under `pin_id` (b"" for misses and inline objects),
-        valid for the pin's lease and revoked with the pin; [] when the engine takes no grants."""
+    def grants(self, offsets: list[int], sizes: list[int], pin_id: int, principal: str) -> list[bytes]:
+        """A READ grant per range pinned under `pin_id` (b"" for misses and inline objects) to
+        `principal` (the reader: only its own data connections may use them), valid for the pin's
+        lease and revoked with the pin; [] when the engine takes no grants."""
         sign = self.sign
         if sign is None or not pin_id:
             return []
         lease = self.lease_s
-        out = [sign(READ, o, n, lease) if n >= 0 and o >= 0 else b"" for o, n in zip(offsets, sizes)]
+        out = [sign(READ, o, n, lease, principal) if n >= 0 and o >= 0 else b"" for o, n in zip(offsets, sizes)]
         with self._lock:
             if pin_id in self._held:
                 self._grants[pin_id] = [g for g in out if g]

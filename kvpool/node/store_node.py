@@ -32,6 +32,8 @@ from kvpool.node.pins import Pins as PinTable
 from kvpool.node.writes import Writes
 from kvpool.rpc import Payload, RpcServer, ServerConn
 from kvpool.rpc.client import node_credential
+from kvpool.security.keyring import ticket_key
+from kvpool.security.tickets import Tickets
 
 log = logging.getLogger("kvpool.node")
 
@@ -111,6 +113,9 @@ class StoreNode:
         self.pins = PinTable(self.store, s.lease_s, master.touch if master is not None else None)
         self.writes = Writes(self.store, self.node_id, self.segment, s.put_timeout_s, master)
         self.writes.credential = node_credential(s)  # what it shows the source node of a copy
+        keyring = getattr(self.rpc, "keyring", None)
+        if keyring is not None and master is None:  # our master is elsewhere: its tickets admit each write
+            self.writes.tickets = Tickets(ticket_key(keyring.node_credential().secret))
         self._start_transfer_engine()
         self.channel = MasterChannel(master, None if master is not None else s)
         self._register()
@@ -259,7 +264,8 @@ class StoreNode:
             offsets[i] = -1
         pin_id = self.pins.hold(kept, conn) if kept else 0
         try:
-            conn.reply(Pins(pin_id, offsets, sizes, self.pins.grants(offsets, sizes, pin_id)), views)
+            conn.reply(Pins(pin_id, offsets, sizes, self.pins.grants(offsets, sizes, pin_id, conn.principal.name)),
+                       views)
         finally:
             self.pins.unpin([msg.keys[i] for i in inline])
 
@@ -281,16 +287,20 @@ class StoreNode:
         if total != payload.length:
             raise InvalidArgument(f"NodeWrite: sizes must be positive and add up to the payload ({payload.length})")
         write, checked = self.writes.write, bool(conn.scope)  # a tenant's keys were validated at dispatch
-        return WriteReply(per_item(lambda key, size, put_id: write(key, size, put_id, msg.replicas, payload, checked),
-                                   msg.keys, msg.sizes, msg.put_ids))
+        tickets = msg.tickets or [b""] * len(msg.keys)
+        return WriteReply(per_item(lambda key, size, put_id, ticket: write(key, size, put_id, msg.replicas, payload,
+                                                                           checked, ticket),
+                                   msg.keys, msg.sizes, msg.put_ids, tickets))
 
     def _on_reserve(self, msg: NodeReserve, payload: Payload, conn: ServerConn) -> Slots:
         if msg.unpin:
             self.pins.release(msg.unpin, conn)
         if self.transfer_segment is None:
             raise Unavailable(f"node {self.node_id} has no transfer engine; write over the pool RPC")
-        return Slots(per_item(lambda key, size, put_id: self.writes.open(key, size, put_id, msg.replicas, conn),
-                              msg.keys, msg.sizes, msg.put_ids), self.transfer_segment)
+        tickets = msg.tickets or [b""] * len(msg.keys)
+        return Slots(per_item(lambda key, size, put_id, ticket: self.writes.open(key, size, put_id, msg.replicas, conn,
+                                                                                 ticket),
+                              msg.keys, msg.sizes, msg.put_ids, tickets), self.transfer_segment)
 
     def _on_commit(self, msg: NodeCommit, payload: Payload, conn: ServerConn) -> WriteReply:
         return WriteReply(per_item(lambda key, put_id, ok: self.writes.commit(key, put_id, ok, conn),

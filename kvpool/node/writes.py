@@ -10,12 +10,14 @@ removal never deletes a newer object.
 
 Invariant: an open reservation lives in `_open` until exactly one of commit, abort, a removal
 naming its put, the close of its writer's connection, or its deadline (`put_timeout_s`); whoever
-pops it under the lock finishes it. Known limit: one-sided writes cannot be recalled, so a writer
-must finish within the put timeout; a write landing after its reservation was aborted and reused
-would corrupt the new object. With grants (authentication on) the WRITE grant handed out with a
-reservation expires at its deadline and is revoked when the reservation ends (commit, abort,
-expiry, its writer's connection closing), so the data server refuses any later WRITE frame; a
-frame already being received at that moment can still land (bounded by the minimum body rate).
+pops it under the lock finishes it. With grants (authentication on) the WRITE grant handed out
+with a reservation (to the writer's principal: only its own data connections may use it) expires at its deadline and is revoked when the reservation ends (commit,
+abort, expiry, a removal, its writer's connection closing), before its range is published or
+freed: the data server refuses any later WRITE frame, and the revocation returns only once no
+frame started under the grant still writes (it waits for them briefly, then cuts them:
+`transfer.grant`), so no byte of an ended reservation lands in a reused range. Without grants
+(authentication off, loopback only) a one-sided write cannot be recalled: a writer must finish
+within the put timeout.
 
 Keys: `write`, `open` and `copy` are the node's boundary for the keys of a write request: each
 validates an item's key once, as the pool stores it (`check_stored_key`; a bad one fails that
@@ -37,10 +39,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, Unavailable
 from kvpool.contract import check_stored_key as check_key
 from kvpool.messages import Err, NodeGet, Placed, Slot
 from kvpool.rpc import Payload, RpcClient
+from kvpool.security.tickets import Spent, Tickets
 from transfer import WRITE
 
 log = logging.getLogger("kvpool.node")
@@ -59,8 +62,8 @@ class _Open:
 class Writes:
     """`store`: the node's `TieredStore`; `master`: the in-process `MasterService` (embedded
     mode) or None; `node_id`, `segment`: what a `Placed` names; `put_timeout_s`: how long an
-    open reservation may wait for its commit. `sign`: (op, offset, length, ttl_s) -> a grant of
-    the transfer segment, set once the engine is up (None: no grants)."""
+    open reservation may wait for its commit. `sign`: (op, offset, length, ttl_s, principal) -> a
+    grant of the transfer segment, set once the engine is up (None: no grants)."""
 
     def __init__(self, store: Any, node_id: str, segment: str, put_timeout_s: float, master: Any = None):
         self.store = store
@@ -68,7 +71,10 @@ class Writes:
         self.node_id = node_id
         self.segment = segment
         self.put_timeout_s = put_timeout_s
-        self.sign: Callable[[int, int, int, float], bytes | None] | None = None
+        self.sign: Callable[[int, int, int, float, str], bytes | None] | None = None
+        # a cluster node with a keyring: the master's put tickets, checked on every write it did not plan
+        self.tickets: Tickets | None = None
+        self._spent = Spent()
         self.revoke: Callable[[bytes], None] | None = None
         self._put_ids: dict[str, int] = {}  # key -> the put that wrote our copy
         self._open: dict[str, _Open] = {}
@@ -108,12 +114,15 @@ class Writes:
 
     # ------------------------------------------------------------------ plan, reserve, publish
 
-    def plan(self, key: str, size: int, put_id: int, replicas: int) -> tuple[int, bool] | None:
+    def plan(self, key: str, size: int, put_id: int, replicas: int, ticket: bytes = b"") -> tuple[int, bool] | None:
         """(put id, local) of a write of `key` to this node; None when the object already exists.
 
         put_id 0 is a one-round-trip put: planned here at the in-process master, which must place
         it on this node alone (local: the caller publishes or aborts it there). Any other put id
-        must be a put the master expects on this node."""
+        must be a put the master expects on this node: the in-process master is asked; a node
+        whose master is elsewhere checks the master's `ticket` (with a keyring: `tickets`), used
+        once, and refuses (`Forbidden`) a write without a valid one, so no write lands here that
+        the master did not admit under its tenant's pool-wide quota."""
         master = self.master
         if put_id == 0:
             if master is None:
@@ -126,8 +135,16 @@ class Writes:
                 master.put_abort(key, plan.put_id)
                 raise InvalidArgument("a one-round-trip put needs a single-node plan; use put_start")
             return plan.put_id, True
-        if master is not None and not master.expects_write(key, put_id, self.node_id):
-            raise InvalidArgument(f"no pending put {put_id} of {key!r} on this node")
+        if master is not None:
+            if not master.expects_write(key, put_id, self.node_id):
+                raise InvalidArgument(f"no pending put {put_id} of {key!r} on this node")
+        elif self.tickets is not None:
+            why = self.tickets.check(ticket, put_id, key, size, self.node_id)
+            if why is None and not self._spent.take(put_id, key, ticket):
+                why = "put ticket already used (a ticket admits one write)"
+            if why is not None:
+                log.info("node %s: refused a write of %r under put %d: %s", self.node_id, key, put_id, why)
+                raise Forbidden(f"write of {key!r} under put {put_id} refused: {why}")
         return put_id, False
 
     def reserve(self, key: str, size: int, put_id: int):
@@ -148,14 +165,16 @@ class Writes:
 
     # ------------------------------------------------------------------ bytes in the request / from a peer
 
-    def write(self, key: str, size: int, put_id: int, replicas: int, payload: Payload, checked: bool = False) -> Placed:
+    def write(self, key: str, size: int, put_id: int, replicas: int, payload: Payload, checked: bool = False,
+              ticket: bytes = b"") -> Placed:
         """One object of a `NodeWrite`: its `size` bytes are next in `payload`. `checked`: the
-        key was validated already (a tenant's, scoped at dispatch by `kvpool.security.authz`)."""
+        key was validated already (a tenant's, scoped at dispatch by `kvpool.security.authz`);
+        `ticket`: the master's put ticket for this node (`plan`)."""
         local = False
         try:
             if not checked:
                 check_key(key)
-            planned = self.plan(key, size, put_id, replicas)
+            planned = self.plan(key, size, put_id, replicas, ticket)
             if planned is None:
                 payload.skip(size)
                 return Placed(self.node_id, "", "", -1)
@@ -208,13 +227,13 @@ class Writes:
 
     # ------------------------------------------------------------------ the writer moves the bytes (transfer engine)
 
-    def open(self, key: str, size: int, put_id: int, replicas: int, conn: Any) -> Slot:
+    def open(self, key: str, size: int, put_id: int, replicas: int, conn: Any, ticket: bytes = b"") -> Slot:
         """Reserve `key` for a writer that fills it through the transfer engine; `Slot(0, -1)`
-        when it already exists."""
+        when it already exists. `ticket`: as `write`."""
         check_key(key)
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidArgument(f"NodeReserve: size must be a positive integer, got {size!r}")
-        planned = self.plan(key, size, put_id, replicas)
+        planned = self.plan(key, size, put_id, replicas, ticket)
         if planned is None:
             return Slot(0, -1)
         put_id, local = planned
@@ -224,7 +243,7 @@ class Writes:
             if local:
                 self.master.put_abort(key, put_id)
             raise
-        grant = b"" if self.sign is None else self.sign(WRITE, res.offset, size, self.put_timeout_s)
+        grant = b"" if self.sign is None else self.sign(WRITE, res.offset, size, self.put_timeout_s, _principal(conn))
         with self._lock:
             self._open[key] = _Open(put_id, res.offset, time.monotonic() + self.put_timeout_s, local, conn, grant)
         if conn is not None:
@@ -274,6 +293,7 @@ class Writes:
         return True
 
     def expire(self) -> None:
+        self._spent.sweep()
         now = time.monotonic()
         with self._lock:
             stale = [(k, w.put_id) for k, w in self._open.items() if w.deadline <= now]
@@ -296,3 +316,9 @@ class Writes:
                 mine = write is not None and write.put_id == put_id and write.conn is conn
             if mine:
                 self.abort(key, put_id)
+
+
+def _principal(conn: Any) -> str:
+    """The name the writer's connection proved (its grants name it); "" for an in-process caller."""
+    principal = getattr(conn, "principal", None)
+    return principal.name if principal is not None else ""

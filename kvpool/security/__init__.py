@@ -3,6 +3,7 @@
     keyring      principals, their secrets and quotas (the keyring file), handshake proofs
     tenancy      a stored key's tenant ("<tenant>\\x00<key>") and how keys are scoped
     authz        what a principal may do over the RPC (scoping, admin-only calls)
+    tickets      the master's signed word that a node may take one write (cluster quotas)
     admin_token  the admin API's bearer token
     http_guard   the HTTP side: internal headers between router and workers, tenant API keys
 

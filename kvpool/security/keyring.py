@@ -32,7 +32,7 @@ A tenant's secret also derives, by HMAC with fixed labels, its chunk MAC key (`c
 and its namespace salt (`tenant_salt`): only holders of the tenant's secret can make either.
 `admin_api_token` is its bearer token for its own view of the REST admin API.
 `grant_key` (from the node principal's secret) signs the data-plane grants masters and nodes
-hand to clients.
+hand to clients, and `ticket_key` the put tickets masters give writers for the nodes.
 """
 
 from __future__ import annotations
@@ -253,6 +253,11 @@ def handle_key(secret: bytes) -> bytes:
 def grant_key(node_secret: bytes) -> bytes:
     """The key masters and nodes sign data-plane grants with."""
     return _derive(node_secret, "grant/v1")
+
+
+def ticket_key(node_secret: bytes) -> bytes:
+    """The key masters sign put tickets with and nodes check them with (`kvpool.security.tickets`)."""
+    return _derive(node_secret, "put-ticket/v1")
 
 
 def admin_api_token(tenant_secret: bytes) -> str:

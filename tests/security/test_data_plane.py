@@ -195,19 +195,48 @@ def test_a_valid_grant_covers_only_its_op_range_segment_and_time(pool):
         assert "outside the granted" in str(attempt(eng, READ, seg, offset, size + 4096, grant))
         assert "outside the granted" in str(attempt(eng, READ, seg, offset + 4096, size, grant))
         assert "READ grant does not allow a WRITE" in str(attempt(eng, WRITE, seg, offset, size, grant))
-        expired = signer.sign(READ, seg.seg_id, offset, size, -1)
+        expired = signer.sign(READ, seg.seg_id, offset, size, -1, "acme")
         assert "expired" in str(attempt(eng, READ, seg, offset, size, expired))
-        other_seg = signer.sign(READ, seg.seg_id + 1, offset, size, 60)
+        other_seg = signer.sign(READ, seg.seg_id + 1, offset, size, 60, "acme")
         assert "segment" in str(attempt(eng, READ, seg, offset, size, other_seg))
         other_engine = Grants(grant_key(SECRETS["node"].encode()), "kvpool-elsewhere").sign(
-            READ, seg.seg_id, offset, size, 60)
+            READ, seg.seg_id, offset, size, 60, "acme")
         assert "signature" in str(attempt(eng, READ, seg, offset, size, other_engine))
+        unbound = signer.sign(READ, seg.seg_id, offset, size, 60)  # the node's key, but to no principal
+        assert "signature is not valid for principal 'acme'" in str(attempt(eng, READ, seg, offset, size, unbound))
         # ... while the genuine grant reads exactly the pinned bytes.
         buf = bytearray(size)
         eng.read(seg, offset, buf, 0, size, None, grant)
         assert bytes(buf) == VALUE
     finally:
         eng.close()
+    victim_intact(pool)
+
+
+def test_a_grant_works_only_on_a_connection_of_the_principal_it_was_issued_to(pool):
+    """Grants are no bearer tokens: beta, authenticated as itself, presents acme's genuine grants
+    (a READ of acme's pinned object, a WRITE of acme's reservation) and moves nothing; acme's own
+    connection is served with the same grants."""
+    seg = pool.segment()
+    offset, size, grant = victim_pin(pool)
+    rpc = RpcClient(pool.address, credential=cred("acme"))
+    thief, owner = engine("beta"), engine("acme")
+    try:
+        slot = rpc.call(NodeReserve(["bound-w"], [4096], [0])).results[0]
+        for opcode, off, n, stolen in ((READ, offset, size, grant), (WRITE, slot.offset, 4096, slot.grant)):
+            err = attempt(thief, opcode, seg, off, n, stolen)
+            assert "signature is not valid for principal 'beta'" in str(err)
+        buf = bytearray(size)
+        owner.read(seg, offset, buf, 0, size, None, grant)
+        assert bytes(buf) == VALUE
+        owner.write(seg, slot.offset, bytearray(b"o" * 4096), 0, 4096, None, slot.grant)
+        assert isinstance(rpc.call(m.NodeCommit(["bound-w"], [slot.put_id], [True])).results[0], m.Placed)
+    finally:
+        thief.close()
+        owner.close()
+        rpc.close()
+    with kvpool.connect(pool.address, credential=cred("acme"), data_path="rpc") as client:
+        assert client.get("bound-w") == b"o" * 4096
     victim_intact(pool)
 
 

@@ -20,7 +20,9 @@ Goals (issue): TCP get >= 1.3x Mooncake at >= 1 MiB and >= 1x at 64 KiB (single 
 shm get >= 3x Mooncake's TCP; ahead of Redis at every size. They are printed as notes.
 
 `--auth` also runs a second `kvpool serve` with a keyring (issue 13) and a tenant client of it
-over TCP and same-host (`ours_tcp+auth`, `ours_shm+auth`), each compared with its counterpart
+over TCP and same-host (`ours_tcp+auth`, `ours_shm+auth`) and, unless `--no-engine`, on the
+transfer-engine path (`ours_tcp-engine+auth`: a grant per op, checked and counted per frame,
+issue 27), each compared with its counterpart
 without authentication in the same run (goal: under 5% cost), and a third pool without a
 keyring (`ours_tcp+control`, compared with `ours_tcp` alike): what two server processes differ
 by when neither authenticates, the measurement's own floor. These pairs are measured fairly:
@@ -73,7 +75,7 @@ AUTH = "+auth"  # suffix of the systems whose pool has a keyring (--auth)
 CONTROL = "+control"  # suffix of the system of a second pool without one (--auth): the A/A control
 TWINS = (AUTH, CONTROL)  # each compared with the system its name ends in, per turn (`_paired`)
 # clients of ours_tcp's pool (or of ours_tcp+auth's): nothing of their own to load or clean
-SHARES_POOL = ("ours_shm", ENGINE, "ours_shm" + AUTH)
+SHARES_POOL = ("ours_shm", ENGINE, "ours_shm" + AUTH, ENGINE + AUTH)
 
 
 class Ours:
@@ -261,8 +263,11 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
         if auth:
             secured, credential, cleanup = auth_pool(max(1 << 30, 4 * working_set))
             closers.append(cleanup)
-            for use_shm, name in ((False, "ours_tcp"), (True, "ours_shm")):
-                systems.append(Ours(secured.address, use_shm, name + AUTH, "rpc", credential, server=secured))
+            secured_paths = [(False, "ours_tcp", "rpc"), (True, "ours_shm", "rpc")]
+            if not no_engine:  # the engine path with grants (issue 27: each frame counted under its grant)
+                secured_paths.append((False, ENGINE, "engine"))
+            for use_shm, name, data_path in secured_paths:
+                systems.append(Ours(secured.address, use_shm, name + AUTH, data_path, credential, server=secured))
                 closers.append(systems[-1].close)
             control = PoolProcess(dram_capacity=max(1 << 30, 4 * working_set))  # started as `secured` was
             closers.append(control.close)

@@ -66,6 +66,22 @@ def test_bench_pool_auth_is_paired_with_a_control_and_cpu_per_op():
     assert any(n.startswith("control put_tcp+control") for n in doc["notes"])
 
 
+def test_bench_pool_auth_covers_the_engine_path_with_grants():
+    """`--auth` without `--no-engine`: the engine path of the pool with a keyring (a grant per op,
+    each frame counted under its grant) is compared with the engine path without."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    r = subprocess.run(
+        [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--reps", "1", "--sizes", "64KiB",
+         "--bytes-per-rep", "256KiB", "--min-ops", "4", "--batch", "4", "--peers", "", "--no-put", "--auth"],
+        capture_output=True, text=True, timeout=400, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = {(x["case"], x["baseline"]): x for x in doc["results"]}
+    x = rows[("get_tcp-engine+auth", "ours_tcp-engine")]["extra"]
+    assert x["server_cpu_us"] > 0 and x["baseline_server_cpu_us"] > 0
+    assert any(n.startswith("auth cost get_tcp-engine+auth") for n in doc["notes"])
+
+
 def test_bench_pool_many_clients_measures_every_system_at_every_count():
     """`--clients`: each count of client processes reads checked values from ours (TCP and
     same-host) and Redis; a wrong value would fail the run (each get is checked in the client)."""
