@@ -78,6 +78,10 @@ class AsyncClient:
     async def remove_batch(self, keys: Sequence[str]) -> list[bool]:
         return await self._run(lambda c: c.remove_batch(keys))
 
+    async def admin(self, method: str, **args: Any) -> Any:
+        """A master admin method by name (nodes, node, stats, key_info, keys, config)."""
+        return await self._run(lambda c: c.admin(method, **args))
+
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._close_sync)

@@ -7,6 +7,7 @@ parse, call `Router`, shape the answer (see `openai_api.py`).
     POST /admin/workers/drain {"url"}  (no new requests; it leaves once idle)
     DELETE /admin/workers?url=URL      (forget it now)
     GET  /admin/route?prompt=...       (the decision for a prompt, without running it)
+    GET  /admin/stats                  (hit rates by source, tenant and pool tier: observe.py)
 
 Guard: a request body over 1 MiB is answered 413 (kvpool.security.http_guard, in OpenAI's error shape).
 With a keyring (`KVPOOL_AUTH_FILE`) whose tenants have `api_keys`, `/v1/*` needs
@@ -34,7 +35,7 @@ from kvpool import worker_api as wire
 from kvpool.security.keyring import Entry
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.security.http_guard import HttpGuard, internal_token
-from kvpool.router import openai_api as oa
+from kvpool.router import observe, openai_api as oa
 from kvpool.router.service import Outcome, Piece, Rejected, Router
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,12 @@ def create_app(router: Router) -> FastAPI:
     async def list_workers() -> dict:
         return {"policy": router.policy.name, "workers": [s.summary() for s in router.workers.by_url.values()],
                 "cost": router.cost.params().__dict__, "cost_samples": router.cost.samples}
+
+    @app.get("/admin/stats")
+    async def cluster_stats() -> dict:
+        """Hit rates: prompt tokens and chunks by source over the workers, per tenant, and the
+        pool's tiers (`kvpool admin stats --router`; `observe.py`)."""
+        return observe.hit_summary(await observe.snapshot(router))
 
     @app.post("/admin/workers")
     async def add_worker(request: Request) -> dict:

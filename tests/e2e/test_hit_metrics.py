@@ -8,6 +8,7 @@ chunk lives is known before each request (the master's key_info, after the node'
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -121,3 +122,44 @@ def test_counters_count_each_source_in_tokens_and_chunks(prefill, pool):
     head, got = step(ids)
     assert (head.pool_cached_tokens, head.pool_ssd_tokens, head.computed_tokens) == (4 * c, 4 * c, 76)
     assert got == expect({"pool_ssd": 4 * c, "computed": 76}, {"pool_ssd": 4})
+
+
+def kvpool_cli(*args: str) -> str:
+    import subprocess
+
+    from kvpool.tools.launch.processes import KVPOOL
+
+    done = subprocess.run([*KVPOOL, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_admin_stats_shows_hit_rates_by_source_and_tier(deployed, prefill):
+    ids = [random.Random(2929).randrange(100, 40000) for _ in range(300)]
+    prefill.prefill(ids)
+    prefill.prefill(ids)  # its chunk from the worker's cache
+    prefill.clear_cache()
+    prefill.prefill(ids)  # and from the pool
+    router = deployed.cluster.router_url
+    doc = json.loads(kvpool_cli("admin", "--json", "stats", "--router", router))
+
+    # The router's sums are the workers' own counters, exactly.
+    want: dict[str, float] = {}
+    for url in (deployed.cluster.url("prefill"), deployed.cluster.url("decode")):
+        for k, v in counters(url).items():
+            want[k] = want.get(k, 0) + v
+    assert doc["prompt"]["tokens"] == {s: int(want[f"tokens/{s}"]) for s in SOURCES}
+    assert doc["prompt"]["objects"] == {s: int(want[f"objects/{s}"]) for s in SOURCES}
+    assert doc["prompt"]["lookup_tokens"] == int(want["lookup_tokens"]) > 0
+    assert doc["prompt"]["hit_ratio"] == pytest.approx(1 - want["tokens/computed"] / want["lookup_tokens"])
+    assert doc["prompt"]["tokens"]["worker"] >= 256
+    assert all(s["ok"] for s in doc["sources"]), doc["sources"]
+    dram = doc["pool_tiers"]["dram"]
+    assert dram["hits"] > 0 and dram["hit_rate"] == pytest.approx(dram["hits"] / (dram["hits"] + dram["misses"]))
+
+    table = kvpool_cli("admin", "stats", "--router", router)
+    assert "prompt tokens by source" in table and "pool_ssd" in table and "hit ratio" in table
+    # The master's view: each tier's hit rate next to its counters.
+    master = kvpool_cli("admin", "--url", deployed.master_admin, "stats")
+    assert "hit rate" in master and "%" in master
