@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, Iterable
 
@@ -47,6 +48,8 @@ async def snapshot(router: Any, timeout_s: float = 2.0) -> dict[str, Any]:
     if router.pool is not None:
         tasks.append(_pool(router.pool, timeout_s))
     sources += await asyncio.gather(*tasks)
+    for source in sources:  # JSON has no NaN or infinity (a gauge may be NaN)
+        source["samples"] = [s for s in source["samples"] if math.isfinite(s[2])]
     return {"t": started, "sources": sources}
 
 
