@@ -74,11 +74,13 @@ vllm-env:
 	@[ ! -f $(VLLM_STAMP) ] || $(MAKE) --no-print-directory $(SGLANG_STAMP) || \
 	  echo "$(SGLANG) could not be installed into $(VLLM_VENV): its HiCacheStorage check will skip"
 
-# etcd (cluster-mode tests) and redis (bench baseline) come from Debian's packages.
+# etcd (cluster-mode tests), redis (bench baseline) and chromium (the headless browser that loads the
+# router's built-in dashboard, tests/e2e/test_dashboards.py) come from Debian's packages.
 system-deps:
-	@command -v etcd >/dev/null && command -v redis-server >/dev/null || { \
-	  echo "installing etcd-server, etcd-client, redis-server (apt-get)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client redis-server >/dev/null; }
+	@command -v etcd >/dev/null && command -v redis-server >/dev/null && command -v chromium >/dev/null || { \
+	  echo "installing etcd-server, etcd-client, redis-server, chromium (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client redis-server \
+	    chromium >/dev/null; }
 
 run: $(STAMP)
 	$(BIN)/kvpool up --demo

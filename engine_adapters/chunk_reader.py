@@ -37,12 +37,16 @@ Three forms, one rule:
 - `exact(keys, tokens)`: all or nothing (a KV handle): `KeyNotFound` for a missing object,
   `CorruptObject` for one that fails (after removing it where the rule above says so).
 
+Each view says which pool tier served it (`ChunkView.tier`: "dram" | "ssd"), when the pool
+client reports it (`get_batch(keys, tiers=...)`, kvpool's clients do): hit counters by tier.
+
 Pool errors (`KVPoolError` from the client) are raised to the caller, which decides whether a
 failed read is a miss (the engine plug-ins) or a failed request.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable, Iterator, Sequence
 
@@ -73,6 +77,7 @@ class ChunkReader:
         self.on_removed = on_removed
         self.on_rejected = on_rejected
         self.batch_chunks = max(1, batch_bytes // layout.object_nbytes())
+        self._tiered = _takes_tiers(pool)  # the client can say which tier served each key
         self.fetched = 0  # verified chunks handed out
         self.damaged = 0  # chunks that failed verification (removed or rejected)
         self.rejected = 0  # of those, left in place: not provably ours (see the module docstring)
@@ -86,8 +91,8 @@ class ChunkReader:
     def iter_run(self, keys: Sequence[str]) -> Iterator[ChunkView]:
         """Views of keys[0..n), the longest intact run of full chunks, yielded as they arrive."""
         full = self.layout.chunk_tokens
-        for key, blob in self._fetch(keys, stop_at_miss=True):
-            view = self._verify(key, blob, full) if blob is not None else None
+        for key, blob, tier in self._fetch(keys, stop_at_miss=True):
+            view = self._verify(key, blob, full, tier) if blob is not None else None
             if view is None:
                 return
             self.fetched += 1
@@ -100,8 +105,8 @@ class ChunkReader:
         """Per key: its verified view (holding `tokens` tokens, default a full chunk) or None."""
         want = self.layout.chunk_tokens if tokens is None else tokens
         out: list[ChunkView | None] = []
-        for key, blob in self._fetch(keys, stop_at_miss=False):
-            view = self._verify(key, blob, want) if blob is not None else None
+        for key, blob, tier in self._fetch(keys, stop_at_miss=False):
+            view = self._verify(key, blob, want, tier) if blob is not None else None
             self.fetched += view is not None
             out.append(view)
         return out
@@ -109,10 +114,10 @@ class ChunkReader:
     def exact(self, keys: Sequence[str], tokens: Sequence[int]) -> list[ChunkView]:
         """Views of every key, each holding the given token count; all or nothing."""
         views = []
-        for (key, blob), want in zip(self._fetch(keys, stop_at_miss=True), tokens):
+        for (key, blob, tier), want in zip(self._fetch(keys, stop_at_miss=True), tokens):
             if blob is None:
                 raise KeyNotFound(f"KV object {key} is not in the pool (evicted, expired or released)")
-            view = self._verify(key, blob, want)
+            view = self._verify(key, blob, want, tier)
             if view is None:
                 raise CorruptObject(f"KV object {key} failed verification (damaged, or not written by this "
                                     "tenant's workers for this key)")
@@ -122,11 +127,12 @@ class ChunkReader:
 
     # -- the rule --------------------------------------------------------------------------------
 
-    def _verify(self, key: str, blob: Any, tokens: int) -> ChunkView | None:
+    def _verify(self, key: str, blob: Any, tokens: int, tier: str = "") -> ChunkView | None:
         try:
             view = decode_chunk(blob, self.layout, key=key, auth=self.auth, codec=self.codec)
             if view.tokens != tokens:
                 raise CorruptObject(f"holds {view.tokens} tokens, expected {tokens}")
+            view.tier = tier
             return view
         except (CorruptObject, LayoutMismatch) as exc:
             self.discard(key, exc, ours=not self.auth.keyed and self._names_us(key, blob))
@@ -167,16 +173,35 @@ class ChunkReader:
 
     # -- fetching --------------------------------------------------------------------------------
 
-    def _fetch(self, keys: Sequence[str], *, stop_at_miss: bool) -> Iterator[tuple[str, Any]]:
-        """(key, bytes or None) in order, `batch_chunks` keys per get_batch. A miss inside a batch
-        is retried alone once: a node may decline a batch larger than it can stage at once (SSD
-        objects are promoted through DRAM) yet serve the same objects one by one."""
+    def _fetch(self, keys: Sequence[str], *, stop_at_miss: bool) -> Iterator[tuple[str, Any, str]]:
+        """(key, bytes or None, tier or "") in order, `batch_chunks` keys per get_batch. A miss
+        inside a batch is retried alone once: a node may decline a batch larger than it can stage
+        at once (SSD objects are promoted through DRAM) yet serve the same objects one by one."""
         keys = list(keys)
         for start in range(0, len(keys), self.batch_chunks):
             group = keys[start:start + self.batch_chunks]
-            for key, blob in zip(group, self.pool.get_batch(group)):
+            blobs, tiers = self._get_batch(group)
+            for key, blob, tier in zip(group, blobs, tiers):
                 if blob is None and len(group) > 1:
-                    blob = self.pool.get(key)
-                yield key, blob
+                    if self._tiered:
+                        (blob,), (tier,) = self._get_batch([key])
+                    else:
+                        blob = self.pool.get(key)
+                yield key, blob, tier
                 if blob is None and stop_at_miss:
                     return
+
+    def _get_batch(self, keys: list[str]) -> tuple[list[Any], list[str]]:
+        if not self._tiered:
+            return self.pool.get_batch(keys), [""] * len(keys)
+        tiers: list[str] = []
+        blobs = self.pool.get_batch(keys, tiers=tiers)
+        return blobs, tiers
+
+
+def _takes_tiers(pool: Any) -> bool:
+    """Whether `pool.get_batch` accepts `tiers=` (kvpool's clients; a plain PoolClient need not)."""
+    try:
+        return "tiers" in inspect.signature(pool.get_batch).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False

@@ -340,6 +340,7 @@ class ChunkView:
         self.header = header
         self.payload = payload
         self.decoded = decoded
+        self.tier = ""  # the pool tier a reader got it from ("dram" | "ssd"), when it knows
 
     @property
     def tokens(self) -> int:

@@ -227,6 +227,7 @@ class NodeGet(Msg):
 
 class NodeData(Msg):
     sizes: list[int]  # -1: absent
+    ssd: list[int] = []  # positions the node read from its SSD tier (the rest of the hits: DRAM)
 
 
 class NodePin(Msg):
@@ -248,6 +249,7 @@ class Pins(Msg):
     offsets: list[int]
     sizes: list[int]  # -1: absent
     grants: list[bytes] = []
+    ssd: list[int] = []  # positions the node read from its SSD tier (promoted, or inline copies)
 
 
 class NodeUnpin(Msg):

@@ -77,6 +77,7 @@ class PrefillResponse(Message):
     fetch_ms: float = 0.0  # of prefill_ms: reading the cached prefix from the pool
     compute_ms: float = 0.0  # of prefill_ms: the forward passes over the computed tokens
     push_ms: float = 0.0  # of prefill_ms: writing the new chunks and the tail to the pool (the hand-off)
+    pool_ssd_tokens: int = 0  # of pool_cached_tokens: read from the pool's SSD tier (the rest: DRAM)
 
 
 class DecodeRequest(Message):

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from kvpool.handle import KVHandle
@@ -47,7 +47,7 @@ from reference_worker.events import EventLog
 from kvpool.worker_api import (DecodeRequest, GenerateRequest, LoadReport, PrefillRequest,
                                               PrefillResponse, SamplingParams, TokenEvent, TokenizeRequest,
                                               TokenizerInfo, WorkerInfo, error_event)
-from reference_worker.metrics import WorkerMetrics
+from reference_worker.metrics import WorkerMetrics, prompt_sources
 from reference_worker.prefix_cache import LocalPrefixCache
 from reference_worker.engine import Engine
 from reference_worker.kv_cache import SequenceKV
@@ -70,6 +70,7 @@ class _Prefix:
     local_chunks: int
     pool_chunks: int
     fetch_ms: float = 0.0  # matching and reading the pool's part of the prefix
+    pool_tiers: list[str] = field(default_factory=list)  # per pool chunk, the tier that served it
 
 
 class _Detokenizer:
@@ -247,16 +248,19 @@ class Worker:
         keys = kv.adapter.chunk_keys(ids)
         local = self.cache.get_run(keys)
         fetched: list[Any] = []
+        tiers: list[str] = []
         fetch_ms = 0.0
         if len(local) < len(keys):
             started = time.perf_counter()
             in_pool = kv.reader.match(keys) if self.pooled else 0
             if in_pool > len(local):
-                fetched = [view.as_torch() for view in kv.reader.run(keys[len(local):in_pool])]
+                views = kv.reader.run(keys[len(local):in_pool])
+                fetched = [view.as_torch() for view in views]
+                tiers = [view.tier for view in views]
             fetch_ms = (time.perf_counter() - started) * 1e3
             if fetched:
                 self.cache.put_many(zip(keys[len(local):], fetched))
-        return _Prefix(keys, local + fetched, len(local), len(fetched), fetch_ms)
+        return _Prefix(keys, local + fetched, len(local), len(fetched), fetch_ms, tiers)
 
     async def run_prefill(self, ids: list[int], request_id: str, params: SamplingParams | None = None,
                           kv: TenantKV | None = None, room: int = 0) -> tuple[PrefillJob, _Prefix]:
@@ -303,33 +307,29 @@ class Worker:
             handle = kv.adapter.make_handle(ids, saved)
             if kv.handle_key is not None:  # with a keyring: only this tenant's decode workers accept it
                 handle = handle.signed(kv.handle_key, kv.tenant)
-            head = self._prefill_response(rid, ids, job, prefix, handle, started)
+            head = self._prefill_response(rid, ids, job, prefix, handle, started, kv.tenant)
             head.push_ms = round((time.perf_counter() - pushed) * 1e3, 3)
             return head
 
     def _prefill_response(self, rid: str, ids: list[int], job: PrefillJob, prefix: _Prefix,
-                          handle: KVHandle | None, started: float) -> PrefillResponse:
+                          handle: KVHandle | None, started: float, tenant: str | None = None) -> PrefillResponse:
         c = self.layout.chunk_tokens
         first = int(job.future.result())
-        local_tokens = prefix.local_chunks * c
-        pool_tokens = prefix.pool_chunks * c
         computed = job.computed_tokens
-        # A fully cached prompt recomputes its last token: count it once, as computed.
-        overlap = local_tokens + pool_tokens + computed - len(ids)
-        if overlap > 0:
-            if pool_tokens >= overlap:
-                pool_tokens -= overlap
-            else:
-                local_tokens -= overlap
+        tokens, chunks = prompt_sources(c, len(ids), computed, len(prefix.keys), prefix.local_chunks,
+                                        prefix.pool_tiers)
+        local_tokens = tokens["worker"]
+        ssd_tokens = tokens["pool_ssd"]
+        pool_tokens = tokens["pool_dram"] + ssd_tokens
         elapsed_ms = (time.perf_counter() - started) * 1e3
-        self.metrics.prefill_done(len(ids), local_tokens, pool_tokens, computed, elapsed_ms / 1e3)
-        log.info("prefill %s: %d tokens, %d local + %d pool cached, %d computed, %.0f ms",
-                 rid, len(ids), local_tokens, pool_tokens, computed, elapsed_ms)
+        self.metrics.prefill_done(tokens, chunks, elapsed_ms / 1e3, tenant)
+        log.info("prefill %s: %d tokens, %d local + %d pool (%d from SSD) cached, %d computed, %.0f ms",
+                 rid, len(ids), local_tokens, pool_tokens, ssd_tokens, computed, elapsed_ms)
         dummy = handle or KVHandle(namespace=self.namespace.hex(), request_id=rid, num_tokens=0,
                                    chunk_tokens=c, chunk_keys=[])
         return PrefillResponse(request_id=rid, first_token=first, handle=dummy, prompt_tokens=len(ids),
                                cached_tokens=local_tokens + pool_tokens, local_cached_tokens=local_tokens,
-                               pool_cached_tokens=pool_tokens, computed_tokens=computed,
+                               pool_cached_tokens=pool_tokens, computed_tokens=computed, pool_ssd_tokens=ssd_tokens,
                                prefill_ms=round(elapsed_ms, 3), text=self.rm.decode([first]),
                                fetch_ms=round(prefix.fetch_ms, 3), compute_ms=round(job.compute_s * 1e3, 3))
 
@@ -451,7 +451,7 @@ class Worker:
         try:
             kv = await asyncio.to_thread(self.tenants.get, tenant)
             job, prefix = await self.run_prefill(ids, rid, params, kv, room=req.max_tokens)
-            head = self._prefill_response(rid, ids, job, prefix, None, started)
+            head = self._prefill_response(rid, ids, job, prefix, None, started, kv.tenant)
         except BaseException:
             slot.release()
             raise

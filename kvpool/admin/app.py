@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvpool.admin import schemas as s
 from kvpool.security.admin_token import TenantTokens, needs_token, tenant_tokens
 from kvpool.security.keyring import load_keyring
-from kvpool.admin.metrics import ServiceMetrics, render, to_builtins
+from kvpool.admin.metrics import ServiceMetrics, render, to_builtins, with_node_tiers
 from kvpool.contract import check_key, check_stored_key, scope_prefix
 from kvpool.config import Settings
 from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, Unavailable
@@ -140,35 +140,6 @@ class _CatchAll:
                 raise
             response = _error(500, "internal", f"internal error ({type(exc).__name__}); see the master's log")
             await response(scope, receive, send)
-
-
-# Per-tier counters the issue asks /v1/stats for; nodes report them (store.stats()), the master
-# aggregates capacity and use. Filled in here only where the master's stats() lacks them.
-_NODE_TIER_FIELDS = ("hits", "misses", "evictions", "bytes_in", "bytes_out")
-
-
-def _with_node_tiers(stats: dict[str, Any], nodes: list[dict[str, Any]]) -> dict[str, Any]:
-    """`stats` with each tier's hits, misses, evictions and bytes in/out summed over the nodes'
-    own reports (their last heartbeat), unless the master already gives them."""
-    tiers = stats.get("tiers")
-    if not isinstance(tiers, dict):
-        return stats
-    sums: dict[str, dict[str, int]] = {}
-    for node in nodes:
-        reported = (node.get("stats") or {}).get("tiers") if isinstance(node, dict) else None
-        for tier, doc in (reported or {}).items():
-            if not isinstance(doc, dict):
-                continue
-            acc = sums.setdefault(tier, dict.fromkeys(_NODE_TIER_FIELDS, 0))
-            for field in _NODE_TIER_FIELDS:
-                value = doc.get(field)
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    acc[field] += value
-    for tier, acc in sums.items():
-        target = tiers.setdefault(tier, {})
-        for field, value in acc.items():
-            target.setdefault(field, value)
-    return stats
 
 
 def _tenant(request: Request) -> str | None:
@@ -285,7 +256,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         tenant = _tenant(request)
         if tenant is not None:
             return s.Stats(stats=await _call(_method(svc, "tenant_stats"), tenant))
-        return s.Stats(stats=_with_node_tiers(await _call(svc.stats), await _call(svc.nodes)))
+        return s.Stats(stats=with_node_tiers(await _call(svc.stats), await _call(svc.nodes)))
 
     @app.get("/v1/keys", response_model=s.Keys, tags=["keys"])
     async def list_keys(request: Request, prefix: str = "", limit: int = Query(100, ge=1, le=10_000)) -> s.Keys:
@@ -339,7 +310,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         try:
             stats, nodes = await _call(svc.stats), await _call(svc.nodes)
             snapshot.pop("error", None)
-            snapshot["doc"] = {**_with_node_tiers(stats, nodes), "nodes": nodes}  # per-node rows too
+            snapshot["doc"] = {**with_node_tiers(stats, nodes), "nodes": nodes}  # per-node rows too
         except Exception as exc:  # reported as kvpool_stats_up 0 by the collector; the scrape still answers
             snapshot["error"] = exc
         body, content_type = await run_in_threadpool(render, metrics.registry)

@@ -152,6 +152,44 @@ class StatsCollector(Collector):
         family.add_metric(list(values), float(value))
 
 
+# Per-tier counters the issue asks /v1/stats for; nodes report them (store.stats()), the master
+# aggregates capacity and use. Filled in here only where the master's stats() lacks them.
+_NODE_TIER_FIELDS = ("hits", "misses", "evictions", "bytes_in", "bytes_out")
+
+
+def with_node_tiers(stats: dict[str, Any], nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """`stats` (a master's) with each tier's hits, misses, evictions and bytes in/out summed over
+    the nodes' own reports (their last heartbeat), unless the master already gives them."""
+    tiers = stats.get("tiers")
+    if not isinstance(tiers, dict):
+        return stats
+    sums: dict[str, dict[str, int]] = {}
+    for node in nodes:
+        reported = (node.get("stats") or {}).get("tiers") if isinstance(node, dict) else None
+        for tier, doc in (reported or {}).items():
+            if not isinstance(doc, dict):
+                continue
+            acc = sums.setdefault(tier, dict.fromkeys(_NODE_TIER_FIELDS, 0))
+            for field in _NODE_TIER_FIELDS:
+                value = doc.get(field)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    acc[field] += value
+    for tier, acc in sums.items():
+        target = tiers.setdefault(tier, {})
+        for field, value in acc.items():
+            target.setdefault(field, value)
+    return stats
+
+
+def master_samples(stats: dict[str, Any], nodes: list[dict[str, Any]]) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample a master's /metrics derives from its `stats()` and
+    `nodes()` (the same names: `kvpool_tier_*`, `kvpool_node_stats_tier_*`, ...), for a caller
+    that reads them over the pool RPC (the router's dashboard) instead of scraping."""
+    doc = {**with_node_tiers(to_builtins(stats), to_builtins(nodes)), "nodes": to_builtins(nodes)}
+    return [(s.name, dict(s.labels), float(s.value))
+            for family in StatsCollector(lambda: doc).collect() for s in family.samples]
+
+
 def to_builtins(obj: Any) -> Any:
     """Plain JSON-able data from dicts, msgspec Structs, dataclasses, pydantic models, enums."""
     import msgspec

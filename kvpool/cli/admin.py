@@ -15,8 +15,8 @@ from kvpool.errors import InvalidArgument
 
 
 class _Ctx:
-    def __init__(self, url: str, token: str | None, as_json: bool):
-        self.url, self.token, self.as_json = url, token, as_json
+    def __init__(self, url: str, token: str | None, as_json: bool, auth_file: str | None = None):
+        self.url, self.token, self.as_json, self.auth_file = url, token, as_json, auth_file
 
     def client(self):
         from kvpool.admin.client import AdminClient
@@ -67,7 +67,8 @@ def admin(ctx: click.Context, url: str | None, token_file: str | None, principal
         if not settings.admin_port:
             raise InvalidArgument("the admin API is disabled (admin_port = 0); pass --url")
         url = f"http://{settings.host}:{settings.admin_port}"
-    ctx.obj = _Ctx(url, _tenant_token(principal, settings.auth_file) if principal else settings.admin_token, as_json)
+    ctx.obj = _Ctx(url, _tenant_token(principal, settings.auth_file) if principal else settings.admin_token, as_json,
+                   settings.auth_file)
 
 
 def _tenant_token(principal: str, auth_file: str | None) -> str:
@@ -110,30 +111,99 @@ def node(ctx: _Ctx, node_id: str) -> None:
         _emit(ctx, c.node(node_id))
 
 
-@admin.command()
-@click.pass_obj
-def stats(ctx: _Ctx) -> None:
-    """Pool totals and, per tier: capacity, used, hits, misses, evictions, bytes in/out."""
+def _rate(value: Any) -> str:
+    return f"{100 * value:.1f}%" if isinstance(value, (int, float)) else "-"
+
+
+def _with_hit_rates(tiers: dict[str, Any]) -> None:
+    """Each tier's hit rate: the reads it served over the reads that reached it (a DRAM miss
+    goes on to SSD, so SSD's rate is over DRAM's misses)."""
+    for t in tiers.values():
+        if isinstance(t, dict) and isinstance(t.get("hits"), (int, float)) and isinstance(t.get("misses"), (int, float)):
+            reads = t["hits"] + t["misses"]
+            t["hit_rate"] = t["hits"] / reads if reads else None
+
+
+def _tier_table(tiers: dict[str, Any]):
     from rich.table import Table
 
+    fields = sorted({f for t in tiers.values() if isinstance(t, dict) for f in t} - {"hit_rate"})
+    table = Table(title="pool tiers")
+    for col in ("tier", "hit rate", *fields):
+        table.add_column(col)
+    for name, t in tiers.items():
+        table.add_row(name, _rate(t.get("hit_rate")),
+                      *[(_size(t.get(f)) if ("byte" in f or f in ("capacity", "used")) else str(t.get(f, "")))
+                        for f in fields])
+    return table
+
+
+@admin.command()
+@click.option("--router", "router_url", envvar="KVPOOL_ROUTER_URL", metavar="URL",
+              help="Ask this router instead (its GET /admin/stats): prompt tokens by source (worker cache, pool "
+                   "DRAM, pool SSD, computed) over its workers, per tenant, and the pool's tiers.")
+@click.pass_obj
+def stats(ctx: _Ctx, router_url: str | None) -> None:
+    """Hit rates per tier; pool totals and, per tier: capacity, used, hits, misses, evictions, bytes in/out."""
+    if router_url:
+        _router_stats(ctx, router_url)
+        return
     with ctx.client() as c:
         doc = c.stats()
     tiers = doc.get("tiers") if isinstance(doc, dict) else None
     if not isinstance(tiers, dict) or not tiers:
         _emit(ctx, doc)
         return
-    fields = sorted({f for t in tiers.values() if isinstance(t, dict) for f in t})
-    table = Table(title="tiers")
-    table.add_column("tier")
-    for f in fields:
-        table.add_column(f)
-    for name, t in tiers.items():
-        table.add_row(name, *[(_size(t.get(f)) if ("byte" in f or f in ("capacity", "used")) else str(t.get(f, "")))
-                              for f in fields])
-    _emit(ctx, doc, table)
+    _with_hit_rates(tiers)
+    _emit(ctx, doc, _tier_table(tiers))
     if not ctx.as_json:
         totals = {k: v for k, v in doc.items() if k != "tiers" and not isinstance(v, (dict, list))}
         click.echo("  ".join(f"{k}={v}" for k, v in sorted(totals.items())))
+
+
+def _router_stats(ctx: _Ctx, url: str) -> None:
+    import httpx
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvpool.errors import Unavailable
+    from kvpool.security.http_guard import internal_headers
+    from kvpool.security.keyring import load_keyring
+
+    url = url.rstrip("/")
+    try:
+        resp = httpx.get(f"{url}/admin/stats", headers=internal_headers(load_keyring(ctx.auth_file)), timeout=30)
+    except httpx.HTTPError as exc:
+        raise Unavailable(f"cannot reach the router at {url}: {exc}") from None
+    if resp.status_code != 200:
+        raise Unavailable(f"the router at {url} answered {resp.status_code} to /admin/stats: {resp.text[:200]}")
+    doc = resp.json()
+    if ctx.as_json:
+        _emit(ctx, doc)
+        return
+    console = Console()
+    prompt = doc["prompt"]
+    table = Table(title=f"prompt tokens by source ({prompt['requests']} prefills over the router's workers)")
+    for col in ("source", "tokens", "share", "chunks"):
+        table.add_column(col)
+    looked = prompt["lookup_tokens"]
+    for source, n in prompt["tokens"].items():
+        table.add_row(source, str(n), _rate(n / looked if looked else None), str(prompt["objects"][source]))
+    console.print(table)
+    click.echo(f"hit ratio (tokens not computed): {_rate(prompt['hit_ratio'])}")
+    tenants = {t: d for t, d in doc["tenants"].items() if t}
+    if tenants:
+        per = Table(title="per tenant")
+        for col in ("tenant", "hit ratio", *prompt["tokens"]):
+            per.add_column(col)
+        for tenant, d in tenants.items():
+            per.add_row(tenant, _rate(d["hit_ratio"]), *[str(v) for v in d["tokens"].values()])
+        console.print(per)
+    if doc["pool_tiers"]:
+        console.print(_tier_table(doc["pool_tiers"]))
+    for source in doc["sources"]:
+        if not source["ok"]:
+            click.echo(f"not read: {source['name']} ({source['error']})", err=True)
 
 
 @admin.command()

@@ -175,6 +175,7 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
             click.echo(f"{name:<10} {proc.url}")
         click.echo(f"logs     {workdir}")
         click.echo(f"\nOpenAI API: {base}   (policy {policy}; workers: {cluster.router_url}/admin/workers)")
+        click.echo(f"dashboard:  {cluster.router_url}/dashboard" + ("#token=<internal token>" if auth_file else ""))
         auth_header = f"-H 'authorization: Bearer {api_key}' " if auth_file else ""
         click.echo(f"try: curl -s {base}/chat/completions {auth_header}-H 'content-type: application/json' "
                    f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": "

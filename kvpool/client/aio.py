@@ -66,8 +66,8 @@ class AsyncClient:
                         replicas: int | None = None) -> list[Exception | None]:
         return await self._run(lambda c: c.put_batch(items, replicas=replicas))
 
-    async def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
-        return await self._run(lambda c: c.get_batch(keys))
+    async def get_batch(self, keys: Sequence[str], *, tiers: list[str] | None = None) -> list[bytes | None]:
+        return await self._run(lambda c: c.get_batch(keys, tiers=tiers))
 
     async def get_batch_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         return await self._run(lambda c: c.get_batch_into(keys, buffers))
@@ -77,6 +77,10 @@ class AsyncClient:
 
     async def remove_batch(self, keys: Sequence[str]) -> list[bool]:
         return await self._run(lambda c: c.remove_batch(keys))
+
+    async def admin(self, method: str, **args: Any) -> Any:
+        """A master admin method by name (nodes, node, stats, key_info, keys, config)."""
+        return await self._run(lambda c: c.admin(method, **args))
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()

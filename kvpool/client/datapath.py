@@ -17,8 +17,9 @@ two (pin, READ) or three (reserve, WRITE, commit), and over TCP the engine path 
 of `rpc`'s GB/s for gets and 0.23-0.67x for puts (even only for batches of 1 MiB values, 1.09x),
 so "auto" keeps TCP peers on `rpc`; `engine` is the only one-sided path, the one RDMA takes.
 
-A path's `read(work, keys, views, out)` fills out[i] for each (node, indexes) of `work` (bytes
-when `views` is None, else the size copied into views[i], or `TOO_SMALL`; misses stay) and
+A path's `read(work, keys, views, out, tiers=None)` fills out[i] for each (node, indexes) of
+`work` (bytes when `views` is None, else the size copied into views[i], or `TOO_SMALL`; misses
+stay), and tiers[i] with the tier that served a hit ("dram" | "ssd") when `tiers` is a list; it
 returns (indexes to retry on another replica, addresses of nodes that are gone); `write(work,
 keys, put_ids, views, replicas, tickets)` (tickets[i]: node address -> the master's put ticket of
 key i, or None) returns {(address, i): `Placed` | `EXISTS` | a `KVPoolError`},
@@ -47,28 +48,31 @@ class RpcPath:
     name = "rpc"
 
     def read(self, work: Work, keys: Sequence[str], views: Sequence[memoryview] | None,
-             out: list) -> tuple[list[int], list[str]]:
+             out: list, tiers: list | None = None) -> tuple[list[int], list[str]]:
         retry: list[int] = []
         dead: list[str] = []
         whole = len(work) == 1 and work[0][1] == list(range(len(keys)))  # one node, every key in order
         for conn, idx in work:
             try:
                 if whole:
-                    self._read(conn, keys, views, idx, out)
+                    self._read(conn, keys, views, idx, out, tiers)
                 else:
-                    self._read(conn, [keys[i] for i in idx], None if views is None else [views[i] for i in idx], idx, out)
+                    self._read(conn, [keys[i] for i in idx], None if views is None else [views[i] for i in idx], idx,
+                               out, tiers)
             except Unavailable:  # that node is gone: try the next replica
                 retry.extend(idx)
                 dead.append(conn.address)
         return retry, dead
 
     def _read(self, conn: NodeConn, keys: list[str], views: list[memoryview] | None, idx: list[int],
-              out: list) -> None:
+              out: list, tiers: list | None) -> None:
         data = conn.rpc.call(NodeGet(keys))
         cur = _Cursor(conn.rpc, len(data.sizes))
         for j, (i, n) in enumerate(zip(idx, data.sizes)):
             if n >= 0:
                 out[i] = cur.deliver(n, None if views is None else views[j])
+        if tiers is not None:
+            _mark_tiers(tiers, idx, data.sizes, data.ssd)
 
     def write(self, work: Work, keys: Sequence[str], put_ids: Sequence[int], views: Sequence[memoryview],
               replicas: int = 0, tickets: Sequence[dict[str, bytes] | None] | None = None
@@ -99,11 +103,13 @@ class ShmPath(RpcPath):
     name = "shm"
 
     def _read(self, conn: NodeConn, keys: list[str], views: list[memoryview] | None, idx: list[int],
-              out: list) -> None:
-        todo = range(len(keys)) if conn.index is None else self._from_index(conn, keys, views, idx, out)
+              out: list, tiers: list | None) -> None:
+        todo = range(len(keys)) if conn.index is None else self._from_index(conn, keys, views, idx, out, tiers)
         if not todo:
             return
         pins = conn.rpc.call(NodePin([keys[j] for j in todo], conn.take_unpins()))
+        if tiers is not None:
+            _mark_tiers(tiers, [idx[j] for j in todo], pins.sizes, pins.ssd)
         arena = conn.arena
         cur = _Cursor(conn.rpc, sum(1 for o in pins.offsets if o < 0))
         try:
@@ -125,7 +131,7 @@ class ShmPath(RpcPath):
 
     @staticmethod
     def _from_index(conn: NodeConn, keys: list[str], views: list[memoryview] | None, idx: list[int],
-                    out: list) -> list[int]:
+                    out: list, tiers: list | None) -> list[int]:
         """Serve what the shm index can; the positions (in `keys`) left for the node."""
         index, arena = conn.index, conn.arena
         limit = len(arena)
@@ -154,9 +160,19 @@ class ShmPath(RpcPath):
             out[idx[j]] = value
             if value is not TOO_SMALL:
                 served.append(key)
+                if tiers is not None:  # the shm index holds DRAM objects only
+                    tiers[idx[j]] = "dram"
         if served:
             conn.served_from_index(served)
         return todo
+
+
+def _mark_tiers(tiers: list, idx: Sequence[int], sizes: Sequence[int], ssd: Sequence[int]) -> None:
+    """tiers[idx[j]] = the tier a node's reply says served position j (hits only)."""
+    from_ssd = set(ssd)
+    for j, (i, n) in enumerate(zip(idx, sizes)):
+        if n >= 0:
+            tiers[i] = "ssd" if j in from_ssd else "dram"
 
 
 class DataPaths:

@@ -97,9 +97,10 @@ class EnginePath:
     # ------------------------------------------------------------------ reads
 
     def read(self, work: Sequence[tuple[NodeConn, list[int]]], keys: Sequence[str],
-             views: Sequence[memoryview] | None, out: list) -> tuple[list[int], list[str]]:
+             views: Sequence[memoryview] | None, out: list, tiers: list | None = None) -> tuple[list[int], list[str]]:
         """Read keys[i] for the i of each (node, indexes) into out[i]: bytes (views None) or the
-        size copied into views[i] (TOO_SMALL when it does not fit); misses are left as they are.
+        size copied into views[i] (TOO_SMALL when it does not fit); misses are left as they are;
+        tiers[i] (when `tiers` is a list): the tier that served it, "dram" | "ssd".
         Returns (indexes to retry on another replica, addresses of nodes that are gone)."""
         from transfer import READ, Op
 
@@ -117,6 +118,11 @@ class EnginePath:
                     dead.append(conn.address)
                 continue
             pin_ids.append((conn, pins.pin_id))
+            if tiers is not None:
+                from_ssd = {idx[j] for j in pins.ssd}
+                for i, n in zip(idx, pins.sizes):
+                    if n >= 0:
+                        tiers[i] = "ssd" if i in from_ssd else "dram"
             desc = conn.transfer_segment()
             grants = pins.grants or [None] * len(idx)
             for i, offset, n, grant in zip(idx, pins.offsets, pins.sizes, grants):

@@ -223,10 +223,23 @@ class Client:
         check_key(key)
         return self._read([key], None, None)[0]
 
-    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
-        """One entry per key, in order; a malformed key is a None entry, like a miss."""
+    def get_batch(self, keys: Sequence[str], *, tiers: list[str] | None = None) -> list[bytes | None]:
+        """One entry per key, in order; a malformed key is a None entry, like a miss.
+        `tiers`: a list to fill, one entry per key, with the tier that served it ("dram" |
+        "ssd"; "" for a miss): what hit-rate counters by tier need."""
         keys = list(keys)
-        return _by_valid_key(keys, lambda idx: self._read([keys[i] for i in idx], None, None), None)
+        if tiers is None:
+            return _by_valid_key(keys, lambda idx: self._read([keys[i] for i in idx], None, None), None)
+        tiers[:] = [""] * len(keys)
+
+        def read(idx: list[int]) -> list:
+            found = [""] * len(idx)
+            out = self._read([keys[i] for i in idx], None, None, found)
+            for i, tier in zip(idx, found):
+                tiers[i] = tier
+            return out
+
+        return _by_valid_key(keys, read, None)
 
     def get_into(self, key: str, buffer: Any) -> int:
         """Copy the object into `buffer` (writable, large enough); return its size. `KeyNotFound` on a miss."""
@@ -253,11 +266,12 @@ class Client:
             raise InvalidArgument(f"buffer too small for {small[:5]}{'...' if len(small) > 5 else ''}")
         return out
 
-    def _read(self, keys: list[str], views: list[memoryview] | None, miss: Any) -> list:
+    def _read(self, keys: list[str], views: list[memoryview] | None, miss: Any, tiers: list | None = None) -> list:
         with self._lock:
-            return self._with_master(lambda m: self._read_once(m, keys, views, miss))
+            return self._with_master(lambda m: self._read_once(m, keys, views, miss, tiers))
 
-    def _read_once(self, master: RpcClient, keys: list[str], views: list[memoryview] | None, miss: Any) -> list:
+    def _read_once(self, master: RpcClient, keys: list[str], views: list[memoryview] | None, miss: Any,
+                   tiers: list | None = None) -> list:
         """Find the replicas, then read each key from its first one that answers."""
         replicas = self._where.find(master, keys)
         out: list[Any] = [miss] * len(keys)
@@ -267,7 +281,7 @@ class Client:
             groups = self._by_path([(i, replicas[i][attempt]) for i in todo if attempt < len(replicas[i])])
             todo = [i for _, idx in groups.pop(None, []) for i in idx]
             for path, work in groups.items():
-                retry, dead = path.read(work, keys, views, out)
+                retry, dead = path.read(work, keys, views, out, tiers)
                 for address in dead:
                     self._node_gone(address, Unavailable(f"node {address} is unreachable"))
                 todo.extend(retry)

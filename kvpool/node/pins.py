@@ -44,13 +44,14 @@ class Pins:
         self._seq = 0
         self._lock = threading.Lock()
 
-    def pin(self, keys: list[str]) -> tuple[list[str], list[int], list[int], dict[int, bytes]]:
-        """Pin each key in DRAM: (pinned keys, offsets, sizes (-1: miss), copies).
+    def pin(self, keys: list[str]) -> tuple[list[str], list[int], list[int], dict[int, bytes], list[int]]:
+        """Pin each key in DRAM: (pinned keys, offsets, sizes (-1: miss), copies, ssd).
 
         A batch larger than free DRAM cannot have all its SSD objects promoted and pinned at
         once; those (CapacityError) are read straight from SSD into `copies[i]` instead of
-        being reported as misses."""
-        pinned, offsets, sizes = [], [], []
+        being reported as misses. `ssd`: the positions served from the SSD tier (promoted, or
+        copied), so a reader can tell which tier its hits came from."""
+        pinned, offsets, sizes, ssd = [], [], [], []
         copies: dict[int, bytes] = {}
         store, visible = self.store, self._visible
         for i, key in enumerate(keys):
@@ -66,6 +67,7 @@ class Pins:
                 sizes.append(-1 if data is None else len(data))
                 if data is not None:
                     copies[i] = data
+                    ssd.append(i)
                 continue
             except (KVPoolError, ValueError):  # absent, being removed: a miss
                 offsets.append(0)
@@ -74,7 +76,9 @@ class Pins:
             pinned.append(key)
             offsets.append(loc.offset)
             sizes.append(loc.length)
-        return pinned, offsets, sizes, copies
+            if loc.from_ssd:
+                ssd.append(i)
+        return pinned, offsets, sizes, copies, ssd
 
     def grants(self, offsets: list[int], sizes: list[int], pin_id: int, principal: str) -> list[bytes]:
         """A READ grant per range pinned under `pin_id` (b"" for misses and inline objects) to

@@ -239,19 +239,19 @@ class StoreNode:
     def _on_get(self, msg: NodeGet, payload: Payload, conn: ServerConn) -> None:
         if msg.unpin:
             self.pins.release(msg.unpin, conn)
-        pinned, offsets, sizes, copies = self.pins.pin(msg.keys)
+        pinned, offsets, sizes, copies, ssd = self.pins.pin(msg.keys)
         try:
             arena = self.store.arena.buffer
             views = [memoryview(copies[i]) if i in copies else arena[o:o + n]
                      for i, (o, n) in enumerate(zip(offsets, sizes)) if n >= 0]
-            conn.reply(NodeData(sizes), views)
+            conn.reply(NodeData(sizes, ssd), views)
         finally:
             self.pins.unpin(pinned)
 
     def _on_pin(self, msg: NodePin, payload: Payload, conn: ServerConn) -> None:
         if msg.unpin:
             self.pins.release(msg.unpin, conn)
-        _, offsets, sizes, copies = self.pins.pin(msg.keys)
+        _, offsets, sizes, copies, ssd = self.pins.pin(msg.keys)
         hits = [i for i, n in enumerate(sizes) if n >= 0 and i not in copies]
         # Small objects ride inline in the reply (a pin + memcpy costs more than the bytes), and
         # so do the unpinnable ones read from SSD (`copies`).
@@ -264,7 +264,7 @@ class StoreNode:
             offsets[i] = -1
         pin_id = self.pins.hold(kept, conn) if kept else 0
         try:
-            conn.reply(Pins(pin_id, offsets, sizes, self.pins.grants(offsets, sizes, pin_id, conn.principal.name)),
+            conn.reply(Pins(pin_id, offsets, sizes, self.pins.grants(offsets, sizes, pin_id, conn.principal.name), ssd),
                        views)
         finally:
             self.pins.unpin([msg.keys[i] for i in inline])

@@ -7,12 +7,16 @@ parse, call `Router`, shape the answer (see `openai_api.py`).
     POST /admin/workers/drain {"url"}  (no new requests; it leaves once idle)
     DELETE /admin/workers?url=URL      (forget it now)
     GET  /admin/route?prompt=...       (the decision for a prompt, without running it)
+    GET  /admin/stats                  (hit rates by source, tenant and pool tier: observe.py)
+    GET  /dashboard                    (the built-in dashboard page: dashboard.html, polls ...)
+    GET  /dashboard/data               (... every metric sample of the router, workers and pool)
 
 Guard: a request body over 1 MiB is answered 413 (kvpool.security.http_guard, in OpenAI's error shape).
 With a keyring (`KVPOOL_AUTH_FILE`) whose tenants have `api_keys`, `/v1/*` needs
 `Authorization: Bearer <API key>` and runs as that key's tenant (service.py); no key or a wrong
-one is a 401 shaped as OpenAI's. With any keyring, `/admin/*` and `/metrics` need the internal
-token (workers registering themselves hold it; see docs/security.md); `/health` stays open.
+one is a 401 shaped as OpenAI's. With any keyring, `/admin/*`, `/metrics` and `/dashboard/data`
+need the internal token (workers registering themselves hold it; see docs/security.md); `/health`
+and the dashboard page itself (no data in it) stay open.
 Prompts are tokenized on a thread pool, off the event loop (short ones excepted: Router.tokenized).
 """
 
@@ -24,6 +28,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -34,10 +39,11 @@ from kvpool import worker_api as wire
 from kvpool.security.keyring import Entry
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.security.http_guard import HttpGuard, internal_token
-from kvpool.router import openai_api as oa
+from kvpool.router import observe, openai_api as oa
 from kvpool.router.service import Outcome, Piece, Rejected, Router
 
 log = logging.getLogger(__name__)
+DASHBOARD_PAGE = Path(__file__).with_name("dashboard.html")
 
 
 def _error_response(exc: Exception) -> JSONResponse:
@@ -80,7 +86,7 @@ def create_app(router: Router) -> FastAPI:
     token = internal_token(router.keyring) if router.keyring is not None else None
     app.add_middleware(OpenAIFront, router=router)  # inside the guard: added first
     app.add_middleware(HttpGuard, token=lambda: token, what="this router",
-                       needs_token=lambda path: path.startswith("/admin") or path == "/metrics",
+                       needs_token=lambda path: path.startswith("/admin") or path in ("/metrics", "/dashboard/data"),
                        error_body=lambda status, code, message: oa.OpenAIError(status, message, code=code).body())
 
     def tenant_of(request: Request) -> Entry | None:
@@ -122,6 +128,22 @@ def create_app(router: Router) -> FastAPI:
     async def list_workers() -> dict:
         return {"policy": router.policy.name, "workers": [s.summary() for s in router.workers.by_url.values()],
                 "cost": router.cost.params().__dict__, "cost_samples": router.cost.samples}
+
+    @app.get("/admin/stats")
+    async def cluster_stats() -> dict:
+        """Hit rates: prompt tokens and chunks by source over the workers, per tenant, and the
+        pool's tiers (`kvpool admin stats --router`; `observe.py`)."""
+        return observe.hit_summary(await observe.snapshot(router))
+
+    @app.get("/dashboard", response_class=Response)
+    async def dashboard() -> Response:
+        """The built-in dashboard: the Grafana panels without Grafana (no CDN, no build step)."""
+        return Response(DASHBOARD_PAGE.read_bytes(), media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> dict:
+        return await observe.snapshot(router)
 
     @app.post("/admin/workers")
     async def add_worker(request: Request) -> dict:

@@ -24,10 +24,12 @@ from kvpool.errors import KeyNotFound
 
 @dataclass(frozen=True)
 class Location:
-    """Where a pinned object's bytes are in the DRAM arena."""
+    """Where a pinned object's bytes are in the DRAM arena. `from_ssd`: this pin read them from
+    the SSD tier (a promotion): the read was an SSD hit, not a DRAM one."""
 
     offset: int
     length: int
+    from_ssd: bool = False
 
 
 @dataclass(frozen=True)

@@ -405,7 +405,7 @@ class TieredStore:
             self._fire(events)
         view = self.dram.arena.buffer[res.offset : res.offset + res.length]
         self._read_ssd(key, view, res, pin=True)
-        return Location(res.offset, res.length)
+        return Location(res.offset, res.length, from_ssd=True)
 
     def unpin(self, key: str) -> None:
         with self._lock:

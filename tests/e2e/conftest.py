@@ -78,3 +78,17 @@ def pool_client(cluster):
     client.close()
 
 
+
+
+@pytest.fixture(scope="session")
+def deployed(tmp_path_factory):
+    """The deployed topology (`e2e_support.DeployedShape`): master + node + prefill and decode
+    workers + router, started once for the tests that read metrics."""
+    from e2e_support import DeployedShape
+    from kvpool.tools.launch.local import WorkerSpec
+
+    shape = DeployedShape(tmp_path_factory.mktemp("deployed"),
+                          [WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode")])
+    shape.start()
+    yield shape
+    shape.stop()

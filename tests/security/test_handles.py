@@ -168,3 +168,27 @@ def test_requests_need_the_keyring_tenant(cluster, as_tenant):
     with pytest.raises(Forbidden, match="unknown tenant"):
         as_tenant("prefill", "nobody").prefill(ids_of(8))
     assert sorted(n for n, r in ROLES.items() if r.startswith("tenant:")) == ["acme", "beta"]
+
+
+def test_hit_counters_are_per_tenant(cluster, as_tenant):
+    """`kvpool_cache_hit_tokens_total{tenant}`: each tenant's prompts count under its own name;
+    the same tokens prefilled for acme and then for beta are a miss for beta (its own namespace)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def tokens(client: WorkerClient) -> dict[tuple[str, str], float]:
+        return {(s.labels["tenant"], s.labels["source"]): s.value
+                for f in text_string_to_metric_families(client.metrics()) for s in f.samples
+                if s.name == "kvpool_cache_hit_tokens_total"}
+
+    acme, beta = as_tenant("prefill", "acme"), as_tenant("prefill", "beta")
+    ids = ids_of(4242)
+    before = tokens(acme)
+    acme.prefill(ids)
+    acme.prefill(ids)
+    beta.prefill(ids)
+    after = tokens(acme)
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    tail = PROMPT_TOKENS - 256
+    assert moved[("acme", "computed")] == PROMPT_TOKENS + tail and moved[("acme", "worker")] == 256
+    assert moved[("beta", "computed")] == PROMPT_TOKENS and moved[("beta", "worker")] == 0
+    assert moved[("beta", "pool_dram")] == moved[("acme", "pool_dram")] == 0

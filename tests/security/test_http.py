@@ -234,6 +234,7 @@ def test_router_hashes_a_tenants_prompt_into_the_keys_its_worker_wrote(cluster, 
 def test_router_admin_and_metrics_need_the_internal_token(cluster, internal):
     with httpx.Client(base_url=cluster.router_url, timeout=30) as http:
         for method, path, body in (("GET", "/admin/workers", None), ("GET", "/metrics", None),
+                                   ("GET", "/admin/stats", None), ("GET", "/dashboard/data", None),
                                    ("POST", "/admin/workers", {"url": "http://127.0.0.1:9"}),  # a rogue worker
                                    ("DELETE", "/admin/workers?url=" + cluster.url("both"), None)):
             r = http.request(method, path, json=body)
@@ -241,6 +242,11 @@ def test_router_admin_and_metrics_need_the_internal_token(cluster, internal):
         listed = http.get("/admin/workers", headers=internal)
         assert listed.status_code == 200
         assert [w["url"] for w in listed.json()["workers"]] == [cluster.url("both")]  # nothing joined or left
+        # the dashboard page holds no data (it asks dashboard/data with the token from its #fragment)
+        page = http.get("/dashboard")
+        assert page.status_code == 200 and "dashboard/data" in page.text
+        data = http.get("/dashboard/data", headers=internal)
+        assert data.status_code == 200 and {s["kind"] for s in data.json()["sources"]} >= {"router", "worker"}
 
 
 @needs_model

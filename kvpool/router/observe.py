@@ -1,0 +1,147 @@
+"""The cluster as the router sees it, in metric samples: for `GET /dashboard/data` (the built-in
+dashboard) and `GET /admin/stats` (`kvpool admin stats --router`), where no Prometheus runs.
+
+`snapshot(router)` reads, at the moment it is asked:
+- the router's own registry (`kvpool_router_*`);
+- each worker the router knows (`/metrics`, concurrently, `timeout_s` each): `kvpool_worker_*`,
+  `kvpool_cache_hit_*`, `kvpool_lookup_*`;
+- the pool, over the router's pool client (the master's `stats` and `nodes`), under the names the
+  master's own /metrics uses (`kvpool.admin.metrics.master_samples`): `kvpool_tier_*`,
+  `kvpool_node_stats_tier_*`, ...
+The names are the Prometheus names, so the dashboard page and deploy/grafana share their queries.
+
+Invariants: a snapshot never raises; a source that cannot be read is listed with `ok: false` and
+its error (one line), and contributes no samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any, Iterable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool.admin.metrics import master_samples
+
+log = logging.getLogger(__name__)
+
+Sample = tuple[str, dict[str, str], float]
+SOURCES = ("worker", "pool_dram", "pool_ssd", "computed")  # reference_worker.metrics.SOURCES
+
+
+def parse(text: str) -> list[Sample]:
+    """The samples of a Prometheus text page (NaN and +Inf kept as floats)."""
+    return [(s.name, dict(s.labels), float(s.value))
+            for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+async def snapshot(router: Any, timeout_s: float = 2.0) -> dict[str, Any]:
+    """{"t": unix seconds, "sources": [{"name", "kind", "ok", "error", "samples"}]}."""
+    started = time.time()
+    sources = [_source("router", "router", lambda: parse(router.metrics.render().decode()))]
+    workers = list(router.workers.by_url.values()) if router.workers is not None else []
+    tasks = [_worker(router.http, w.url, w.name, timeout_s) for w in workers]
+    if router.pool is not None:
+        tasks.append(_pool(router.pool, timeout_s))
+    sources += await asyncio.gather(*tasks)
+    for source in sources:  # JSON has no NaN or infinity (a gauge may be NaN)
+        source["samples"] = [s for s in source["samples"] if math.isfinite(s[2])]
+    return {"t": started, "sources": sources}
+
+
+def _source(name: str, kind: str, read: Any) -> dict[str, Any]:
+    try:
+        return {"name": name, "kind": kind, "ok": True, "error": "", "samples": read()}
+    except Exception as exc:  # a page must show what it could read
+        return {"name": name, "kind": kind, "ok": False, "error": _one_line(exc), "samples": []}
+
+
+async def _worker(http: aiohttp.ClientSession, url: str, name: str, timeout_s: float) -> dict[str, Any]:
+    try:
+        async with http.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            body = await resp.text()
+            if resp.status != 200:
+                raise RuntimeError(f"{url}/metrics answered {resp.status}")
+        samples = parse(body)
+    except Exception as exc:
+        return {"name": name, "kind": "worker", "url": url, "ok": False, "error": _one_line(exc), "samples": []}
+    for _, labels, _ in samples:
+        labels["worker"] = name
+    return {"name": name, "kind": "worker", "url": url, "ok": True, "error": "", "samples": samples}
+
+
+async def _pool(matcher: Any, timeout_s: float) -> dict[str, Any]:
+    client = getattr(matcher, "pool", matcher)  # a PrefixMatcher holds the asyncio client
+    try:
+        stats, nodes = await asyncio.wait_for(
+            asyncio.gather(client.admin("stats"), client.admin("nodes")), timeout_s)
+        samples = master_samples(stats, nodes)
+    except Exception as exc:
+        return {"name": "pool", "kind": "pool", "ok": False, "error": _one_line(exc), "samples": []}
+    return {"name": "pool", "kind": "pool", "ok": True, "error": "", "samples": samples}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def samples_of(snap: dict[str, Any], kind: str | None = None) -> Iterable[Sample]:
+    for source in snap["sources"]:
+        if kind is None or source["kind"] == kind:
+            yield from (tuple(s) for s in source["samples"])
+
+
+def hit_summary(snap: dict[str, Any]) -> dict[str, Any]:
+    """Hit rates from a snapshot: prompt tokens and chunks by source (summed over workers), per
+    tenant, and the pool's tiers' own hit rates (reads a tier served / reads that reached it)."""
+    total = _HitTotals()
+    tenants: dict[str, _HitTotals] = {}
+    for name, labels, value in samples_of(snap, "worker"):
+        if name in _HIT_NAMES:
+            tenant = labels.get("tenant", "")
+            for acc in (total, tenants.setdefault(tenant, _HitTotals())):
+                acc.add(_HIT_NAMES[name], labels.get("source"), value)
+    tiers: dict[str, dict[str, float]] = {}
+    for name, labels, value in samples_of(snap, "pool"):
+        if name.startswith("kvpool_tier_") and "tier" in labels:
+            field = name.removeprefix("kvpool_tier_").removesuffix("_total")
+            tiers.setdefault(labels["tier"], {})[field] = int(value) if value.is_integer() else value
+    for doc in tiers.values():
+        reads = doc.get("hits", 0) + doc.get("misses", 0)
+        doc["hit_rate"] = doc.get("hits", 0) / reads if reads else None
+    return {"prompt": total.doc(), "tenants": {t: acc.doc() for t, acc in sorted(tenants.items())},
+            "pool_tiers": tiers,
+            "sources": [{k: s.get(k) for k in ("name", "kind", "ok", "error")} for s in snap["sources"]]}
+
+
+_HIT_NAMES = {"kvpool_cache_hit_tokens_total": "tokens", "kvpool_cache_hit_objects_total": "objects",
+              "kvpool_lookup_tokens_total": "lookup_tokens", "kvpool_lookup_objects_total": "lookup_objects",
+              "kvpool_lookup_requests_total": "requests"}
+
+
+class _HitTotals:
+    def __init__(self) -> None:
+        self.tokens = dict.fromkeys(SOURCES, 0.0)
+        self.objects = dict.fromkeys(SOURCES, 0.0)
+        self.totals = {"lookup_tokens": 0.0, "lookup_objects": 0.0, "requests": 0.0}
+
+    def add(self, what: str, source: str | None, value: float) -> None:
+        if what in ("tokens", "objects"):
+            target = self.tokens if what == "tokens" else self.objects
+            if source in target:
+                target[source] += value
+        else:
+            self.totals[what] += value
+
+    def doc(self) -> dict[str, Any]:
+        looked = self.totals["lookup_tokens"]
+        hit = looked - self.tokens["computed"]
+        return {"tokens": {k: int(v) for k, v in self.tokens.items()},
+                "objects": {k: int(v) for k, v in self.objects.items()},
+                **{k: int(v) for k, v in self.totals.items()},
+                "hit_ratio": hit / looked if looked else None}
