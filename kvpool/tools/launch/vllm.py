@@ -177,7 +177,7 @@ class VLLMCluster:
                 *[a for w in workers for a in ("--worker", w)],
                 *[a for name, ev in events.items() for a in ("--kv-events", f"{self.servers[name].url}={ev}")]]
 
-    def extra_router(self, workdir: str | os.PathLike, args: list[str], kv_events: bool = True) -> LocalCluster:
+    def extra_router(self, workdir: str | os.PathLike, args: list[str], *, kv_events: bool) -> LocalCluster:
         """One more router over the same servers (its files in `workdir`), started; stop it first."""
         Path(workdir).mkdir(parents=True, exist_ok=True)
         router = LocalCluster(workdir, [], PoolSpec(address=self.pool_address),
