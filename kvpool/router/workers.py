@@ -141,6 +141,8 @@ class Workers:
             self.kv_events[url] = kv_events
         known = self.by_url.get(url)
         if known is not None and known.status != DOWN:
+            if kv_events is not None and (known.kv_events is None or known.kv_events.source != kv_events):
+                self._follow_events(known)  # told where its events are after it joined
             return known
         if self.backend is not None:
             info = await self.backend.info(self.http, url, role)

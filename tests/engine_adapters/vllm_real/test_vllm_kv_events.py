@@ -79,16 +79,21 @@ def test_vllms_own_publisher_feeds_the_index_through_its_replay(tmp_path):
         await asyncio.sleep(0.5)  # published before anyone listened: only the replay has them
         sub = KVEventSubscriber("vllm", KVEventsSource(endpoint, replay), index).start()
         try:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while sub.last_seq < 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert sub.last_seq == 1 and index.held == set(chunk_keys_hex(ns.digest(), ids, chunk))
-            await asyncio.sleep(0.3)
+            published = 2
+            while sub.last_seq < 2 and time.monotonic() < deadline:  # until the SUB socket is connected:
+                pub.publish(KVEventBatch(ts=time.time(), events=[  # batches that change nothing
+                    BlockRemoved(block_hashes=[b"unknown"], medium="GPU")]))
+                published += 1
+                await asyncio.sleep(0.3)
             pub.publish(KVEventBatch(ts=time.time(), events=[vllm_stored(other, 0, 9),
                                                               BlockRemoved(block_hashes=[hashes[0]], medium="GPU")]))
-            while sub.last_seq < 2 and time.monotonic() < deadline:
+            while sub.last_seq < published and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert sub.last_seq == 2 and sub.resets == 0
+            assert sub.last_seq == published and sub.resets == 0
         finally:
             await sub.stop()
 

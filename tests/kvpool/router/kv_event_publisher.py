@@ -57,8 +57,9 @@ class Publisher:
 
     def __init__(self, replay: bool = True, start_seq: int = 0):
         self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)  # a PUB that sees subscriptions: wait_subscribed()
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
         self.pub.bind("tcp://127.0.0.1:0")
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.seq = start_seq
@@ -84,6 +85,12 @@ class Publisher:
             if send:
                 self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
         return seq
+
+    def wait_subscribed(self, timeout_s: float = 30.0) -> None:
+        """Until a subscriber's subscription arrived (PUB drops what is sent before it)."""
+        if not self.pub.poll(int(timeout_s * 1000)):
+            raise AssertionError("no subscriber connected")
+        self.pub.recv()
 
     def _serve_replay(self) -> None:
         while not self._stop.is_set():

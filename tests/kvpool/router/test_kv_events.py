@@ -47,7 +47,7 @@ def resolver():
     return namespace_resolver(NS.hex(), NS.canonical_json())
 
 
-async def until(cond, what: str, timeout: float = 10.0) -> None:
+async def until(cond, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
@@ -66,7 +66,7 @@ def run_with(pub: Publisher, body, *, replay: bool = True, started=None) -> Bloc
         source = KVEventsSource(pub.endpoint, pub.replay_endpoint if replay else None)
         sub = KVEventSubscriber("vllm-1", source, index).start()
         try:
-            await asyncio.sleep(0.3)  # the SUB socket connects (PUB drops what precedes that)
+            await asyncio.to_thread(pub.wait_subscribed)  # PUB drops what precedes the subscription
             await body(pub, sub)
         finally:
             await sub.stop()
@@ -246,6 +246,7 @@ def test_the_router_sends_a_prompt_to_the_server_whose_events_hold_it():
             second = by_url[urls[1]]
             block = 32
             n = len(prompt) // block
+            await asyncio.to_thread(pubs[1].wait_subscribed)
             pubs[1].publish([stored(prompt, block, 0, n)])
             await until(lambda: len(second.local_keys) == len(prompt) // router.chunk_tokens, "the events")
             assert second.local_keys == set(chunk_keys_hex(router._namespace, prompt, router.chunk_tokens))
@@ -261,6 +262,14 @@ def test_the_router_sends_a_prompt_to_the_server_whose_events_hold_it():
             assert summary["batches"] == 1 and summary["blocks"] == n
             pubs[1].publish([CLEARED])
             await until(lambda: not second.local_keys, "AllBlocksCleared")
+            # a server already in rotation is told where its events are later (POST /admin/workers)
+            late = routers["pool only"]
+            state = late.workers.by_url[urls[1]]
+            await late.workers.register(urls[1], "both", KVEventsSource(pubs[1].endpoint, pubs[1].replay_endpoint))
+            await until(lambda: state.kv_events is not None and state.kv_events.last_seq == 1, "the replay")
+            await asyncio.to_thread(pubs[1].wait_subscribed)
+            pubs[1].publish([stored(prompt, block, 0, n)])
+            await until(lambda: len(state.local_keys) == 2, "the events")
         finally:
             for router in routers.values():
                 await router.stop()
