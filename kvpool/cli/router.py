@@ -25,6 +25,10 @@ import click
 @click.option("--kv-dtype", type=click.Choice(["bfloat16", "float16", "float32"]),
               help="--engine vllm: the servers' --dtype (default: what their --dtype auto picks: the "
                    "model's config.json dtype, float32 downcast to bfloat16).")
+@click.option("--kv-events", "kv_events", multiple=True, metavar="URL=ENDPOINT[,REPLAY]",
+              help="--engine vllm: the server at URL publishes its KV events at ENDPOINT (its --kv-events-config "
+                   "endpoint, as the router connects to it: tcp://HOST:PORT or ipc://PATH) and replays missed ones at "
+                   "REPLAY; the router then knows what that server's own prefix cache holds (repeatable).")
 @click.option("--policy", type=click.Choice(["cache_aware", "least_loaded", "round_robin"]), default="cache_aware",
               show_default=True, help="How to place requests.")
 @click.option("--ttft-slo-ms", type=float, help="Refuse (429) requests whose best estimated TTFT is above this.")
@@ -37,7 +41,7 @@ import click
               help="Completion budget of chat requests that give no max_tokens.")
 @click.option("--model-name", help="Model name served at /v1/models (default: the workers' model id).")
 @click.option("--ready-file", type=click.Path(dir_okay=False), help="Write {url, port, pid} here once serving.")
-def router(host, port, pool_address, workers, engine, tokenizer_path, kv_connector_config, kv_dtype, policy,
+def router(host, port, pool_address, workers, engine, tokenizer_path, kv_connector_config, kv_dtype, kv_events, policy,
            ttft_slo_ms, tbt_slo_ms, local_prefill_tokens, default_max_tokens, model_name, ready_file) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models, placing each request on the
     workers by estimated cost (see kvpool/router/policy.py); /admin/workers lists them.
@@ -68,6 +72,6 @@ def router(host, port, pool_address, workers, engine, tokenizer_path, kv_connect
                           ttft_slo_s=None if ttft_slo_ms is None else ttft_slo_ms / 1e3,
                           tbt_slo_s=None if tbt_slo_ms is None else tbt_slo_ms / 1e3,
                           local_prefill_tokens=local_prefill_tokens, default_max_tokens=default_max_tokens,
-                          model_name=model_name, engine=engine, vllm=vllm)
+                          model_name=model_name, engine=engine, vllm=vllm, kv_events=list(kv_events))
     serve(config, host=host, port=port, ready_file=ready_file,
           on_ready=lambda url: click.echo(f"kvpool router serving at {url}", nl=True))

