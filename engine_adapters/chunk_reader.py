@@ -53,6 +53,8 @@ from kvpool.errors import CorruptObject, KeyNotFound, KVPoolError, LayoutMismatc
 log = logging.getLogger(__name__)
 
 BATCH_BYTES = 48 << 20  # one get_batch asks for about this much: few round trips, no more than a node stages at once
+ANY_TOKENS = 0  # `read(keys, ANY_TOKENS)`: accept any token count the layout allows (a store whose keys do
+# not say how many tokens a chunk holds, such as LMCache's, whose last chunk of a prompt may be partial)
 
 
 class ChunkReader:
@@ -97,7 +99,8 @@ class ChunkReader:
         return list(self.iter_run(keys))
 
     def read(self, keys: Sequence[str], tokens: int | None = None) -> list[ChunkView | None]:
-        """Per key: its verified view (holding `tokens` tokens, default a full chunk) or None."""
+        """Per key: its verified view (holding `tokens` tokens, default a full chunk; `ANY_TOKENS`:
+        however many it holds) or None."""
         want = self.layout.chunk_tokens if tokens is None else tokens
         out: list[ChunkView | None] = []
         for key, blob in self._fetch(keys, stop_at_miss=False):
@@ -125,7 +128,7 @@ class ChunkReader:
     def _verify(self, key: str, blob: Any, tokens: int) -> ChunkView | None:
         try:
             view = decode_chunk(blob, self.layout, key=key, auth=self.auth, codec=self.codec)
-            if view.tokens != tokens:
+            if tokens != ANY_TOKENS and view.tokens != tokens:
                 raise CorruptObject(f"holds {view.tokens} tokens, expected {tokens}")
             return view
         except (CorruptObject, LayoutMismatch) as exc:
