@@ -55,15 +55,20 @@ class LMCacheChunks:
             raise InvalidArgument(f"LMCache chunk of {tokens} tokens; chunks hold 1..{lay.chunk_tokens}")
         return tokens
 
-    def encode(self, kv: torch.Tensor, pool_key: str) -> bytearray:
-        """A chunk object holding `kv` (KV_2LTD), bound to `pool_key`: one copy, then the header."""
+    def encode(self, kv: torch.Tensor, pool_key: str, out: Any = None) -> memoryview:
+        """A chunk object holding `kv` (KV_2LTD), bound to `pool_key`: one copy, then the header.
+        Written into `out` (a writable buffer, reused by a caller that puts in batches: fresh memory
+        costs a page fault per 4 KiB) when given, else into a new buffer; returns the object's bytes."""
         tokens = self._tokens_of(kv)
         lay = self.layout
-        out = bytearray(lay.object_nbytes(tokens))
+        nbytes = lay.object_nbytes(tokens)
+        out = bytearray(nbytes) if out is None else out
+        if len(memoryview(out).cast("B")) < nbytes:
+            raise InvalidArgument(f"buffer of {len(memoryview(out).cast('B'))} B, the chunk object needs {nbytes}")
         payload = torch.frombuffer(out, dtype=self.dtype, offset=HEADER_SIZE, count=lay.payload_nbytes(tokens) // lay.itemsize)
         payload.view(lay.shape(tokens)).copy_(self._as_5d(kv, tokens).permute(_SWAP))
         seal_into(out, lay, tokens, key=pool_key, auth=self.auth)
-        return out
+        return memoryview(out).cast("B")[:nbytes]
 
     def place(self, view: ChunkView, dst: torch.Tensor) -> None:
         """Copy a verified chunk into `dst`, LMCache's KV_2LTD tensor of `view.tokens` tokens."""

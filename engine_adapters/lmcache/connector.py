@@ -40,6 +40,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+PUT_GROUP = 4  # chunks per put_batch: each thread keeps this many chunk buffers for reuse
 
 
 class KVPoolConnector(RemoteConnector):
@@ -92,6 +93,7 @@ class KVPoolConnector(RemoteConnector):
         if client is None:
             client = self._local.client = self._connect()
             self._local.reader = ChunkReader(client, self.chunks.layout, auth=self.chunks.auth)
+            self._local.scratch = []  # chunk-object buffers for puts, reused (at most PUT_GROUP of them)
         return client
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -108,20 +110,28 @@ class KVPoolConnector(RemoteConnector):
     # ---- writes ----
 
     def _put_sync(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
-        items, failures = [], []
-        for pool_key, obj in zip(self._keys(keys), memory_objs):
-            try:
-                if obj.get_memory_format() != MemoryFormat.KV_2LTD:
-                    raise InvalidArgument(f"memory format {obj.get_memory_format().name}, not KV_2LTD")
-                items.append((pool_key, self.chunks.encode(obj.tensor, pool_key)))
-            except (InvalidArgument, AttributeError) as exc:
-                failures.append((pool_key, exc))
-        if items:
-            try:
-                results = self._client().put_batch(items)
-            except KVPoolError as exc:
-                results = [exc] * len(items)
-            failures += [(key, r) for (key, _), r in zip(items, results) if r is not None]
+        """Encode into this thread's scratch buffers and store, `PUT_GROUP` chunks per pool call
+        (the put has copied the bytes into the pool when it returns, so the buffers are reused)."""
+        client, failures = self._client(), []
+        scratch: list[bytearray] = self._local.scratch
+        pairs = list(zip(self._keys(keys), memory_objs))
+        for start in range(0, len(pairs), PUT_GROUP):
+            items = []
+            for i, (pool_key, obj) in enumerate(pairs[start:start + PUT_GROUP]):
+                try:
+                    if obj.get_memory_format() != MemoryFormat.KV_2LTD:
+                        raise InvalidArgument(f"memory format {obj.get_memory_format().name}, not KV_2LTD")
+                    if i == len(scratch):
+                        scratch.append(bytearray(self.chunks.layout.object_nbytes()))
+                    items.append((pool_key, self.chunks.encode(obj.tensor, pool_key, scratch[i])))
+                except (InvalidArgument, AttributeError) as exc:
+                    failures.append((pool_key, exc))
+            if items:
+                try:
+                    results = client.put_batch(items)
+                except KVPoolError as exc:
+                    results = [exc] * len(items)
+                failures += [(key, r) for (key, _), r in zip(items, results) if r is not None]
         self._count(put=len(keys) - len(failures), put_failed=len(failures))
         if failures:
             key, exc = failures[0]

@@ -419,3 +419,23 @@ def test_tenants_never_see_each_others_chunks(lmc, tmp_path, monkeypatch):
         finally:
             for s in sides:
                 s.close()
+
+
+def test_the_bench_compares_kvpool_with_local_cpu_and_redis(lmc):
+    """`kvpool bench lmcache --json` on a small run: every case against both baselines, in one JSON line."""
+    import shutil
+
+    if shutil.which("redis-server") is None and not Path("/usr/bin/redis-server").exists():
+        pytest.skip("redis-server is not installed (make system-deps)")
+    run = subprocess.run([sys.executable, "-c", "from kvpool.cli import main; main()", "bench", "lmcache", "--reps", "1",
+                          "--chunks", "2", "--prefix-tokens", "256", "--json"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    cases = {(r["case"], r["baseline"]) for r in doc["results"]}
+    assert cases == {(c, b) for c in ("chunk_put", "chunk_get", "prefix_store", "prefix_load")
+                     for b in ("lmcache_local_cpu", "lmcache_redis")}
+    assert all(r["value"] > 0 and r["baseline_value"] > 0 for r in doc["results"])
+    stats = doc["setup"]["kvpool_connector_stats"]
+    assert stats["put"] == 2 * 2 and stats["put_failed"] == 0 and stats["hit"] == 2 * 2 and stats["miss"] == 0
+    assert doc["setup"]["chunk_bytes"] == 256 * 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bfloat16
