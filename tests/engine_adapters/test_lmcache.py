@@ -232,6 +232,27 @@ def test_the_plugin_entry_is_all_lmcache_needs(side, served):
     assert isinstance(s.inner, KVPoolConnector) and s.inner.address == served
 
 
+def test_lmcaches_external_url_reaches_the_same_pool(side, served):
+    """LMCache's older one-URL form (`remote_url: external://...`, deprecated in 0.5) builds the
+    connector too, and it reads what the plugin entry's connector stored."""
+    from lmcache.v1.storage_backend.connector import CreateConnector
+
+    s = side()
+    s.put(key(5), s.chunk(seed=5))
+    url = f"external://{served}/engine_adapters.lmcache/?connector_name=KVPoolConnector"
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=0.05, remote_url=url)
+    conn = CreateConnector(url, s.loop, s.cpu, config, s.metadata)
+    try:
+        assert conn.getWrappedConnector().address == served
+        got = s.run(conn.get(key(5)))
+        assert got is not None and torch.equal(got.tensor, _kv(CHUNK, 5))
+        got.ref_count_down()
+    finally:
+        s.run(conn.close())
+
+
 def test_put_exists_get_and_miss(side):
     s = side()
     obj = s.chunk(seed=1)
