@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, decode_chunk, key_digest, read_header
 from kvpool.codec import get_codec
-from kvpool.errors import CorruptObject, KeyNotFound, KVPoolError, LayoutMismatch
+from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, LayoutMismatch
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +98,17 @@ class ChunkReader:
     def run(self, keys: Sequence[str]) -> list[ChunkView]:
         return list(self.iter_run(keys))
 
-    def read(self, keys: Sequence[str], tokens: int | None = None) -> list[ChunkView | None]:
+    def read(self, keys: Sequence[str], tokens: int | None = None, *,
+             into: Sequence[Any] | None = None) -> list[ChunkView | None]:
         """Per key: its verified view (holding `tokens` tokens, default a full chunk; `ANY_TOKENS`:
-        however many it holds) or None."""
+        however many it holds) or None. `into`: one writable buffer per key, each at least
+        `layout.object_nbytes()`, that the chunks are read into (no new memory per read; the views
+        are valid until the caller reuses the buffers)."""
         want = self.layout.chunk_tokens if tokens is None else tokens
+        if into is not None and len(into) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(into)} buffers")
         out: list[ChunkView | None] = []
-        for key, blob in self._fetch(keys, stop_at_miss=False):
+        for key, blob in self._fetch(keys, stop_at_miss=False, into=into):
             view = self._verify(key, blob, want) if blob is not None else None
             self.fetched += view is not None
             out.append(view)
@@ -170,16 +175,28 @@ class ChunkReader:
 
     # -- fetching --------------------------------------------------------------------------------
 
-    def _fetch(self, keys: Sequence[str], *, stop_at_miss: bool) -> Iterator[tuple[str, Any]]:
-        """(key, bytes or None) in order, `batch_chunks` keys per get_batch. A miss inside a batch
-        is retried alone once: a node may decline a batch larger than it can stage at once (SSD
-        objects are promoted through DRAM) yet serve the same objects one by one."""
+    def _fetch(self, keys: Sequence[str], *, stop_at_miss: bool,
+               into: Sequence[Any] | None = None) -> Iterator[tuple[str, Any]]:
+        """(key, bytes or None) in order, `batch_chunks` keys per get_batch (or get_batch_into the
+        caller's buffers). A miss inside a batch is retried alone once: a node may decline a batch
+        larger than it can stage at once (SSD objects are promoted through DRAM) yet serve the same
+        objects one by one."""
         keys = list(keys)
         for start in range(0, len(keys), self.batch_chunks):
             group = keys[start:start + self.batch_chunks]
-            for key, blob in zip(group, self.pool.get_batch(group)):
+            blobs = self._get_group(group, None if into is None else into[start:start + len(group)])
+            for key, blob in zip(group, blobs):
                 if blob is None and len(group) > 1:
                     blob = self.pool.get(key)
                 yield key, blob
                 if blob is None and stop_at_miss:
                     return
+
+    def _get_group(self, group: list[str], buffers: Sequence[Any] | None) -> list[Any]:
+        if buffers is None:
+            return self.pool.get_batch(group)
+        try:
+            sizes = self.pool.get_batch_into(group, buffers)
+        except InvalidArgument:  # an object larger than any chunk of this layout: read it to reject it
+            return self.pool.get_batch(group)
+        return [memoryview(b).cast("B")[:n] if n >= 0 else None for b, n in zip(buffers, sizes)]

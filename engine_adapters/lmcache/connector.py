@@ -40,7 +40,9 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-PUT_GROUP = 4  # chunks per put_batch: each thread keeps this many chunk buffers for reuse
+IO_GROUP = 4  # chunks per pool call; each worker thread keeps this many chunk buffers and reuses them
+# (fresh multi-MiB buffers cost a page fault per 4 KiB: reads into reused ones measured 2.4-2.9 GB/s
+# against 0.6-1.0 GB/s for `get_batch`'s new bytes, 16 SmolLM2 chunks, same run)
 
 
 class KVPoolConnector(RemoteConnector):
@@ -93,7 +95,7 @@ class KVPoolConnector(RemoteConnector):
         if client is None:
             client = self._local.client = self._connect()
             self._local.reader = ChunkReader(client, self.chunks.layout, auth=self.chunks.auth)
-            self._local.scratch = []  # chunk-object buffers for puts, reused (at most PUT_GROUP of them)
+            self._local.scratch = []  # chunk-object buffers, reused by this thread's puts and gets
         return client
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -109,21 +111,27 @@ class KVPoolConnector(RemoteConnector):
 
     # ---- writes ----
 
-    def _put_sync(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
-        """Encode into this thread's scratch buffers and store, `PUT_GROUP` chunks per pool call
-        (the put has copied the bytes into the pool when it returns, so the buffers are reused)."""
-        client, failures = self._client(), []
+    def _scratch(self, n: int) -> list[bytearray]:
+        """`n` chunk-object buffers of this worker thread (made once, then reused)."""
+        self._client()
         scratch: list[bytearray] = self._local.scratch
+        while len(scratch) < n:
+            scratch.append(bytearray(self.chunks.layout.object_nbytes()))
+        return scratch[:n]
+
+    def _put_sync(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
+        """Encode into this thread's buffers and store, `IO_GROUP` chunks per pool call (a put has
+        copied the bytes into the pool when it returns, so the buffers are reused)."""
+        client, failures = self._client(), []
         pairs = list(zip(self._keys(keys), memory_objs))
-        for start in range(0, len(pairs), PUT_GROUP):
+        for start in range(0, len(pairs), IO_GROUP):
             items = []
-            for i, (pool_key, obj) in enumerate(pairs[start:start + PUT_GROUP]):
+            group = pairs[start:start + IO_GROUP]
+            for (pool_key, obj), buffer in zip(group, self._scratch(len(group))):
                 try:
                     if obj.get_memory_format() != MemoryFormat.KV_2LTD:
                         raise InvalidArgument(f"memory format {obj.get_memory_format().name}, not KV_2LTD")
-                    if i == len(scratch):
-                        scratch.append(bytearray(self.chunks.layout.object_nbytes()))
-                    items.append((pool_key, self.chunks.encode(obj.tensor, pool_key, scratch[i])))
+                    items.append((pool_key, self.chunks.encode(obj.tensor, pool_key, buffer)))
                 except (InvalidArgument, AttributeError) as exc:
                     failures.append((pool_key, exc))
             if items:
@@ -149,29 +157,35 @@ class KVPoolConnector(RemoteConnector):
     # ---- reads ----
 
     def _get_sync(self, keys: List[CacheEngineKey], prefix: bool) -> list[Optional[MemoryObj]]:
-        """Per key its chunk in a new MemoryObj, or None; `prefix`: stop at the first miss."""
-        try:
-            self._client()
-            reader: ChunkReader = self._local.reader
-            damaged = reader.damaged
-            views = reader.read(self._keys(keys), ANY_TOKENS)
-            self._count(damaged=reader.damaged - damaged)
-        except KVPoolError as exc:
-            logger.warning("kvpool get of %d LMCache chunks failed (a miss): %s", len(keys), exc)
-            views = [None] * len(keys)
+        """Per key its chunk in a new MemoryObj, or None; `prefix`: stop at the first miss.
+        Read `IO_GROUP` chunks at a time into this thread's buffers, verified, then placed."""
+        pool_keys = self._keys(keys)
         out: list[Optional[MemoryObj]] = []
-        for view in views:
-            obj = None
-            if view is not None:
-                obj = self.local_cpu_backend.allocate([self.chunks.shape(view.tokens)], [self.chunks.dtype],
-                                                      MemoryFormat.KV_2LTD)
-                if obj is None:
-                    logger.warning("LMCache's local CPU backend could not allocate a chunk: a miss")
-                else:
-                    self.chunks.place(view, obj.tensor)
-            if obj is None and prefix:
+        for start in range(0, len(pool_keys), IO_GROUP):
+            group = pool_keys[start:start + IO_GROUP]
+            try:
+                buffers = self._scratch(len(group))
+                reader: ChunkReader = self._local.reader
+                damaged = reader.damaged
+                views = reader.read(group, ANY_TOKENS, into=buffers)
+                self._count(damaged=reader.damaged - damaged)
+            except KVPoolError as exc:
+                logger.warning("kvpool get of %d LMCache chunks failed (a miss): %s", len(group), exc)
+                views = [None] * len(group)
+            for view in views:
+                obj = None
+                if view is not None:
+                    obj = self.local_cpu_backend.allocate([self.chunks.shape(view.tokens)], [self.chunks.dtype],
+                                                          MemoryFormat.KV_2LTD)
+                    if obj is None:
+                        logger.warning("LMCache's local CPU backend could not allocate a chunk: a miss")
+                    else:
+                        self.chunks.place(view, obj.tensor)
+                if obj is None and prefix:
+                    break
+                out.append(obj)
+            if prefix and len(out) < start + len(group):
                 break
-            out.append(obj)
         hits = sum(o is not None for o in out)
         self._count(hit=hits, miss=len(keys) - hits)
         return out

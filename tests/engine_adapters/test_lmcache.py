@@ -80,6 +80,26 @@ def test_lmcache_chunks_round_trip_through_the_pool(pool, tokens):
     assert torch.equal(view.as_torch()[1, 0, 0], kv[0, 1, :, :DIM])
 
 
+def test_chunks_read_into_reused_buffers(pool):
+    """The reader's `into=` form (what the plugin's gets use): chunks land in the caller's buffers;
+    a miss, and an object too large for any chunk of the layout, are misses, not errors."""
+    chunks = _chunks()
+    keys = [chunks.pool_key(f"m@1@0@{i:x}@bfloat16") for i in range(3)]
+    for i, k in enumerate(keys[:2]):
+        pool.put(k, chunks.encode(_kv(CHUNK if i == 0 else 7, seed=i), k))
+    huge = chunks.pool_key("m@1@0@ffff@bfloat16")
+    pool.put(huge, bytes(chunks.layout.object_nbytes() + 1))
+    buffers = [bytearray(chunks.layout.object_nbytes()) for _ in range(4)]
+    reader = ChunkReader(pool, chunks.layout, auth=chunks.auth)
+    views = reader.read(keys + [huge], ANY_TOKENS, into=buffers)
+    assert [v is not None for v in views] == [True, True, False, False]
+    for i, view in enumerate(views[:2]):
+        out = torch.zeros_like(_kv(view.tokens))
+        chunks.place(view, out)
+        assert torch.equal(out, _kv(CHUNK if i == 0 else 7, seed=i))
+    assert bytes(buffers[0][:8]) == bytes(chunks.encode(_kv(CHUNK, 0), keys[0])[:8]), "read into the caller's buffer"
+
+
 def test_a_damaged_or_foreign_chunk_is_a_miss(pool, damage):
     chunks, other = _chunks(), _chunks(salt="another tenant")
     key = chunks.pool_key("m@1@0@abc@bfloat16")
