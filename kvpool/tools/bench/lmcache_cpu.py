@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lmcache.utils import CacheEngineKey  # noqa: F401  (re-exported for callers)
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface

@@ -95,7 +95,7 @@ def _bench_chunks(report: Report, sides: list[BackendSide], alloc: Any, md: Any,
                   clear: Callable[[BackendSide, list], None], tick: Callable[[], None]) -> None:
     import torch
 
-    from kvpool.tools.bench.lmcache_cpu import CacheEngineKey
+    from lmcache.utils import CacheEngineKey
 
     shape = torch.Size([2, md.kv_shape[0], CHUNK_TOKENS, md.kv_shape[3] * md.kv_shape[4]])
     sources = []
