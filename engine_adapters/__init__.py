@@ -7,6 +7,7 @@
     hf             the HuggingFace transformers adapter; model: the reference model
     vllm/          the vLLM v1 KV connector (scheduler side, worker side, metadata)
     sglang         the SGLang HiCache storage backend
+    lmcache/       the LMCache remote storage plugin (KVPoolConnectorAdapter)
     serving/       the reference prefill / decode workers
     bench/         benchmarks that need an engine or start workers (`kvpool bench ...`)
 

@@ -52,11 +52,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, decode_chunk, key_digest, read_header
 from kvpool.codec import get_codec
-from kvpool.errors import CorruptObject, KeyNotFound, KVPoolError, LayoutMismatch
+from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, LayoutMismatch
 
 log = logging.getLogger(__name__)
 
 BATCH_BYTES = 48 << 20  # one get_batch asks for about this much: few round trips, no more than a node stages at once
+ANY_TOKENS = 0  # `read(keys, ANY_TOKENS)`: accept any token count the layout allows (a store whose keys do
+# not say how many tokens a chunk holds, such as LMCache's, whose last chunk of a prompt may be partial)
 
 
 class ChunkReader:
@@ -101,11 +103,17 @@ class ChunkReader:
     def run(self, keys: Sequence[str]) -> list[ChunkView]:
         return list(self.iter_run(keys))
 
-    def read(self, keys: Sequence[str], tokens: int | None = None) -> list[ChunkView | None]:
-        """Per key: its verified view (holding `tokens` tokens, default a full chunk) or None."""
+    def read(self, keys: Sequence[str], tokens: int | None = None, *,
+             into: Sequence[Any] | None = None) -> list[ChunkView | None]:
+        """Per key: its verified view (holding `tokens` tokens, default a full chunk; `ANY_TOKENS`:
+        however many it holds) or None. `into`: one writable buffer per key, each at least
+        `layout.object_nbytes()`, that the chunks are read into (no new memory per read; the views
+        are valid until the caller reuses the buffers)."""
         want = self.layout.chunk_tokens if tokens is None else tokens
+        if into is not None and len(into) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(into)} buffers")
         out: list[ChunkView | None] = []
-        for key, blob, tier in self._fetch(keys, stop_at_miss=False):
+        for key, blob, tier in self._fetch(keys, stop_at_miss=False, into=into):
             view = self._verify(key, blob, want, tier) if blob is not None else None
             self.fetched += view is not None
             out.append(view)
@@ -130,7 +138,7 @@ class ChunkReader:
     def _verify(self, key: str, blob: Any, tokens: int, tier: str = "") -> ChunkView | None:
         try:
             view = decode_chunk(blob, self.layout, key=key, auth=self.auth, codec=self.codec)
-            if view.tokens != tokens:
+            if tokens != ANY_TOKENS and view.tokens != tokens:
                 raise CorruptObject(f"holds {view.tokens} tokens, expected {tokens}")
             view.tier = tier
             return view
@@ -173,14 +181,19 @@ class ChunkReader:
 
     # -- fetching --------------------------------------------------------------------------------
 
-    def _fetch(self, keys: Sequence[str], *, stop_at_miss: bool) -> Iterator[tuple[str, Any, str]]:
-        """(key, bytes or None, tier or "") in order, `batch_chunks` keys per get_batch. A miss
-        inside a batch is retried alone once: a node may decline a batch larger than it can stage
-        at once (SSD objects are promoted through DRAM) yet serve the same objects one by one."""
+    def _fetch(self, keys: Sequence[str], *, stop_at_miss: bool,
+               into: Sequence[Any] | None = None) -> Iterator[tuple[str, Any, str]]:
+        """(key, bytes or None, tier or "") in order, `batch_chunks` keys per get_batch (or
+        get_batch_into the caller's buffers `into`, tier unknown). A miss inside a batch is retried
+        alone once: a node may decline a batch larger than it can stage at once (SSD objects are
+        promoted through DRAM) yet serve the same objects one by one."""
         keys = list(keys)
         for start in range(0, len(keys), self.batch_chunks):
             group = keys[start:start + self.batch_chunks]
-            blobs, tiers = self._get_batch(group)
+            if into is None:
+                blobs, tiers = self._get_batch(group)
+            else:
+                blobs, tiers = self._get_group(group, into[start:start + len(group)]), [""] * len(group)
             for key, blob, tier in zip(group, blobs, tiers):
                 if blob is None and len(group) > 1:
                     if self._tiered:
@@ -197,6 +210,13 @@ class ChunkReader:
         tiers: list[str] = []
         blobs = self.pool.get_batch(keys, tiers=tiers)
         return blobs, tiers
+
+    def _get_group(self, group: list[str], buffers: Sequence[Any]) -> list[Any]:
+        try:
+            sizes = self.pool.get_batch_into(group, buffers)
+        except InvalidArgument:  # an object larger than any chunk of this layout: read it to reject it
+            return self.pool.get_batch(group)
+        return [memoryview(b).cast("B")[:n] if n >= 0 else None for b, n in zip(buffers, sizes)]
 
 
 def _takes_tiers(pool: Any) -> bool:

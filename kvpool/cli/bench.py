@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "disagg": "kvpool.tools.bench.disagg:disagg",
     "engine": "kvpool.tools.bench.engine:engine",
     "kvevents": "kvpool.tools.bench.kvevents:kvevents",
+    "lmcache": "kvpool.tools.bench.lmcache_remote:lmcache",
     "overhead": "kvpool.tools.bench.overhead:overhead",
     "policies": "kvpool.tools.bench.policies:policies",
     "pool": "kvpool.tools.bench.pool:pool",
