@@ -60,6 +60,8 @@ class RpcSettings(BaseSettings):
 
     rpc_spin: int = Field(64, ge=0)  # polls a client may make for a reply before sleeping (0: off)
     server_spin: int = Field(64, ge=0)  # polls a server thread may make for its sole client's next request
+    # nobody spins while some task waited for a CPU more than this % of the last 10 s (Linux PSI; 100: no check)
+    spin_max_cpu_pressure: float = Field(10.0, ge=0, le=100)
     rpc_unix: bool = True  # same-host clients move to the server's abstract unix socket (Linux)
     # Authentication (kvpool.security.keyring): a keyring file turns it on for every port; a client speaks as
     # `principal` from it. None: off, and services listen on loopback only (protected mode).

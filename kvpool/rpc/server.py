@@ -48,7 +48,7 @@ from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
                               request_decoder, send_frame, unix_name)
 from kvpool.security.authz import NODE_ONLY, ROLE_NAMES, RULES, rank, scope_of
-from kvpool.rpc.spin import SpinPolicy, local
+from kvpool.rpc.spin import CpuPressure, SpinPolicy, local
 from transfer.auth import HANDSHAKE_TIMEOUT, MAGIC, AuthError, looks_like_hello, peer_uid, serve_handshake
 from transfer.framing import Listener, Stalled, peer_pid, refuse_after
 
@@ -104,7 +104,7 @@ class RpcServer:
         self.handlers = handlers
         self.name = name
         self.on_close = on_close
-        self.spin = SpinPolicy(settings.server_spin)
+        self.spin = SpinPolicy(settings.server_spin, CpuPressure(settings.spin_max_cpu_pressure))
         try:
             self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
         except OSError as exc:

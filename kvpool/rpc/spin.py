@@ -14,10 +14,19 @@ TCP and 1.4-1.6x same-host; 4 clients 1.0-1.16x; 16 clients 0.79-1.04x (mean 0.9
 noise. Large payloads are received polling for a sole active client: puts of 1 MiB 1.4x and
 8 MiB 1.36x the GB/s of sleeping in MSG_WAITALL (none at 256 KiB); client side from 2 MiB,
 8 MiB get_into 1.2-1.5x (none at 1 MiB).
+
+Those gains need a CPU each for the client and the server. When other processes want the CPUs
+too, a poller (which yields between polls) goes to the back of the run queue while a thread
+woken from a blocking recv runs at once, so spinning turns into a loss: on this 2-core machine
+at load 6-12 (issue 29) one client's 64 KiB TCP gets ran 2.5-6x slower spinning than not. So
+nobody spins while the CPUs are contended (`CpuPressure`: Linux PSI `some avg10` above
+`spin_max_cpu_pressure`, 10% by default; without PSI, a 1-minute load average above the CPU
+count).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 MIXED_NS = 2_000_000  # two clients' requests this close together: nobody spins for this long
@@ -52,19 +61,54 @@ class Spin:
         self.polls = self.cap if ns < SPIN_WORTH_NS else 0
 
 
+PRESSURE_PATH = "/proc/pressure/cpu"
+PRESSURE_EVERY_NS = 250_000_000  # how often a server looks again
+
+
+class CpuPressure:
+    """Whether this machine's CPUs have been contended lately: the share of the last 10 s in
+    which some runnable task waited for a CPU (Linux PSI, `some avg10`, in %) above `limit`;
+    where the kernel has no PSI, the 1-minute load average above the CPU count. Read at most
+    every `PRESSURE_EVERY_NS` (a file read, ~10 us); `limit` 100: never contended (no read)."""
+
+    __slots__ = ("limit", "path", "_next", "_busy")
+
+    def __init__(self, limit: float = 10.0, path: str = PRESSURE_PATH):
+        self.limit, self.path = limit, path
+        self._next = 0
+        self._busy = False
+
+    def busy(self, now: int) -> bool:
+        """`now`: time.monotonic_ns()."""
+        if now >= self._next:
+            self._next = now + PRESSURE_EVERY_NS
+            self._busy = self.limit < 100 and self.read() > self.limit
+        return self._busy
+
+    def read(self) -> float:
+        """The CPU pressure now (%): PSI's `some avg10`, else 100 * load / CPUs."""
+        try:
+            with open(self.path, "rb") as f:
+                return float(f.readline().split()[1].partition(b"=")[2])
+        except (OSError, IndexError, ValueError):
+            return 100.0 * os.getloadavg()[0] / (os.cpu_count() or 1)
+
+
 class SpinPolicy:
     """One server's view of its connection threads (ids): which are handling a request
     (`busy`), which are spinning for one, and whether clients have been interleaving. A thread
     may spin for its client's next request only while no other is busy or spinning and no two
     clients' requests followed each other within `MIXED_NS`: with several busy clients the
-    server has work anyway, and the clients need the CPU a spin would take. A thread is in
+    server has work anyway, and the clients need the CPU a spin would take; and only while the
+    machine's CPUs are not contended (`pressure`), for the same reason. A thread is in
     `spinning` only while it polls: one whose polls ran out leaves it before it blocks
     (`Reader.fill`), or an idle connection would stop the server spinning for anyone else.
     `set.add` / `discard` are atomic under the GIL; the rest is advisory (a wrong answer costs a
     spin or a sleep)."""
 
-    def __init__(self, polls: int):
+    def __init__(self, polls: int, pressure: CpuPressure | None = None):
         self.polls = polls
+        self.pressure = pressure or CpuPressure()  # contended CPUs: nobody spins
         self.busy: set[int] = set()
         self.spinning: set[int] = set()
         self._last = [0, 0, 0]  # thread of the last request, when it came, until when clients count as mixed
@@ -86,12 +130,13 @@ class SpinPolicy:
         return now
 
     def may_spin(self, me: int) -> bool:
-        return self.alone(me) and time.monotonic_ns() > self._last[2]
+        now = time.monotonic_ns()
+        return self.alone(me) and now > self._last[2] and not self.pressure.busy(now)
 
     def sole_client(self, now: int) -> bool:
         """While handling a request that came at `now`: is this connection the only active one?
         Then its client may spin for our reply (FLAG_SPIN)."""
-        return len(self.busy) == 1 and not self.spinning and now > self._last[2]
+        return len(self.busy) == 1 and not self.spinning and now > self._last[2] and not self.pressure.busy(now)
 
     def calm(self) -> None:
         """Forget that clients were interleaving (tests)."""
