@@ -2,7 +2,7 @@
 same turns (issue 29). Not part of the package: it drives any commit's tree, old or new, with one
 harness, so bench-code changes between commits do not enter the comparison.
 
-    python benchmarks/bisect_ab.py TREE_A TREE_B [--reps 9] [--ops 256] [--cases get_tcp,get_shm,put_tcp]
+    python -m kvpool.tools.scripts.bisect_ab TREE_A TREE_B [--reps 9] [--ops 256] [--cases get_tcp,get_shm,put_tcp]
 
 A TREE may end in @KVPOOL_X=1,KVPOOL_Y=0: settings for that side's server and clients.
 
