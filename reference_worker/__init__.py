@@ -10,6 +10,7 @@
     cpus                pinning workers to cores of their own
     app / server        the HTTP control API (FastAPI + uvicorn) and the worker process
     client              WorkerClient and `generate(prefill, decode, ids)`: the disaggregated path
+    detokenizer         incremental text of a stream (holds back a partial UTF-8 character)
     sampling            greedy or seeded temperature/top-p sampling (same seed, same tokens on any worker)
     admission           draining and in-flight counts (a draining worker finishes, then leaves)
 

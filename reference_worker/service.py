@@ -43,6 +43,7 @@ from kvpool.handle import KVHandle
 from reference_worker import sampling
 from reference_worker.admission import Admission
 from reference_worker.config import NO_POOL, WorkerConfig
+from reference_worker.detokenizer import Detokenizer
 from reference_worker.events import EventLog
 from kvpool.worker_api import (DecodeRequest, GenerateRequest, LoadReport, PrefillRequest,
                                               PrefillResponse, SamplingParams, TokenEvent, TokenizeRequest,
@@ -71,23 +72,6 @@ class _Prefix:
     pool_chunks: int
     fetch_ms: float = 0.0  # matching and reading the pool's part of the prefix
     pool_tiers: list[str] = field(default_factory=list)  # per pool chunk, the tier that served it
-
-
-class _Detokenizer:
-    """Incremental text of a growing token list (holds back a partial UTF-8 character)."""
-
-    def __init__(self, tokenizer: Any, first: list[int]):
-        self.tokenizer = tokenizer
-        self.ids = list(first)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") or not text.startswith(self.text):
-            return ""
-        delta, self.text = text[len(self.text):], text
-        return delta
 
 
 class Worker:
@@ -406,7 +390,7 @@ class Worker:
             loop.call_soon_threadsafe(queue.put_nowait, (token, reason, error))
 
         seq = DecodeSequence(rid, cache, first, budget, stop, emit, sampling=params)
-        detok = _Detokenizer(self.rm.tokenizer, [first])
+        detok = Detokenizer(self.rm.tokenizer, [first])
         started = last = time.perf_counter()
         index = 0
         finished = False
