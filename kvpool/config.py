@@ -70,8 +70,14 @@ class RpcSettings(BaseSettings):
     header_timeout_s: float = Field(10.0, ge=0)  # a started frame header must finish within this (2 ticks)
     idle_timeout_s: float = Field(300.0, ge=0)  # a server closes a connection with no request for this long
     min_body_rate: int = 64 << 10  # bytes/s a message body or payload in flight must keep up
-    max_connections: int = Field(1024, ge=0)  # open connections per server
-    max_connections_per_peer: int = Field(256, ge=0)  # ... per peer address (IP; unix peers share one)
+    max_connections: int = Field(1024, ge=0)  # open (authenticated, with a keyring) connections per server
+    max_connections_per_peer: int = Field(256, ge=0)  # without a keyring: ... per peer address (IP)
+    # With a keyring (`transfer.listener`): connections not yet authenticated have a budget of their
+    # own, so that nobody without a credential can lock out those with one.
+    max_unauthenticated: int = Field(128, ge=0)  # per server; a new one over it replaces the oldest
+    max_unauthenticated_per_peer: int = Field(32, ge=0)  # ... per peer address
+    handshake_timeout_s: float = Field(3.0, ge=0)  # from accept to authenticated
+    max_connections_per_principal: int = Field(256, ge=0)  # authenticated, per principal (not `node`)
     max_reply_bytes: int = 1 << 30  # a client refuses a reply (message + payload) announcing more
 
     @field_validator("min_body_rate", "max_reply_bytes", mode="before")
@@ -84,7 +90,8 @@ class RpcSettings(BaseSettings):
         from transfer.framing import Limits
 
         return Limits(self.header_timeout_s, self.idle_timeout_s, self.min_body_rate, self.max_connections,
-                      self.max_connections_per_peer)
+                      self.max_connections_per_peer, self.max_unauthenticated, self.max_unauthenticated_per_peer,
+                      self.handshake_timeout_s, self.max_connections_per_principal)
 
 
 class Settings(RpcSettings):
