@@ -74,8 +74,8 @@ class RpcSettings(BaseSettings):
     max_connections_per_peer: int = Field(256, ge=0)  # without a keyring: ... per peer address (IP)
     # With a keyring (`transfer.listener`): connections not yet authenticated have a budget of their
     # own, so that nobody without a credential can lock out those with one.
-    max_unauthenticated: int = Field(128, ge=0)  # per server; a new one over it replaces the oldest
-    max_unauthenticated_per_peer: int = Field(32, ge=0)  # ... per peer address
+    max_unauthenticated: int = Field(1024, ge=0)  # per server; a new one over it replaces the oldest
+    max_unauthenticated_per_peer: int = Field(128, ge=0)  # ... per peer address
     handshake_timeout_s: float = Field(3.0, ge=0)  # from accept to authenticated
     max_connections_per_principal: int = Field(256, ge=0)  # authenticated, per principal (not `node`)
     max_reply_bytes: int = 1 << 30  # a client refuses a reply (message + payload) announcing more

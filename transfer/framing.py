@@ -226,8 +226,8 @@ class Limits:
     min_body_rate: int = 64 << 10
     max_connections: int = 1024
     max_connections_per_peer: int = 256
-    max_unauthenticated: int = 128
-    max_unauthenticated_per_peer: int = 32
+    max_unauthenticated: int = 1024
+    max_unauthenticated_per_peer: int = 128
     handshake_timeout_s: float = 3.0
     max_connections_per_principal: int = 256
 

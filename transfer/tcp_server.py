@@ -65,12 +65,16 @@ class DataServer:
         listener = socket.create_server((host, port), backlog=1024)
         self.host, self.port = listener.getsockname()[:2]
         self._listener = Listener([listener], self._serve, f"transfer-{self.port}", None, wire.SOCK_BUF,
-                                  limits=self.limits, refuse=self._refuse, handshake=auth is not None)
+                                  limits=self.limits, refusal=self._limit_frame, handshake=auth is not None)
 
     @staticmethod
-    def _refuse(conn: socket.socket, message: str) -> None:
+    def _limit_frame(message: str) -> bytes:
         body = message.encode()
-        framing.refuse_after(conn, wire.RESP.pack(wire.MAGIC, wire.VERSION, wire.E_LIMIT, 0, 0, len(body)) + body)
+        return wire.RESP.pack(wire.MAGIC, wire.VERSION, wire.E_LIMIT, 0, 0, len(body)) + body
+
+    @classmethod
+    def _refuse(cls, conn: socket.socket, message: str) -> None:
+        framing.refuse_after(conn, cls._limit_frame(message))
 
     def start(self) -> None:
         self._listener.start()

@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "codec": "kvpool.tools.bench.codec:codec",
     "disagg": "kvpool.tools.bench.disagg:disagg",
     "engine": "kvpool.tools.bench.engine:engine",
+    "flood": "kvpool.tools.bench.flood:flood",
     "overhead": "kvpool.tools.bench.overhead:overhead",
     "policies": "kvpool.tools.bench.policies:policies",
     "pool": "kvpool.tools.bench.pool:pool",

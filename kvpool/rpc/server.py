@@ -135,7 +135,7 @@ class RpcServer:
         self.limits = settings.limits()
         self._idle_ticks = self.limits.idle_ticks()
         self._listener = Listener([self._sock, self._unix_sock], self._serve, name, limits=self.limits,
-                                  refuse=self._refuse_at_limit, handshake=self.keyring is not None)
+                                  refusal=self._limit_frame, handshake=self.keyring is not None)
 
     @property
     def address(self) -> str:
@@ -231,9 +231,13 @@ class RpcServer:
             pass
 
     @staticmethod
-    def _refuse_at_limit(sock: socket.socket, why: str) -> None:
+    def _limit_frame(why: str) -> bytes:
         body = encoder.encode(Err(LimitExceeded.code, why))
-        refuse_after(sock, HEADER.pack(PROTOCOL_VERSION, 0, len(body), 0) + body)
+        return HEADER.pack(PROTOCOL_VERSION, 0, len(body), 0) + body
+
+    @classmethod
+    def _refuse_at_limit(cls, sock: socket.socket, why: str) -> None:
+        refuse_after(sock, cls._limit_frame(why))
 
     def _quiet_tick(self, reader: Reader, peer: str, ticks: list[int]) -> bool:
         """A receive tick passed with no byte while waiting for a header: whether to keep the

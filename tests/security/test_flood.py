@@ -61,7 +61,8 @@ def capped(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("flood-capped")
     served = Serve(tmp / "serve.log", write_keyring(tmp / "keyring.toml"),
                    {"KVPOOL_MAX_CONNECTIONS_PER_PRINCIPAL": "3", "KVPOOL_MAX_UNAUTHENTICATED_PER_PEER": "4",
-                    "KVPOOL_HANDSHAKE_TIMEOUT_S": "1"}, "--dram-capacity", "16MiB")
+                    "KVPOOL_MAX_UNAUTHENTICATED": "6",
+                    "KVPOOL_HANDSHAKE_TIMEOUT_S": "2"}, "--dram-capacity", "16MiB")
     try:
         yield served
     finally:
@@ -160,35 +161,60 @@ def test_2000_idle_unauthenticated_sockets_do_not_lock_out_a_tenant(pool):
     assert UNAUTHENTICATED in log
 
 
-def test_a_client_cut_while_authenticating_is_told_it_was_the_unauthenticated_limit(capped):
-    # a peer that sends its hello and then stalls (never its proof), cut for newer connections
-    # from its address: the answer in place of DONE says why
-    stalled = socket.create_connection((capped.host, capped.port))
+def _frame_err(sock: socket.socket) -> m.Err:
+    sock.settimeout(5)
+    _, _, msg_len, _ = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+    return msgspec.msgpack.decode(sock.recv(msg_len, socket.MSG_WAITALL), type=m.Err)
+
+
+def test_idle_sockets_are_cut_before_one_in_its_handshake_and_each_is_told_why(capped):
+    connect = lambda: socket.create_connection((capped.host, capped.port))  # noqa: E731
+    # a peer that sends its hello and then stalls, never sending its proof
+    stalled = connect()
     stalled.sendall(MAGIC + bytes([4]) + b"acme" + os.urandom(32))
-    chall = stalled.recv(65, socket.MSG_WAITALL)
-    assert len(chall) == 65
-    newer = [socket.create_connection((capped.host, capped.port)) for _ in range(4)]  # per-peer cap 4
+    assert len(stalled.recv(65, socket.MSG_WAITALL)) == 65  # CHALL: it waits for DONE now
+    idle = [connect() for _ in range(3)]  # KVPOOL_MAX_UNAUTHENTICATED_PER_PEER=4 from 127.0.0.1
+    newer = [connect()]
     try:
+        # over the cap: the oldest idle socket is cut (it said nothing), not the one authenticating;
+        # it reads the RPC's own refusal frame
+        err = _frame_err(idle[0])
+        assert err.code == "limit_exceeded" and UNAUTHENTICATED in err.message
+        # once every pending socket of the address has spoken, the oldest speaker goes: the stalled
+        # peer reads, in place of DONE, the handshake's LIMITED answer with the reason
+        for s in idle[1:] + newer:
+            s.sendall(MAGIC[:1])
+        time.sleep(0.3)
+        newer.append(connect())
         stalled.settimeout(5)
         status, n = stalled.recv(2, socket.MSG_WAITALL)
         assert status == LIMITED
         assert UNAUTHENTICATED in stalled.recv(n, socket.MSG_WAITALL).decode()
-        # an idle one cut before it said anything gets the RPC's own refusal frame
-        newer.append(socket.create_connection((capped.host, capped.port)))
-        newer[0].settimeout(5)
-        _, _, msg_len, _ = HEADER.unpack(newer[0].recv(HEADER.size, socket.MSG_WAITALL))
-        err = msgspec.msgpack.decode(newer[0].recv(msg_len, socket.MSG_WAITALL), type=m.Err)
-        assert err.code == "limit_exceeded" and UNAUTHENTICATED in err.message
-        # a client whose hello meets that refusal raises it as such (not "refused authentication")
-        newer.append(socket.create_connection((capped.host, capped.port)))
-        newer[1].settimeout(5)
+        # a client whose hello meets such a refusal raises it as what it is, not "refused authentication"
+        newer.append(connect())  # cuts newer[1], the only quiet one
+        select.select([newer[1]], [], [], 5)
         rpc = RpcClient(capped.address, credential=cred("acme"))
         with pytest.raises(LimitExceeded, match=UNAUTHENTICATED) as info:
             rpc._authenticate(newer[1])
         assert "refused authentication" not in str(info.value)
     finally:
         stalled.close()
-        for s in newer:
+        for s in idle + newer:
+            s.close()
+
+
+def test_over_the_server_budget_the_oldest_idle_socket_of_any_address_is_cut(capped):
+    socks = [socket.create_connection((capped.host, capped.port), source_address=(src, 0))
+             for src in ["127.0.0.2"] * 3 + ["127.0.0.3"] * 3]  # KVPOOL_MAX_UNAUTHENTICATED=6
+    try:
+        socks.append(socket.create_connection((capped.host, capped.port), source_address=("127.0.0.4", 0)))
+        err = _frame_err(socks[0])
+        assert err.code == "limit_exceeded" and UNAUTHENTICATED in err.message and "(max_unauthenticated)" in err.message
+        with kvpool.connect(capped.address, credential=cred("acme"), data_path="rpc", use_shm=False) as tenant:
+            tenant.put("budget", b"b" * 100)  # its connection took the place of another idle one
+            assert tenant.get("budget") == b"b" * 100
+    finally:
+        for s in socks:
             s.close()
 
 
@@ -204,7 +230,7 @@ def test_a_socket_that_does_not_authenticate_in_time_is_cut_and_told(capped):
                 if not more:
                     break
                 data += more
-            assert time.monotonic() - t0 < 3  # KVPOOL_HANDSHAKE_TIMEOUT_S=1, not the 10 s header tick
+            assert time.monotonic() - t0 < 4  # KVPOOL_HANDSHAKE_TIMEOUT_S=2, not the 10 s header tick
             assert b"handshake_timeout_s" in data
 
 
@@ -232,9 +258,11 @@ def test_authenticated_principals_have_a_budget_of_their_own(capped):
     seg = capped.segment()
     socks = []
     try:
-        for _ in range(3):
+        for _ in range(3):  # each pinged, so the server has counted it before the next comes
             socks.append(socket.create_connection((capped.host, seg.port)))
             client_handshake(socks[-1], "acme", cred("acme").secret, "transfer")
+            socks[-1].sendall(wire.REQ.pack(wire.MAGIC, wire.VERSION, wire.OP_PING, 0, 0, 1, 0, 0))
+            assert wire.RESP.unpack(socks[-1].recv(wire.RESP.size, socket.MSG_WAITALL))[2] == wire.OK
         over = socket.create_connection((capped.host, seg.port))
         socks.append(over)
         client_handshake(over, "acme", cred("acme").secret, "transfer")  # proved, then refused at the cap
