@@ -127,6 +127,10 @@ class Settings(RpcSettings):
 
     admin_token: str | None = None  # bearer token of the admin API (every endpoint but /health, /ready)
     admin_token_file: str | None = None  # ... read from this file (a mounted secret); never put it on argv
+    # bearer token a Prometheus scraper presents: /metrics only (a node's, a master's, the router's,
+    # workers'); required for a node's /metrics when a keyring is set
+    metrics_token: str | None = None
+    metrics_token_file: str | None = None  # ... read from this file
     log_level: str = "INFO"
 
     @field_validator("dram_capacity", "ssd_capacity", mode="before")
@@ -153,7 +157,7 @@ class Settings(RpcSettings):
                 raise ValueError(f"transports must be a non-empty subset of {list(TRANSPORTS)}, got {value}")
         return value
 
-    @field_validator("admin_token", mode="before")
+    @field_validator("admin_token", "metrics_token", mode="before")
     @classmethod
     def _token(cls, value: Any) -> Any:
         # An empty KVPOOL_ADMIN_TOKEN= means "no token", not "the empty string is the token".
@@ -163,6 +167,8 @@ class Settings(RpcSettings):
     def _token_file(self) -> "Settings":
         if self.admin_token_file and not self.admin_token:
             self.admin_token = read_secret_file(self.admin_token_file, "admin_token_file")
+        if self.metrics_token_file and not self.metrics_token:
+            self.metrics_token = read_secret_file(self.metrics_token_file, "metrics_token_file")
         return self
 
     @field_validator("log_level", mode="before")
