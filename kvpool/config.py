@@ -72,8 +72,14 @@ class RpcSettings(BaseSettings):
     header_timeout_s: float = Field(10.0, ge=0)  # a started frame header must finish within this (2 ticks)
     idle_timeout_s: float = Field(300.0, ge=0)  # a server closes a connection with no request for this long
     min_body_rate: int = 64 << 10  # bytes/s a message body or payload in flight must keep up
-    max_connections: int = Field(1024, ge=0)  # open connections per server
-    max_connections_per_peer: int = Field(256, ge=0)  # ... per peer address (IP; unix peers share one)
+    max_connections: int = Field(1024, ge=0)  # open (authenticated, with a keyring) connections per server
+    max_connections_per_peer: int = Field(256, ge=0)  # without a keyring: ... per peer address (IP)
+    # With a keyring (`transfer.listener`): connections not yet authenticated have a budget of their
+    # own, so that nobody without a credential can lock out those with one.
+    max_unauthenticated: int = Field(1024, ge=0)  # per server; a new one over it replaces the oldest
+    max_unauthenticated_per_peer: int = Field(128, ge=0)  # ... per peer address
+    handshake_timeout_s: float = Field(3.0, ge=0)  # from accept to authenticated
+    max_connections_per_principal: int = Field(256, ge=0)  # authenticated, per principal (not `node`)
     max_reply_bytes: int = 1 << 30  # a client refuses a reply (message + payload) announcing more
 
     @field_validator("min_body_rate", "max_reply_bytes", mode="before")
@@ -86,7 +92,8 @@ class RpcSettings(BaseSettings):
         from transfer.framing import Limits
 
         return Limits(self.header_timeout_s, self.idle_timeout_s, self.min_body_rate, self.max_connections,
-                      self.max_connections_per_peer)
+                      self.max_connections_per_peer, self.max_unauthenticated, self.max_unauthenticated_per_peer,
+                      self.handshake_timeout_s, self.max_connections_per_principal)
 
 
 class Settings(RpcSettings):
@@ -122,6 +129,10 @@ class Settings(RpcSettings):
 
     admin_token: str | None = None  # bearer token of the admin API (every endpoint but /health, /ready)
     admin_token_file: str | None = None  # ... read from this file (a mounted secret); never put it on argv
+    # bearer token a Prometheus scraper presents: /metrics only (a node's, a master's, the router's,
+    # workers'); required for a node's /metrics when a keyring is set
+    metrics_token: str | None = None
+    metrics_token_file: str | None = None  # ... read from this file
     log_level: str = "INFO"
 
     @field_validator("dram_capacity", "ssd_capacity", mode="before")
@@ -148,7 +159,7 @@ class Settings(RpcSettings):
                 raise ValueError(f"transports must be a non-empty subset of {list(TRANSPORTS)}, got {value}")
         return value
 
-    @field_validator("admin_token", mode="before")
+    @field_validator("admin_token", "metrics_token", mode="before")
     @classmethod
     def _token(cls, value: Any) -> Any:
         # An empty KVPOOL_ADMIN_TOKEN= means "no token", not "the empty string is the token".
@@ -158,6 +169,8 @@ class Settings(RpcSettings):
     def _token_file(self) -> "Settings":
         if self.admin_token_file and not self.admin_token:
             self.admin_token = read_secret_file(self.admin_token_file, "admin_token_file")
+        if self.metrics_token_file and not self.metrics_token:
+            self.metrics_token = read_secret_file(self.metrics_token_file, "metrics_token_file")
         return self
 
     @field_validator("log_level", mode="before")

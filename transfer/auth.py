@@ -11,6 +11,10 @@ Wire (all lengths in bytes, big-endian):
     C -> S  PROOF  client proof (32)
     S -> C  DONE   status (1) | reason length (1) | reason (UTF-8, only when refused)
 
+    or, in place of CHALL or DONE, when the server closes a connection still authenticating at one
+    of its limits (`transfer.listener`: too many unauthenticated connections, the handshake deadline):
+    S -> C  LIMIT  LIMITED (1) | reason length (1) | reason (UTF-8)
+
     server proof = HMAC(secret, "kvpool-auth/v1 server" | channel | principal | cnonce | snonce)
     client proof = HMAC(secret, "kvpool-auth/v1 client" | channel | principal | cnonce | snonce)
 
@@ -32,20 +36,35 @@ import hashlib
 import hmac
 import os
 import socket
+import time
 from typing import Callable
 
 MAGIC = b"KVA1"
 NONCE = 32
 PROOF = 32
-OK, REFUSED, NOT_CONFIGURED = 0, 1, 2
+OK, REFUSED, NOT_CONFIGURED, LIMITED = 0, 1, 2, 3
 MAX_PRINCIPAL = 255
-HANDSHAKE_TIMEOUT = 5.0  # seconds a peer has for the whole exchange
+HANDSHAKE_TIMEOUT = 5.0  # default seconds a peer has for the whole exchange (servers pass their own deadline)
 
 SecretLookup = Callable[[str], "bytes | None"]
 
 
 class AuthError(Exception):
     """The handshake failed; the message says why (never which secret or principal exists)."""
+
+
+class AuthLimited(AuthError):
+    """The server closed the connection before it authenticated, at one of its limits (too many
+    unauthenticated connections, the handshake deadline); the message is the server's reason."""
+
+
+class NotHandshake(AuthError):
+    """The server answered the hello with something that is not the handshake (`first`: the byte
+    read): its protocol's own refusal frame, which the caller reads with the protocol's framing."""
+
+    def __init__(self, first: bytes):
+        super().__init__(f"the server did not answer the authentication hello (first byte {first!r})")
+        self.first = first
 
 
 def _proof(secret: bytes, label: bytes, channel: str, principal: str, cnonce: bytes, snonce: bytes) -> bytes:
@@ -80,13 +99,17 @@ def client_handshake(sock: socket.socket, principal: str, secret: bytes, channel
     try:
         cnonce = os.urandom(NONCE)
         sock.sendall(MAGIC + bytes([len(name)]) + name + cnonce)
-        chall = _recv(sock, 1 + NONCE + PROOF)
-        status, snonce, sproof = chall[0], chall[1:1 + NONCE], chall[1 + NONCE:]
+        first = _recv(sock, 1)
+        status = first[0]
+        if status == LIMITED:
+            raise AuthLimited(_reason(sock))
+        if status not in (OK, NOT_CONFIGURED):
+            raise NotHandshake(first)
+        chall = _recv(sock, NONCE + PROOF)
+        snonce, sproof = chall[:NONCE], chall[NONCE:]
         if status == NOT_CONFIGURED:
             raise AuthError("the server has no authentication configured, so it cannot prove who it is; "
                             "configure the same keyring on it (KVPOOL_AUTH_FILE) or connect without a credential")
-        if status != OK:
-            raise AuthError("the server refused authentication")
         if not hmac.compare_digest(sproof, _proof(secret, b"server", channel, principal, cnonce, snonce)):
             # Still answer, so the server logs the failure; then refuse the server.
             sock.sendall(bytes(PROOF))
@@ -94,6 +117,8 @@ def client_handshake(sock: socket.socket, principal: str, secret: bytes, channel
                             "(wrong server, or the keyrings differ)")
         sock.sendall(_proof(secret, b"client", channel, principal, cnonce, snonce))
         done = _recv(sock, 2)
+        if done[0] == LIMITED:
+            raise AuthLimited(_recv(sock, done[1]).decode("utf-8", "replace") if done[1] else "at a limit")
         if done[0] != OK:
             reason = _recv(sock, done[1]).decode("utf-8", "replace") if done[1] else "refused"
             raise AuthError(f"authentication refused: {reason}")
@@ -106,20 +131,63 @@ def client_handshake(sock: socket.socket, principal: str, secret: bytes, channel
             pass
 
 
+def _reason(sock: socket.socket) -> str:
+    """The reason that follows a LIMITED status (length byte, then UTF-8)."""
+    n = _recv(sock, 1)[0]
+    return _recv(sock, n).decode("utf-8", "replace") if n else "the server is at a connection limit"
+
+
+def send_limited(sock: socket.socket, reason: str) -> None:
+    """Tell a client still authenticating that the server closes its connection at a limit (in
+    place of CHALL or DONE, whichever it waits for: both start status | reason length)."""
+    body = reason.encode()[:255]
+    try:
+        sock.sendall(bytes([LIMITED, len(body)]) + body)
+    except OSError:
+        pass
+
+
 def serve_handshake(sock: socket.socket, first: bytes, lookup: SecretLookup | None, channel: str,
-                    timeout: float = HANDSHAKE_TIMEOUT) -> str:
+                    timeout: float = HANDSHAKE_TIMEOUT, evicted: Callable[[], str | None] | None = None) -> str:
     """Run the server side, `first` being the bytes already read (at least the magic). Returns the
     principal proved. Raises `AuthError` after telling the client (the caller closes).
-    `lookup`: principal -> secret (None: unknown); None when this server has no keyring."""
+    `lookup`: principal -> secret (None: unknown); None when this server has no keyring.
+    `timeout`: seconds for the whole exchange (a deadline, not per read). `evicted`: the reason the
+    server closed this connection meanwhile at a limit (it shut its read side), or None; the client
+    is then told that reason (LIMITED) instead of a bare close."""
     old = sock.gettimeout()
+    deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
     try:
-        head = first + _recv(sock, max(0, len(MAGIC) + 1 - len(first)))
+        return _serve(sock, first, lookup, channel, deadline)
+    except AuthError:
+        why = evicted() if evicted is not None else None
+        if why is not None:
+            send_limited(sock, why)
+            raise AuthLimited(why) from None
+        raise
+    finally:
+        try:
+            sock.settimeout(old)
+        except OSError:
+            pass
+
+
+def _serve(sock: socket.socket, first: bytes, lookup: SecretLookup | None, channel: str, deadline: float) -> str:
+    def recv(n: int) -> bytes:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AuthError("authentication failed: the handshake deadline passed")
+        sock.settimeout(left)
+        return _recv(sock, n)
+
+    try:
+        head = first + recv(max(0, len(MAGIC) + 1 - len(first)))
         if head[:len(MAGIC)] != MAGIC:
             raise AuthError("not an authentication hello")
         plen = head[len(MAGIC)]
         rest = head[len(MAGIC) + 1:]
-        rest += _recv(sock, plen + NONCE - len(rest))
+        rest += recv(plen + NONCE - len(rest))
         name, cnonce = rest[:plen], rest[plen:plen + NONCE]
         try:
             principal = name.decode()
@@ -132,7 +200,7 @@ def serve_handshake(sock: socket.socket, first: bytes, lookup: SecretLookup | No
         snonce = os.urandom(NONCE)
         key = secret if secret is not None else os.urandom(32)  # unknown: same shape, unverifiable
         sock.sendall(bytes([OK]) + snonce + _proof(key, b"server", channel, principal, cnonce, snonce))
-        cproof = _recv(sock, PROOF)
+        cproof = recv(PROOF)
         good = hmac.compare_digest(cproof, _proof(key, b"client", channel, principal, cnonce, snonce))
         if secret is None or not good:
             reason = b"unknown principal or wrong secret"
@@ -142,11 +210,6 @@ def serve_handshake(sock: socket.socket, first: bytes, lookup: SecretLookup | No
         return principal
     except OSError as exc:  # TimeoutError included
         raise AuthError(f"authentication failed: {exc}") from None
-    finally:
-        try:
-            sock.settimeout(old)
-        except OSError:
-            pass
 
 
 def peer_uid(sock: socket.socket) -> int | None:

@@ -80,7 +80,7 @@ class TransferEngine:
         self._grants = Grants(grant_key, self.name) if grant_key is not None else None
         self.credential = credential
         self._server = DataServer(self._segments, host, port, control=self._control, name=self.name, auth=auth,
-                                  grants=self._grants, limits=limits)
+                                  grants=self._grants, limits=limits, uncapped=credential[0] if credential else None)
         self.port = self._server.port
         self._started = False
         self._transports: dict[str, Any] = {}

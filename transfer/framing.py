@@ -4,15 +4,15 @@ Both move frames over blocking stream sockets whose payloads are received straig
 destination (`recv_into`) and sent straight from their source (`sendmsg` of memoryviews), so
 bulk bytes never pass through a Python `bytes`. This module holds the pieces both need:
 socket options, kernel-side timeouts, exact receives (blocking or polling), gather sends, and
-the `Listener` that gives each accepted connection a thread.
+and `Limits` (the `Listener` that gives each accepted connection a thread and enforces the
+connection caps is `transfer.listener`).
 
 Errors: a peer that closes mid-frame raises `ConnectionError` (an `OSError`, which each
 protocol maps to its own error type); a kernel timeout raises the `OSError` the socket gives.
 Nothing here knows about a protocol's headers.
 
-Limits (`Limits`, one per server): the `Listener` caps connections per server and per peer
-address (a refused connection is answered by the protocol's `refuse` and closed); each accepted
-socket gets one kernel receive timeout, a *tick* (`Limits.tick`), set once at accept, so the
+Limits (`Limits`, one per server): the `Listener` caps connections (a refused connection is
+answered by the protocol's `refuse` and closed); each accepted socket gets one kernel receive timeout, a *tick* (`Limits.tick`), set once at accept, so the
 hot path makes no timing syscalls. A receive that sees a whole tick pass without a byte raises
 `BlockingIOError`; a server counts those ticks for its idle timeout and its header timeout, and
 `recv_paced` cuts a body whose sender stalls (fewer than `min_body_rate` bytes per second over a
@@ -25,9 +25,8 @@ import logging
 import os
 import socket
 import struct
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 log = logging.getLogger("transfer.framing")
 
@@ -208,18 +207,29 @@ def peer_pid(sock: socket.socket) -> int:
 class Limits:
     """What a server allows each connection; 0 turns a limit off.
 
-    `header_timeout_s`: a frame header (or the authentication hello) once started must complete
-    within this (within two ticks: the check runs at tick ends); it is also the tick, the socket's
-    receive timeout. `idle_timeout_s`: a connection with no request for this long is closed.
-    `min_body_rate`: bytes per second a message body or payload in flight must keep up (a sender
-    silent for a whole tick is cut even at 0). `max_connections`, `max_connections_per_peer`: open
-    connections per server and per peer address (IP; a unix socket's peers share one)."""
+    `header_timeout_s`: a frame header once started must complete within this (within two ticks:
+    the check runs at tick ends); it is also the tick, the socket's receive timeout.
+    `idle_timeout_s`: a connection with no request for this long is closed. `min_body_rate`: bytes
+    per second a message body or payload in flight must keep up (a sender silent for a whole tick
+    is cut even at 0).
+
+    Connection caps (`transfer.listener.Listener`). On a server that authenticates every
+    connection, two budgets: connections not yet authenticated (`max_unauthenticated` per server,
+    `max_unauthenticated_per_peer` per peer address, each with `handshake_timeout_s` from accept to
+    finish the handshake; a new one over a cap replaces the oldest), and authenticated ones
+    (`max_connections` per server, `max_connections_per_principal` per principal). On a server
+    without authentication: `max_connections` per server and `max_connections_per_peer` per peer
+    address (IP; a unix socket's peers share one)."""
 
     header_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0
     min_body_rate: int = 64 << 10
     max_connections: int = 1024
     max_connections_per_peer: int = 256
+    max_unauthenticated: int = 1024
+    max_unauthenticated_per_peer: int = 128
+    handshake_timeout_s: float = 3.0
+    max_connections_per_principal: int = 256
 
     @property
     def tick(self) -> float | None:
@@ -236,112 +246,4 @@ class Limits:
         return max(1, round(self.idle_timeout_s / self.header_timeout_s))
 
 
-NO_LIMITS = Limits(0, 0, 0, 0, 0)
-MAX_REFUSING = 16  # refusals being answered at once; beyond, a refused connection is just closed
-
-
-class Listener:
-    """Accepts connections on `sockets` (listening) and serves each on a thread of its own:
-    `serve(sock, peer)`, then the socket is closed. `close` stops accepting and wakes every
-    connection's thread (its socket sees EOF); a thread's `serve` must return on that.
-
-    `limits`: connection caps (see `Limits`); a connection over a cap is handed to `refuse(sock,
-    message)` (the protocol's own error frame) on a short-lived thread, then closed. `timeout`:
-    the kernel timeouts of each accepted socket (default: the limits' tick)."""
-
-    def __init__(self, sockets: Sequence[socket.socket], serve: Callable[[socket.socket, Any], None], name: str,
-                 timeout: float | None = None, buffers: int = 0, limits: Limits | None = None,
-                 refuse: Callable[[socket.socket, str], None] | None = None):
-        self.sockets = [s for s in sockets if s is not None]
-        self._serve = serve
-        self.name = name
-        self._tune = (timeout, buffers)
-        self.limits = limits or NO_LIMITS
-        self._refuse = refuse
-        self._refusing = threading.BoundedSemaphore(MAX_REFUSING)
-        self._per_peer: dict[Any, int] = {}
-        self.refused = 0  # connections refused at a cap (for tests and stats)
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self.closed = False
-        self._threads = [threading.Thread(target=self._accept_loop, args=(s,), name=f"{name}-accept", daemon=True)
-                         for s in self.sockets]
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def close(self) -> None:
-        self.closed = True
-        for listener in self.sockets:
-            shutdown(listener)
-            listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for sock in conns:
-            shutdown(sock)  # wakes its thread, which closes it
-        for t in self._threads:
-            if t.is_alive():
-                t.join(timeout=5)
-
-    def _accept_loop(self, listener: socket.socket) -> None:
-        while not self.closed:
-            try:
-                sock, peer = listener.accept()
-            except OSError:
-                if self.closed:
-                    return
-                log.exception("%s: accept failed", self.name)
-                continue
-            tune(sock, *self._tune)
-            if self._tune[0] is None and self.limits.tick:
-                set_io_timeout(sock, self.limits.tick)
-            who = peer[0] if isinstance(peer, tuple) and peer else "unix"
-            limits = self.limits
-            with self._lock:
-                over = None
-                if limits.max_connections and len(self._conns) >= limits.max_connections:
-                    over = (f"{self.name}: at its cap of {limits.max_connections} connections (max_connections); "
-                            "try again later")
-                elif limits.max_connections_per_peer and self._per_peer.get(who, 0) >= limits.max_connections_per_peer:
-                    over = (f"{self.name}: {who} already has {limits.max_connections_per_peer} connections open "
-                            "(max_connections_per_peer); close some or reuse them")
-                else:
-                    self._conns.add(sock)
-                    self._per_peer[who] = self._per_peer.get(who, 0) + 1
-            if over is not None:
-                self.refused += 1
-                log.warning("%s: refused a connection from %s: %s", self.name, who, over)
-                self._refuse_later(sock, over)
-                continue
-            threading.Thread(target=self._run, args=(sock, peer, who), name=f"{self.name}-conn", daemon=True).start()
-
-    def _refuse_later(self, sock: socket.socket, message: str) -> None:
-        if self._refuse is None or not self._refusing.acquire(blocking=False):
-            sock.close()
-            return
-
-        def run() -> None:
-            try:
-                set_io_timeout(sock, 0.5)
-                self._refuse(sock, message)
-            except OSError:
-                pass
-            finally:
-                sock.close()
-                self._refusing.release()
-
-        threading.Thread(target=run, name=f"{self.name}-refuse", daemon=True).start()
-
-    def _run(self, sock: socket.socket, peer: Any, who: Any = None) -> None:
-        try:
-            self._serve(sock, peer)
-        finally:
-            with self._lock:
-                self._conns.discard(sock)
-                left = self._per_peer.get(who, 1) - 1
-                if left > 0:
-                    self._per_peer[who] = left
-                else:
-                    self._per_peer.pop(who, None)
-            sock.close()
+NO_LIMITS = Limits(0, 0, 0, 0, 0, 0, 0, 0, 0)

@@ -26,14 +26,15 @@ import itertools
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 
 from transfer import framing, wire
-from transfer.auth import AuthError, client_handshake
+from transfer.auth import AuthError, AuthLimited, NotHandshake, client_handshake
 from transfer.batch import Batch, Op
 from transfer.descriptor import SegmentDescriptor
-from transfer.errors import AccessDenied, PeerUnavailable, ProtocolError, TransferError
+from transfer.errors import AccessDenied, LimitReached, PeerUnavailable, ProtocolError, TransferError
 from transfer.grant import SIZE as GRANT_SIZE
 
 log = logging.getLogger("transfer.tcp")
@@ -371,12 +372,38 @@ class _Conn:
                 return
 
 def authenticate(sock: socket.socket, credential: tuple[str, bytes], addr: tuple, timeout: float) -> None:
-    """Prove `credential` on a new data connection (channel "transfer"); `AccessDenied` if refused."""
+    """Prove `credential` on a new data connection (channel "transfer"); `AccessDenied` if refused,
+    `LimitReached` if the server closed it at a connection limit first."""
+    where = f"{addr[0]}:{addr[1]}"
     try:
         client_handshake(sock, credential[0], credential[1], "transfer", timeout=min(timeout, 10.0))
+    except AuthLimited as exc:
+        sock.close()
+        raise LimitReached(f"{where}: {exc}") from None
+    except NotHandshake as exc:  # a response frame in place of the handshake: the server's refusal
+        try:
+            raise _refusal(sock, exc.first, where) from None
+        finally:
+            sock.close()
     except AuthError as exc:
         sock.close()
-        raise AccessDenied(f"{addr[0]}:{addr[1]}: {exc}") from None
+        raise AccessDenied(f"{where}: {exc}") from None
+
+
+def _refusal(sock: socket.socket, first: bytes, where: str) -> Exception:
+    """The error of a response frame (req_id 0: the whole connection refused) sent in place of the
+    handshake's answer."""
+    try:
+        sock.settimeout(2.0)
+        head = first + sock.recv(wire.RESP.size - len(first), socket.MSG_WAITALL)
+        magic, _version, status, _, _req, length = wire.RESP.unpack(head)
+        if magic != wire.MAGIC or length > 1 << 16:
+            raise ValueError("not a response frame")
+        message = sock.recv(length, socket.MSG_WAITALL).decode("utf-8", "replace")
+    except (OSError, ValueError, struct.error) as exc:
+        return AccessDenied(f"{where}: the server answered the authentication hello with neither the handshake "
+                            f"nor a refusal ({exc})")
+    return wire.status_error(status, f"{where}: {message}")
 
 
 def control_call(addr: tuple[str, int], msg: object, timeout: float,

@@ -32,7 +32,8 @@ import socket
 from typing import Callable
 
 from transfer import framing, wire
-from transfer.auth import AuthError, SecretLookup, looks_like_hello, serve_handshake
+from transfer.auth import AuthError, AuthLimited, SecretLookup, looks_like_hello, serve_handshake
+from transfer.listener import Listener
 from transfer.errors import PeerUnavailable, TransferError
 from transfer.grant import CUT_STEP, SIZE as GRANT_SIZE, Frame, Grants
 
@@ -48,28 +49,35 @@ class DataServer:
     `segments` is owned by the engine; the server only reads it (dict reads are atomic).
     `control` handles OP_CONTROL payloads (decoded msgspec message -> reply message).
     `auth`: principal -> secret (None: unknown), turns the handshake on; `grants`: turns grant
-    checks on; `limits`: per-connection limits and connection caps (`framing.Limits`).
+    checks on; `limits`: per-connection limits and connection caps (`framing.Limits`, enforced by
+    `transfer.listener`: with `auth`, unauthenticated and authenticated connections have budgets of
+    their own); `uncapped`: a principal not capped per principal (the engine's own: its peers).
     """
 
     def __init__(self, segments: dict[int, tuple[str, memoryview]], host: str, port: int,
                  control: Callable[[object], object] | None = None, name: str = "",
                  auth: SecretLookup | None = None, grants: Grants | None = None,
-                 limits: framing.Limits | None = None):
+                 limits: framing.Limits | None = None, uncapped: str | None = None):
         self.segments = segments
         self.control = control
         self.name = name
         self.auth = auth
         self.grants = grants
         self.limits = limits if limits is not None else framing.Limits()
-        listener = socket.create_server((host, port), backlog=128)
+        self.uncapped = uncapped
+        listener = socket.create_server((host, port), backlog=1024)
         self.host, self.port = listener.getsockname()[:2]
-        self._listener = framing.Listener([listener], self._serve, f"transfer-{self.port}", None, wire.SOCK_BUF,
-                                          limits=self.limits, refuse=self._refuse)
+        self._listener = Listener([listener], self._serve, f"transfer-{self.port}", None, wire.SOCK_BUF,
+                                  limits=self.limits, refusal=self._limit_frame, handshake=auth is not None)
 
     @staticmethod
-    def _refuse(conn: socket.socket, message: str) -> None:
+    def _limit_frame(message: str) -> bytes:
         body = message.encode()
-        framing.refuse_after(conn, wire.RESP.pack(wire.MAGIC, wire.VERSION, wire.E_LIMIT, 0, 0, len(body)) + body)
+        return wire.RESP.pack(wire.MAGIC, wire.VERSION, wire.E_LIMIT, 0, 0, len(body)) + body
+
+    @classmethod
+    def _refuse(cls, conn: socket.socket, message: str) -> None:
+        framing.refuse_after(conn, cls._limit_frame(message))
 
     def start(self) -> None:
         self._listener.start()
@@ -95,26 +103,54 @@ class DataServer:
         offers one: it is told there is none). Returns how many header bytes are already read,
         or -1: close the connection (refused, closed, or silent for its first tick); and the
         principal the connection proved ("" without authentication)."""
-        got = self._recv_header(conn, hview[:4], 1)
-        if got == 0:  # closed, or silent for a whole tick: a new connection speaks at once
-            return -1, ""
-        if looks_like_hello(hview[:4]) or self.auth is not None:
-            if not looks_like_hello(hview[:4]):
-                got = 4 + self._recv_header(conn, hview[4:], 1, started=True)
+        if self.auth is None:
+            got = self._recv_header(conn, hview[:4], 1)
+            if got == 0:  # closed, or silent for a whole tick: a new connection speaks at once
+                return -1, ""
+            if looks_like_hello(hview[:4]):
+                try:
+                    serve_handshake(conn, bytes(hview[:4]), None, "transfer")
+                except AuthError as exc:
+                    log.warning("%s: refused %s: %s", self.name, addr, exc)
+                return -1, ""
+            return got, ""
+        listener = self._listener
+        framing.set_io_timeout(conn, listener.handshake_deadline(conn) or 0.001)  # the tick again after
+        try:
+            got = conn.recv_into(hview[:4], 4, socket.MSG_WAITALL)
+        except OSError:
+            got = 0
+        if got < 4 or not looks_like_hello(hview[:4]):
+            why = listener.eviction(conn)
+            if why is not None:  # cut at a limit before it spoke: our protocol's refusal
+                self._refuse(conn, why)
+            elif got:
+                if got == 4:
+                    framing.set_io_timeout(conn, 0.5)
+                    got += self._recv_header(conn, hview[4:], 1, started=True)
                 req_id = wire.REQ.unpack_from(hview)[5] if got == len(hview) else 0
                 log.warning("%s: refused %s: no authentication hello", self.name, addr)
                 body = HOW_TO_AUTH.encode()
                 framing.refuse_after(conn, wire.RESP.pack(wire.MAGIC, wire.VERSION, wire.E_UNAUTHORIZED, 0, req_id,
                                                           len(body)) + body)
-                return -1, ""
-            try:
-                principal = serve_handshake(conn, bytes(hview[:4]), self.auth, "transfer")
-            except AuthError as exc:
-                log.warning("%s: refused %s: %s", self.name, addr, exc)
-                return -1, ""
-            log.debug("%s: %s authenticated as %r", self.name, addr, principal)
-            return 0, principal
-        return got, ""
+            return -1, ""
+        try:
+            principal = serve_handshake(conn, bytes(hview[:4]), self.auth, "transfer",
+                                        timeout=listener.handshake_deadline(conn),
+                                        evicted=lambda: listener.eviction(conn))
+        except AuthLimited as exc:
+            log.info("%s: closed %s while it authenticated: %s", self.name, addr, exc)
+            return -1, ""
+        except AuthError as exc:
+            log.warning("%s: refused %s: %s", self.name, addr, exc)
+            return -1, ""
+        why = listener.authenticated(conn, None if principal == self.uncapped else principal)
+        if why is not None:
+            self._refuse(conn, why)
+            return -1, ""
+        framing.set_io_timeout(conn, self.limits.tick or 0)
+        log.debug("%s: %s authenticated as %r", self.name, addr, principal)
+        return 0, principal
 
     def _recv_header(self, conn: socket.socket, view: memoryview, idle_ticks: int, started: bool = False) -> int:
         """Fill `view` (a frame header, or its first bytes); 0: the peer closed or stayed idle

@@ -16,7 +16,9 @@ Invariants:
   exception is logged here and answered 500 without a traceback. The app keeps serving.
 - With a bearer token configured (`settings.admin_token`, or `admin_token_file`), every endpoint
   but the probes and the schema requires it (`kvpool.security.admin_token`); a refused request never
-  reaches the master. A request body over 1 MiB is answered 413 (`kvpool.security.http_guard`).
+  reaches the master. `/metrics` also takes the metrics token (`settings.metrics_token`), which
+  opens nothing else. With a keyring (`settings.auth_file`) the token is required: the app refuses
+  to be made without one. A request body over 1 MiB is answered 413 (`kvpool.security.http_guard`).
 - A tenant (its derived token, `kvpool.security.admin_token`) sees only its own keys, named as it names
   them, and its own use and quota: another tenant's key answers exactly as a missing key (404,
   the same body); every other endpoint is 403 for it.
@@ -48,7 +50,7 @@ from kvpool.security.http_guard import HttpGuard
 log = logging.getLogger(__name__)
 
 REDACTED = "***"
-_SECRET_FIELDS = ("admin_token", "admin_token_file")
+_SECRET_FIELDS = ("admin_token", "admin_token_file", "metrics_token", "metrics_token_file")
 
 
 async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -163,6 +165,13 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     """The admin app for `master_service`. `metrics` is the master's registry holder (one is
     made, watching `master_service.stats()`, if not given); it is served at `/metrics`."""
     settings = settings or Settings()
+    keyring = load_keyring(settings.auth_file)
+    if keyring is not None and not settings.admin_token:
+        raise InvalidArgument(
+            f"admin API: a keyring is set ({settings.auth_file}) but no admin token, so anyone who reaches the admin "
+            "port could list every tenant's keys and evict them. Give it a token in a file: "
+            "KVPOOL_ADMIN_TOKEN_FILE=admin.token (`kvpool auth init` writes one), or turn the admin API off "
+            "(admin_port = 0).")
     svc = master_service
     # The scrape reads a snapshot that `/metrics` takes just before rendering: the master's
     # methods may be coroutines, which the (threaded) collector could not await.
@@ -206,7 +215,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     # Outermost: who is asking (the admin token, a tenant's: kvpool/security/admin_token.py), then the body
     # cap, before anything else runs.
     app.add_middleware(HttpGuard, what="the admin API", token=current_token, needs_token=needs_token,
-                       tenants=TenantTokens(tenant_tokens(load_keyring(settings.auth_file))),
+                       tenants=TenantTokens(tenant_tokens(keyring)), metrics_token=lambda: settings.metrics_token,
                        error_body=lambda status, code, message: _error_doc(code, message))
 
     @app.get("/health", response_model=s.Health, tags=["health"])

@@ -217,12 +217,30 @@ def render(registry: CollectorRegistry) -> tuple[bytes, str]:
 
 
 class MetricsServer:
-    """A `/metrics` endpoint in a daemon thread (for store nodes, which have no admin app)."""
+    """A `/metrics` endpoint in a daemon thread (for store nodes, which have no admin app).
 
-    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0):
-        from prometheus_client import start_http_server
+    With `token`, every request must carry `Authorization: Bearer <token>` (what a Prometheus
+    scrape config's `authorization: {credentials_file: ...}` sends); anything else is answered
+    401 with `WWW-Authenticate: Bearer` and no metric."""
 
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None):
+        import threading
+        from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+        from prometheus_client import make_wsgi_app
+        from prometheus_client.exposition import ThreadingWSGIServer
+
+        class Quiet(WSGIRequestHandler):
+            def log_message(self, *args: Any) -> None:  # no line per scrape on stderr
+                pass
+
+        app = make_wsgi_app(registry)
+        if token:
+            app = _bearer_only(app, token)
+        self._server = make_server(host, port, app, ThreadingWSGIServer, handler_class=Quiet)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
         self.host = host
         self.port = self._server.server_address[1]
 
@@ -236,8 +254,29 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
-    """Serve `registry` at http://host:port/metrics in a thread; port 0 picks a free one."""
-    return MetricsServer(registry, host, port)
+def _bearer_only(app: Callable, token: str) -> Callable:
+    """`app` (WSGI) behind a bearer token, compared in constant time."""
+    import hmac
+    import json
+
+    expected = token.encode()
+
+    def guarded(environ: dict, start_response: Callable) -> Any:
+        scheme, _, presented = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), expected):
+            return app(environ, start_response)
+        why = "a wrong bearer token" if presented else "no bearer token"
+        body = json.dumps({"code": "unauthorized", "message": "this node's /metrics requires 'Authorization: Bearer "
+                           f"<metrics token>'; the request had {why} (see docs/security.md)"}).encode()
+        start_response("401 Unauthorized", [("Content-Type", "application/json"), ("WWW-Authenticate", "Bearer"),
+                                             ("Content-Length", str(len(body)))])
+        return [body]
+
+    return guarded
 
 
+def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
+                  token: str | None = None) -> MetricsServer:
+    """Serve `registry` at http://host:port/metrics in a thread; port 0 picks a free one;
+    `token`: the bearer token every scrape must present (None: open)."""
+    return MetricsServer(registry, host, port, token)

@@ -4,7 +4,9 @@
                         `tenant:<id>` per --tenant with a random secret and an OpenAI API key (0600)
     DIR/admin.token     the admin API's bearer token (KVPOOL_ADMIN_TOKEN_FILE) (0600)
     DIR/internal.token  the router <-> worker bearer token, derived from the node secret (0600):
-                        for Prometheus or curl against workers' and the router's /admin, /metrics
+                        for curl against workers' and the router's /admin
+    DIR/metrics.token   the bearer token Prometheus presents (KVPOOL_METRICS_TOKEN_FILE) (0600): it
+                        opens /metrics of nodes, masters, the router and workers, and nothing else
 
 `kvpool auth etcd-certs --out DIR --san etcd`: etcd's TLS with client certificates (openssl):
 
@@ -49,7 +51,7 @@ def auth() -> None:
 
 @auth.command()
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Directory for keyring.toml, admin.token and internal.token (created 0700).")
+              help="Directory for keyring.toml, admin.token, internal.token and metrics.token (created 0700).")
 @click.option("--tenant", "tenants", multiple=True, metavar="ID",
               help="A tenant (repeatable): its own principal, namespace salt, chunk MAC key and API key.")
 @click.option("--force", is_flag=True, help="Replace files that exist (invalidates the old secrets).")
@@ -78,17 +80,20 @@ def init(out_dir: str, tenants: tuple[str, ...], force: bool) -> None:
             lines.append(f"api_keys = [{_toml_str(api_key)}]")
         lines.append("")
     keyring_path, admin_path, internal_path = out / "keyring.toml", out / "admin.token", out / "internal.token"
-    for path in (keyring_path, admin_path, internal_path):
+    metrics_path = out / "metrics.token"
+    for path in (keyring_path, admin_path, internal_path, metrics_path):
         if path.exists() and not force:
             raise click.UsageError(f"{path} exists; pass --force to replace it (every service then needs the new one)")
     _write_private(keyring_path, "\n".join(lines))
     _write_private(admin_path, secrets.token_urlsafe(32) + "\n")
     _write_private(internal_path, internal_http_token(node_secret.encode()) + "\n")
+    _write_private(metrics_path, secrets.token_urlsafe(32) + "\n")
     Keyring.load(keyring_path)  # what we wrote is what services accept
 
     click.echo(f"wrote {keyring_path} (principals: node, admin{''.join(', ' + t for t in tenants)})")
     click.echo(f"wrote {admin_path} (admin API bearer token)")
-    click.echo(f"wrote {internal_path} (router <-> worker token, for Prometheus and curl)")
+    click.echo(f"wrote {internal_path} (router <-> worker token, for curl)")
+    click.echo(f"wrote {metrics_path} (Prometheus's bearer token: /metrics only)")
     if tenants:
         click.echo("\nOpenAI API keys (the router maps each to its tenant):")
         for name, _, _, api_key in entries[2:]:
@@ -99,6 +104,7 @@ Use it (every process of the deployment reads the same keyring):
 or, service by service:
   export KVPOOL_AUTH_FILE={keyring_path}
   export KVPOOL_ADMIN_TOKEN_FILE={admin_path}    # kvpool serve / master, and kvpool admin
+  export KVPOOL_METRICS_TOKEN_FILE={metrics_path} # every service's /metrics (a node's needs it)
   kvpool serve --host 0.0.0.0 ...                # non-loopback binds need the keyring (protected mode)
 A tenant's own program holds a keyring with only its principal, or sets KVPOOL_PRINCIPAL=<tenant>.
 Details: docs/security.md""")

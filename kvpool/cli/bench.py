@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "codec": "kvpool.tools.bench.codec:codec",
     "disagg": "kvpool.tools.bench.disagg:disagg",
     "engine": "kvpool.tools.bench.engine:engine",
+    "flood": "kvpool.tools.bench.flood:flood",
     "kvevents": "kvpool.tools.bench.kvevents:kvevents",
     "lmcache": "kvpool.tools.bench.lmcache_remote:lmcache",
     "overhead": "kvpool.tools.bench.overhead:overhead",

@@ -25,7 +25,11 @@ def master(config_file, **flags) -> None:
         from kvpool.admin.app import create_app
         from kvpool.admin.server import serve_in_thread
 
-        handle = serve_in_thread(create_app(server.service.admin, settings), settings.host, settings.admin_port)
+        try:
+            handle = serve_in_thread(create_app(server.service.admin, settings), settings.host, settings.admin_port)
+        except BaseException:  # e.g. a keyring but no admin token: nothing half started stays
+            server.stop()
+            raise
         stop = server.stop
 
         def stop_both() -> None:

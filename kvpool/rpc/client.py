@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import time
 from typing import Any, Sequence
 
@@ -28,7 +29,7 @@ from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_P
                                reply_decoder, send_frame, unix_name)
 from kvpool.rpc.server import UNIX_SUPPORTED
 from kvpool.rpc.spin import STREAM_POLLS, STREAM_SPIN_MIN_CLIENT, Spin, local
-from transfer.auth import AuthError, client_handshake
+from transfer.auth import AuthError, AuthLimited, NotHandshake, client_handshake
 from transfer.framing import DONTWAIT, peer_closed, peer_pid, recv_exact_into, recv_polling, sched_yield, tune
 
 log = logging.getLogger("kvpool.rpc")
@@ -100,10 +101,36 @@ class RpcClient:
             return sock
         try:
             client_handshake(sock, cred.principal, cred.secret, "rpc", timeout=min(self.timeout, 10.0))
+        except AuthLimited as exc:  # closed at a connection limit before we authenticated
+            sock.close()
+            raise LimitExceeded(f"{self.address}: {exc}") from None
+        except NotHandshake as exc:  # the server answered with a frame: its refusal, read as one
+            try:
+                raise self._refusal(sock, exc.first) from None
+            finally:
+                sock.close()
         except AuthError as exc:
             sock.close()
             raise Unauthorized(f"{self.address}: principal {cred.principal!r}: {exc}") from None
         return sock
+
+    def _refusal(self, sock: socket.socket, first: bytes) -> Exception:
+        """The error an RPC frame sent in place of the handshake's answer says (a server refusing
+        the connection at a limit before it read our hello, or one that takes no hello)."""
+        try:
+            sock.settimeout(min(self.timeout, 2.0))
+            rest = sock.recv(HEADER.size - len(first), socket.MSG_WAITALL)
+            version, _, msg_len, _ = HEADER.unpack(first + rest)
+            if version != PROTOCOL_VERSION or msg_len > 1 << 16:
+                raise ValueError(f"protocol {version}, message {msg_len} bytes")
+            reply = reply_decoder.decode(sock.recv(msg_len, socket.MSG_WAITALL))
+        except (OSError, ValueError, struct.error, msgspec.DecodeError) as exc:
+            return Unauthorized(f"{self.address}: the server answered the authentication hello with neither the "
+                                f"handshake nor a refusal ({exc})")
+        if isinstance(reply, Err):
+            return error_from_code(reply.code, f"{self.address}: {reply.message}")
+        return Unauthorized(f"{self.address}: the server answered the authentication hello with a "
+                            f"{type(reply).__name__}")
 
     def _connect(self) -> socket.socket:
         sock = None

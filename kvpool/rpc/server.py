@@ -22,8 +22,12 @@ permissions. Without a keyring every connection is `kvpool.security.keyring.ANYO
 a tenant's here (`authz`), anyone else's per item where they enter the node or the master.
 
 Limits (`RpcSettings`: header and idle timeouts, minimum body rate, connection caps; see
-`transfer.framing.Limits`): a connection over a cap gets one `Err("limit_exceeded")` and is
-closed; a header that stalls, a body slower than the minimum rate, or an idle connection is
+`transfer.framing.Limits` and `transfer.listener`): with a keyring, connections that have not
+authenticated yet have a budget of their own (a new one over it replaces the oldest, and each has
+`handshake_timeout_s`), so no flood of them locks out a client with a credential; authenticated
+ones are capped per server and per principal (the node principal: per server only). A connection
+cut or refused at a cap is told why (`Err("limit_exceeded")`, or the handshake's LIMITED answer
+while it authenticates) and closed; a header that stalls, a body slower than the minimum rate, or an idle connection is
 closed. A message is grown as its bytes arrive and a payload goes straight where it belongs, so
 an announced length allocates nothing. Each socket's kernel timeout is set once at accept.
 """
@@ -49,8 +53,9 @@ from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_P
                               request_decoder, send_frame, unix_name)
 from kvpool.security.authz import NODE_ONLY, ROLE_NAMES, RULES, rank, scope_of
 from kvpool.rpc.spin import CpuPressure, SpinPolicy, local
-from transfer.auth import HANDSHAKE_TIMEOUT, MAGIC, AuthError, looks_like_hello, peer_uid, serve_handshake
-from transfer.framing import Listener, Stalled, peer_pid, refuse_after
+from transfer.auth import MAGIC, AuthError, AuthLimited, looks_like_hello, peer_uid, serve_handshake
+from transfer.framing import Stalled, peer_pid, refuse_after
+from transfer.listener import Listener
 
 log = logging.getLogger("kvpool.rpc")
 
@@ -106,7 +111,7 @@ class RpcServer:
         self.on_close = on_close
         self.spin = SpinPolicy(settings.server_spin, CpuPressure(settings.spin_max_cpu_pressure))
         try:
-            self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
+            self._sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
         except OSError as exc:
             raise Unavailable(f"{name}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         # Listening on every interface: advertise this machine's address, not 0.0.0.0.
@@ -121,7 +126,7 @@ class RpcServer:
             try:
                 usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 usock.bind(unix_name(uname))
-                usock.listen(256)
+                usock.listen(1024)
             except OSError as exc:  # optional: same-host clients use TCP then
                 log.info("%s: no unix socket (%s); same-host clients use TCP", name, exc)
             else:
@@ -130,7 +135,7 @@ class RpcServer:
         self.limits = settings.limits()
         self._idle_ticks = self.limits.idle_ticks()
         self._listener = Listener([self._sock, self._unix_sock], self._serve, name, limits=self.limits,
-                                  refuse=self._refuse_at_limit)
+                                  refusal=self._limit_frame, handshake=self.keyring is not None)
 
     @property
     def address(self) -> str:
@@ -155,26 +160,60 @@ class RpcServer:
                 return None
         keyring = self.keyring
         if keyring is None:
-            return ANYONE
+            return self._unauthenticated(sock, peer)
+        listener = self._listener
         old = sock.gettimeout()
-        sock.settimeout(HANDSHAKE_TIMEOUT)
+        sock.settimeout(listener.handshake_deadline(sock) or 0.001)
         try:
             first = sock.recv(len(MAGIC), socket.MSG_WAITALL)
         except OSError:
-            return None
+            first = b""
         finally:
             sock.settimeout(old)
         if not looks_like_hello(first):
-            if first:
+            why = listener.eviction(sock)
+            if why is not None:  # cut at a limit before it spoke: its protocol's refusal
+                self._refuse_at_limit(sock, why)
+            elif first:
                 log.warning("%s: refused %s: no authentication hello", self.name, peer)
                 self._refuse(sock, HOW_TO_AUTH)
             return None
         try:
-            name = serve_handshake(sock, first, keyring.secret, "rpc")
+            name = serve_handshake(sock, first, keyring.secret, "rpc", timeout=listener.handshake_deadline(sock),
+                                   evicted=lambda: listener.eviction(sock))
+        except AuthLimited as exc:
+            log.info("%s: closed %s while it authenticated: %s", self.name, peer, exc)
+            return None
         except AuthError as exc:
             log.warning("%s: refused %s: %s", self.name, peer, exc)
             return None
-        return keyring.principal(name)
+        principal = keyring.principal(name)
+        # the pool's own principal (masters, nodes) is trusted infrastructure: not capped per principal
+        why = listener.authenticated(sock, None if principal.role == "node" else name)
+        if why is not None:
+            self._refuse_at_limit(sock, why)
+            return None
+        return principal
+
+    def _unauthenticated(self, sock: socket.socket, peer: str) -> Principal | None:
+        """Without a keyring every connection is `ANYONE`; a client that opens with a handshake
+        hello (it holds a credential) is told this server has none, rather than having its hello
+        taken for a frame. A peek at the first byte, once per connection."""
+        try:
+            first = sock.recv(1, socket.MSG_PEEK)
+        except OSError:  # silent for a whole tick: the serve loop's idle handling takes over
+            return ANYONE
+        if first and first[:1] == MAGIC[:1]:
+            first = sock.recv(len(MAGIC), socket.MSG_WAITALL)
+            if looks_like_hello(first):
+                try:
+                    serve_handshake(sock, first, None, "rpc", timeout=self._listener.handshake_deadline(sock))
+                except AuthError as exc:
+                    log.warning("%s: refused %s: %s", self.name, peer, exc)
+                return None
+            self._refuse(sock, f"bad frame: {first!r} is neither a frame of protocol {PROTOCOL_VERSION} nor a hello")
+            return None
+        return ANYONE
 
     @staticmethod
     def _refuse(sock: socket.socket, why: str) -> None:
@@ -192,9 +231,13 @@ class RpcServer:
             pass
 
     @staticmethod
-    def _refuse_at_limit(sock: socket.socket, why: str) -> None:
+    def _limit_frame(why: str) -> bytes:
         body = encoder.encode(Err(LimitExceeded.code, why))
-        refuse_after(sock, HEADER.pack(PROTOCOL_VERSION, 0, len(body), 0) + body)
+        return HEADER.pack(PROTOCOL_VERSION, 0, len(body), 0) + body
+
+    @classmethod
+    def _refuse_at_limit(cls, sock: socket.socket, why: str) -> None:
+        refuse_after(sock, cls._limit_frame(why))
 
     def _quiet_tick(self, reader: Reader, peer: str, ticks: list[int]) -> bool:
         """A receive tick passed with no byte while waiting for a header: whether to keep the

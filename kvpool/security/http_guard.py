@@ -10,6 +10,8 @@ bearer token where one is required. Used by the admin API, the router and the wo
 - Bearer token: when `token()` returns a token, every path for which `needs_token(path)` is true
   must carry `Authorization: Bearer <token>` (constant-time compare), else 401 with
   `WWW-Authenticate: Bearer`; checked before the body is read.
+- Metrics token (optional, `metrics_token()`): a bearer token that opens `/metrics` and nothing
+  else, the one a Prometheus scraper holds (it cannot call an admin endpoint or a worker with it).
 - Tenants (optional, the admin API's): `tenants.tenant_of(presented)` names the tenant whose own
   token was presented instead of the service's; its request gets `scope["state"]["tenant"]`, or a
   403 when `tenants.refusal(method, path, tenant)` says why it may not ask that.
@@ -31,7 +33,7 @@ import os
 from typing import Any, Callable, Protocol
 
 from kvpool.security.keyring import internal_http_token, load_keyring
-from kvpool.config import parse_size
+from kvpool.config import parse_size, read_secret_file
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,18 @@ def internal_token(keyring: Any = None) -> str | None:
     if keyring is None:
         return None
     return internal_http_token(keyring.node_credential().secret)
+
+
+METRICS_TOKEN_ENV, METRICS_TOKEN_FILE_ENV = "KVPOOL_METRICS_TOKEN", "KVPOOL_METRICS_TOKEN_FILE"
+
+
+def metrics_token_from_env() -> str | None:
+    """The metrics token of `KVPOOL_METRICS_TOKEN_FILE` (a file: not world-readable) or
+    `KVPOOL_METRICS_TOKEN`, for the services without `Settings` (the router, workers)."""
+    path = os.environ.get(METRICS_TOKEN_FILE_ENV)
+    if path:
+        return read_secret_file(path, METRICS_TOKEN_FILE_ENV)
+    return os.environ.get(METRICS_TOKEN_ENV) or None
 
 
 def internal_headers(keyring: Any = None) -> dict[str, str]:
@@ -84,8 +98,11 @@ class HttpGuard:
     def __init__(self, app: Any, *, error_body: ErrorBody = plain_error, max_body: int | None = None,
                  token: Callable[[], str | None] | None = None,
                  needs_token: Callable[[str], bool] = lambda path: path != "/health",
-                 what: str = "this service", tenants: Tenants | None = None):
+                 what: str = "this service", tenants: Tenants | None = None,
+                 metrics_token: Callable[[], str | None] | None = None, metrics_path: str = "/metrics"):
         self.app = app
+        self.metrics_token = metrics_token
+        self.metrics_path = metrics_path
         self.tenants = tenants
         self.error_body = error_body
         self.max_body = max_body if max_body is not None else parse_size(os.environ.get(MAX_BODY_ENV) or MAX_BODY)
@@ -100,7 +117,9 @@ class HttpGuard:
         expected = self.token() if self.token is not None else None
         if (expected or self.tenants) and self.needs_token(scope["path"]):
             presented = bearer_of(scope["headers"])
-            if not (expected and same_token(presented, expected)):
+            scraper = self.metrics_token() if self.metrics_token is not None and scope["path"] == self.metrics_path \
+                else None
+            if not (expected and same_token(presented, expected)) and not (scraper and same_token(presented, scraper)):
                 tenant = self.tenants.tenant_of(presented) if presented and self.tenants else None
                 if tenant is not None:
                     refusal = self.tenants.refusal(scope["method"], scope["path"], tenant)

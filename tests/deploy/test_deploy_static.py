@@ -160,6 +160,42 @@ def test_public_listeners_have_the_keyring_and_secrets_are_files():
             assert meta.startswith("etcds://") and {"KVPOOL_ETCD_CERT_FILE", "KVPOOL_ETCD_KEY_FILE"} <= set(env), where
 
 
+def test_metrics_need_the_metrics_token_and_the_scraper_holds_only_it():
+    """Issue 27: with a keyring a node's /metrics needs the metrics token (it refuses to start
+    without one), and Prometheus scrapes with that token alone (no keyring, no admin or internal token)."""
+    for where, doc, pod, c in _containers():
+        env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
+        mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
+        if c["image"].startswith("kvpool:") and "KVPOOL_AUTH_FILE" in env:
+            path = env.get("KVPOOL_METRICS_TOKEN_FILE", "")
+            assert path and any(path.startswith(m + "/") for m in mounts), f"{where}: /metrics without the metrics token"
+        if "prometheus" in c["image"]:
+            secrets = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+            assert secrets == {"kvpool-metrics"}, f"{where}: the scraper holds {secrets}"
+    config = next(d for _, d in _docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kvpool-prometheus")
+    jobs = yaml.safe_load(config["data"]["prometheus.yml"])["scrape_configs"]
+    assert {j["job_name"] for j in jobs} == {"kvpool-master", "kvpool-node", "kvpool-router", "kvpool-prefill",
+                                             "kvpool-decode"}
+    assert all(j["authorization"] == {"type": "Bearer", "credentials_file": "/secrets/metrics/metrics.token"}
+               for j in jobs)
+
+
+def test_compose_metrics_need_the_metrics_token_and_the_scraper_holds_only_it():
+    doc = yaml.safe_load(COMPOSE.read_text())
+    for name, svc in doc["services"].items():
+        env = svc.get("environment") or {}
+        if "KVPOOL_AUTH_FILE" in env:
+            assert env.get("KVPOOL_METRICS_TOKEN_FILE") == "/run/secrets/metrics_token", name
+            assert "metrics_token" in svc["secrets"], name
+    prometheus = doc["services"]["prometheus"]
+    assert prometheus["secrets"] == ["metrics_token"] and prometheus["profiles"] == ["monitoring"]
+    jobs = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    assert all(j["authorization"]["credentials_file"] == "/run/secrets/metrics_token" for j in jobs)
+    targets = {t for j in jobs for sc in j["static_configs"] for t in sc["targets"]}
+    assert {f"{n}:{p}" for n, p in (("master-a", 7680), ("node-a", 7680), ("router", 8000),
+                                     ("prefill", 8100))} <= targets
+
+
 def test_etcd_wants_tls_client_certificates():
     (where, _, _, c), = [x for x in _containers() if x[3]["name"] == "etcd"]
     argv = " ".join(c.get("command", []) + c.get("args", []))

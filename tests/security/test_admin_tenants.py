@@ -146,11 +146,11 @@ def test_the_admin_cli_speaks_as_a_tenant(served):
     assert out.returncode != 0 and "no tenant principal 'ops'" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_without_an_admin_token_a_tenant_token_still_narrows_the_view(tmp_path):
+def test_with_a_keyring_the_admin_api_does_not_start_without_its_token(tmp_path):
+    """Issue 27: a keyring without an admin token left the admin API on loopback open to anyone
+    (every tenant's keys, evictions); now it refuses to start and says how to give it one
+    (tests/security/test_metrics_tokens.py runs `kvpool serve` and `kvpool master` the same way)."""
     keyring = write_keyring(tmp_path / "keyring.toml")
-    with serve_process(tmp_path / "serve.log", "16MiB", {"KVPOOL_AUTH_FILE": str(keyring)}) as (address, url):
-        with kvpool.connect(address, credential=cred("beta")) as beta:
-            beta.put("b", b"b")
-        assert httpx.get(f"{url}/v1/keys", headers=as_tenant("acme")).json()["keys"] == []
-        assert httpx.get(f"{url}/v1/nodes", headers=as_tenant("acme")).status_code == 403
-        assert httpx.get(f"{url}/v1/keys").json()["keys"] == ["beta\x00b"]  # no token configured: open, as before
+    with pytest.raises(AssertionError, match="no admin token.*KVPOOL_ADMIN_TOKEN_FILE"):
+        with serve_process(tmp_path / "serve.log", "16MiB", {"KVPOOL_AUTH_FILE": str(keyring)}):
+            pass

@@ -57,13 +57,13 @@ def pool(request, tmp_path_factory):
             common += ["--meta", etcd.meta]
             with ThreadPoolExecutor(3) as ex:
                 started = [ex.submit(spawn, ["master", *common, "--admin-port", str(admin_port)], env=env)]
-                started += [ex.submit(spawn, ["node", *common, "--node-id", f"n{i}", "--dram-capacity", "16MiB"],
-                                      env=env) for i in range(2)]
+                started += [ex.submit(spawn, ["node", *common, "--node-id", f"n{i}", "--dram-capacity", "16MiB",
+                                               "--admin-port", "0"], env=env) for i in range(2)]
                 procs += [f.result() for f in started]
         else:
             procs.append(spawn(["master", *common, "--admin-port", str(admin_port)], env=env))
             procs += [spawn(["node", *common, "--master", procs[0].address, "--node-id", f"n{i}",
-                             "--dram-capacity", "16MiB"], env=env) for i in range(2)]
+                             "--dram-capacity", "16MiB", "--admin-port", "0"], env=env) for i in range(2)]
         ops = kvpool.connect(procs[0].address, credential=cred("ops"), timeout=15)
         assert wait_for(lambda: len(ops.admin("nodes")) == 2)
         yield SimpleNamespace(address=procs[0].address, admin=f"http://127.0.0.1:{admin_port}", ops=ops,
