@@ -1,0 +1,252 @@
+"""Does an idle master's memory creep? One etcd, one master, one node, no client, for `--minutes`.
+
+    python -m kvpool.tools.scripts.idle_heap --minutes 60 --out /tmp/heap --variant plain
+    python -m kvpool.tools.scripts.idle_heap --minutes 60 --out /tmp/heap --variant arena2 \
+        --env MALLOC_ARENA_MAX=2
+    python -m kvpool.tools.scripts.idle_heap --report /tmp/heap/plain.jsonl [/tmp/heap/arena2.jsonl ...]
+
+The master runs inside a child of this script (`--child`: `MasterServer` plus a sampler thread),
+so the sampler sees the master's own allocator: every `--period` seconds it appends one JSON line
+with VmRSS / RssAnon (/proc/self/status), glibc's `mallinfo2()` (bytes in use, free in the
+heap, mmapped), the number of malloc arenas (`malloc_info`), anonymous mappings from
+/proc/self/smaps (count, bytes, the `[heap]`), thread count, `sys.getallocatedblocks()`, the
+number of gc-tracked objects, and with `--tracemalloc` the traced Python bytes (the top growth
+by line is printed at the end). `--admin` also serves the REST admin API, as `kvpool master`
+does by default. `--report` prints each series' growth in MiB/h (least squares over the whole
+run and over its second half).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        libc.fopen.restype = ctypes.c_void_p
+        libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        return libc
+    except (OSError, AttributeError):  # not glibc (or older than 2.33): no allocator figures
+        return None
+
+
+def _arenas(libc) -> int:
+    """Number of malloc arenas (`<heap nr=` entries of malloc_info's XML)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".xml") as tmp:
+        fp = libc.fopen(tmp.name.encode(), b"w")
+        libc.malloc_info(0, fp)
+        libc.fclose(fp)
+        return len(re.findall(r"<heap nr=", open(tmp.name).read()))
+
+
+def _smaps_anon() -> dict:
+    """Private anonymous memory by mapping kind: the brk heap, other anonymous mappings (malloc
+    arenas, thread stacks, mmapped blocks)."""
+    heap = anon = count = 0
+    name = ""
+    for line in open("/proc/self/smaps"):
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            parts = line.split()
+            name = parts[5] if len(parts) > 5 else ""
+        elif line.startswith("Anonymous:"):
+            kib = int(line.split()[1])
+            if name == "[heap]":
+                heap += kib
+            elif name == "" and kib:
+                anon += kib
+                count += 1
+    return {"heap_brk_mib": round(heap / 1024, 3), "anon_maps_mib": round(anon / 1024, 3), "anon_maps": count}
+
+
+def sample(libc, traced: bool) -> dict:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    out = {"t": time.time(), "rss_mib": int(status["VmRSS"].split()[0]) / 1024,
+           "anon_mib": int(status["RssAnon"].split()[0]) / 1024, "threads": int(status["Threads"]),
+           "py_blocks": sys.getallocatedblocks(), "gc_objects": len(gc.get_objects())}
+    out.update(_smaps_anon())
+    if libc is not None:
+        mi = libc.mallinfo2()
+        out.update({"malloc_used_mib": mi.uordblks / MIB, "malloc_free_mib": mi.fordblks / MIB,
+                    "malloc_arena_mib": mi.arena / MIB, "malloc_mmap_mib": mi.hblkhd / MIB,
+                    "malloc_arenas": _arenas(libc)})
+    if traced:
+        import tracemalloc
+
+        out["traced_mib"] = tracemalloc.get_traced_memory()[0] / MIB
+    return out
+
+
+def child(meta: str, samples: str, period: float, traced: bool, admin: bool) -> None:
+    """Run a cluster master here and sample this process until SIGTERM."""
+    if traced:
+        import tracemalloc
+
+        tracemalloc.start(10)
+    from kvpool.config import load_settings
+    from kvpool.master.server import MasterServer
+
+    settings = load_settings(port=0, meta=meta, admin_port=0)
+    server = MasterServer(settings).start()
+    handle = None
+    if admin:
+        from kvpool.admin.app import create_app
+        from kvpool.admin.server import serve_in_thread
+        from kvpool.tools.launch.processes import free_port
+
+        handle = serve_in_thread(create_app(server.service.admin, settings), "127.0.0.1", free_port())
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    libc = _libc()
+    first = None
+    if traced:
+        import tracemalloc
+
+        first = tracemalloc.take_snapshot()
+    print(f"kvpool master at {server.address}", flush=True)
+    with open(samples, "a") as out:
+        while True:
+            out.write(json.dumps(sample(libc, traced)) + "\n")
+            out.flush()
+            if done.wait(period):
+                break
+    if traced:
+        import tracemalloc
+
+        top = tracemalloc.take_snapshot().compare_to(first, "lineno")[:15]
+        with open(samples + ".tracemalloc.txt", "w") as f:
+            f.write("\n".join(str(s) for s in top) + "\n")
+    if handle is not None:
+        handle.stop()
+    server.stop()
+
+
+def slope_mib_h(ts: list[float], ys: list[float]) -> float:
+    n = len(ts)
+    if n < 2:
+        return 0.0
+    mt, my = sum(ts) / n, sum(ys) / n
+    var = sum((t - mt) ** 2 for t in ts)
+    return 0.0 if var == 0 else 3600 * sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var
+
+
+def report(paths: list[str]) -> None:
+    keys = ("rss_mib", "anon_mib", "heap_brk_mib", "anon_maps_mib", "malloc_used_mib", "malloc_free_mib",
+            "malloc_mmap_mib", "traced_mib")
+    for path in paths:
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        if len(rows) < 4:
+            print(f"{path}: {len(rows)} samples, too few")
+            continue
+        t0 = rows[0]["t"]
+        ts = [r["t"] - t0 for r in rows]
+        half = len(rows) // 2
+        print(f"{path}: {len(rows)} samples over {ts[-1] / 60:.1f} min")
+        for key in keys:
+            if key not in rows[0]:
+                continue
+            ys = [r[key] for r in rows]
+            print(f"  {key:16s} {ys[0]:8.2f} -> {ys[-1]:8.2f} MiB   slope {slope_mib_h(ts, ys):+6.2f} MiB/h   "
+                  f"second half {slope_mib_h(ts[half:], ys[half:]):+6.2f} MiB/h")
+        for key in ("threads", "anon_maps", "malloc_arenas", "py_blocks", "gc_objects"):
+            if key in rows[0]:
+                print(f"  {key:16s} {rows[0][key]} -> {rows[-1][key]}")
+
+
+def run(args: argparse.Namespace) -> None:
+    from kvpool.tools.chaos.procs import Etcd
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"idle-heap-{args.variant}-"))
+    samples = str(out / f"{args.variant}.jsonl")
+    if os.path.exists(samples):
+        os.unlink(samples)
+    env = dict(os.environ)
+    for item in args.env:
+        k, _, v = item.partition("=")
+        env[k] = v
+    etcd = Etcd(work).start()
+    meta = f"etcd://{etcd.address}"
+    procs: list[subprocess.Popen] = []
+    try:
+        cmd = [sys.executable, "-m", "kvpool.tools.scripts.idle_heap", "--child", "--meta", meta,
+               "--samples", samples, "--period", str(args.period)]
+        if args.tracemalloc:
+            cmd.append("--tracemalloc")
+        if args.admin:
+            cmd.append("--admin")
+        master = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=open(work / "master.log", "w"),
+                                  text=True)
+        procs.append(master)
+        if not master.stdout.readline().startswith("kvpool master at"):
+            raise RuntimeError(f"the master did not start; see {work}/master.log")
+        node = subprocess.Popen(
+            [sys.executable, "-c", "from kvpool.cli import main; main()", "--log-level", "WARNING", "node",
+             "--port", "0", "--meta", meta, "--node-id", "n0", "--dram-capacity", "16MiB", "--admin-port", "0"],
+            env=env, stdout=subprocess.DEVNULL, stderr=open(work / "node.log", "w"))
+        procs.append(node)
+        print(f"{args.variant}: master pid {master.pid}, samples in {samples}", flush=True)
+        deadline = time.monotonic() + 60 * args.minutes
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(5)
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        etcd.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    report([samples])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=60)
+    p.add_argument("--period", type=float, default=30, help="seconds between samples")
+    p.add_argument("--out", default="idle-heap")
+    p.add_argument("--variant", default="plain", help="name of the samples file")
+    p.add_argument("--env", action="append", default=[], help="K=V for the master and node (repeatable)")
+    p.add_argument("--tracemalloc", action="store_true")
+    p.add_argument("--admin", action="store_true", help="also serve the REST admin API in the master")
+    p.add_argument("--report", nargs="+", metavar="JSONL")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--meta", help=argparse.SUPPRESS)
+    p.add_argument("--samples", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.report:
+        report(args.report)
+    elif args.child:
+        child(args.meta, args.samples, args.period, args.tracemalloc, args.admin)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
