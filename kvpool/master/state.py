@@ -45,7 +45,7 @@ class MasterState:
         self.high_watermark = 0.95
         self.low_watermark = 0.85
         self.recovery_s = max(3.0 * s.heartbeat_s, 3.0)
-        self.removal_memory_s = max(60.0, 20 * self.node_timeout_s)  # how long an acknowledged remove is remembered
+        self.removal_memory_s = s.removal_memory_s  # how long an acknowledged remove is remembered
         self.lock = threading.RLock()
         self.objects: TenantObjects = TenantObjects()  # key -> ObjectEntry, with each tenant's use
         # tenant -> (quota_bytes, quota_keys), pool-wide (`kvpool.master.quotas`)
