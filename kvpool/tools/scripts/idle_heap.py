@@ -11,8 +11,9 @@ with VmRSS / RssAnon (/proc/self/status), glibc's `mallinfo2()` (bytes in use, f
 heap, mmapped), the number of malloc arenas (`malloc_info`), anonymous mappings from
 /proc/self/smaps (count, bytes, the `[heap]`), thread count, `sys.getallocatedblocks()`, the
 number of gc-tracked objects, and with `--tracemalloc` the traced Python bytes (the top growth
-by line is printed at the end). `--admin` also serves the REST admin API, as `kvpool master`
-does by default. `--report` prints each series' growth in MiB/h (least squares over the whole
+by line is written at the end). `--admin` also serves the REST admin API, as `kvpool master`
+does by default; `--trim` calls malloc_trim(0) after each sample (what the allocator could give
+back); `--bare` runs, instead of a master, only a standby's etcd traffic in one thread. `--report` prints each series' growth in MiB/h (least squares over the whole
 run and over its second half).
 """
 
@@ -54,13 +55,19 @@ def _libc():
         return None
 
 
-def _arenas(libc) -> int:
-    """Number of malloc arenas (`<heap nr=` entries of malloc_info's XML)."""
+def _arenas(libc) -> list[tuple[int, int]]:
+    """(bytes from the system, bytes free in it) of each malloc arena, from malloc_info's XML."""
     with tempfile.NamedTemporaryFile("r", suffix=".xml") as tmp:
         fp = libc.fopen(tmp.name.encode(), b"w")
         libc.malloc_info(0, fp)
         libc.fclose(fp)
-        return len(re.findall(r"<heap nr=", open(tmp.name).read()))
+        xml = open(tmp.name).read()
+    out = []
+    for heap in re.findall(r"<heap nr=.*?</heap>", xml, re.S):
+        current = re.search(r'<system type="current" size="(\d+)"', heap)
+        free = sum(int(n) for n in re.findall(r'<total type="(?:fast|rest)" count="\d+" size="(\d+)"', heap))
+        out.append((int(current.group(1)) if current else 0, free))
+    return out
 
 
 def _smaps_anon() -> dict:
@@ -90,9 +97,11 @@ def sample(libc, traced: bool) -> dict:
     out.update(_smaps_anon())
     if libc is not None:
         mi = libc.mallinfo2()
+        arenas = _arenas(libc)
         out.update({"malloc_used_mib": mi.uordblks / MIB, "malloc_free_mib": mi.fordblks / MIB,
                     "malloc_arena_mib": mi.arena / MIB, "malloc_mmap_mib": mi.hblkhd / MIB,
-                    "malloc_arenas": _arenas(libc)})
+                    "malloc_arenas": len(arenas), "arena_kib": [[a >> 10, f >> 10] for a, f in arenas],
+                    "thread_names": sorted(t.name for t in threading.enumerate())})
     if traced:
         import tracemalloc
 
@@ -100,8 +109,38 @@ def sample(libc, traced: bool) -> dict:
     return out
 
 
-def child(meta: str, samples: str, period: float, traced: bool, admin: bool) -> None:
-    """Run a cluster master here and sample this process until SIGTERM."""
+class _BareEtcd:
+    """What a standby master does with etcd, alone: one thread keeping a lease alive and reading
+    the leader key every 0.5 s (`LeaderElection`'s loop without the election)."""
+
+    def __init__(self, meta: str):
+        from kvpool.cluster import EtcdClient
+
+        self.etcd = EtcdClient(meta)
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="bare-etcd", daemon=True)
+        self.address = "-"
+
+    def _loop(self) -> None:
+        lease = self.etcd.grant(3)
+        while not self.stop_event.wait(0.5):
+            self.etcd.keepalive(lease)
+            self.etcd.get_with_lease("/kvpool/leader")
+
+    def start(self) -> "_BareEtcd":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(5)
+        self.etcd.close()
+
+
+def child(meta: str, samples: str, period: float, traced: bool, admin: bool, trim: bool = False,
+          bare: bool = False) -> None:
+    """Run a cluster master here (`bare`: only its etcd traffic) and sample this process until SIGTERM.
+    `trim`: call malloc_trim(0) after each sample and record the RSS after it too."""
     if traced:
         import tracemalloc
 
@@ -110,7 +149,7 @@ def child(meta: str, samples: str, period: float, traced: bool, admin: bool) -> 
     from kvpool.master.server import MasterServer
 
     settings = load_settings(port=0, meta=meta, admin_port=0)
-    server = MasterServer(settings).start()
+    server = _BareEtcd(meta).start() if bare else MasterServer(settings).start()
     handle = None
     if admin:
         from kvpool.admin.app import create_app
@@ -129,7 +168,11 @@ def child(meta: str, samples: str, period: float, traced: bool, admin: bool) -> 
     print(f"kvpool master at {server.address}", flush=True)
     with open(samples, "a") as out:
         while True:
-            out.write(json.dumps(sample(libc, traced)) + "\n")
+            row = sample(libc, traced)
+            if trim and libc is not None:
+                libc.malloc_trim(0)
+                row["trimmed_anon_mib"] = sample(None, False)["anon_mib"]
+            out.write(json.dumps(row) + "\n")
             out.flush()
             if done.wait(period):
                 break
@@ -154,8 +197,8 @@ def slope_mib_h(ts: list[float], ys: list[float]) -> float:
 
 
 def report(paths: list[str]) -> None:
-    keys = ("rss_mib", "anon_mib", "heap_brk_mib", "anon_maps_mib", "malloc_used_mib", "malloc_free_mib",
-            "malloc_mmap_mib", "traced_mib")
+    keys = ("rss_mib", "anon_mib", "trimmed_anon_mib", "heap_brk_mib", "anon_maps_mib", "malloc_arena_mib",
+            "malloc_used_mib", "malloc_free_mib", "malloc_mmap_mib", "traced_mib")
     for path in paths:
         rows = [json.loads(line) for line in open(path) if line.strip()]
         if len(rows) < 4:
@@ -171,7 +214,7 @@ def report(paths: list[str]) -> None:
             ys = [r[key] for r in rows]
             print(f"  {key:16s} {ys[0]:8.2f} -> {ys[-1]:8.2f} MiB   slope {slope_mib_h(ts, ys):+6.2f} MiB/h   "
                   f"second half {slope_mib_h(ts[half:], ys[half:]):+6.2f} MiB/h")
-        for key in ("threads", "anon_maps", "malloc_arenas", "py_blocks", "gc_objects"):
+        for key in ("threads", "anon_maps", "malloc_arenas", "py_blocks", "gc_objects", "arena_kib"):
             if key in rows[0]:
                 print(f"  {key:16s} {rows[0][key]} -> {rows[-1][key]}")
 
@@ -197,18 +240,20 @@ def run(args: argparse.Namespace) -> None:
                "--samples", samples, "--period", str(args.period)]
         if args.tracemalloc:
             cmd.append("--tracemalloc")
-        if args.admin:
-            cmd.append("--admin")
+        for flag in ("admin", "trim", "bare"):
+            if getattr(args, flag):
+                cmd.append(f"--{flag}")
         master = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=open(work / "master.log", "w"),
                                   text=True)
         procs.append(master)
         if not master.stdout.readline().startswith("kvpool master at"):
             raise RuntimeError(f"the master did not start; see {work}/master.log")
-        node = subprocess.Popen(
+        node = None if args.no_node else subprocess.Popen(
             [sys.executable, "-c", "from kvpool.cli import main; main()", "--log-level", "WARNING", "node",
              "--port", "0", "--meta", meta, "--node-id", "n0", "--dram-capacity", "16MiB", "--admin-port", "0"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(work / "node.log", "w"))
-        procs.append(node)
+        if node is not None:
+            procs.append(node)
         print(f"{args.variant}: master pid {master.pid}, samples in {samples}", flush=True)
         deadline = time.monotonic() + 60 * args.minutes
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
@@ -235,6 +280,9 @@ def main() -> None:
     p.add_argument("--env", action="append", default=[], help="K=V for the master and node (repeatable)")
     p.add_argument("--tracemalloc", action="store_true")
     p.add_argument("--admin", action="store_true", help="also serve the REST admin API in the master")
+    p.add_argument("--trim", action="store_true", help="malloc_trim(0) after each sample")
+    p.add_argument("--bare", action="store_true", help="no master: only a standby's etcd traffic, in a thread")
+    p.add_argument("--no-node", action="store_true", help="start no node")
     p.add_argument("--report", nargs="+", metavar="JSONL")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--meta", help=argparse.SUPPRESS)
@@ -243,7 +291,7 @@ def main() -> None:
     if args.report:
         report(args.report)
     elif args.child:
-        child(args.meta, args.samples, args.period, args.tracemalloc, args.admin)
+        child(args.meta, args.samples, args.period, args.tracemalloc, args.admin, args.trim, args.bare)
     else:
         run(args)
 

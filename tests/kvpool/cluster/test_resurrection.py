@@ -45,11 +45,13 @@ def _registered(etcd_client: EtcdClient, node_id: str) -> bool:
     return NODES_PREFIX + node_id in etcd_client.get_prefix(NODES_PREFIX)
 
 
-def _gone_for_good(client, node, key: str, kept: tuple[str, bytes]) -> None:
-    """`node` is back and registered, `kept` reads back (so it re-reported), and `key` stays a
-    miss: the master refused the copy and told the node to drop it."""
+def _gone_for_good(client, node, key: str, kept: tuple[str, bytes] | None) -> None:
+    """`node` is back and registered and `key` stays a miss: the master refused the copy and
+    told the node to drop it. `kept` (another object only the node holds) reads back, proving
+    the node re-reported; None: the node re-reported too late for its old copies to be trusted."""
     assert wait_for(lambda: _node_ids(client) == ["n0"]), "the node never registered again"
-    assert wait_for(lambda: client.get(kept[0]) == kept[1]), "the node's other object never came back"
+    if kept is not None:
+        assert wait_for(lambda: client.get(kept[0]) == kept[1]), "the node's other object never came back"
     assert client.get(key) is None, "the removed object came back with the node's re-report"
     assert client.exists(key) is False
     assert wait_for(lambda: not _node_holds(node.address, key), timeout=10), "the node was not told to drop it"
@@ -100,7 +102,8 @@ def test_a_remove_answered_not_found_during_an_election_is_not_undone(etcd):
 def test_an_acknowledged_remove_is_not_undone_by_a_copy_reported_after_the_removal_memory(etcd):
     """A reader's lease defers the node's removal; the node is paused until its etcd lease ends, so
     the master drops it (and its copy, never sending the removal); the node resumes later than
-    `removal_memory_s` after the remove and re-reports the copy: the key must stay removed."""
+    `removal_memory_s` after the remove, when the master has forgotten the tombstone, and
+    re-reports the copy: the key must stay removed."""
     meta = ["--meta", etcd.meta]
     master = spawn(["master", *COMMON, *meta], env=ENV)
     node = spawn(["node", *COMMON, *meta, "--node-id", "n0", "--dram-capacity", "16MiB"], env=ENV)
@@ -127,11 +130,50 @@ def test_an_acknowledged_remove_is_not_undone_by_a_copy_reported_after_the_remov
 
         os.kill(node.pid, signal.SIGCONT)
         paused = False
-        _gone_for_good(client, node, "k", ("kept", kept))
+        _gone_for_good(client, node, "k", None)
+        # The price of forgetting tombstones: the node's mark is older than the forgotten ones, so
+        # none of its copies the master does not know can be told from removed ones (RELIABILITY.md).
+        assert client.get("kept") is None
+        assert not _node_holds(node.address, "kept")
     finally:
         if paused:
             os.kill(node.pid, signal.SIGCONT)
         reader.close()
+        client.close()
+        etcd_client.close()
+        for p in procs:
+            p.stop()
+
+
+def test_tombstones_are_forgotten_in_etcd_and_a_failover_after_that_loses_nothing(etcd):
+    """The bound's other side: after `removal_memory_s` the leader deletes its tombstones from
+    etcd (keeping only the horizon), and nodes that kept heartbeating hold marks above it, so a
+    failover afterwards still trusts every copy they re-report."""
+    from kvpool.cluster.removals import HORIZON_KEY, REMOVED_PREFIX
+
+    meta = ["--meta", etcd.meta]
+    procs = [spawn(["master", *COMMON, *meta], env=ENV), spawn(["master", *COMMON, *meta], env=ENV)]
+    procs += [spawn(["node", *COMMON, *meta, "--node-id", f"n{i}", "--dram-capacity", "16MiB"], env=ENV)
+              for i in range(2)]
+    etcd_client = EtcdClient(etcd.meta)
+    client = kvpool.connect(etcd.meta, use_shm=False, timeout=20)
+    try:
+        assert wait_for(lambda: sorted(_node_ids(client)) == ["n0", "n1"])
+        values = {f"v{i}": os.urandom(4096 + i) for i in range(30)}
+        assert client.put_batch(list(values.items())) == [None] * 30
+        assert client.remove_batch(["v0", "never-written"]) == [True, False]
+        assert len(etcd_client.get_prefix(REMOVED_PREFIX)) == 2  # both remembered, found or not
+        assert wait_for(lambda: not etcd_client.get_prefix(REMOVED_PREFIX), timeout=4 * MEMORY_S)
+        assert int(etcd_client.get(HORIZON_KEY)) > 0
+        del values["v0"]
+
+        leader_address = client.admin("stats")["leader_address"]
+        next(p for p in procs[:2] if p.address == leader_address).kill()
+        assert wait_for(lambda: client.admin("stats")["leader_address"] not in (None, leader_address))
+        assert wait_for(lambda: len(client.admin("keys", limit=1000)) == len(values)), "copies were refused"
+        assert client.get_batch(list(values)) == list(values.values())
+        assert client.get("v0") is None
+    finally:
         client.close()
         etcd_client.close()
         for p in procs:
