@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -100,6 +101,37 @@ def test_a_put_that_never_ends_is_reclaimed(cluster):
         assert c.get("orphan") == b"fresh"
     rpc.close()
     node_rpc.close()
+
+
+def test_a_puts_bytes_arriving_after_its_remove_answered_are_refused(cluster):
+    """A writer stalls between PutStart and its NodeWrite; the key is removed (the pending put is
+    reclaimed and its removal reaches the node, which holds nothing yet); then the bytes arrive.
+    The node must refuse them: a copy its master no longer knows of would come back as the
+    object with the node's next full report (here: to a restarted master), undoing the remove."""
+    master, nodes = cluster
+    rpc = RpcClient(master.address)
+    plan = rpc.call(PutStart(["late"], [4096], 1)).plans[0]
+    target = plan.targets[0]
+    node = next(n for n in nodes if n.node_id == target.node_id)
+    with kvpool.connect(master.address) as c:
+        assert c.remove("late") is True  # reclaims the pending put
+        assert master.service.admin.stats()["pending"] == 0
+        time.sleep(1.0)  # five heartbeats: the removal reaches the node (nothing there yet), then its mark
+    node_rpc = RpcClient(target.address)
+    result = node_rpc.call(NodeWrite(["late"], [4096], [plan.put_id]), [b"z" * 4096]).results[0]
+    node_rpc.close()
+    rpc.close()
+    assert getattr(result, "code", None) == "unavailable", result
+    assert not node.store.contains("late")
+    port = master.rpc.port
+    master.stop()
+    fresh = MasterServer(load_settings(port=port, admin_port=0, heartbeat_s=0.2)).start()
+    try:
+        assert wait_for(lambda: len(fresh.service.admin.nodes()) == 3, timeout=10)
+        with kvpool.connect(fresh.address) as c:
+            assert c.get("late") is None and c.exists("late") is False
+    finally:
+        fresh.stop()
 
 
 def test_admin_methods(cluster):
