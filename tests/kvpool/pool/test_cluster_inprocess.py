@@ -267,3 +267,43 @@ def test_same_host_cluster_reads_use_the_node_index_after_the_masters_lookup(clu
         assert sent == []  # no NodePin: the index served it
         assert c.remove("idx") is True
         assert c.get("idx") is None
+
+
+def test_ssd_copies_survive_a_node_restart_after_tombstones_were_forgotten(tmp_path):
+    """A restarted node reports its SSD copies without their put ids (0) and with the mark it
+    saved beside them: above the master's horizon, so they are trusted; without the saved mark
+    (deleted here before a second restart) none can be told from a removed copy, and all are refused."""
+    from kvpool.node.store_node import MARK_FILE
+
+    base = dict(admin_port=0, heartbeat_s=0.2, removal_memory_s=0.5)
+    master = MasterServer(load_settings(port=0, **base)).start()
+    node_settings = load_settings(port=0, master=master.address, node_id="n0", dram_capacity="4MiB",
+                                  ssd_path=str(tmp_path / "ssd"), ssd_capacity="64MiB", **base)
+    node = StoreNode(node_settings).start()
+    try:
+        with kvpool.connect(master.address, use_shm=False) as c:
+            values = {f"s{i}": os.urandom(512 * 1024) for i in range(16)}  # 8 MiB through 4 MiB of DRAM
+            for k, v in values.items():
+                c.put(k, v)
+            assert c.remove("s15") is True  # a tombstone, forgotten 0.5 s later
+            del values["s15"]
+            assert wait_for(lambda: master.service.admin.stats()["removal_horizon"] > 0, timeout=5)
+            time.sleep(2.5)  # the node saves its mark at most every 2 s
+            on_ssd = {k for k, _, tier in node.store.keys() if tier == "ssd"}
+            assert on_ssd and on_ssd < set(values)
+            for restart in ("with its mark", "without"):
+                node.stop()
+                assert wait_for(lambda: not master.service.admin.nodes(), timeout=5)
+                if restart == "without":
+                    os.unlink(tmp_path / "ssd" / MARK_FILE)
+                node = StoreNode(node_settings).start()
+                assert wait_for(lambda: len(master.service.admin.nodes()) == 1, timeout=5)
+                if restart == "with its mark":
+                    assert wait_for(lambda: master.service.admin.stats()["objects"] == len(on_ssd), timeout=5)
+                    assert c.get_batch(sorted(on_ssd)) == [values[k] for k in sorted(on_ssd)]
+                else:
+                    assert wait_for(lambda: not any(True for _ in node.store.keys()), timeout=5)
+                    assert master.service.admin.stats()["objects"] == 0
+    finally:
+        node.stop()
+        master.stop()
