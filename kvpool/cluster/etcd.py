@@ -130,19 +130,39 @@ class EtcdClient:
         """Delete every key in [start, end)."""
         self._post("/v3/kv/deleterange", {"key": _b64(start), "range_end": _b64(end)})
 
-    def put_many(self, items: dict[str, str | bytes], lease: int = 0) -> None:
-        """Put every item, in transactions of at most `TXN_OPS` (etcd's default limit is 128)."""
+    def put_many(self, items: dict[str, str | bytes], lease: int = 0, compare: list[dict[str, Any]] | None = None) -> bool:
+        """Put every item, in transactions of at most `TXN_OPS` (etcd's default limit is 128).
+        `compare` (see `lease_is`): each transaction puts only while it holds; False when one did not."""
         ops: list[dict[str, Any]] = []
         for key, value in items.items():
             put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
             if lease:
                 put["lease"] = lease
             ops.append({"request_put": put})
-        self._txn(ops)
+        return self._txn(ops, compare)
 
-    def _txn(self, ops: list[dict[str, Any]]) -> None:
+    def _txn(self, ops: list[dict[str, Any]], compare: list[dict[str, Any]] | None = None) -> bool:
         for i in range(0, len(ops), TXN_OPS):
-            self._post("/v3/kv/txn", {"success": ops[i:i + TXN_OPS]})
+            body: dict[str, Any] = {"success": ops[i:i + TXN_OPS]}
+            if compare:
+                body["compare"] = compare
+            if not self._post("/v3/kv/txn", body).get("succeeded", False) and compare:
+                return False
+        return True
+
+    def txn(self, compare: list[dict[str, Any]], puts: dict[str, str | bytes] | None = None,
+            delete_range: tuple[str, str] | None = None) -> bool:
+        """One transaction: the puts and the range delete, only if `compare` holds."""
+        ops: list[dict[str, Any]] = [{"request_put": {"key": _b64(k), "value": _b64(v)}}
+                                     for k, v in (puts or {}).items()]
+        if delete_range is not None:
+            ops.append({"request_delete_range": {"key": _b64(delete_range[0]), "range_end": _b64(delete_range[1])}})
+        return bool(self._post("/v3/kv/txn", {"compare": compare, "success": ops}).get("succeeded", False))
+
+    @staticmethod
+    def lease_is(key: str, lease: int) -> list[dict[str, Any]]:
+        """A transaction condition: `key` exists under `lease` (a leader's fence)."""
+        return [{"key": _b64(key), "result": "EQUAL", "target": "LEASE", "lease": lease}]
 
     def create(self, key: str, value: str | bytes, lease: int = 0) -> bool:
         """Put `key` only if it does not exist (one transaction); True if this call created it."""

@@ -42,7 +42,8 @@ class MasterServer:
             from kvpool.cluster.removals import RemovalLog
 
             self._etcd = EtcdClient(self.settings.meta)
-            self.service.state.removal_log = RemovalLog(self._etcd)
+            self.service.state.removal_log = RemovalLog(
+                self._etcd, lambda: self._election.lease if self._election is not None else 0)
             self.service.become_standby(None)
             self._election = LeaderElection(self._etcd, self.address, lease_ttl(self.settings.heartbeat_s),
                                             self._on_elected, self.service.become_standby).start()
