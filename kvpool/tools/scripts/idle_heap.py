@@ -138,13 +138,17 @@ class _BareEtcd:
 
 
 def child(meta: str, samples: str, period: float, traced: bool, admin: bool, trim: bool = False,
-          bare: bool = False) -> None:
+          bare: bool = False, read_bytes: int = 0) -> None:
     """Run a cluster master here (`bare`: only its etcd traffic) and sample this process until SIGTERM.
     `trim`: call malloc_trim(0) after each sample and record the RSS after it too."""
     if traced:
         import tracemalloc
 
         tracemalloc.start(10)
+    if read_bytes:  # the size of httpcore's socket reads (64 KiB by default)
+        from httpcore._sync.http11 import HTTP11Connection
+
+        HTTP11Connection.READ_NUM_BYTES = read_bytes
     from kvpool.config import load_settings
     from kvpool.master.server import MasterServer
 
@@ -243,6 +247,8 @@ def run(args: argparse.Namespace) -> None:
         for flag in ("admin", "trim", "bare"):
             if getattr(args, flag):
                 cmd.append(f"--{flag}")
+        if args.read_bytes:
+            cmd += ["--read-bytes", str(args.read_bytes)]
         master = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=open(work / "master.log", "w"),
                                   text=True)
         procs.append(master)
@@ -283,6 +289,7 @@ def main() -> None:
     p.add_argument("--trim", action="store_true", help="malloc_trim(0) after each sample")
     p.add_argument("--bare", action="store_true", help="no master: only a standby's etcd traffic, in a thread")
     p.add_argument("--no-node", action="store_true", help="start no node")
+    p.add_argument("--read-bytes", type=int, default=0, help="httpcore's socket read size in the master")
     p.add_argument("--report", nargs="+", metavar="JSONL")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--meta", help=argparse.SUPPRESS)
@@ -291,7 +298,8 @@ def main() -> None:
     if args.report:
         report(args.report)
     elif args.child:
-        child(args.meta, args.samples, args.period, args.tracemalloc, args.admin, args.trim, args.bare)
+        child(args.meta, args.samples, args.period, args.tracemalloc, args.admin, args.trim, args.bare,
+              args.read_bytes)
     else:
         run(args)
 

@@ -117,3 +117,21 @@ def test_removal_log_writes_only_while_its_master_holds_the_leader_key(etcd):
         assert list(c.get_prefix(REMOVED_PREFIX)) == [f"{REMOVED_PREFIX}{9:016x}/b"] and c.get(HORIZON_KEY) == b"5"
     finally:
         c.close()
+
+
+def test_a_client_survives_an_etcd_restart_and_serves_threads_at_once(etcd):
+    """Its idle keep-alive connections die with etcd: the next call opens a fresh one instead of
+    failing on a dead socket; concurrent callers each get a connection."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = EtcdClient(etcd.meta)
+    try:
+        c.put("/t/a", "1")
+        etcd.stop()
+        etcd.start()
+        assert c.get("/t/a") == b"1"  # the first call after the restart
+        with ThreadPoolExecutor(8) as ex:
+            assert list(ex.map(lambda i: c.put(f"/t/p{i}", str(i)) or c.get(f"/t/p{i}"), range(64))) == \
+                [str(i).encode() for i in range(64)]
+    finally:
+        c.close()
