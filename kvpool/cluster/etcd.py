@@ -191,7 +191,8 @@ class EtcdClient:
         """Delete every key in [start, end)."""
         self._post("/v3/kv/deleterange", {"key": _b64(start), "range_end": _b64(end)})
 
-    def put_many(self, items: dict[str, str | bytes], lease: int = 0, compare: list[dict[str, Any]] | None = None) -> bool:
+    def put_many(self, items: dict[str, str | bytes], lease: int = 0,
+                 compare: list[dict[str, Any]] | None = None) -> bool:
         """Put every item, in transactions of at most `TXN_OPS` (etcd's default limit is 128).
         `compare` (see `lease_is`): each transaction puts only while it holds; False when one did not."""
         ops: list[dict[str, Any]] = []

@@ -13,8 +13,10 @@ heap, mmapped), the number of malloc arenas (`malloc_info`), anonymous mappings 
 number of gc-tracked objects, and with `--tracemalloc` the traced Python bytes (the top growth
 by line is written at the end). `--admin` also serves the REST admin API, as `kvpool master`
 does by default; `--trim` calls malloc_trim(0) after each sample (what the allocator could give
-back); `--bare` runs, instead of a master, only a standby's etcd traffic in one thread. `--report` prints each series' growth in MiB/h (least squares over the whole
-run and over its second half).
+back); `--bare` runs, instead of a master, only a standby's etcd traffic in one thread;
+`--read-bytes N` sets httpcore's socket read size (it was the cause, see kvpool/cluster/etcd.py).
+`--report` prints each series' growth in MiB/h (least squares over the whole run and over its
+second half).
 """
 
 from __future__ import annotations
