@@ -121,6 +121,8 @@ class Settings(RpcSettings):
     put_timeout_s: float = Field(30.0, gt=0)  # a put that never ends is reclaimed after this
     lease_s: float = Field(10.0, gt=0)
     heartbeat_s: float = Field(1.0, gt=0)
+    # How long a master remembers each acknowledged remove by key (kvpool.master.state).
+    removal_memory_s: float = Field(60.0, gt=0)
     # NoDecode: the environment form is "tcp,shm"; pydantic-settings would insist on JSON.
     transports: Annotated[list[str], NoDecode] = ["shm", "tcp"]
 

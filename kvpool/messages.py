@@ -196,6 +196,7 @@ class Remove(Msg):
 class RegisterNode(Msg):
     info: NodeInfo
     objects: list[Held]
+    mark: int = 0  # the last mark a master granted this node (`HeartbeatReply.mark`); 0: none
 
 
 class Heartbeat(Msg):
@@ -206,7 +207,10 @@ class Heartbeat(Msg):
 
 
 class HeartbeatReply(Msg):
-    known: bool  # False: the master does not know this node; it must register again
+    known: bool  # False: the master does not know this node (or lost track of it); it must register again
+    # Every remove up to this generation has reached the node; it refuses writes of puts up to
+    # it from now on (`kvpool.master.state`). 0: no news.
+    mark: int = 0
 
 
 class Admin(Msg):

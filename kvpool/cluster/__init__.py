@@ -1,11 +1,13 @@
 """Cluster mode: membership and leader election in etcd (`--meta etcd://host:port`).
 
-Layout in etcd (every key bound to its owner's lease, so a dead process disappears by itself):
+Layout in etcd (membership keys are bound to their owner's lease, so a dead process disappears by itself):
 - `/kvpool/leader`              -> the leader master's RPC address
 - `/kvpool/masters/<address>`   -> a master (leader or standby)
 - `/kvpool/nodes/<node id>`     -> a node's RPC address
-- `/kvpool/removed/<put id>/<key>` -> an acknowledged remove, for the next leader (bound to a
-  lease of the leader's that ends by itself; `kvpool.cluster.removals`)
+- `/kvpool/removed/<generation>/<key>` -> a remove's tombstone, for the next leader, deleted by
+  the leader once older than `removal_memory_s` (`kvpool.cluster.removals`)
+- `/kvpool/removed-horizon`     -> the generation below which tombstones were deleted
+- `/kvpool/generation`          -> the ids reserved by the current leader's term
 """
 
 from kvpool.cluster.etcd import EtcdClient, parse_etcd_url

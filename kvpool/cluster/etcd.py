@@ -1,8 +1,19 @@
-"""A small synchronous etcd v3 client over etcd's JSON gateway (httpx), enough for membership
-and leader election: leases, put, get, prefix range, delete, and create-if-absent.
+"""A small synchronous etcd v3 client over etcd's JSON gateway (HTTP/1.1 keep-alive, the
+standard library's `http.client`), enough for membership and leader election: leases, put, get,
+prefix range, delete, create-if-absent and guarded transactions.
 
 Why not a gRPC client: the pool's control loops are plain threads, and the gateway ships with
 every etcd (3.4 included) with no extra dependency. Every failure becomes `Unavailable`.
+
+Why not httpx (used before issue 29): httpcore reads each response with a 64 KiB `recv`, a
+fresh 64 KiB allocation shrunk to the few hundred bytes that came. In a thread's malloc arena
+that pattern fragments without end: a process doing only a keepalive and a get every 0.5 s in a
+thread grew its arena by ~2.5 MiB/h, all of it free memory glibc could not reuse
+(kvpool/tools/scripts/idle_heap.py); that was the idle master's creep. `http.client` reads
+through one 8 KiB buffer per connection.
+
+Thread-safe: each call takes an idle connection (or opens one) and puts it back afterwards, so
+concurrent callers (a master's election, node watch and removes) never wait on each other.
 
 TLS: `etcds://host:port` (or https://) speaks TLS, checking etcd's certificate against the CA in
 `KVPOOL_ETCD_CA_FILE` (else the system's), and presents the client certificate in
@@ -13,17 +24,20 @@ only holders of a certificate from its CA reach it at all (docs/security.md, dep
 from __future__ import annotations
 
 import base64
+import http.client
+import json
 import logging
 import os
+import select
 import ssl
+import threading
 from typing import Any
-
-import httpx
 
 from kvpool.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
-logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per etcd request drowns the logs
+
+IDLE_CONNECTIONS = 4  # kept open per client for reuse; more concurrent calls open (and close) their own
 
 
 def _b64(data: str | bytes) -> str:
@@ -46,6 +60,14 @@ def _prefix_end(prefix: bytes) -> bytes:
 TXN_OPS = 100  # operations per transaction (etcd refuses more than --max-txn-ops, 128 by default)
 
 TLS_ENV = ("KVPOOL_ETCD_CA_FILE", "KVPOOL_ETCD_CERT_FILE", "KVPOOL_ETCD_KEY_FILE")
+
+
+def _readable(sock: Any) -> bool:
+    """An idle keep-alive socket with something to read has been closed by the server."""
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
 
 
 def parse_etcd_url(meta: str) -> str:
@@ -75,20 +97,59 @@ def _tls_context() -> ssl.SSLContext:
 class EtcdClient:
     def __init__(self, meta: str, timeout: float = 2.0):
         self.url = parse_etcd_url(meta)
-        verify = _tls_context() if self.url.startswith("https://") else True
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, verify=verify)
+        scheme, _, netloc = self.url.partition("://")
+        host, _, port = netloc.rpartition(":")
+        if not port.isdigit():
+            raise InvalidArgument(f"meta must name a port (etcd://host:port), got {meta!r}")
+        self._host, self._port, self._timeout = host.strip("[]"), int(port), timeout
+        self._tls = _tls_context() if scheme == "https" else None
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
-        self._http.close()
+        with self._lock:
+            idle, self._idle, self._closed = self._idle, [], True
+        for conn in idle:
+            conn.close()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if conn.sock is not None and not _readable(conn.sock):
+                    return conn
+                conn.close()  # etcd closed it while idle (a restart): a reused one would fail the call
+        if self._tls is not None:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=self._timeout, context=self._tls)
+        return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+
+    def _release(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < IDLE_CONNECTIONS:
+                self._idle.append(conn)
+                return
+        conn.close()
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        conn = self._connection()
         try:
-            resp = self._http.post(path, json=body)
-        except httpx.HTTPError as exc:
-            raise Unavailable(f"etcd at {self.url} is unreachable: {exc}") from None
-        if resp.status_code != 200:
-            raise Unavailable(f"etcd {path} failed: HTTP {resp.status_code} {resp.text[:200]}")
-        return resp.json()
+            conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        except (OSError, http.client.HTTPException) as exc:  # socket errors, TLS, timeouts, a cut reply
+            conn.close()
+            raise Unavailable(f"etcd at {self.url} is unreachable: {exc or type(exc).__name__}") from None
+        if resp.will_close:
+            conn.close()
+        else:
+            self._release(conn)
+        if resp.status != 200:
+            raise Unavailable(f"etcd {path} failed: HTTP {resp.status} {data[:200].decode(errors='replace')}")
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise Unavailable(f"etcd {path} answered something other than JSON: {data[:200]!r}") from None
 
     # -- leases
     def grant(self, ttl: int) -> int:
@@ -126,19 +187,44 @@ class EtcdClient:
     def delete(self, key: str) -> None:
         self._post("/v3/kv/deleterange", {"key": _b64(key)})
 
-    def put_many(self, items: dict[str, str | bytes], lease: int = 0) -> None:
-        """Put every item, in transactions of at most `TXN_OPS` (etcd's default limit is 128)."""
+    def delete_range(self, start: str, end: str) -> None:
+        """Delete every key in [start, end)."""
+        self._post("/v3/kv/deleterange", {"key": _b64(start), "range_end": _b64(end)})
+
+    def put_many(self, items: dict[str, str | bytes], lease: int = 0,
+                 compare: list[dict[str, Any]] | None = None) -> bool:
+        """Put every item, in transactions of at most `TXN_OPS` (etcd's default limit is 128).
+        `compare` (see `lease_is`): each transaction puts only while it holds; False when one did not."""
         ops: list[dict[str, Any]] = []
         for key, value in items.items():
             put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
             if lease:
                 put["lease"] = lease
             ops.append({"request_put": put})
-        self._txn(ops)
+        return self._txn(ops, compare)
 
-    def _txn(self, ops: list[dict[str, Any]]) -> None:
+    def _txn(self, ops: list[dict[str, Any]], compare: list[dict[str, Any]] | None = None) -> bool:
         for i in range(0, len(ops), TXN_OPS):
-            self._post("/v3/kv/txn", {"success": ops[i:i + TXN_OPS]})
+            body: dict[str, Any] = {"success": ops[i:i + TXN_OPS]}
+            if compare:
+                body["compare"] = compare
+            if not self._post("/v3/kv/txn", body).get("succeeded", False) and compare:
+                return False
+        return True
+
+    def txn(self, compare: list[dict[str, Any]], puts: dict[str, str | bytes] | None = None,
+            delete_range: tuple[str, str] | None = None) -> bool:
+        """One transaction: the puts and the range delete, only if `compare` holds."""
+        ops: list[dict[str, Any]] = [{"request_put": {"key": _b64(k), "value": _b64(v)}}
+                                     for k, v in (puts or {}).items()]
+        if delete_range is not None:
+            ops.append({"request_delete_range": {"key": _b64(delete_range[0]), "range_end": _b64(delete_range[1])}})
+        return bool(self._post("/v3/kv/txn", {"compare": compare, "success": ops}).get("succeeded", False))
+
+    @staticmethod
+    def lease_is(key: str, lease: int) -> list[dict[str, Any]]:
+        """A transaction condition: `key` exists under `lease` (a leader's fence)."""
+        return [{"key": _b64(key), "result": "EQUAL", "target": "LEASE", "lease": lease}]
 
     def create(self, key: str, value: str | bytes, lease: int = 0) -> bool:
         """Put `key` only if it does not exist (one transaction); True if this call created it."""

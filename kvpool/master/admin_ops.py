@@ -101,6 +101,8 @@ class AdminOps:
                 "pending": pending,
                 "bytes": nbytes,
                 "leases": leases,
+                "tombstones": len(st.removed),  # removes remembered by key (`removal_memory_s`)
+                "removal_horizon": st.horizon,  # the generation below which they were forgotten
                 "tiers": tiers,
                 "totals": {"capacity_bytes": sum(n.total_capacity for n in st.nodes.values()),
                            "used_bytes": sum(n.used for n in st.nodes.values())},

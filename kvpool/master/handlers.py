@@ -59,11 +59,12 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
         service.release(service.owned_leases(msg.lease_ids, conn.scope) if conn.scope else msg.lease_ids)
 
     def register(msg: RegisterNode, payload, conn) -> Ok:
-        service.register_node(msg.info, msg.objects)
+        service.register_node(msg.info, msg.objects, msg.mark)
         return Ok()
 
     def heartbeat(msg: Heartbeat, payload, conn) -> HeartbeatReply:
-        return HeartbeatReply(service.heartbeat(msg.node_id, msg.stats, msg.dropped, msg.moved))
+        known, mark = service.heartbeat(msg.node_id, msg.stats, msg.dropped, msg.moved)
+        return HeartbeatReply(known, mark)
 
     def admin(msg: Admin, payload, conn) -> Info:
         if msg.method not in _ADMIN_METHODS:

@@ -1,12 +1,15 @@
 """The master's background work, given the shared `MasterState`.
 
 - `tick()` (every min(0.5 s, heartbeat)): reclaim pending puts past their deadline, finish
-  removals whose leases ended, forget acknowledged removes older than `removal_memory_s`, drop
+  removals whose leases ended, forget tombstones older than `removal_memory_s` (and tell etcd,
+  `save_horizon`), drop
   nodes silent for `node_timeout_s` (embedded nodes excepted), plan drain copies
   (`kvpool.master.migration`), and evict least-recently-used unleased replicas from any node
   above `high_watermark` of its capacity down to `low_watermark`.
 - the outbox thread (`outbox_loop`): removes the bytes of dropped objects on their nodes,
-  outside the lock, each removal naming the put that wrote the copy; runs drain copies.
+  outside the lock, each removal naming the put that wrote the copy; runs drain copies. Each
+  node's work is counted in `MasterState.busy` until done (no mark meanwhile); a removal that
+  fails marks the node `dirty` (it must re-register).
 - `make_room_locked`: when no node can take a new object, evict LRU unleased replicas from
   the roomiest node; `AllPinned` when only leased objects stand in the way.
 Eviction order is the master's own access recency (it sees every lookup), fair across tenants
@@ -24,7 +27,7 @@ import threading
 import time
 from typing import Any, Iterable, Iterator
 
-from kvpool.errors import AllPinned
+from kvpool.errors import AllPinned, KVPoolError
 from kvpool.master.migration import Migration
 from kvpool.master.state import MasterState
 from kvpool.master.tables import COMPLETE, NODE_UP, PENDING
@@ -129,24 +132,49 @@ class Housekeeping:
         while not stop.wait(period):
             try:
                 self.tick()
+                self.save_horizon()
             except Exception:  # the loop must survive a bug in one pass
                 log.exception("master tick failed")
 
     def outbox_loop(self) -> None:
+        st = self.state
         while True:
-            item = self.state.outbox.get()
+            item = st.outbox.get()
             if item is None:
                 return
-            node_id, keys, put_ids = item
-            try:
-                if node_id == "__close__":
+            node_id, keys, put_ids, term = item
+            if node_id == "__close__":
+                try:
                     keys.close()
-                    continue
-                if node_id == "__copy__":
-                    self.migration.run_copy(keys)
-                    continue
-                link = self.state.link(node_id)
+                except Exception:  # closing a dead link
+                    log.debug("closing a node link failed", exc_info=True)
+                continue
+            if node_id == "__copy__":
+                self.migration.run_copy(keys, term)
+                continue
+            failed = False
+            try:
+                link = st.link(node_id)
                 if link is not None:
                     link.remove(keys, put_ids)
-            except Exception as exc:  # a dead node's bytes die with it; nothing else to do
+            except Exception as exc:  # a dead node's bytes die with it; a live one re-registers (`dirty`)
                 log.info("removing %d object(s) on node %s failed: %s", len(keys), node_id, exc)
+                failed = True
+            with st.lock:
+                st.done_locked(node_id, term, failed)
+
+    def save_horizon(self) -> None:
+        """Cluster mode: tell etcd the tombstones the leader forgot (`RemovalLog.compact`), outside the lock."""
+        st = self.state
+        with st.lock:
+            horizon = st.horizon if st.leader and st.horizon > st.horizon_saved else 0
+            log_ = st.removal_log
+        if not horizon or log_ is None:
+            return
+        try:
+            log_.compact(horizon)
+        except KVPoolError as exc:  # the records stay in etcd meanwhile: a new leader would keep them
+            log.info("compacting removes up to %d in etcd failed (retried): %s", horizon, exc)
+            return
+        with st.lock:
+            st.horizon_saved = max(st.horizon_saved, horizon)

@@ -49,19 +49,22 @@ class Migration:
                 batch.append(obj)
                 self.state.migrating.add(obj.key)
         for (source, target), objs in batches.items():
-            self.state.outbox.put(("__copy__", (source, self.state.nodes[source].address, target,
-                                           [o.key for o in objs], [o.put_id for o in objs]), None))
+            self.state.queue_copy_locked(target, (source, self.state.nodes[source].address, target,
+                                                  [o.key for o in objs], [o.put_id for o in objs]))
 
-    def run_copy(self, job: tuple) -> None:
+    def run_copy(self, job: tuple, term: int) -> None:
         source, source_address, target, keys, put_ids = job
+        failed = False
         try:
             link = self.state.link(target)
             results = link.copy(keys, put_ids, source_address) if link is not None else []
         except Exception as exc:  # the target or source died: the next tick plans again
             log.info("copy of %d object(s) %s -> %s failed: %s", len(keys), source, target, exc)
-            results = []
+            results, failed = [], True
         orphans: list[tuple[str, int]] = []
         with self.state.lock:
+            if failed:  # some may have landed all the same: none may linger unknown
+                orphans = list(zip(keys, put_ids))
             for i, key in enumerate(keys):
                 self.state.migrating.discard(key)
                 placed = results[i] if i < len(results) else None
@@ -76,7 +79,8 @@ class Migration:
                 obj.replicas[target] = Replica(target, placed.tier, placed.segment, placed.offset)
                 node.used += obj.size
                 node.objects += 1
-        for key, put_id in orphans:
-            self.state.outbox.put((target, [key], [put_id]))
+            if orphans:
+                self.state.queue_removal_locked(target, [k for k, _ in orphans], [p for _, p in orphans])
+            self.state.done_locked(target, term)
         if results:
             log.info("drained %d object(s) from %s to %s", sum(isinstance(r, Placed) for r in results), source, target)

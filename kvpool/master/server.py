@@ -3,7 +3,7 @@ plus, in cluster mode (`settings.meta`), leader election and node membership thr
 
 In cluster mode a master starts as a standby. When elected it starts from empty tables and
 waits for the nodes registered in etcd to re-report (see `MasterService.become_leader`),
-refusing copies whose remove an earlier leader acknowledged (`kvpool.cluster.removals`). While
+refusing copies an earlier leader's removes cover (`kvpool.cluster.removals`). While
 it leads, a node whose etcd key disappears (its lease ended) has its replicas dropped at once.
 """
 
@@ -42,7 +42,8 @@ class MasterServer:
             from kvpool.cluster.removals import RemovalLog
 
             self._etcd = EtcdClient(self.settings.meta)
-            self.service.state.removal_log = RemovalLog(self._etcd, self.service.state.removal_memory_s)
+            self.service.state.removal_log = RemovalLog(
+                self._etcd, lambda: self._election.lease if self._election is not None else 0)
             self.service.become_standby(None)
             self._election = LeaderElection(self._etcd, self.address, lease_ttl(self.settings.heartbeat_s),
                                             self._on_elected, self.service.become_standby).start()
@@ -65,8 +66,10 @@ class MasterServer:
             expected = set()
         # Without them a node's re-report could undo an acknowledged remove: if etcd fails here the
         # error ends this term (`LeaderElection` steps down) rather than lead without them.
-        removed = self.service.state.removal_log.load()
-        self.service.become_leader(expected, removed)
+        log_ = self.service.state.removal_log
+        removed, horizon = log_.load()
+        floor = log_.reserve(max([horizon, *(g for _, g in removed)]))
+        self.service.become_leader(expected, removed, horizon, floor)
 
     def _watch_nodes(self) -> None:
         while not self._stop.wait(min(0.5, self.settings.heartbeat_s)):

@@ -88,16 +88,22 @@ class MasterService:
     def leader(self) -> bool:
         return self.state.leader
 
-    def become_leader(self, expected_nodes: Iterable[str] = (), removed: Iterable[tuple[str, int]] = ()) -> None:
+    def become_leader(self, expected_nodes: Iterable[str] = (), removed: Iterable[tuple[str, int]] = (),
+                      horizon: int = 0, floor: int = 0) -> None:
         """Take over: start from empty tables and wait for `expected_nodes` to re-report.
-        `removed`: (key, put id) of removes acknowledged before (etcd's `RemovalLog`): the
-        nodes' copies of those are refused when reported."""
+        From etcd (`kvpool.cluster.removals.RemovalLog`): `removed`, the (key, generation)
+        tombstones earlier leaders left, and their `horizon`; `floor`, the first generation this
+        term may issue (ids only grow across leaders)."""
         st = self.state
         with st.lock:
             st.clear_tables_locked()
             now = time.monotonic()
-            for key, put_id in removed:
-                st.remember_removal_locked(key, put_id, now)
+            for key, generation in removed:
+                if generation > horizon:
+                    st.remember_removal_locked(key, generation, now)
+                st.ids.observe(generation)
+            st.horizon = st.horizon_saved = horizon
+            st.ids.observe(max(horizon, floor))
             st.awaiting = set(expected_nodes)
             st.recovering_until = time.monotonic() + st.recovery_s if st.awaiting else 0.0
             st.leader = True
@@ -113,11 +119,12 @@ class MasterService:
 
     # ------------------------------------------------------------------ node-facing
 
-    def register_node(self, info: NodeInfo, objects: Sequence[Held] = ()) -> None:
+    def register_node(self, info: NodeInfo, objects: Sequence[Held] = (), mark: int = 0) -> None:
         """A node (re-)joins and reports everything it holds; the index is reconciled with it:
         replicas it no longer reports are dropped, reported objects are (re-)added (a removed
-        object still waiting for its readers keeps its removal pending), except copies whose
-        remove was acknowledged (`MasterState.removed`): those the node is told to drop."""
+        object still waiting for its readers keeps its removal pending), except copies a remove
+        covers, or may cover (`MasterState.refused_locked`, given the node's `mark`), and copies
+        older than the object known under the key: those the node is told to drop."""
         st = self.state
         st.check_leader()
         if info.node_id in st.banned:
@@ -137,11 +144,13 @@ class MasterService:
                                         "without heartbeats")
                 link = st.links.pop(node.node_id, None)
                 if link is not None:
-                    st.outbox.put(("__close__", link, None))
+                    st.outbox.put(("__close__", link, None, 0))
             node.address, node.hostname, node.segments = info.address, info.hostname, list(info.segments)
             node.shm_path, node.capacity = info.shm_path, dict(info.capacity)
             node.transfer_segment = info.transfer_segment
             node.last_heartbeat = now
+            st.dirty.discard(node.node_id)
+            st.ids.observe(mark)
             reported = {h.key for h in objects}
             for key in [k for k, o in st.objects.items()
                         if node.node_id in o.replicas and o.state == COMPLETE and k not in reported]:
@@ -149,21 +158,34 @@ class MasterService:
             stale_keys: list[str] = []
             stale_ids: list[int] = []
             for held in objects:
+                put_id = held.put_id
+                st.ids.observe(put_id)
                 obj = st.objects.get(held.key)
-                if st.removed and st.was_removed_locked(held.key, held.put_id, now) and (
-                        obj is None or obj.put_id != held.put_id):
+                known = (obj is not None and obj.state == COMPLETE and obj.size == held.size
+                         and put_id != 0 and put_id == obj.put_id)  # a replica of a live object
+                if not known and st.refused_locked(held.key, put_id, mark):
                     stale_keys.append(held.key)  # removed before this node dropped it (a failover, a pause)
-                    stale_ids.append(held.put_id)
+                    stale_ids.append(put_id)
                     continue
+                if obj is not None and obj.state == COMPLETE and put_id and obj.put_id and put_id != obj.put_id:
+                    # Two puts of one key both live: the older was removed before the newer began.
+                    if put_id < obj.put_id or obj.removing:
+                        stale_keys.append(held.key)
+                        stale_ids.append(put_id)
+                        continue
+                    st.delete_locked(obj)  # ours is the newer: the known one's copies go
+                    obj = None
                 if obj is None:
-                    obj = ObjectEntry(key=held.key, size=held.size, state=COMPLETE, replicas={}, put_id=held.put_id)
+                    obj = ObjectEntry(key=held.key, size=held.size, state=COMPLETE, replicas={}, put_id=put_id)
                     st.objects[held.key] = obj
-                elif obj.size != held.size or (obj.state == PENDING and obj.put_id != held.put_id):
+                elif obj.size != held.size or (obj.state == PENDING and obj.put_id != put_id):
                     stale_keys.append(held.key)  # another copy won; this one must not linger
-                    stale_ids.append(held.put_id)
+                    stale_ids.append(put_id)
                     continue
                 elif obj.state == PENDING:
                     continue  # its writer will end the put and name this node
+                elif not obj.put_id:
+                    obj.put_id = put_id  # learned from a copy of unknown put (a restarted node)
                 if node.node_id in obj.replicas:
                     obj.replicas[node.node_id].tier = held.tier
                     continue
@@ -171,19 +193,22 @@ class MasterService:
                 node.used += held.size
                 node.objects += 1
             if stale_keys:
-                st.outbox.put((node.node_id, stale_keys, stale_ids))
+                st.queue_removal_locked(node.node_id, stale_keys, stale_ids)
             st.awaiting.discard(info.node_id)
-        log.info("node %s registered at %s with %d object(s)", info.node_id, info.address, len(objects))
+        log.info("node %s registered at %s with %d object(s)%s", info.node_id, info.address, len(objects),
+                 f", {len(stale_keys)} refused" if stale_keys else "")
 
     def heartbeat(self, node_id: str, stats: dict | None = None, dropped: Sequence[Held] = (),
-                  moved: Sequence[Held] = ()) -> bool:
-        """Record liveness and what the node's own eviction did; False: unknown, register again."""
+                  moved: Sequence[Held] = ()) -> tuple[bool, int]:
+        """Record liveness and what the node's own eviction did. Returns (known, mark): known
+        False: register again (unknown, or a removal failed to reach it); `mark`: the node's
+        mark (`MasterState.grant_mark_locked`)."""
         st = self.state
         st.check_leader()
         with st.lock:
             node = st.nodes.get(node_id)
             if node is None:
-                return False
+                return False, 0
             node.last_heartbeat = time.monotonic()
             if stats:
                 node.stats = dict(stats)
@@ -193,7 +218,9 @@ class MasterService:
                 obj = st.objects.get(held.key)
                 if obj is not None and node_id in obj.replicas:
                     obj.replicas[node_id].tier = held.tier
-        return True
+            if node_id in st.dirty:
+                return False, node.mark
+            return True, st.grant_mark_locked(node)
 
     def drop_node(self, node_id: str, reason: str = "lease ended") -> bool:
         """Forget a node and every replica on it (called when its lease or heartbeat ends)."""
@@ -284,16 +311,19 @@ class MasterService:
                 return  # already published (a new leader learned it from the nodes' reports)
             if obj is None or obj.state != PENDING or obj.put_id != put_id:
                 for p in written:  # the put was reclaimed or removed meanwhile: its bytes must go
-                    st.outbox.put((p.node_id, [key], [put_id]))
+                    st.queue_removal_locked(p.node_id, [key], [put_id])
                 raise Unavailable(f"put of {key!r} was reclaimed or removed before it ended; retry it")
             landed = {p.node_id: p for p in written if p.node_id in obj.replicas and p.node_id in st.nodes}
             for p in written:
                 if p.node_id not in landed:  # the node left and came back meanwhile: its copy is unknown
-                    st.outbox.put((p.node_id, [key], [put_id]))
+                    st.queue_removal_locked(p.node_id, [key], [put_id])
             for node_id in list(obj.replicas):
                 if node_id not in landed:
                     st.release_space_locked(node_id, obj.size, count=False)
                     del obj.replicas[node_id]
+                    # A write still on its way there must not land as a copy nobody knows (the
+                    # node remembers the put as aborted, `kvpool.node.writes`).
+                    st.queue_removal_locked(node_id, [key], [put_id])
             if not landed:
                 del st.objects[key]
                 raise Unavailable(f"put of {key!r}: no replica was written")
@@ -404,36 +434,41 @@ class MasterService:
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
         """Remove objects; a leased one disappears for readers now and is freed when its leases end.
+        True: removed; False: not found (or being removed already).
 
-        Durable once answered: each removed copy is remembered for `removal_memory_s`
-        (`MasterState.removed`; in cluster mode first written to etcd, outside the lock), so a
-        node's re-report, to this master or to the next leader, does not bring it back."""
+        Never undone, found or not: the remove takes a generation T and leaves a tombstone for
+        each key (in cluster mode written to etcd first, outside the lock), so a node's copy
+        written before it (put id <= T), reported later to this master or the next leader, is
+        refused (`MasterState`). A put that began after T is not removed by it."""
         st = self.state
         st.check_leader()
         out = []
         now = time.monotonic()
         log_ = st.removal_log
-        doomed: dict[str, int] = {}
         with st.lock:
             # A key this new leader does not know yet may be on a node still to re-report: "not
             # found" now would leave the object to come back with that report (found by chaos).
             if st.recovering_locked(now) and any(k not in st.objects for k in keys):
                 raise Unavailable("master is recovering after a failover; retry shortly")
-            if log_ is not None:
-                for key in keys:
-                    obj = st.objects.get(key)
-                    if obj is not None and not obj.removing:
-                        doomed[key] = obj.put_id
-        if doomed:
-            log_.record(doomed)  # Unavailable when etcd cannot take it: nothing was removed
+            # The pool in one process (embedded): its node never re-reports, no tombstone needed.
+            tombstones = not st.local or any(n not in st.local for n in st.nodes)
+            generation = next(st.ids)
+            if tombstones and log_ is not None:
+                st.recording.add(generation)
+        if tombstones and log_ is not None:
+            try:
+                log_.record(keys, generation)  # Unavailable when etcd cannot take it: nothing was removed
+            finally:
+                with st.lock:
+                    st.recording.discard(generation)
         with st.lock:
             for key in keys:
+                if tombstones:
+                    st.remember_removal_locked(key, generation, now)
                 obj = st.objects.get(key)
-                if obj is None or obj.removing or (log_ is not None and doomed.get(key) != obj.put_id):
-                    out.append(False)  # (a put that ended after the record above: removed before it)
+                if obj is None or obj.removing or obj.put_id > generation:
+                    out.append(False)
                     continue
-                if not st.local or any(n not in st.local for n in obj.replicas):  # an in-process node never re-reports
-                    st.remember_removal_locked(key, obj.put_id, now)
                 if obj.state == PENDING:
                     st.reclaim_locked(obj)
                 elif obj.leased(now):

@@ -4,12 +4,27 @@
 Locking: `lock` guards everything here; `*_locked` methods expect it held and never wait on the
 network: work that talks to nodes goes through `outbox`, drained by a background thread, and a
 removal names the put that wrote the copy, so it never deletes a newer object.
+
+Removes are never undone (issue 29). Put ids, lease ids and remove *generations* come from one
+counter (`Generations`) that only grows, across leaders too (a new leader starts above every id
+in etcd and every id a node reports). A remove of `key` at generation T leaves a tombstone
+`removed[key] = T`: a node's copy of `key` written by put P <= T (or of unknown put, 0) is
+refused when reported. Tombstones are kept `removal_memory_s`, then forgotten, raising `horizon`
+(every tombstone <= horizon is forgotten). What covers the forgotten ones is each node's *mark*:
+the master grants a node mark M (in heartbeat replies) only when every tombstone <= M has been
+applied to it: no removal queued or in flight to it, no removed object on it still waiting for
+its readers, no put <= M still pending on it, no tombstone <= M still being written to etcd; and
+the node refuses any later write of a put <= M (`kvpool.node.writes`). A node reporting with
+mark M >= horizon is checked against the tombstones still kept, which is all it can need; one
+with M < horizon (away, or a removal to it stuck, for about `removal_memory_s`) cannot be
+checked for its copies of puts <= horizon, and those not already known to the master are
+refused. So memory is bounded by the removes of the last `removal_memory_s`, and the cost of the
+bound is a returning straggler's old copies, never a removed object's return.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import queue
 import threading
@@ -21,12 +36,31 @@ from kvpool.security.tickets import Tickets
 from kvpool.config import Settings
 from kvpool.errors import KeyNotFound, NotLeader, Unavailable
 from kvpool.master.quotas import TenantObjects, check_quota
-from kvpool.master.tables import COMPLETE, NodeEntry, ObjectEntry
+from kvpool.master.tables import COMPLETE, PENDING, NodeEntry, ObjectEntry
 from kvpool.tiers.tenants import tenant_quotas
 
 log = logging.getLogger("kvpool.master.service")
 
 MAX_OBJECT_BYTES = 1 << 32  # protocol-level ceiling; a node's DRAM capacity is usually lower
+
+
+class Generations:
+    """The master's id counter: put ids, lease ids, remove generations. `next(gen)` issues one;
+    `observe(n)` moves past an id seen elsewhere (a node's report, etcd). Callers hold the lock."""
+
+    def __init__(self, start: int):
+        self.last = start
+
+    def __iter__(self) -> "Generations":
+        return self
+
+    def __next__(self) -> int:
+        self.last += 1
+        return self.last
+
+    def observe(self, seen: int) -> None:
+        if seen > self.last:
+            self.last = seen
 
 
 class MasterState:
@@ -46,7 +80,7 @@ class MasterState:
         self.high_watermark = 0.95
         self.low_watermark = 0.85
         self.recovery_s = max(3.0 * s.heartbeat_s, 3.0)
-        self.removal_memory_s = max(60.0, 20 * self.node_timeout_s)  # how long an acknowledged remove is remembered
+        self.removal_memory_s = s.removal_memory_s  # how long an acknowledged remove is remembered
         self.lock = threading.RLock()
         self.objects: TenantObjects = TenantObjects()  # key -> ObjectEntry, with each tenant's use
         keyring = load_keyring(s.auth_file) if s.auth_file else None
@@ -59,7 +93,14 @@ class MasterState:
         self.migrating: set[str] = set()  # keys with a drain copy in flight
         self.local: set[str] = set()  # nodes in this process (embedded): never timed out
         self.lease_keys: dict[int, tuple[list[str], float]] = {}  # lease id -> (keys, expiry)
-        self.removed: dict[str, dict[int, float]] = {}  # key -> put id -> until: acknowledged removes
+        self.removed: dict[str, int] = {}  # key -> generation of its last remove (a tombstone)
+        self.horizon = 0  # every tombstone at or below this generation has been forgotten
+        self.horizon_saved = 0  # ... and etcd knows it (cluster mode; `kvpool.cluster.removals`)
+        self.recording: set[int] = set()  # generations of removes being written to etcd
+        # Removals (and drain copies) queued or in flight to each node, in this term: no mark meanwhile.
+        self.busy: dict[str, int] = {}
+        self.dirty: set[str] = set()  # nodes a removal failed to reach: no mark until they re-register
+        self.term = 0  # a new role's number: work queued in an earlier one does not count in `busy`
         # Keys the housekeeping tick must look at: a put started (may time out), a remove waiting
         # for leases. Candidates, not truth: an entry whose object has moved on is dropped by the
         # tick, so only the two places that make such objects add to them, and no delete needs to
@@ -67,13 +108,13 @@ class MasterState:
         # at 100,000 objects, every 0.5 s: the tail of every call that waited for the lock.)
         self.pending: set[str] = set()
         self.removing: set[str] = set()
-        self.removal_order: collections.deque[tuple[float, str, int]] = collections.deque()  # by until
+        self.removal_order: collections.deque[tuple[float, str, int]] = collections.deque()  # (until, key, T)
         self.removal_log: Any = None  # cluster mode: `kvpool.cluster.removals.RemovalLog` (etcd)
-        # Unique across failovers: a new leader must never reuse a put id a node still holds.
-        self.ids = itertools.count(time.time_ns() // 1000)
+        # Unique and growing across failovers: a new leader starts above the old one's reservation in etcd.
+        self.ids = Generations(time.time_ns() // 1000)
         self.links: dict[str, Any] = {}
         self.link_factory = link_factory
-        # (node_id, keys, put_ids) to remove, ("__close__", link, None), ("__copy__", job, None)
+        # (node_id, keys, put_ids, term) to remove, ("__close__", link, None, 0), ("__copy__", job, None, term)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.leader = True
         self.leader_address: str | None = address or None
@@ -91,6 +132,11 @@ class MasterState:
         self.lease_keys.clear()
         self.removed.clear()
         self.removal_order.clear()
+        self.horizon = self.horizon_saved = 0
+        self.recording.clear()
+        self.busy.clear()
+        self.dirty.clear()
+        self.term += 1
 
     def check_leader(self) -> None:
         if not self.leader:
@@ -149,7 +195,48 @@ class MasterState:
         for node_id in obj.replicas:
             self.release_space_locked(node_id, obj.size)
             self.hide_local_locked(node_id, obj)
-            self.outbox.put((node_id, [obj.key], [obj.put_id]))
+            self.queue_removal_locked(node_id, [obj.key], [obj.put_id])
+
+    def queue_removal_locked(self, node_id: str, keys: list[str], put_ids: list[int]) -> None:
+        """Have the outbox remove these copies from `node_id`; the node gets no new mark until done."""
+        self.busy[node_id] = self.busy.get(node_id, 0) + 1
+        self.outbox.put((node_id, keys, put_ids, self.term))
+
+    def queue_copy_locked(self, target: str, job: tuple) -> None:
+        self.busy[target] = self.busy.get(target, 0) + 1
+        self.outbox.put(("__copy__", job, None, self.term))
+
+    def done_locked(self, node_id: str, term: int, failed: bool = False) -> None:
+        """Outbox work for `node_id` queued in `term` is over (`failed`: it may not have happened)."""
+        if term != self.term:
+            return
+        left = self.busy.get(node_id, 0) - 1
+        if left > 0:
+            self.busy[node_id] = left
+        else:
+            self.busy.pop(node_id, None)
+        if failed and node_id in self.nodes:
+            self.dirty.add(node_id)
+
+    def grant_mark_locked(self, node: NodeEntry) -> int:
+        """The node's mark (module docstring): raised to the newest generation every tombstone up
+        to which has been applied to the node, else left where it was."""
+        nid = node.node_id
+        if self.busy.get(nid) or nid in self.dirty:
+            return node.mark
+        bound = self.ids.last
+        if self.recording:
+            bound = min(bound, min(self.recording) - 1)
+        for key in self.pending:
+            obj = self.objects.get(key)
+            if obj is not None and obj.state == PENDING and nid in obj.replicas:
+                bound = min(bound, obj.put_id - 1)
+        for key in self.removing:
+            obj = self.objects.get(key)
+            if obj is not None and obj.removing and nid in obj.replicas:
+                bound = min(bound, self.removed.get(key, obj.put_id) - 1)
+        node.mark = max(node.mark, bound)
+        return node.mark
 
     def hide_local_locked(self, node_id: str, obj: ObjectEntry) -> None:
         """An in-process node's same-host readers find objects through its shm index without
@@ -166,13 +253,13 @@ class MasterState:
         for node_id in obj.replicas:
             self.release_space_locked(node_id, obj.size, count=False)
             self.hide_local_locked(node_id, obj)
-            self.outbox.put((node_id, [obj.key], [obj.put_id]))
+            self.queue_removal_locked(node_id, [obj.key], [obj.put_id])
         self.counters["reclaimed"] += 1
 
     def evict_replica_locked(self, obj: ObjectEntry, node_id: str) -> None:
         del obj.replicas[node_id]
         self.release_space_locked(node_id, obj.size)
-        self.outbox.put((node_id, [obj.key], [obj.put_id]))
+        self.queue_removal_locked(node_id, [obj.key], [obj.put_id])
         self.counters["evictions"] += 1
         if not obj.replicas:
             del self.objects[obj.key]
@@ -199,35 +286,35 @@ class MasterState:
                 lost += obj.state == COMPLETE
         link = self.links.pop(node_id, None)
         if link is not None:
-            self.outbox.put(("__close__", link, None))
+            self.outbox.put(("__close__", link, None, 0))
         self.counters["nodes_lost"] += 1
         log.warning("node %s dropped (%s); %d object(s) lost their last replica", node_id, reason, lost)
         return True
 
-    def remember_removal_locked(self, key: str, put_id: int, now: float) -> None:
-        until = now + self.removal_memory_s
-        self.removed.setdefault(key, {})[put_id] = until
-        self.removal_order.append((until, key, put_id))
+    def remember_removal_locked(self, key: str, generation: int, now: float) -> None:
+        """A tombstone: copies of `key` written by puts up to `generation` are removed."""
+        if generation > self.removed.get(key, 0):
+            self.removed[key] = generation
+            self.removal_order.append((now + self.removal_memory_s, key, generation))
 
-    def was_removed_locked(self, key: str, put_id: int, now: float) -> bool:
-        """Is a node's copy of `key` written by `put_id` one whose remove we acknowledged? A copy
-        held since before the node restarted (put id 0) may be any put's: yes if any was removed."""
-        removals = self.removed.get(key)
-        if not removals:
-            return False
-        if put_id == 0:
-            return any(until > now for until in removals.values())
-        return removals.get(put_id, 0.0) > now
+    def refused_locked(self, key: str, put_id: int, mark: int) -> bool:
+        """Must a node with `mark` drop its copy of `key` written by `put_id` (0: unknown), one its
+        master does not know? Yes when a kept tombstone covers it, or when a forgotten one might
+        (the node's mark is below the horizon and so is the put)."""
+        removed = self.removed.get(key, 0)
+        if removed and (put_id == 0 or put_id <= removed):
+            return True
+        return mark < self.horizon and put_id <= self.horizon
 
     def expire_removals_locked(self, now: float) -> None:
+        """Forget tombstones older than `removal_memory_s`, raising the horizon past them."""
         order = self.removal_order
         while order and order[0][0] <= now:
-            _, key, put_id = order.popleft()
-            removals = self.removed.get(key)
-            if removals is not None and removals.get(put_id, now + 1) <= now:
-                del removals[put_id]
-                if not removals:
-                    del self.removed[key]
+            _, key, generation = order.popleft()
+            if self.removed.get(key) == generation:
+                del self.removed[key]
+            if generation > self.horizon:
+                self.horizon = generation
 
     def release_locked(self, lease_ids: Iterable[int], now: float) -> None:
         for lid in lease_ids:

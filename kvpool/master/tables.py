@@ -8,11 +8,12 @@ Invariants (kept by `MasterService`, which owns the only lock):
 - `ObjectEntry.leases` maps lease id -> monotonic expiry; while one is unexpired the object is
   neither evicted nor removed (a `remove` marks it `removing`, hides it from readers, and finishes
   when the last lease is released or expires).
-- An acknowledged remove is remembered in `MasterState.removed` (key -> put id -> until) for
-  `removal_memory_s`, whether or not the replicas' nodes confirmed: a node the master did not
-  know held a copy (dropped while paused, or not yet re-reported to a new leader) may report it
-  later, and that report is refused, so the remove never comes undone (in cluster mode the
-  record is in etcd too, `kvpool.cluster.removals`, for the next leader).
+- Every remove leaves a tombstone (`MasterState.removed`, key -> the remove's generation; in
+  cluster mode written to etcd first, `kvpool.cluster.removals`) whether the key was found or
+  not: a node the master did not know held a copy (dropped while paused, or not yet re-reported
+  after a failover) may report it later, and that report is refused, so the remove never comes
+  undone. Tombstones older than `removal_memory_s` are forgotten behind a horizon; a node's
+  `mark` covers them (`kvpool.master.state`).
 - `NodeEntry.used` is the master's own account: bytes of replicas placed on the node (pending
   and complete). `capacity` comes from the node's registration.
 """
@@ -84,6 +85,7 @@ class NodeEntry:
     registered_at: float = field(default_factory=time.time)
     stats: dict = field(default_factory=dict)  # the node's own last report (store.stats())
     transfer_segment: bytes | None = None  # the transfer engine's SegmentDescriptor, if any
+    mark: int = 0  # the generation up to which every remove has reached the node (`MasterState`)
 
     @property
     def total_capacity(self) -> int:

@@ -68,9 +68,9 @@ class MasterChannel:
             self.changed = True
             raise
 
-    def register(self, info: NodeInfo, objects: list[Held]) -> None:
+    def register(self, info: NodeInfo, objects: list[Held], mark: int = 0) -> None:
         if self._master is not None:
-            self._master.register_node(info, objects)
+            self._master.register_node(info, objects, mark)
             return
         if self._etcd is not None and self._registration is None:
             from kvpool.cluster import NODES_PREFIX, Registration, lease_ttl
@@ -78,17 +78,19 @@ class MasterChannel:
             doc = json.dumps({"node_id": info.node_id, "address": info.address})
             self._registration = Registration(self._etcd, NODES_PREFIX + info.node_id, doc,
                                               lease_ttl(self._settings.heartbeat_s)).start()
-        self._call(RegisterNode(info, objects))
+        self._call(RegisterNode(info, objects, mark))
         self.changed = False
 
-    def heartbeat(self, node_id: str, stats: dict, dropped: list[Held], moved: list[Held]) -> bool:
+    def heartbeat(self, node_id: str, stats: dict, dropped: list[Held], moved: list[Held]) -> tuple[bool, int]:
+        """(known, mark): see `HeartbeatReply`."""
         if self._master is not None:
             return self._master.heartbeat(node_id, stats, dropped, moved)
         if self._rpc is None:
             self.changed = True
             self._client()
-            return False
-        return self._call(Heartbeat(node_id, _jsonable(stats), dropped, moved)).known
+            return False, 0
+        reply = self._call(Heartbeat(node_id, _jsonable(stats), dropped, moved))
+        return reply.known, reply.mark
 
     def node_addresses(self) -> set[str] | None:
         """The RPC addresses of the registered nodes (the embedded master's table, or etcd's

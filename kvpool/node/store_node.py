@@ -10,7 +10,9 @@ Data path (all on the node's RPC port, one round trip each):
 - `NodeRemove`: removes a copy only if it is still the named put's.
 
 Objects the store evicts by its own policy are reported to the master with the next heartbeat
-(embedded: at once). The arena is also registered with the transfer engine (when available;
+(embedded: at once). The master's mark (`HeartbeatReply.mark`, `kvpool.master.state`) goes to
+`Writes` and, with an SSD tier, to `MARK_FILE` beside it, so that copies which survive a restart
+are reported with the mark they had. The arena is also registered with the transfer engine (when available;
 `engine=` passes one in, e.g. with an RDMA device), and its descriptor is published in
 `NodeInfo.transfer_segment` (and `NodeStats`) for peers that move bytes with `transfer`.
 """
@@ -18,8 +20,10 @@ Objects the store evicts by its own policy are reported to the master with the n
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
+import time
 from typing import Any
 
 from kvpool.config import Settings
@@ -38,6 +42,8 @@ from kvpool.security.tickets import Tickets
 log = logging.getLogger("kvpool.node")
 
 INLINE_MAX = 32 * 1024  # NodePin sends objects up to this size in the reply instead of pinning them
+MARK_FILE = "kvpool-mark"  # in the SSD tier's directory: the mark its copies were last covered by
+MARK_SAVE_S = 2.0  # at most one write of it per this many seconds (an older mark claims less: safe)
 
 
 class StoreNode:
@@ -67,6 +73,7 @@ class StoreNode:
         self.engine = engine
         self._own_engine = engine is None
         self.transfer_segment: bytes | None = None
+        self._mark_saved_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -116,6 +123,7 @@ class StoreNode:
         keyring = getattr(self.rpc, "keyring", None)
         if keyring is not None and master is None:  # our master is elsewhere: its tickets admit each write
             self.writes.tickets = Tickets(ticket_key(keyring.node_credential().secret))
+        self._load_mark()
         self._start_transfer_engine()
         self.channel = MasterChannel(master, None if master is not None else s)
         self._register()
@@ -187,9 +195,33 @@ class StoreNode:
     def held(self) -> list[Held]:
         return [Held(k, size, tier, self.writes.put_id_of(k)) for k, size, tier in self.store.keys()]
 
+    def _mark_path(self) -> str | None:
+        return os.path.join(self.settings.ssd_path, MARK_FILE) if self.settings.ssd_path else None
+
+    def _load_mark(self) -> None:
+        path = self._mark_path()
+        try:
+            if path is not None:
+                self.writes.set_mark(int(open(path).read().strip() or 0))
+        except (OSError, ValueError):  # none yet, or torn: no mark (it only makes the master trust less)
+            pass
+
+    def _save_mark(self) -> None:
+        path = self._mark_path()
+        now = time.monotonic()
+        if path is None or now - self._mark_saved_at < MARK_SAVE_S:
+            return
+        self._mark_saved_at = now
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.write(str(self.writes.mark))
+            os.replace(path + ".tmp", path)
+        except OSError as exc:  # a full disk: the older mark stays, which is safe
+            log.info("node %s: saving the mark failed: %s", self.node_id, exc)
+
     def _register(self) -> None:
         try:
-            self.channel.register(self.info(), self.held())
+            self.channel.register(self.info(), self.held(), self.writes.mark)
         except KVPoolError as exc:
             log.warning("node %s: registration failed (%s); retrying with the next heartbeat", self.node_id, exc)
 
@@ -204,9 +236,12 @@ class StoreNode:
                 moved, self._moved = self._moved, []
             try:
                 stats = self.store.stats()
-                if not self.channel.heartbeat(self.node_id, stats, dropped, moved) or self.channel.changed:
+                known, mark = self.channel.heartbeat(self.node_id, stats, dropped, moved)
+                if mark and self.writes.set_mark(mark):
+                    self._save_mark()
+                if not known or self.channel.changed:
                     self.channel.changed = False
-                    self.channel.register(self.info(), self.held())
+                    self.channel.register(self.info(), self.held(), self.writes.mark)
             except KVPoolError as exc:
                 log.info("node %s: heartbeat failed (%s)", self.node_id, exc)
                 with self._news_lock:  # keep the news for the next master

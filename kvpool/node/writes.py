@@ -77,6 +77,10 @@ class Writes:
         self._spent = Spent()
         self.revoke: Callable[[bytes], None] | None = None
         self._put_ids: dict[str, int] = {}  # key -> the put that wrote our copy
+        # Every remove up to this generation has reached us (`HeartbeatReply.mark`): a write of a
+        # put up to it is one the master no longer expects (reclaimed), and is refused.
+        self.mark = 0
+        self._aborted: set[int] = set()  # puts above the mark whose removal came before their bytes
         self._open: dict[str, _Open] = {}
         # NodeWrite payloads being received into a reservation: id -> (put deadline, payload)
         self._filling: dict[int, tuple[float, Payload]] = {}
@@ -102,15 +106,35 @@ class Writes:
     def remove(self, key: str, put_id: int) -> bool:
         """Remove our copy of `key` if put `put_id` wrote it, or abort that put's open reservation
         (the master reclaimed it). A copy held since before a restart (put unknown, 0) is any
-        put's; put id 0 names only such a copy (never a wildcard)."""
+        put's; put id 0 names only such a copy (never a wildcard). When neither is here, the
+        put's bytes may still be on their way: they will be refused (`stale`)."""
         if self.abort(key, put_id):
             return True
         with self._lock:
             ours = self._put_ids.get(key, 0) in (put_id, 0)
         try:
-            return ours and self.store.remove(key)
+            removed = ours and self.store.remove(key)
         except KVPoolError:
-            return False
+            removed = False
+        if not removed and put_id:
+            with self._lock:
+                if put_id > self.mark:
+                    self._aborted.add(put_id)
+        return removed
+
+    def set_mark(self, mark: int) -> bool:
+        """The master's new mark; True when it moved."""
+        with self._lock:
+            if mark <= self.mark:
+                return False
+            self.mark = mark
+            self._aborted = {p for p in self._aborted if p > mark}
+            return True
+
+    def stale(self, put_id: int) -> bool:
+        """Is a write of put `put_id` one the master gave up on (reclaimed, removed)?"""
+        with self._lock:
+            return put_id <= self.mark or put_id in self._aborted
 
     # ------------------------------------------------------------------ plan, reserve, publish
 
@@ -145,6 +169,8 @@ class Writes:
             if why is not None:
                 log.info("node %s: refused a write of %r under put %d: %s", self.node_id, key, put_id, why)
                 raise Forbidden(f"write of {key!r} under put {put_id} refused: {why}")
+        if self.stale(put_id):
+            raise Unavailable(f"put {put_id} of {key!r} was reclaimed by the master; start the put again")
         return put_id, False
 
     def reserve(self, key: str, size: int, put_id: int):
@@ -153,10 +179,19 @@ class Writes:
             self.store.remove(key)
         return self.store.reserve(key, size)
 
-    def publish(self, key: str, put_id: int, offset: int, local: bool) -> Placed:
-        """Make the filled reservation of `key` visible (and, for a local put, end it at the master)."""
+    def publish(self, key: str, put_id: int, offset: int, local: bool, copy: bool = False) -> Placed:
+        """Make the filled reservation of `key` visible (and, for a local put, end it at the master).
+        A client's write (not a drain `copy`, which the master tracks itself) whose put the master
+        gave up on meanwhile is refused: it would be a copy nobody knows of."""
         with self._lock:
-            self._put_ids[key] = put_id
+            if not (local or copy) and (put_id <= self.mark or put_id in self._aborted):
+                stale = True
+            else:
+                stale = False
+                self._put_ids[key] = put_id
+        if stale:
+            self.store.abort(key)
+            raise Unavailable(f"put {put_id} of {key!r} was reclaimed by the master; start the put again")
         self.store.commit(key)
         placed = Placed(self.node_id, "dram", self.segment, offset)
         if local:
@@ -220,7 +255,7 @@ class Writes:
                 except BaseException:
                     self.store.abort(key)
                     raise
-                results.append(self.publish(key, put_id, res.offset, local=False))
+                results.append(self.publish(key, put_id, res.offset, local=False, copy=True))
             return results
         finally:
             peer.close()

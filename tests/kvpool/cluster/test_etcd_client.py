@@ -83,3 +83,55 @@ def test_one_leader_and_the_standby_takes_over(etcd):
     assert c.get(LEADER_KEY) == b"b:2"
     b.stop()
     c.close()
+
+
+def test_removal_log_writes_only_while_its_master_holds_the_leader_key(etcd):
+    """The fence (issue 29): a deposed leader that has not noticed yet must not acknowledge a
+    remove the new leader never loaded, nor compact tombstones away."""
+    import pytest
+
+    from kvpool.cluster.removals import HORIZON_KEY, REMOVED_PREFIX, RemovalLog
+    from kvpool.errors import NotLeader
+
+    c = EtcdClient(etcd.meta)
+    try:
+        old, new = c.grant(10), c.grant(10)
+        assert c.create(LEADER_KEY, "old:1", lease=old)
+        deposed = RemovalLog(c, lambda: old)
+        deposed.record(["a"], 5)
+        assert deposed.reserve(5) > 5
+        assert deposed.load() == ([("a", 5)], 0)
+        c.revoke(old)  # its lease ended; another master won the key
+        assert c.create(LEADER_KEY, "new:2", lease=new)
+        with pytest.raises(NotLeader):
+            deposed.record(["b"], 9)
+        with pytest.raises(NotLeader):
+            deposed.compact(5)
+        with pytest.raises(NotLeader):
+            deposed.reserve(9)
+        leader = RemovalLog(c, lambda: new)
+        assert leader.load() == ([("a", 5)], 0)
+        leader.record(["b"], 9)
+        leader.compact(5)
+        assert leader.load() == ([("b", 9)], 5)
+        assert list(c.get_prefix(REMOVED_PREFIX)) == [f"{REMOVED_PREFIX}{9:016x}/b"] and c.get(HORIZON_KEY) == b"5"
+    finally:
+        c.close()
+
+
+def test_a_client_survives_an_etcd_restart_and_serves_threads_at_once(etcd):
+    """Its idle keep-alive connections die with etcd: the next call opens a fresh one instead of
+    failing on a dead socket; concurrent callers each get a connection."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = EtcdClient(etcd.meta)
+    try:
+        c.put("/t/a", "1")
+        etcd.stop()
+        etcd.start()
+        assert c.get("/t/a") == b"1"  # the first call after the restart
+        with ThreadPoolExecutor(8) as ex:
+            assert list(ex.map(lambda i: c.put(f"/t/p{i}", str(i)) or c.get(f"/t/p{i}"), range(64))) == \
+                [str(i).encode() for i in range(64)]
+    finally:
+        c.close()

@@ -38,7 +38,7 @@ def test_a_master_restarted_at_the_dead_leaders_address_waits_for_its_lease(etcd
         assert wait_for(lambda: (etcd_client.get_with_lease(LEADER_KEY) or (b"", 0))[0]
                         == first.address.encode())
         old_lease = etcd_client.get_with_lease(LEADER_KEY)[1]
-        assert _is_leader(first.address)
+        assert wait_for(lambda: _is_leader(first.address))  # elected: the key, then the tables
         first.kill()
         procs.append(spawn(args))
         restarted = procs[1]

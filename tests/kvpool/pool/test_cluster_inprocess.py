@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -100,6 +101,37 @@ def test_a_put_that_never_ends_is_reclaimed(cluster):
         assert c.get("orphan") == b"fresh"
     rpc.close()
     node_rpc.close()
+
+
+def test_a_puts_bytes_arriving_after_its_remove_answered_are_refused(cluster):
+    """A writer stalls between PutStart and its NodeWrite; the key is removed (the pending put is
+    reclaimed and its removal reaches the node, which holds nothing yet); then the bytes arrive.
+    The node must refuse them: a copy its master no longer knows of would come back as the
+    object with the node's next full report (here: to a restarted master), undoing the remove."""
+    master, nodes = cluster
+    rpc = RpcClient(master.address)
+    plan = rpc.call(PutStart(["late"], [4096], 1)).plans[0]
+    target = plan.targets[0]
+    node = next(n for n in nodes if n.node_id == target.node_id)
+    with kvpool.connect(master.address) as c:
+        assert c.remove("late") is True  # reclaims the pending put
+        assert master.service.admin.stats()["pending"] == 0
+        time.sleep(1.0)  # five heartbeats: the removal reaches the node (nothing there yet), then its mark
+    node_rpc = RpcClient(target.address)
+    result = node_rpc.call(NodeWrite(["late"], [4096], [plan.put_id]), [b"z" * 4096]).results[0]
+    node_rpc.close()
+    rpc.close()
+    assert getattr(result, "code", None) == "unavailable", result
+    assert not node.store.contains("late")
+    port = master.rpc.port
+    master.stop()
+    fresh = MasterServer(load_settings(port=port, admin_port=0, heartbeat_s=0.2)).start()
+    try:
+        assert wait_for(lambda: len(fresh.service.admin.nodes()) == 3, timeout=10)
+        with kvpool.connect(fresh.address) as c:
+            assert c.get("late") is None and c.exists("late") is False
+    finally:
+        fresh.stop()
 
 
 def test_admin_methods(cluster):
@@ -235,3 +267,43 @@ def test_same_host_cluster_reads_use_the_node_index_after_the_masters_lookup(clu
         assert sent == []  # no NodePin: the index served it
         assert c.remove("idx") is True
         assert c.get("idx") is None
+
+
+def test_ssd_copies_survive_a_node_restart_after_tombstones_were_forgotten(tmp_path):
+    """A restarted node reports its SSD copies without their put ids (0) and with the mark it
+    saved beside them: above the master's horizon, so they are trusted; without the saved mark
+    (deleted here before a second restart) none can be told from a removed copy, and all are refused."""
+    from kvpool.node.store_node import MARK_FILE
+
+    base = dict(admin_port=0, heartbeat_s=0.2, removal_memory_s=0.5)
+    master = MasterServer(load_settings(port=0, **base)).start()
+    node_settings = load_settings(port=0, master=master.address, node_id="n0", dram_capacity="4MiB",
+                                  ssd_path=str(tmp_path / "ssd"), ssd_capacity="64MiB", **base)
+    node = StoreNode(node_settings).start()
+    try:
+        with kvpool.connect(master.address, use_shm=False) as c:
+            values = {f"s{i}": os.urandom(512 * 1024) for i in range(16)}  # 8 MiB through 4 MiB of DRAM
+            for k, v in values.items():
+                c.put(k, v)
+            assert c.remove("s15") is True  # a tombstone, forgotten 0.5 s later
+            del values["s15"]
+            assert wait_for(lambda: master.service.admin.stats()["removal_horizon"] > 0, timeout=5)
+            time.sleep(2.5)  # the node saves its mark at most every 2 s
+            on_ssd = {k for k, _, tier in node.store.keys() if tier == "ssd"}
+            assert on_ssd and on_ssd < set(values)
+            for restart in ("with its mark", "without"):
+                node.stop()
+                assert wait_for(lambda: not master.service.admin.nodes(), timeout=5)
+                if restart == "without":
+                    os.unlink(tmp_path / "ssd" / MARK_FILE)
+                node = StoreNode(node_settings).start()
+                assert wait_for(lambda: len(master.service.admin.nodes()) == 1, timeout=5)
+                if restart == "with its mark":
+                    assert wait_for(lambda: master.service.admin.stats()["objects"] == len(on_ssd), timeout=5)
+                    assert c.get_batch(sorted(on_ssd)) == [values[k] for k in sorted(on_ssd)]
+                else:
+                    assert wait_for(lambda: not any(True for _ in node.store.keys()), timeout=5)
+                    assert master.service.admin.stats()["objects"] == 0
+    finally:
+        node.stop()
+        master.stop()
