@@ -40,6 +40,7 @@ from typing import Any, List, Optional
 import torch
 
 from engine_adapters.chunk_reader import ChunkReader
+from engine_adapters.compat import require
 from engine_adapters.chunk_store import plugin_mac_key, plugin_tenant_salt
 from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, encode_into
 from kvpool.codec import encode_object, get_codec
@@ -83,6 +84,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     """
 
     def __init__(self, storage_config: Any, kwargs: Optional[dict] = None, *, client: PoolClient | None = None):
+        require("sglang")
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         if getattr(storage_config, "is_mla_model", False):
             raise InvalidArgument("KVPoolHiCacheStorage stores K and V pages; MLA (latent) KV caches are not supported")

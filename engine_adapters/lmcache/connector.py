@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, TypeVar
 
 import kvpool
+from engine_adapters.compat import require
 from engine_adapters.chunk_reader import ANY_TOKENS, ChunkReader
 from engine_adapters.chunk_store import plugin_mac_key, plugin_tenant_salt
 from engine_adapters.lmcache.chunks import LMCacheChunks
@@ -52,6 +53,7 @@ class KVPoolConnector(RemoteConnector):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any, *,
                  url: str | None = None, metadata: Any = None, plugin_name: str = PLUGIN_TYPE):
+        require("lmcache")
         metadata = metadata if metadata is not None else getattr(local_cpu_backend, "metadata", None)
         if metadata is None:
             raise InvalidArgument("KVPoolConnector needs LMCache's metadata (the model's KV shape)")

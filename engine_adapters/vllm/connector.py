@@ -13,6 +13,7 @@ import inspect
 import logging
 from typing import Any
 
+from engine_adapters.compat import require
 from engine_adapters.vllm.metadata import KVPoolConnectorMetadata
 from engine_adapters.vllm.scheduler import SchedulerSide
 from engine_adapters.vllm.settings import ConnectorSettings
@@ -40,6 +41,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *, client: PoolClient | None = None):
         if VLLM_AVAILABLE:
+            require("vllm")  # an untested vLLM release is refused here, with the reason, not mid-forward
             if "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters:
                 super().__init__(vllm_config, role, kv_cache_config)
             else:  # vLLM before 0.11 constructs connectors with (vllm_config, role)
