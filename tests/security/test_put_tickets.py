@@ -46,7 +46,7 @@ def cluster(tmp_path_factory):
     try:
         with ThreadPoolExecutor(3) as ex:
             started = [ex.submit(spawn, ["master", *common, "--admin-port", "0"], env=env)]
-            started += [ex.submit(spawn, ["node", *common, "--node-id", f"n{i}", "--dram-capacity", "16MiB"],
+            started += [ex.submit(spawn, ["node", *common, "--node-id", f"n{i}", "--dram-capacity", "16MiB", "--admin-port", "0"],
                                   env=env, log_level="INFO") for i in range(2)]
             procs += [f.result() for f in started]
         ops = kvpool.connect(procs[0].address, credential=cred("ops"), timeout=15)
