@@ -155,6 +155,9 @@ class WorkerInfo(Message):
     # The namespace's canonical JSON (kvpool.keys.Namespace.canonical_json): a router salts it per
     # tenant (tenant_salt replaced by kvpool.security.keyring.tenant_salt) to hash a tenant's prompts.
     namespace_doc: str = ""
+    # The tenants whose requests it serves (its keyring's), None: whoever is named (no keyring, or
+    # an older worker). A router sends a tenant's requests only to workers that serve it.
+    tenants: list[str] | None = None
 
 
 class TokenizerInfo(Message):

@@ -180,9 +180,13 @@ def build_worker(config: WorkerConfig, *, model_cache: str | None = None, dtype:
     started = time.perf_counter()
     rm = load_reference_model(cache_dir=model_cache, dtype=dtype)
     log.info("model %s loaded in %.1f s", rm.model_id, time.perf_counter() - started)
-    # untenanted requests; with a keyring, each tenant gets its own
-    pool = kvpool.connect(config.pool) if config.pool != NO_POOL else None
-    return Worker(config, rm, pool, keyring=load_keyring())
+    # untenanted requests; with a keyring, each tenant gets its own (and a keyring of tenants only,
+    # no principal of the worker's own, serves no untenanted request: no client for them)
+    keyring = load_keyring()
+    own = keyring.own_credential() if keyring is not None else None
+    pooled = config.pool != NO_POOL and (keyring is None or own is not None)
+    pool = kvpool.connect(config.pool, credential=own) if pooled else None
+    return Worker(config, rm, pool, keyring=keyring)
 
 
 def serve(config: WorkerConfig, *, host: str = "127.0.0.1", port: int = 0, ready_file: str | None = None,

@@ -166,7 +166,8 @@ class Worker:
                           eos_token_ids=sorted(self.eos), max_positions=self.runner.max_positions,
                           bytes_per_token=self.layout.bytes_per_token, kv_codec=self.layout.codec,
                           stored_bytes_per_token=stored_bytes_per_token(self.layout),
-                          namespace_doc=self.namespace.canonical_json())
+                          namespace_doc=self.namespace.canonical_json(),
+                          tenants=self.tenants.keyring.tenant_ids() if self.tenants.keyring is not None else None)
 
     def load(self) -> LoadReport:
         per_token = self.layout.bytes_per_token

@@ -19,7 +19,9 @@ in the keyring:
 - a pool client that authenticates as T's principal, made on T's first request and kept (the
   pool scopes keys per tenant principal, so T's reads never see another tenant's objects).
 A request without the header runs untenanted, as the principal the worker's own pool client uses
-(`KVPOOL_PRINCIPAL`, else the keyring's node principal), with keys derived from that secret.
+(`KVPOOL_PRINCIPAL`, else the keyring's node principal), with keys derived from that secret. A
+worker whose keyring holds only tenants (least privilege: it has no secret of its own, and only its
+own tenants' secrets) serves no untenanted request: each must name a tenant it holds.
 
 Invariant: a `TenantKV` is built once per tenant and never changes; they are shared by requests
 (their adapters and pool clients are thread-safe).
@@ -66,8 +68,10 @@ class Tenants:
         self._connect = connect
         self._lock = threading.Lock()
         self._by_tenant: dict[str, TenantKV] = {}
-        own = keyring.credential().secret if keyring is not None else None
-        self.default = self._make(None, namespace, pool, own)
+        own = keyring.own_credential() if keyring is not None else None
+        # a keyring of tenants only: no principal of its own, so no untenanted request
+        self.untenanted = keyring is None or own is not None
+        self.default = self._make(None, namespace, pool, own.secret if own is not None else None)
 
     def _make(self, tenant: str | None, namespace: Namespace, pool: Any, secret: bytes | None) -> TenantKV:
         from engine_adapters.hf import HFAdapter
@@ -80,6 +84,10 @@ class Tenants:
         """The tenant's view; blocking on its first use (it connects to the pool): call it off the
         event loop. `Forbidden` for a tenant the keyring does not know."""
         if not tenant:
+            if not self.untenanted:
+                raise Forbidden("this worker holds only its tenants' credentials (its keyring has no principal of its "
+                                f"own): a request must name one of its tenants {self.keyring.tenant_ids()} "
+                                "(X-KVPool-Tenant)")
             return self.default
         if self.keyring is None:
             raise InvalidArgument("this worker has no keyring (KVPOOL_AUTH_FILE), so it serves no tenants: "
@@ -89,7 +97,8 @@ class Tenants:
             return found
         entry = self.keyring.tenant_entry(tenant)
         if entry is None:
-            raise Forbidden(f"unknown tenant {tenant!r}")
+            raise Forbidden(f"unknown tenant {tenant!r}: not served by this worker (its keyring holds "
+                            f"{self.keyring.tenant_ids()})")
         with self._lock:
             found = self._by_tenant.get(tenant)
             if found is None:

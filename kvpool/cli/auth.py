@@ -1,7 +1,11 @@
 """`kvpool auth init`: make the secrets a secured deployment needs, as files (never argv).
 
-    DIR/keyring.toml    principals `node` (masters, nodes, workers, the router), `admin`, and one
-                        `tenant:<id>` per --tenant with a random secret and an OpenAI API key (0600)
+    DIR/keyring.toml    principals `node` (masters and nodes), `admin`, and one `tenant:<id>` per
+                        --tenant with a random secret and an OpenAI API key (0600): masters and
+                        nodes hold it (they check every principal's handshake)
+    DIR/tenants.keyring.toml  the tenants only (0600): the router's and the workers' (least
+                        privilege: no node secret there; `kvpool auth keyring` cuts a worker's to
+                        the tenants it serves)
     DIR/admin.token     the admin API's bearer token (KVPOOL_ADMIN_TOKEN_FILE) (0600)
     DIR/internal.token  the router <-> worker bearer token, derived from the node secret (0600):
                         for curl against workers' and the router's /admin
@@ -13,6 +17,9 @@
     DIR/etcd-ca.crt, etcd-ca.key          a CA of its own (keep the key offline: it signs more)
     DIR/etcd-server.crt, etcd-server.key  etcd's certificate: DNS/IP names --san, localhost, 127.0.0.1
     DIR/etcd-client.crt, etcd-client.key  the certificate masters, nodes, workers and the router present
+
+`kvpool auth keyring --from FILE --principal NAME ... --out FILE`: a keyring of only those
+principals (a worker that serves some tenants, a tenant's own program).
 
 DIR is created 0700; keys are 0600; existing files are never overwritten without --force.
 """
@@ -38,10 +45,6 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
     os.chmod(tmp, 0o600)  # whatever the umask
     os.replace(tmp, path)
-
-
-def _toml_str(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 @click.group()
@@ -70,44 +73,71 @@ def init(out_dir: str, tenants: tuple[str, ...], force: bool) -> None:
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     node_secret = secrets.token_urlsafe(32)
-    lines = ["# kvpool keyring (kvpool auth init). Keep it 0600; every service reads it through KVPOOL_AUTH_FILE.",
-             "# A client that is a tenant may hold a keyring with only its own principal.", ""]
-    entries = [("node", "node", node_secret, None), ("admin", "admin", secrets.token_urlsafe(32), None)]
-    entries += [(t, f"tenant:{t}", secrets.token_urlsafe(32), f"sk-{t}-{secrets.token_urlsafe(24)}") for t in tenants]
-    for name, role, secret, api_key in entries:
-        lines += [f"[principals.{_toml_str(name)}]", f"role = {_toml_str(role)}", f"secret = {_toml_str(secret)}"]
-        if api_key:
-            lines.append(f"api_keys = [{_toml_str(api_key)}]")
-        lines.append("")
+    doc = {"node": {"role": "node", "secret": node_secret}, "admin": {"role": "admin", "secret": secrets.token_urlsafe(32)}}
+    for t in tenants:
+        doc[t] = {"role": f"tenant:{t}", "secret": secrets.token_urlsafe(32), "api_keys": [f"sk-{t}-{secrets.token_urlsafe(24)}"]}
+    ring = Keyring.from_dict({"principals": doc})
     keyring_path, admin_path, internal_path = out / "keyring.toml", out / "admin.token", out / "internal.token"
-    metrics_path = out / "metrics.token"
-    for path in (keyring_path, admin_path, internal_path, metrics_path):
+    metrics_path, tenants_path = out / "metrics.token", out / "tenants.keyring.toml"
+    for path in (keyring_path, tenants_path, admin_path, internal_path, metrics_path):
         if path.exists() and not force:
             raise click.UsageError(f"{path} exists; pass --force to replace it (every service then needs the new one)")
-    _write_private(keyring_path, "\n".join(lines))
+    _write_private(keyring_path, ring.to_toml(
+        "kvpool keyring (kvpool auth init): every principal. Masters and nodes hold it (KVPOOL_AUTH_FILE), 0600.\n"
+        "The router and workers hold tenants.keyring.toml; a tenant's program a keyring of its own principal."))
+    if tenants:
+        _write_private(tenants_path, ring.subset(list(tenants)).to_toml(
+            "kvpool keyring of the tenants only (kvpool auth init): the router's and the workers' (no node secret).\n"
+            "A worker that serves some tenants: kvpool auth keyring --from keyring.toml --principal ID ... --out FILE"))
     _write_private(admin_path, secrets.token_urlsafe(32) + "\n")
     _write_private(internal_path, internal_http_token(node_secret.encode()) + "\n")
     _write_private(metrics_path, secrets.token_urlsafe(32) + "\n")
     Keyring.load(keyring_path)  # what we wrote is what services accept
+    entries = [(t, None, None, doc[t]["api_keys"][0]) for t in tenants]
 
     click.echo(f"wrote {keyring_path} (principals: node, admin{''.join(', ' + t for t in tenants)})")
+    if tenants:
+        click.echo(f"wrote {tenants_path} (the tenants only: the router's and the workers' keyring)")
     click.echo(f"wrote {admin_path} (admin API bearer token)")
     click.echo(f"wrote {internal_path} (router <-> worker token, for curl)")
     click.echo(f"wrote {metrics_path} (Prometheus's bearer token: /metrics only)")
     if tenants:
         click.echo("\nOpenAI API keys (the router maps each to its tenant):")
-        for name, _, _, api_key in entries[2:]:
+        for name, _, _, api_key in entries:
             click.echo(f"  {name:<12} {api_key}")
     click.echo(f"""
-Use it (every process of the deployment reads the same keyring):
+Use it (on one machine every process may read the whole keyring):
   kvpool up --auth-file {keyring_path}
 or, service by service:
-  export KVPOOL_AUTH_FILE={keyring_path}
+  export KVPOOL_AUTH_FILE={keyring_path}           # masters and nodes: every principal
   export KVPOOL_ADMIN_TOKEN_FILE={admin_path}    # kvpool serve / master, and kvpool admin
   export KVPOOL_METRICS_TOKEN_FILE={metrics_path} # every service's /metrics (a node's needs it)
   kvpool serve --host 0.0.0.0 ...                # non-loopback binds need the keyring (protected mode)
+  # the router and workers: the tenants only, and the internal token (no node secret)
+  KVPOOL_AUTH_FILE={tenants_path} KVPOOL_INTERNAL_TOKEN_FILE={internal_path} kvpool router ...
 A tenant's own program holds a keyring with only its principal, or sets KVPOOL_PRINCIPAL=<tenant>.
 Details: docs/security.md""")
+
+
+@auth.command()
+@click.option("--from", "source", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="The keyring to take principals from (e.g. keyring.toml of kvpool auth init).")
+@click.option("--principal", "names", multiple=True, required=True, metavar="NAME",
+              help="A principal to keep (repeatable).")
+@click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False), help="The keyring to write (0600).")
+@click.option("--force", is_flag=True, help="Replace the file if it exists.")
+def keyring(source: str, names: tuple[str, ...], out_file: str, force: bool) -> None:
+    """Write a keyring of only some principals: what one role's processes should hold (a worker
+    that serves tenants acme and beta: --principal acme --principal beta)."""
+    from kvpool.security.keyring import Keyring
+
+    out = Path(out_file)
+    if out.exists() and not force:
+        raise click.UsageError(f"{out} exists; pass --force to replace it")
+    ring = Keyring.load(source).subset(list(dict.fromkeys(names)))
+    _write_private(out, ring.to_toml(f"kvpool keyring: {', '.join(ring.entries)} (kvpool auth keyring, from {source})"))
+    Keyring.load(out)
+    click.echo(f"wrote {out} (principals: {', '.join(ring.entries)})")
 
 
 ETCD_FILES = ("etcd-ca.crt", "etcd-ca.key", "etcd-server.crt", "etcd-server.key", "etcd-client.crt", "etcd-client.key")

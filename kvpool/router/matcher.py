@@ -39,8 +39,10 @@ log = logging.getLogger(__name__)
 
 class PrefixMatcher:
     def __init__(self, address: str, *, inline: bool = True, inline_timeout_s: float = 0.05,
-                 slow_s: float = 0.005, cooldown_s: float = 5.0, connect_s: float = 5.0):
+                 slow_s: float = 0.005, cooldown_s: float = 5.0, connect_s: float = 5.0, credential: Any = None):
+        """`credential`: who to ask as (default: the client's, `KVPOOL_PRINCIPAL` of the keyring)."""
         self.address = address
+        self.credential = credential
         self.inline = inline and not address.startswith(("etcd://", "etcds://", "http://", "https://"))
         self.inline_timeout_s = inline_timeout_s
         self.slow_s = slow_s
@@ -56,7 +58,7 @@ class PrefixMatcher:
     async def connect(self) -> "PrefixMatcher":
         from kvpool.client import connect, connect_async
 
-        self.pool = await connect_async(self.address)
+        self.pool = await connect_async(self.address, credential=self.credential)
         if self.inline:
             self._sync = await asyncio.to_thread(self._connect_inline, connect)
         return self
@@ -65,7 +67,7 @@ class PrefixMatcher:
         deadline = time.monotonic() + self.connect_s
         while True:
             try:
-                return connect(self.address, timeout=self.inline_timeout_s)
+                return connect(self.address, timeout=self.inline_timeout_s, credential=self.credential)
             except KVPoolError as exc:
                 if time.monotonic() >= deadline:
                     log.warning("match_prefix inline client did not connect within %.0f s (%s): every call "

@@ -144,8 +144,11 @@ class Router(WorkerCalls):
         self.workers = Workers(self.http, poll_s=self.config.poll_s, fail_after=self.config.fail_after,
                                on_join=self._on_join, on_load=self._on_load, backend=self.backend,
                                headers=headers, kv_events=self.kv_events)
-        if self.config.pool:
-            self.pool = await PrefixMatcher(self.config.pool).connect()
+        own = self.keyring.own_credential() if self.keyring is not None else None
+        if self.config.pool and (self.keyring is None or own is not None):
+            # untenanted requests' match_prefix; a keyring of tenants only (no node secret: least
+            # privilege) has no principal of its own, and then every request is a tenant's anyway
+            self.pool = await PrefixMatcher(self.config.pool, credential=own).connect()
         for spec in self.config.workers:
             role, _, url = spec.partition("=") if "=" in spec.split("://", 1)[0] else ("", "", spec)
             try:
@@ -227,6 +230,13 @@ class Router(WorkerCalls):
         return self.tokenizer is not None and any(s.role in ("decode", "both") for s in self.workers.serving())
 
     # -- routing -------------------------------------------------------------------------------
+    def not_serving(self, tenant: str | None) -> tuple[str, ...]:
+        """Workers that do not serve `tenant` (their keyring lacks it: `WorkerInfo.tenants`)."""
+        if tenant is None or self.workers is None:
+            return ()
+        return tuple(s.name for s in self.workers.serving()
+                     if s.info.tenants is not None and tenant not in s.info.tenants)
+
     def snapshot(self, keys: list[str], exclude: tuple[str, ...] = ()) -> Snapshot:
         views = tuple(s.view(keys) for s in self.workers.serving())
         snap = Snapshot(views, self.cost.params(), self.targets)
@@ -247,7 +257,7 @@ class Router(WorkerCalls):
         else:
             keys = chunk_keys_hex(namespace, ids, self.chunk_tokens)
         pool_chunks = 0
-        if keys and self.config.pool:
+        if keys and self.config.pool and (tenant is not None or self.pool is not None):
             try:
                 if tenant is None:
                     pool_chunks = await self.pool.match(keys)
@@ -259,7 +269,11 @@ class Router(WorkerCalls):
         req = RouteRequest(seq=self._seq, prompt_tokens=len(ids), max_tokens=max_tokens,
                            chunk_tokens=self.chunk_tokens or 1, pool_prefix_chunks=pool_chunks,
                            bytes_per_token=self.bytes_per_token)
-        return self.policy.choose(req, self.snapshot(keys)), req, keys
+        exclude = self.not_serving(tenant.id if tenant is not None else None)
+        snap = self.snapshot(keys, exclude)
+        if exclude and not any(w.decodes for w in snap.workers):
+            raise Unavailable(f"no worker serves tenant {tenant.id}: the workers' keyrings hold other tenants")
+        return self.policy.choose(req, snap), req, keys
 
     # -- execution -----------------------------------------------------------------------------
     async def generate(self, ids: list[int], max_tokens: int, sampling: wire.SamplingParams,
@@ -292,7 +306,7 @@ class Router(WorkerCalls):
             count()
             self.metrics.rejected.inc()
             raise Rejected(decision.reject, decision)
-        excluded: list[str] = []
+        excluded: list[str] = list(self.not_serving(tenant.id if tenant is not None else None))
         try:
             for attempt in range(2):
                 try:
@@ -365,6 +379,7 @@ class Router(WorkerCalls):
         msg = wire.DecodeRequest(handle=head.handle, first_token=head.first_token, max_tokens=max_tokens,
                                  sampling=sampling)
         tried: list[str] = [p.name] if p.role == "prefill" else []
+        tried += self.not_serving(headers.get(TENANT_HEADER))
         decoder = self.workers.by_name(d.decode)
         lost: KVPoolError | None = None
         for attempt in range(2):

@@ -20,8 +20,9 @@ Error bodies are the service's own shape (`error_body(status, code, message)`): 
 router, `{"code", "message"}` for workers, `ErrorBody` for the admin API.
 
 `internal_token()` / `internal_headers()`: the token a router presents to workers (and workers to
-their router), derived from the keyring's node secret (`kvpool.security.keyring.internal_http_token`); None /
-{} when no keyring is configured (then nothing is checked).
+their router): the file `KVPOOL_INTERNAL_TOKEN_FILE`, else derived from the keyring's node secret
+(`kvpool.security.keyring.internal_http_token`); None / {} when no keyring is configured (then
+nothing is checked).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any, Callable, Protocol
 
 from kvpool.security.keyring import internal_http_token, load_keyring
 from kvpool.config import parse_size, read_secret_file
+from kvpool.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +52,27 @@ def plain_error(status: int, code: str, message: str) -> dict[str, Any]:
     return {"code": code, "message": message}
 
 
+INTERNAL_TOKEN_FILE_ENV = "KVPOOL_INTERNAL_TOKEN_FILE"
+
+
 def internal_token(keyring: Any = None) -> str | None:
-    """The router<->worker bearer token of `keyring` (default: the one `KVPOOL_AUTH_FILE` names)."""
+    """The router<->worker bearer token when `keyring` (default: the one `KVPOOL_AUTH_FILE` names)
+    is set: the file `KVPOOL_INTERNAL_TOKEN_FILE` names (`kvpool auth init` writes internal.token),
+    else derived from the keyring's node secret. A keyring of tenants only (a router's or a worker's,
+    which hold no node secret) needs the file: `InvalidArgument` says so."""
     keyring = keyring if keyring is not None else load_keyring()
     if keyring is None:
         return None
-    return internal_http_token(keyring.node_credential().secret)
+    path = os.environ.get(INTERNAL_TOKEN_FILE_ENV)
+    if path:
+        return read_secret_file(path, INTERNAL_TOKEN_FILE_ENV)
+    node = [e for e in keyring.entries.values() if e.principal.role == "node"]
+    if not node:
+        raise InvalidArgument(
+            f"keyring {keyring.source} holds no node principal (a router or worker holds only its tenants'), so "
+            f"the internal token between router and workers cannot be derived from it: set "
+            f"{INTERNAL_TOKEN_FILE_ENV}=internal.token (`kvpool auth init` writes it; see docs/security.md)")
+    return internal_http_token(node[0].secret)
 
 
 METRICS_TOKEN_ENV, METRICS_TOKEN_FILE_ENV = "KVPOOL_METRICS_TOKEN", "KVPOOL_METRICS_TOKEN_FILE"

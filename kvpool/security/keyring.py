@@ -176,6 +176,46 @@ class Keyring:
             raise InvalidArgument(f"keyring {self.source} has no principal {name!r}")
         return Credential(name, entry.secret)
 
+    def own_credential(self, name: str | None = None) -> Credential | None:
+        """What a service of the deployment (the router, a worker) speaks as on its own behalf, for
+        untenanted requests: `name`, else `KVPOOL_PRINCIPAL`, else the node principal; None when the
+        keyring names none (one of tenants only: least privilege, such a service acts only for a
+        tenant, as that tenant)."""
+        name = name or os.environ.get(PRINCIPAL_ENV)
+        if name:
+            return self.credential(name)
+        if any(e.principal.role == "node" for e in self.entries.values()):
+            return self.node_credential()
+        return None
+
+    def subset(self, names: list[str] | tuple[str, ...]) -> "Keyring":
+        """A keyring of only the principals `names` (what one role's processes should hold)."""
+        missing = [n for n in names if n not in self.entries]
+        if missing:
+            raise InvalidArgument(f"keyring {self.source} has no principal(s) {missing}")
+        return Keyring({n: self.entries[n] for n in names}, f"{self.source} ({', '.join(names)})")
+
+    def to_toml(self, header: str = "") -> str:
+        """The keyring as a keyring file (`Keyring.load` reads it back as it was)."""
+        def q(value: str) -> str:
+            return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+        lines = [f"# {line}" for line in header.splitlines()] + ([""] if header else [])
+        for name, e in self.entries.items():
+            role = f"tenant:{e.principal.tenant}" if e.principal.tenant else e.principal.role
+            lines += [f"[principals.{q(name)}]", f"role = {q(role)}", f"secret = {q(e.secret.decode())}"]
+            if e.api_keys:
+                lines.append(f"api_keys = [{', '.join(q(k) for k in e.api_keys)}]")
+            if e.quota_bytes:
+                lines.append(f"quota_bytes = {e.quota_bytes}")
+            if e.quota_keys:
+                lines.append(f"quota_keys = {e.quota_keys}")
+            lines.append("")
+        return "\n".join(lines)
+
+    def tenant_ids(self) -> list[str]:
+        return sorted(e.principal.tenant for e in self.entries.values() if e.principal.tenant)
+
     def tenant_of_api_key(self, api_key: str) -> Entry | None:
         """The tenant entry an API key belongs to (constant-time per candidate), or None."""
         found = None

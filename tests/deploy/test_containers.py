@@ -65,7 +65,8 @@ def _credentials(workdir: Path) -> tuple[Path, Path, Path, str, str]:
     api_key = tomllib.loads(keyring.read_text())["principals"]["acme"]["api_keys"][0]
     admin_token = token.read_text().strip()
     if os.getuid() == 0:
-        for path in (keyring, token, out / "metrics.token", tls / "etcd-server.key", tls / "etcd-client.key"):
+        for path in (keyring, token, out / "metrics.token", out / "tenants.keyring.toml", out / "internal.token",
+                     tls / "etcd-server.key", tls / "etcd-client.key"):
             os.chown(path, UID, UID)
     return keyring, token, tls, api_key, admin_token
 
@@ -80,6 +81,8 @@ class Stack:
         keyring, token, tls, self.api_key, self.admin_token = _credentials(workdir)
         self.env = dict(os.environ, KVPOOL_KEYRING=str(keyring), KVPOOL_ADMIN_TOKEN_SECRET=str(token),
                         KVPOOL_METRICS_TOKEN_SECRET=str(token.with_name("metrics.token")),
+                        KVPOOL_TENANTS_KEYRING=str(token.with_name("tenants.keyring.toml")),
+                        KVPOOL_INTERNAL_TOKEN_SECRET=str(token.with_name("internal.token")),
                         KVPOOL_ETCD_TLS=str(tls),
                         KVPOOL_ETCD_IMAGE=BASE_IMAGE, KVPOOL_ROUTER_PORT=str(self.router_port),
                         KVPOOL_ADMIN_PORT_A=str(self.admin_a), KVPOOL_ADMIN_PORT_B=str(self.admin_b))

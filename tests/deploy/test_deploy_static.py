@@ -196,6 +196,41 @@ def test_compose_metrics_need_the_metrics_token_and_the_scraper_holds_only_it():
                                      ("prefill", 8100))} <= targets
 
 
+# which Secrets (and which of their keys) each workload may mount: only what its role uses
+ROLE_SECRETS = {
+    "kvpool-master": {"kvpool-auth": {"keyring.toml", "admin.token"}, "kvpool-etcd-tls": None, "kvpool-metrics": None},
+    "kvpool-node": {"kvpool-auth": {"keyring.toml"}, "kvpool-etcd-tls": None, "kvpool-metrics": None},
+    "kvpool-router": {"kvpool-router": {"keyring.toml", "internal.token"}, "kvpool-metrics": None},
+    "kvpool-prefill": {"kvpool-workers": {"keyring.toml", "internal.token"}, "kvpool-metrics": None},
+    "kvpool-decode": {"kvpool-workers": {"keyring.toml", "internal.token"}, "kvpool-metrics": None},
+    "kvpool-etcd": {"kvpool-etcd-tls": None},
+    "kvpool-prometheus": {"kvpool-metrics": None},
+}
+
+
+def test_each_role_holds_only_its_credentials():
+    """Issue 27: every pod held the whole keyring. Now the node secret (kvpool-auth) is mounted by
+    masters and nodes only; the router and workers hold their tenants' keyring and the internal
+    token, and speak to the pool as their tenants (no KVPOOL_PRINCIPAL=node)."""
+    for name, doc in _docs():
+        if doc["kind"] not in WORKLOADS:
+            continue
+        app = doc["spec"]["template"]["metadata"]["labels"]["app"]
+        allowed = ROLE_SECRETS[app]
+        for vol in doc["spec"]["template"]["spec"].get("volumes", []):
+            if "secret" not in vol:
+                continue
+            secret = vol["secret"]["secretName"]
+            assert secret in allowed, f"{name} {app}: mounts {secret}"
+            keys = {item["key"] for item in vol["secret"].get("items", [])}
+            assert allowed[secret] is None or keys <= allowed[secret], f"{name} {app}: {secret} keys {keys}"
+        if app in ("kvpool-router", "kvpool-prefill", "kvpool-decode"):
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                assert env.get("KVPOOL_PRINCIPAL") != "node", f"{name} {app}: speaks as the node principal"
+                assert env.get("KVPOOL_INTERNAL_TOKEN_FILE", "").startswith("/run/kvpool/"), f"{name} {app}"
+
+
 def test_etcd_wants_tls_client_certificates():
     (where, _, _, c), = [x for x in _containers() if x[3]["name"] == "etcd"]
     argv = " ".join(c.get("command", []) + c.get("args", []))
@@ -375,6 +410,21 @@ def test_compose_reaches_etcd_only_over_tls_with_certificates_from_secrets():
         for var in ("KVPOOL_ETCD_CA_FILE", "KVPOOL_ETCD_CERT_FILE", "KVPOOL_ETCD_KEY_FILE"):
             assert env.get(var) in mounted, f"{name}: {var}={env.get(var)!r} is not a mounted secret ({mounted})"
     assert users == 7, users  # masters, nodes, workers and the router all use etcd
+
+
+def test_compose_roles_hold_only_their_credentials():
+    services = _compose_services()
+    for name, svc in services.items():
+        secrets = set(svc.get("secrets") or [])
+        env = svc.get("environment") or {}
+        if name in ("router", "prefill", "decode"):
+            assert "keyring" not in secrets and "admin_token" not in secrets, (name, secrets)
+            assert env["KVPOOL_AUTH_FILE"] == "/run/secrets/tenants_keyring" and "KVPOOL_PRINCIPAL" not in env, name
+            assert env["KVPOOL_INTERNAL_TOKEN_FILE"] == "/run/secrets/internal_token", name
+        elif "keyring" in secrets:
+            assert name.startswith(("master", "node")), name
+        if "admin_token" in secrets:
+            assert name.startswith("master"), name
 
 
 def test_dockerfile_runs_as_an_unprivileged_user():

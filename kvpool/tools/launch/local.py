@@ -39,6 +39,7 @@ class WorkerSpec:
     role: str
     name: str = ""
     args: list[str] = field(default_factory=list)  # extra `kvpool worker` flags
+    env: dict[str, str] = field(default_factory=dict)  # its own environment over the cluster's (a keyring)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class PoolSpec:
 class RouterSpec:
     port: int = 0
     args: list[str] = field(default_factory=list)  # extra `kvpool router` flags
+    env: dict[str, str] = field(default_factory=dict)  # its own environment over the cluster's
 
 
 @dataclass
@@ -160,9 +162,10 @@ class LocalCluster:
         self.stop()
 
     # -- internals -----------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         log_path = self.workdir / f"{name}.log"
-        return Proc(name, spawn([*KVPOOL, *args], log_path, env=self.env, cwd=self.workdir), log_path)
+        return Proc(name, spawn([*KVPOOL, *args], log_path, env={**self.env, **(env or {})}, cwd=self.workdir),
+                    log_path)
 
     def _spawn_worker(self, spec: WorkerSpec) -> Proc:
         ready = self.workdir / f"{spec.name}.ready"
@@ -170,7 +173,7 @@ class LocalCluster:
         router = ["--router", self.router_url] if self.router_proc is not None else []
         proc = self._spawn(spec.name, ["worker", "--role", spec.role, "--host", "127.0.0.1", "--port", "0",
                                        "--pool", self.pool_address, "--ready-file", str(ready), *router,
-                                       *spec.args])
+                                       *spec.args], spec.env)
         self.workers[spec.name] = proc
         return proc
 
@@ -178,7 +181,8 @@ class LocalCluster:
         ready = self.workdir / "router.ready"
         ready.unlink(missing_ok=True)
         proc = self._spawn("router", ["router", "--host", "127.0.0.1", "--port", str(spec.port),
-                                      "--pool", self.pool_address, "--ready-file", str(ready), *spec.args])
+                                      "--pool", self.pool_address, "--ready-file", str(ready), *spec.args],
+                           spec.env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if ready.exists():
