@@ -205,6 +205,7 @@ ROLE_SECRETS = {
     "kvpool-decode": {"kvpool-workers": {"keyring.toml", "internal.token"}, "kvpool-metrics": None},
     "kvpool-etcd": {"kvpool-etcd-tls": None},
     "kvpool-prometheus": {"kvpool-metrics": None},
+    "kvpool-grafana": {},  # reads Prometheus only: no credential of the pool
 }
 
 
