@@ -293,11 +293,11 @@ def forward(model: Any, token_ids: Sequence[int],
     if have >= len(token_ids):
         raise InvalidArgument(f"the cache already holds {have} of {len(token_ids)} tokens: nothing to compute")
     new = torch.tensor([list(token_ids[have:])], dtype=torch.long, device=model.device)
-    out = model(input_ids=new, use_cache=True, **{_cache_argument(model): cache})
+    out = model(input_ids=new, use_cache=True, **{cache_argument(model): cache})
     return out.logits[0, -1], out.cache if getattr(out, "cache", None) is not None else cache
 
 
-def _cache_argument(model: Any) -> str:
+def cache_argument(model: Any) -> str:
     """The name of the model's cache argument: `cache` in current transformers, `past_key_values`
     before (vLLM 0.32, in .venv-vllm, pins transformers < 5.20, which still uses that name)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

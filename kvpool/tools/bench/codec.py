@@ -90,12 +90,12 @@ class _Continuations:
         """Greedy choice at each position when fed the last prompt token then `tokens[:-1]`."""
         import torch
 
-        from engine_adapters.hf import _cache_argument, cache_from_kv
+        from engine_adapters.hf import cache_argument, cache_from_kv
 
         cache = cache_from_kv(kv, self.rm.model.config)
         feed = torch.tensor([[self.ids[-1]] + tokens[:-1]])
         with torch.inference_mode():
-            out = self.rm.model(input_ids=feed, use_cache=True, **{_cache_argument(self.rm.model): cache})
+            out = self.rm.model(input_ids=feed, use_cache=True, **{cache_argument(self.rm.model): cache})
         return out.logits[0].argmax(dim=-1).tolist()
 
 
