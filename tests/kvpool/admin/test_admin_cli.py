@@ -151,6 +151,7 @@ def test_url_from_settings(admin, tmp_path, monkeypatch, capsys):
 ])
 def test_errors_are_one_readable_line(master, admin, args, needle, monkeypatch, capsys):
     handle, _ = admin
+    monkeypatch.setenv("KVPOOL_LOCAL_AUTH", "off")  # else a CLI given no token presents its user's own (a wrong one)
     args = [{"WRONG": str(WRONG_FILE), "TOKEN": str(TOKEN_FILE)}.get(a, a) for a in args]
     code, _, err = main_in_process(monkeypatch, capsys, "--url", handle.url, *args)
     assert code == 2
