@@ -40,6 +40,7 @@ from kvpool.security.keyring import Keyring
 
 LOCAL_ENV = "KVPOOL_LOCAL_AUTH"
 DIR_ENV = "KVPOOL_LOCAL_DIR"
+ENV_VARS = (LOCAL_ENV, DIR_ENV)  # what a child process must share with its parent to find the same keyring
 _OFF = {"0", "off", "false", "no"}
 _cache: dict[str, tuple[float, Keyring]] = {}
 

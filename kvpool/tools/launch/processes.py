@@ -5,18 +5,22 @@ tests start `kvpool` subcommands (and etcd, vLLM, redis) through here.
 SIGTERM if the parent dies (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans; `stop`
 sends SIGTERM, waits `grace_s`, then SIGKILL. `free_port` is a free loopback TCP port (bound and
 released: another process may take it first, which callers that can bind port 0 avoid).
+`clean_env` is the environment of a child that must not inherit our `KVPOOL_*` settings.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
+
+from kvpool.security.local import ENV_VARS
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,13 @@ except (OSError, AttributeError):
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the launcher dies
+
+
+def clean_env(**settings: str) -> dict[str, str]:
+    """This process's environment without its `KVPOOL_*` settings, plus `settings`; it keeps where
+    this user's own keyring lives and whether it is on (`kvpool.security.local`), because a child
+    that found another keyring than ours (or none) could not talk to us, nor we to it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_") or k in ENV_VARS} | settings
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -4,14 +4,14 @@ Speed is not asserted here; only that every system was measured and correctness 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from kvpool.tools.launch.processes import clean_env
 
 
 def test_bench_pool_smoke():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--reps", "1", "--sizes", "64KiB",
          "--bytes-per-rep", "512KiB", "--min-ops", "4", "--batch", "4", "--peers", "redis"],
@@ -46,7 +46,7 @@ def test_twins_run_side_by_side_in_alternating_order():
 
 
 def test_bench_pool_auth_is_paired_with_a_control_and_cpu_per_op():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--reps", "2", "--sizes", "64KiB",
          "--bytes-per-rep", "512KiB", "--min-ops", "4", "--batch", "4", "--peers", "redis", "--no-engine", "--auth"],
@@ -69,7 +69,7 @@ def test_bench_pool_auth_is_paired_with_a_control_and_cpu_per_op():
 def test_bench_pool_auth_covers_the_engine_path_with_grants():
     """`--auth` without `--no-engine`: the engine path of the pool with a keyring (a grant per op,
     each frame counted under its grant) is compared with the engine path without."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--reps", "1", "--sizes", "64KiB",
          "--bytes-per-rep", "256KiB", "--min-ops", "4", "--batch", "4", "--peers", "", "--no-put", "--auth"],
@@ -85,7 +85,7 @@ def test_bench_pool_auth_covers_the_engine_path_with_grants():
 def test_bench_pool_many_clients_measures_every_system_at_every_count():
     """`--clients`: each count of client processes reads checked values from ours (TCP and
     same-host) and Redis; a wrong value would fail the run (each get is checked in the client)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--clients", "1,3", "--reps", "1",
          "--sizes", "64KiB", "--duration", "0.3", "--peers", "redis"],
