@@ -263,7 +263,7 @@ def takes_workload(command: str, schema: type[WorkloadFile],
             click.Option(["--workload", "-w"], metavar="NAME|FILE",
                          help=f"A preset ({', '.join(names)}) or a TOML/YAML file; see below."),
             click.Option(["--set", "sets"], multiple=True, metavar="KEY=VALUE",
-                         help="Set one workload key (repeatable), e.g. --set output_len=16."),
+                         help="Set one workload key (repeatable); the keys are listed below."),
             click.Option(["--dry-run"], is_flag=True, help="Print the resolved workload as TOML and exit."),
         ]
         cmd.epilog = help_epilog(presets_of, schema, flags)
