@@ -320,7 +320,7 @@ def calibrate(out_path, workdir, repeats, as_json) -> None:
 @_common_flags
 @click.option("--prefill", type=click.IntRange(min=1), help="Prefill instances (key prefill).")
 @click.option("--decode", type=click.IntRange(min=1), help="Decode instances (key decode).")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True, help="JSON document here.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), help="JSON document here (required).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG here.")
 def study(workload: StudyWorkload, out_path, plot_path) -> None:
     """The issue's questions on one trace: reuse bound, global vs local caches, policies, colocated vs
@@ -331,6 +331,8 @@ def study(workload: StudyWorkload, out_path, plot_path) -> None:
     from kvpool.tools.sim.profile import load_profile
     from kvpool.tools.sim.study import Study
 
+    if not out_path:
+        raise click.UsageError("Missing option '--out'.")
     w = workload
     prefill, decode, cheap_decode_profile, goodput_steps = w.prefill, w.decode, w.cheap_decode_profile, w.goodput_steps
     workload, prof, dprof = _load(w)
