@@ -239,13 +239,3 @@ def test_sim_subcommands_resolve_their_own_keys_not_the_groups():
     # `kvpool sim plan` with a key only `kvpool sim` has is refused by plan's own schema
     assert "unknown key 'colocated'" in fails("sim", "plan", "--set", "colocated=4")
     assert dry("sim", "study", "--trace", T)["prefill"] == 16  # study's own default, not the group's 0
-
-
-def test_the_workload_commands_keep_few_options():
-    from kvpool.tools.scripts.cli_options import count_options
-
-    counts = count_options()
-    for command in schemas():
-        assert counts[command] <= 18, (command, counts[command])  # bench serve had 40, sim 26
-    assert sum(counts[c] for c in ("bench serve", "bench disagg", "bench engine", "bench pool", "bench policies",
-                                   "sim", "sim plan", "sim study", "chaos")) <= 90  # 171 before issue 26

@@ -1,10 +1,11 @@
-"""Count the options of every `kvpool` command (issue 26: few options per command).
+"""The options of every `kvpool` command (issue 26: the product commands keep few options; the
+benches, the simulator and chaos take a workload file or preset instead of dozens of flags).
 
-    python -m kvpool.tools.scripts.cli_options [--json]
+    python tests/test_cli_options.py [--json]     (or pytest -s: the table is printed)
 
-Walks the click tree, the lazy groups included (which imports every command module), and prints
-one line per command: its options (--help not counted) and its path. A group with options of its
-own (`kvpool sim`) is a line too.
+Walks the click tree, the lazy groups included (which imports every command module), and counts
+one line per command: its options (--help not counted). A group with options of its own (`kvpool
+sim`) is a line too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import json
 import sys
 
 import click
+
+
+WORKLOAD_COMMANDS = ("bench serve", "bench disagg", "bench engine", "bench pool", "bench policies", "sim",
+                     "sim plan", "sim study", "chaos")
 
 
 def count_options(root: click.Command | None = None) -> dict[str, int]:
@@ -34,6 +39,17 @@ def count_options(root: click.Command | None = None) -> dict[str, int]:
 
     walk(root, [], None)
     return out
+
+
+def test_the_workload_commands_keep_few_options():
+    counts = count_options()
+    print()
+    for path, n in sorted(counts.items()):
+        print(f"{n:4d}  kvpool {path}")
+    for command in WORKLOAD_COMMANDS:
+        assert counts[command] <= 18, (command, counts[command])  # bench serve had 40, sim 26
+    assert sum(counts[c] for c in WORKLOAD_COMMANDS) <= 90  # 171 before issue 26
+    assert counts["bench presets"] == 0
 
 
 def main() -> None:
