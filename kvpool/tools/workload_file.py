@@ -206,7 +206,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        pairs = (f"{json.dumps(str(k), ensure_ascii=False)} = {_toml_value(v)}" for k, v in value.items())
+        return "{" + ", ".join(pairs) + "}"
     raise TypeError(f"no TOML form for {value!r}")
 
 
@@ -249,8 +250,9 @@ def help_epilog(presets: str, schema: type[WorkloadFile], flags: list[str]) -> s
 def takes_workload(command: str, schema: type[WorkloadFile],
                    presets: str | None = None) -> Callable[[click.Command], click.Command]:
     """Put over `@click.command()` of `kvpool <command>`: adds --workload, --set and --dry-run
-    and explains them in --help; `presets` names another command's presets to use. The callback then gets `workload` (a `schema`) instead of those options and instead
-    of every flag whose name is a key (a flag left unset, None or (), leaves the key alone)."""
+    and explains them in --help; `presets` names another command's presets to use. The callback
+    then gets `workload` (a `schema`) instead of those options and instead of every flag whose
+    name is a key (a flag left unset, None or (), leaves the key alone)."""
 
     def wrap(cmd: click.Command) -> click.Command:
         callback = cmd.callback

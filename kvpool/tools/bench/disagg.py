@@ -1,19 +1,20 @@
 """`kvpool bench disagg`: the seed article's table, colocated vs disaggregated, on real processes
 with equal workers and equal cores.
 
-Configs (the same number of workers in each, each pinned to `--cpus-per-worker` cores of its own;
+Configs (the same number of workers in each, each pinned to `cpus_per_worker` cores of its own;
 the router and the pool are not pinned and share the machine's cores, their CPU is reported):
 - `colocated`: every worker `--role both`: decode first, and prefill in chunks of at most
-  `--chunk-tokens` tokens mixed into the decode steps' forwards (Sarathi-Serve's way, the
+  `chunk_tokens` tokens mixed into the decode steps' forwards (Sarathi-Serve's way, the
   strongest colocated engine we have, not a strawman);
 - `disaggregated`: P prefill + D decode workers (`--split`), every request handed over through
   the pool;
 - `disagg+conditional`: the same split, short uncached prompts prefilled on the decode worker
   itself (the router's default).
 
-`--split P:D` sets the disaggregated configs' split (`--set workers=N` their number); `--split plan` asks the simulator (`kvpool
-sim plan`'s sweep, with the `local` profile from `kvpool sim calibrate`) which split attains the
-most SLOs on this workload at the highest rate, as a user with 64 cores would size theirs.
+`--split P:D` sets the disaggregated configs' split (`--set workers=N` their number); `--split
+plan` asks the simulator (`kvpool sim plan`'s sweep, with the `local` profile from `kvpool sim
+calibrate`) which split attains the most SLOs on this workload at the highest rate, as a user
+with 64 cores would size theirs.
 
 The workload (`--workload`: a preset, mixed by default, or a file of `DisaggWorkload`'s keys)
 is cold: every prompt new text. Per config
@@ -116,7 +117,8 @@ def disagg(workload: DisaggWorkload, engine, vllm_python, workdir, plot_path, as
     kvpool bench disagg --workload smoke --config colocated --json
     """
     w = workload
-    n_workers, cpus_per_worker, num_requests, chunk_tokens = w.workers, w.cpus_per_worker, w.num_requests, w.chunk_tokens
+    n_workers, cpus_per_worker, num_requests = w.workers, w.cpus_per_worker, w.num_requests
+    chunk_tokens = w.chunk_tokens
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-bench-disagg-"))
     slos = slos_of(w.goodput)
     rate_list = list(w.rate)

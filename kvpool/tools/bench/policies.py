@@ -5,11 +5,11 @@ better of the other two.
 
 Two scenarios, the presets of `--workload`: `shared-pool` (the defaults), a pool that holds
 every conversation (all policies get the same reuse from it), and `local-caches`, as in
-production: the pool's DRAM is smaller than the conversations' working set, each worker's own prefix cache holds its share of it, so
-reuse depends on where a conversation's requests land. Each run also reports, from the workers'
-own counters, how many prefills each worker did and where their prompt tokens came from (local
-cache, pool, computed), and how many local chunks the router knew of (its KV events) against
-what each worker held. Workers run one torch thread each.
+production: the pool's DRAM is smaller than the conversations' working set, each worker's own
+prefix cache holds its share of it, so reuse depends on where a conversation's requests land.
+Each run also reports, from the workers' own counters, how many prefills each worker did and
+where their prompt tokens came from (local cache, pool, computed), and how many local chunks the
+router knew of (its KV events) against what each worker held. Workers run one torch thread each.
 """
 
 from __future__ import annotations

@@ -200,7 +200,8 @@ def serve(ctx: click.Context, workload: ServeWorkload, **opts: Any) -> None:
             runs.append(run(target, reqs, rate, "serve"))
 
     config = {k: v for k, v in opts.items() if k not in ("api_key", "as_json")}
-    config.update({k: v for k, v in w.settings().items() if k != "rate"}, workload=w.source or w.kind, rates=[rate_json(r) for r in rates], goodput=slos,
+    config.update({k: v for k, v in w.settings().items() if k != "rate"}, workload=w.source or w.kind,
+                  rates=[rate_json(r) for r in rates], goodput=slos,
                   num_requests=len(requests), models={t.label: t.model for t in targets})
     report = build_report(runs, targets)
     doc = {**report.document(), "label": opts["label"], "config": config,
