@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_bench_pool_smoke():
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
@@ -67,6 +69,7 @@ def test_bench_pool_auth_is_paired_with_a_control_and_cpu_per_op():
     assert any(n.startswith("control put_tcp+control") for n in doc["notes"])
 
 
+@pytest.mark.slow  # the RPC pairing is in the default suite (test_bench_pool_auth_is_paired...)
 def test_bench_pool_auth_covers_the_engine_path_with_grants():
     """The auth preset with the engine path: the engine path of the pool with a keyring (a grant per op,
     each frame counted under its grant) is compared with the engine path without."""
