@@ -20,8 +20,11 @@ import click
               help="Where logs, operation records and data go (default: a new temporary directory, kept).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the full report (every fault, every violation) here.")
+@click.option("--netns", is_flag=True,
+              help="Run the cluster across network namespaces (root): every process in its own, every fault a "
+                   "partition (nft cuts: master/etcd, node/master, one-way cuts ...).")
 def chaos(seed: int, duration: float, min_faults: int, clients: int, rate: float, workdir: Path | None,
-          json_path: Path | None) -> None:
+          json_path: Path | None, netns: bool) -> None:
     """Faults under load: SIGKILL/SIGSTOP of nodes and of the leading master, etcd restarts,
     cut/delayed/blackholed links, a full SSD disk; then every operation and every key checked.
 
@@ -30,10 +33,11 @@ def chaos(seed: int, duration: float, min_faults: int, clients: int, rate: float
     from kvpool.tools.chaos.campaign import run_campaign
 
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvpool-chaos-"))
-    click.echo(f"chaos campaign, seed {seed}, {duration:.0f}s, at least {min_faults} faults; logs in {workdir}")
+    where = " across network namespaces" if netns else ""
+    click.echo(f"chaos campaign{where}, seed {seed}, {duration:.0f}s, at least {min_faults} faults; logs in {workdir}")
     try:
         report = run_campaign(workdir, seed=seed, duration_s=duration, min_faults=min_faults, clients=clients,
-                              rate=rate)
+                              rate=rate, netns=netns)
     except RuntimeError as exc:  # the cluster could not start (no etcd, a service that did not come up)
         raise click.ClickException(f"{exc} (logs in {workdir})") from None
     path = json_path or workdir / "report.json"

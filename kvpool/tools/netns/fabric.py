@@ -36,7 +36,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -79,7 +81,8 @@ class Fabric:
         self.log_dir = log_dir
         self.owner = True
         self.wire: subprocess.Popen | None = None
-        self.cuts: set[tuple[str, str]] = set()
+        self.cuts: Counter[tuple[str, str]] = Counter()  # (src, dst) -> how many faults cut it
+        self._lock = threading.Lock()  # cuts and rules change from several threads (fault lanes)
         self.loss: dict[str, float] = {}
         self.rates: dict[str, str] = {}
 
@@ -174,21 +177,27 @@ class Fabric:
         elif name in self.rates:
             _run("tc", "-n", netns, "qdisc", "del", "dev", "eth0", "root")
             del self.rates[name]
-        self.loss[name] = loss_pct
-        self._nft(name)
+        with self._lock:
+            self.loss[name] = loss_pct
+            self._nft(name)
 
     def cut(self, src: str, dst: str) -> None:
         """Packets from `src` to `dst` are dropped on arrival (one way; `dst` -> `src` still flows)."""
         self.cut_many([(src, dst)])
 
-    def cut_many(self, pairs: Iterable[tuple[str, str]]) -> None:
-        pairs = set(pairs) - self.cuts
+    def cut_many(self, pairs: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Cut each (src, dst); returns them, for `heal`. Cuts are counted: a link two faults cut
+        stays cut until both have healed it."""
+        pairs = sorted(set(pairs))
         for src, dst in pairs:
             if src == dst or src not in self.members or dst not in self.members:
                 raise ValueError(f"cannot cut {src} -> {dst}")
-        self.cuts |= pairs
-        for dst in {d for _, d in pairs}:
-            self._nft(dst)
+        with self._lock:
+            new = [p for p in pairs if not self.cuts[p]]
+            self.cuts.update(pairs)
+            for dst in {d for _, d in new}:
+                self._nft(dst)
+        return pairs
 
     def partition(self, side_a: Iterable[str], side_b: Iterable[str], both: bool = True) -> list[tuple[str, str]]:
         """Cut every member of `side_a` from every member of `side_b` (a -> b; and b -> a when
@@ -197,21 +206,28 @@ class Fabric:
         pairs = [(a, b) for a in side_a for b in side_b if a != b]
         if both:
             pairs += [(b, a) for a, b in pairs]
-        pairs = [p for p in pairs if p not in self.cuts]
-        self.cut_many(pairs)
-        return pairs
+        return self.cut_many(pairs)
 
     def heal(self, pairs: Iterable[tuple[str, str]] | None = None) -> None:
-        """Heal the given cuts (all of them when None)."""
-        pairs = set(self.cuts if pairs is None else pairs) & self.cuts
-        self.cuts -= pairs
-        for dst in {d for _, d in pairs}:
-            self._nft(dst)
+        """Heal the given cuts, once each (every cut, however often made, when None)."""
+        with self._lock:
+            if pairs is None:
+                healed, self.cuts = set(self.cuts), Counter()
+            else:
+                healed = set()
+                for pair in set(pairs):
+                    if self.cuts[pair] > 0:
+                        self.cuts[pair] -= 1
+                        if not self.cuts[pair]:
+                            del self.cuts[pair]
+                            healed.add(pair)
+            for dst in {d for _, d in healed}:
+                self._nft(dst)
 
     def _nft(self, name: str) -> None:
         """Rewrite `name`'s input rules (cuts towards it, random loss) in one atomic nft run."""
         m = self.members[name]
-        sources = sorted(self.ip(src) for src, dst in self.cuts if dst == name)
+        sources = sorted(self.ip(src) for src, dst in self.cuts if dst == name)  # counts of 0 are deleted
         loss = int(round(self.loss.get(name, 0.0) * 100))  # in 1/10,000
         rules = [f"table inet {TABLE} {{", "  chain input {", "    type filter hook input priority 0; policy accept;"]
         if sources:
@@ -238,7 +254,8 @@ class Fabric:
         net = cls.__new__(cls)
         net.tag, net.hub, net.delay_ms, net.log_dir = d["tag"], f"{d['tag']}-hub", d["delay_ms"], None
         net.members = {n: Member(n, ns, ip) for n, (ns, ip) in d["members"].items()}
-        net.owner, net.wire, net.cuts, net.loss, net.rates = False, None, set(), {}, {}
+        net.owner, net.wire, net.cuts, net.loss, net.rates = False, None, Counter(), {}, {}
+        net._lock = threading.Lock()
         return net
 
     # ------------------------------------------------------------------ measuring it
