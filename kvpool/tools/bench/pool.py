@@ -233,8 +233,14 @@ def _sizes(text: str) -> list[int]:
               help="Many-clients mode: seconds each turn runs.")
 @click.option("--auth", is_flag=True, help="Also run a pool with a keyring and a tenant client (TCP and shm), "
               "compared with the pool without (authentication's cost).")
+@click.option("--netns", is_flag=True, help="Across a shaped link between two network namespaces (root): ours vs a "
+              "raw socket store over the same link, and the link's rate (kvpool.tools.bench.pool_netns).")
+@click.option("--rtt-ms", default=1.0, show_default=True, help="--netns: the link's round trip (0: no delay line).")
+@click.option("--rate", "link_rate", default="10gbit", show_default=True, help="--netns: the link's rate (tc syntax).")
+@click.option("--loss-pct", default=0.0, show_default=True, help="--netns: percent of packets lost each way.")
 def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int, batch: int, peers: str,
-         no_put: bool, no_engine: bool, clients: str, duration: float, auth: bool) -> None:
+         no_put: bool, no_engine: bool, clients: str, duration: float, auth: bool, netns: bool, rtt_ms: float,
+         link_rate: str, loss_pct: float) -> None:
     """SDK put/get GB/s and ops/s (TCP forced and same-host shm) vs Redis and Mooncake Store (TCP);
     with --clients, aggregate gets of many client processes at once."""
     from kvpool.config import parse_size
@@ -246,6 +252,11 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
         raise InvalidArgument(f"unknown peer(s) {sorted(wanted - {'redis', 'mooncake'})}; known: redis, mooncake")
     if clients:
         return _many_clients(as_json, size_list, reps, wanted, _counts(clients), duration)
+    if netns:
+        from kvpool.tools.bench.pool_netns import run_across
+
+        return run_across(as_json, size_list, per_rep, min_ops, reps, batch, no_put, no_engine, rtt_ms,
+                          link_rate or None, loss_pct)
     report = Report("pool")
     workloads = [Workload(s, max(min_ops, per_rep // s), batch) for s in size_list]
     working_set = sum(w.size * w.count for w in workloads)

@@ -31,7 +31,7 @@ from kvpool.tools.chaos.checker import RECOVER_BOUND_S, SERVE_BOUND_S, check, re
 from kvpool.tools.chaos.cluster import ChaosCluster, netns_members
 from kvpool.tools.chaos.faults import lanes
 from kvpool.tools.chaos.values import value_of
-from kvpool.tools.launch.processes import spawn
+from kvpool.tools.launch.processes import follow, spawn
 from kvpool.tools.netns import Fabric
 from kvpool.errors import KVPoolError
 
@@ -58,7 +58,7 @@ def _across_namespaces(workdir: Path, seed: int, duration_s: float, min_faults: 
                 "--rate", str(rate), "--progress", str(progress_s), "--fabric", net.describe(),
                 "--report", str(report_path)]
         inside = net.spawn("observer", argv, log_path)
-        _follow(inside, log_path)
+        follow(inside, log_path)
         members = {m.name: m.ip for m in net.members.values()}
     if inside.returncode != 0 or not report_path.exists():
         tail = log_path.read_text(errors="replace")[-3000:]
@@ -66,23 +66,6 @@ def _across_namespaces(workdir: Path, seed: int, duration_s: float, min_faults: 
     report = json.loads(report_path.read_text())
     report["netns"] = {"members": members, "links": "veth pairs into one bridge, nft cuts in each namespace"}
     return report
-
-
-def _follow(proc: subprocess.Popen, log_path: Path) -> None:
-    """Copy what `proc` writes to `log_path` onto our stderr until it exits."""
-    offset = 0
-    while True:
-        done = proc.poll() is not None
-        with open(log_path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-        offset += len(data)
-        if data:
-            sys.stderr.write(data.decode(errors="replace"))
-            sys.stderr.flush()
-        if done:
-            return
-        time.sleep(0.5)
 
 
 def _run(workdir: Path, seed: int, duration_s: float, min_faults: int, clients: int, rate: float,

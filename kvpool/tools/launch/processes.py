@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
@@ -120,3 +121,20 @@ def reap(popen: subprocess.Popen | None, grace_s: float = 10.0) -> None:
 def stop(popen: subprocess.Popen | None, grace_s: float = 10.0) -> None:
     terminate(popen)
     reap(popen, grace_s)
+
+
+def follow(popen: subprocess.Popen, log_path: str | Path, poll_s: float = 0.5) -> int:
+    """Copy what `popen` writes to its log onto this process's stderr until it exits; its status."""
+    offset = 0
+    while True:
+        done = popen.poll() is not None
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        offset += len(data)
+        if data:
+            sys.stderr.write(data.decode(errors="replace"))
+            sys.stderr.flush()
+        if done:
+            return popen.returncode
+        time.sleep(poll_s)

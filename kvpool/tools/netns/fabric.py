@@ -168,7 +168,7 @@ class Fabric:
         `loss_pct` percent of the packets it receives are dropped at random."""
         netns = self.members[name].netns
         if rate:
-            bits = _bits(rate)
+            bits = rate_bits(rate)
             mtu = 65536 if self.delay_ms > 0 else 1514
             burst = max(2 * mtu, bits // 8 // 1000)  # a millisecond's worth, at least two packets
             _run("tc", "-n", netns, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
@@ -292,7 +292,7 @@ class Fabric:
         return {"min": round(xs[0], 3), "p50": round(xs[len(xs) // 2], 3), "p90": round(xs[len(xs) * 9 // 10], 3)}
 
 
-def _bits(rate: str) -> int:
+def rate_bits(rate: str) -> int:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
     if not m:
         raise ValueError(f"rate must look like 10gbit, 500mbit or 64kbit, got {rate!r}")
@@ -368,4 +368,4 @@ def free_port_in(net: Fabric, name: str) -> int:
     return int(r.stdout)
 
 
-__all__ = ["Fabric", "Member", "unavailable", "reap_stale", "free_port_in", "SUBNET"]
+__all__ = ["Fabric", "Member", "unavailable", "reap_stale", "free_port_in", "rate_bits", "SUBNET"]
