@@ -52,8 +52,8 @@ def run_across(as_json: bool, sizes: list[int], per_rep: int, min_ops: int, reps
         out, log_path = Path(folder) / "report.json", Path(folder) / "bench.log"
         net, delay_ms, rtt_before = _link(rtt_ms, rate, loss_pct, Path(folder))
         with net:
-            argv = [sys.executable, "-m", "kvpool.tools.bench.pool_netns", "--fabric", net.describe(), "--out", str(out),
-                    "--sizes", ",".join(map(str, sizes)), "--per-rep", str(per_rep), "--min-ops", str(min_ops),
+            argv = [sys.executable, "-m", "kvpool.tools.bench.pool_netns", "--fabric", net.describe(),
+                    "--out", str(out), "--sizes", ",".join(map(str, sizes)), "--per-rep", str(per_rep), "--min-ops", str(min_ops),
                     "--reps", str(reps), "--batch", str(batch), "--rate", rate or ""]
             argv += ["--no-put"] * no_put + ["--no-engine"] * no_engine
             inside = net.spawn("client", argv, log_path)

@@ -43,7 +43,8 @@ def test_bench_pool_across_a_1ms_10gbit_link():
             assert x["value"] > 0 and x["baseline_value"] > 0 and x["ratio"] is not None
             assert x["extra"]["link_share"] == round(x["value"] / 1.25, 3)
     stream = rows[("stream_raw_tcp", 256 << 20, "link_rate")]
-    assert stream["baseline_value"] == 1.25 and 0 < stream["ratio"] <= 1.02  # tbf holds a stream to the rate (+ its burst)
+    # tbf holds a stream to the rate (give or take its burst)
+    assert stream["baseline_value"] == 1.25 and 0 < stream["ratio"] <= 1.02
     setup = doc["setup"]
     assert setup["rate"] == "10gbit" and setup["rtt_target_ms"] == 1.0
     assert setup["rtt_ms_before"]["min"] >= 2 * setup["delay_ms_each_way"]  # the delay line was on the path
