@@ -81,6 +81,7 @@ class Fabric:
         self.log_dir = log_dir
         self.owner = True
         self.wire: subprocess.Popen | None = None
+        self._wire_log: Path | None = None
         self.cuts: Counter[tuple[str, str]] = Counter()  # (src, dst) -> how many faults cut it
         self._lock = threading.Lock()  # cuts and rules change from several threads (fault lanes)
         self.loss: dict[str, float] = {}
@@ -120,7 +121,7 @@ class Fabric:
             self._nft(m.name)
 
     def _start_wire(self) -> None:
-        log_path = (self.log_dir or Path("/tmp")) / f"{self.tag}-wire.log"
+        log_path = self._wire_log = (self.log_dir or Path(tempfile.gettempdir())) / f"{self.tag}-wire.log"
         members = [f"--member={m.netns}={m.ip}" for m in self.members.values()]
         self.wire = spawn(["ip", "netns", "exec", self.hub, sys.executable, "-m", "kvpool.tools.netns.wire",
                            "--delay-ms", str(self.delay_ms), *members], log_path)
@@ -137,6 +138,8 @@ class Fabric:
         stop(self.wire, 2.0)
         self.wire = None
         _delete([self.hub, *(m.netns for m in self.members.values())])
+        if self.log_dir is None and self._wire_log is not None:  # nobody asked to keep it
+            self._wire_log.unlink(missing_ok=True)
 
     def __enter__(self) -> "Fabric":
         return self
@@ -253,6 +256,7 @@ class Fabric:
         d = json.loads(description)
         net = cls.__new__(cls)
         net.tag, net.hub, net.delay_ms, net.log_dir = d["tag"], f"{d['tag']}-hub", d["delay_ms"], None
+        net._wire_log = None
         net.members = {n: Member(n, ns, ip) for n, (ns, ip) in d["members"].items()}
         net.owner, net.wire, net.cuts, net.loss, net.rates = False, None, Counter(), {}, {}
         net._lock = threading.Lock()
