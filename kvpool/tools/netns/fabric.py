@@ -363,13 +363,4 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def free_port_in(net: Fabric, name: str) -> int:
-    """A port free on `name`'s address (asked inside its namespace)."""
-    r = net.run(name, [sys.executable, "-c", "import socket,sys;s=socket.socket();s.bind((sys.argv[1],0));"
-                       "print(s.getsockname()[1])", net.ip(name)])
-    if r.returncode != 0:
-        raise RuntimeError(f"no free port in {name}: {r.stderr.strip()}")
-    return int(r.stdout)
-
-
-__all__ = ["Fabric", "Member", "unavailable", "reap_stale", "free_port_in", "rate_bits", "SUBNET"]
+__all__ = ["Fabric", "Member", "unavailable", "reap_stale", "rate_bits", "SUBNET"]
