@@ -31,7 +31,10 @@ class ChaosWorkload(WorkloadFile):
               help="Where logs, operation records and data go (default: a new temporary directory, kept).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the full report (every fault, every violation) here.")
-def chaos(workload: ChaosWorkload, workdir: Path | None, json_path: Path | None) -> None:
+@click.option("--netns", is_flag=True,
+              help="Run the cluster across network namespaces (root): every process in its own, every fault a "
+                   "partition (nft cuts: master/etcd, node/master, one-way cuts ...).")
+def chaos(workload: ChaosWorkload, workdir: Path | None, json_path: Path | None, netns: bool) -> None:
     """Faults under load: SIGKILL/SIGSTOP of nodes and of the leading master, etcd restarts,
     cut/delayed/blackholed links, a full SSD disk; then every operation and every key checked.
 
@@ -42,10 +45,11 @@ def chaos(workload: ChaosWorkload, workdir: Path | None, json_path: Path | None)
     seed, duration, min_faults, clients, rate = (workload.seed, workload.duration, workload.min_faults,
                                                  workload.clients, workload.rate)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvpool-chaos-"))
-    click.echo(f"chaos campaign, seed {seed}, {duration:.0f}s, at least {min_faults} faults; logs in {workdir}")
+    where = " across network namespaces" if netns else ""
+    click.echo(f"chaos campaign{where}, seed {seed}, {duration:.0f}s, at least {min_faults} faults; logs in {workdir}")
     try:
         report = run_campaign(workdir, seed=seed, duration_s=duration, min_faults=min_faults, clients=clients,
-                              rate=rate)
+                              rate=rate, netns=netns)
     except RuntimeError as exc:  # the cluster could not start (no etcd, a service that did not come up)
         raise click.ClickException(f"{exc} (logs in {workdir})") from None
     path = json_path or workdir / "report.json"

@@ -228,6 +228,11 @@ class PoolWorkload(WorkloadFile):
     duration: float = Field(2.0, ge=0.2, le=60, description="Many-clients mode: seconds each turn runs.")
     auth: bool = Field(False, description="Also run a pool with a keyring and a tenant client (TCP and shm), "
                        "compared with the pool without (authentication's cost).")
+    netns: bool = Field(False, description="Across a shaped link between two network namespaces (root): ours vs a "
+                        "raw socket store over the same link, and the link's rate (kvpool.tools.bench.pool_netns).")
+    rtt_ms: float = Field(1.0, ge=0, le=1000, description="netns: the link's round trip (0: no delay line).")
+    link_rate: str = Field("10gbit", description="netns: the link's rate (tc syntax; '' for none).")
+    loss_pct: float = Field(0.0, ge=0, le=100, description="netns: percent of packets lost each way.")
 
 
 @takes_workload("bench pool", PoolWorkload)
@@ -249,6 +254,11 @@ def pool(workload: PoolWorkload, as_json: bool) -> None:
     if w.clients:
         return _many_clients(as_json, size_list, reps, wanted, list(w.clients), w.duration)
     min_ops = w.min_ops
+    if w.netns:
+        from kvpool.tools.bench.pool_netns import run_across
+
+        return run_across(as_json, size_list, per_rep, min_ops, reps, batch, no_put, no_engine, w.rtt_ms,
+                          w.link_rate or None, w.loss_pct)
     report = Report("pool")
     workloads = [Workload(s, max(min_ops, per_rep // s), batch) for s in size_list]
     working_set = sum(w.size * w.count for w in workloads)

@@ -116,7 +116,7 @@ def test_bench_engine_line():
 def test_bench_pool_lines():
     defaults = {"sizes": ["64KiB", "1MiB", "8MiB"], "bytes_per_rep": "8MiB", "min_ops": 16, "reps": 21, "batch": 16,
                 "peers": ["redis", "mooncake"], "put": True, "engine": True, "clients": [], "duration": 2.0,
-                "auth": False}
+                "auth": False, "netns": False, "rtt_ms": 1.0, "link_rate": "10gbit", "loss_pct": 0.0}
     assert dry("bench", "pool") == defaults  # `kvpool bench pool --json`
     many = dry("bench", "pool", "--workload", "many-clients")  # `--clients 1,4,16,64 --sizes 64KiB,1MiB --reps 3`
     assert many == {**defaults, "description": many["description"], "clients": [1, 4, 16, 64],
@@ -127,6 +127,8 @@ def test_bench_pool_lines():
     assert bisect == {**defaults, "description": bisect["description"], "sizes": ["64KiB"], "peers": ["redis"],
                       "engine": False, "reps": 7}
     assert dry("bench", "pool", "--peers", "")["peers"] == []
+    netns = dry("bench", "pool", "-w", "netns")  # RELIABILITY.md: was `--netns --rtt-ms 1 --rate 10gbit`
+    assert netns == {**defaults, "description": netns["description"], "netns": True}
 
 
 def test_bench_policies_local_caches_line():
