@@ -3,13 +3,37 @@ session) and a fresh real pool per test.
 
 `pool` is a client of a fresh real pool (`kvpool.embedded.EmbeddedPool`, master + DRAM node on a
 free loopback port, in this process); folders that need another kind of pool define their own.
+
+The suite runs under the default mode (a per-user keyring, `kvpool.security.local`), but in a
+keyring directory of its own, made here for the session (`KVPOOL_LOCAL_DIR`, inherited by every
+process a test starts): the suite never writes into the real user's ~/.config/kvpool, and two
+sessions at once do not share one. Tests of where the keyring lives by default set HOME themselves.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
+
+_LOCAL_DIR_ENV = "KVPOOL_LOCAL_DIR"  # kvpool.security.local.DIR_ENV
+_made_local_dir: str | None = None
+
+
+def pytest_configure(config):
+    global _made_local_dir
+    if os.environ.get(_LOCAL_DIR_ENV) or _made_local_dir:
+        return  # the caller chose one (or a parent conftest ran this already)
+    _made_local_dir = tempfile.mkdtemp(prefix="kvpool-test-keyring-")  # 0700, as the keyring requires
+    os.environ[_LOCAL_DIR_ENV] = _made_local_dir
+
+
+def pytest_unconfigure(config):
+    if _made_local_dir:
+        os.environ.pop(_LOCAL_DIR_ENV, None)
+        shutil.rmtree(_made_local_dir, ignore_errors=True)
 
 from kvpool.errors import Unavailable
 

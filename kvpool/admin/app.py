@@ -18,7 +18,9 @@ Invariants:
   but the probes and the schema requires it (`kvpool.security.admin_token`); a refused request never
   reaches the master. `/metrics` also takes the metrics token (`settings.metrics_token`), which
   opens nothing else. With a keyring (`settings.auth_file`) the token is required: the app refuses
-  to be made without one. A request body over 1 MiB is answered 413 (`kvpool.security.http_guard`).
+  to be made without one. With no configuration at all, the user's own admin and metrics tokens
+  are used (`kvpool.security.local`: made on first use, 0600), so another local user is refused;
+  `KVPOOL_LOCAL_AUTH=off` leaves the API open on loopback as before. A request body over 1 MiB is answered 413 (`kvpool.security.http_guard`).
 - A tenant (its derived token, `kvpool.security.admin_token`) sees only its own keys, named as it names
   them, and its own use and quota: another tenant's key answers exactly as a missing key (404,
   the same body); every other endpoint is 403 for it.
@@ -41,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvpool.admin import schemas as s
 from kvpool.security.admin_token import TenantTokens, needs_token, tenant_tokens
 from kvpool.security.keyring import load_keyring
+from kvpool.security.local import local_token
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins, with_node_tiers
 from kvpool.contract import check_key, check_stored_key, scope_prefix
 from kvpool.config import Settings
@@ -166,7 +169,10 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     made, watching `master_service.stats()`, if not given); it is served at `/metrics`."""
     settings = settings or Settings()
     keyring = load_keyring(settings.auth_file)
-    if keyring is not None and not settings.admin_token:
+    admin_token, metrics_token = settings.admin_token, settings.metrics_token
+    if keyring is None and not admin_token:  # no configuration: the user's own tokens (kvpool.security.local)
+        admin_token, metrics_token = local_token("admin"), metrics_token or local_token("metrics")
+    if keyring is not None and not admin_token:
         raise InvalidArgument(
             f"admin API: a keyring is set ({settings.auth_file}) but no admin token, so anyone who reaches the admin "
             "port could list every tenant's keys and evict them. Give it a token in a file: "
@@ -187,14 +193,14 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         metrics.watch_stats(latest)  # one collector, so one kvpool_stats_up
 
     def current_token() -> str | None:
-        return settings.admin_token
+        return admin_token
 
     errors = {c: {"model": s.ErrorBody} for c in (400, 401, 403, 404, 413, 500, 503)}
 
     app = FastAPI(title="kvpool admin", version=str(s.API_VERSION), responses=errors,
                   description="Admin API of a kvpool master: nodes, stats, keys, eviction, config.")
     app.state.master = svc
-    app.state.authenticated = lambda: bool(settings.admin_token)  # protected mode (server.py)
+    app.state.authenticated = lambda: bool(settings.admin_token)  # protected mode (server.py): a configured token
     app.state.metrics = metrics
 
     @app.exception_handler(KVPoolError)
@@ -215,7 +221,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     # Outermost: who is asking (the admin token, a tenant's: kvpool/security/admin_token.py), then the body
     # cap, before anything else runs.
     app.add_middleware(HttpGuard, what="the admin API", token=current_token, needs_token=needs_token,
-                       tenants=TenantTokens(tenant_tokens(keyring)), metrics_token=lambda: settings.metrics_token,
+                       tenants=TenantTokens(tenant_tokens(keyring)), metrics_token=lambda: metrics_token,
                        error_body=lambda status, code, message: _error_doc(code, message))
 
     @app.get("/health", response_model=s.Health, tags=["health"])

@@ -47,7 +47,8 @@ def _size(n: Any) -> str:
               help="Admin API base URL [default: http://<host>:<admin_port> from settings].")
 @click.option("--token-file", type=click.Path(dir_okay=False),
               help="File holding the API's bearer token [default: settings' admin_token_file / admin_token, "
-                   "KVPOOL_ADMIN_TOKEN_FILE, KVPOOL_ADMIN_TOKEN]. Never on the command line: argv is public.")
+                   "KVPOOL_ADMIN_TOKEN_FILE, KVPOOL_ADMIN_TOKEN, else with no keyring the user's own admin.token of "
+                   "~/.config/kvpool]. Never on the command line: argv is public.")
 @click.option("--principal", metavar="NAME",
               help="Ask as this tenant principal of the keyring (KVPOOL_AUTH_FILE): its own token is derived from "
                    "its secret, and the API shows only its keys and its use and quota.")
@@ -67,7 +68,12 @@ def admin(ctx: click.Context, url: str | None, token_file: str | None, principal
         if not settings.admin_port:
             raise InvalidArgument("the admin API is disabled (admin_port = 0); pass --url")
         url = f"http://{settings.host}:{settings.admin_port}"
-    ctx.obj = _Ctx(url, _tenant_token(principal, settings.auth_file) if principal else settings.admin_token, as_json,
+    token = settings.admin_token
+    if token is None and not principal and not settings.auth_file:  # the user's own (kvpool.security.local)
+        from kvpool.security.local import local_token
+
+        token = local_token("admin")
+    ctx.obj = _Ctx(url, _tenant_token(principal, settings.auth_file) if principal else token, as_json,
                    settings.auth_file)
 
 

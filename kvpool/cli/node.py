@@ -42,7 +42,12 @@ def node(config_file, **flags) -> None:
         m = ServiceMetrics("node", store_node.node_id)
         m.watch_stats(store_node.store.stats)
         try:
-            metrics = serve_metrics(m.registry, settings.host, settings.admin_port, token=settings.metrics_token)
+            token = settings.metrics_token
+            if token is None and not settings.auth_file:  # no configuration: the user's own (kvpool.security.local)
+                from kvpool.security.local import local_token
+
+                token = local_token("metrics")
+            metrics = serve_metrics(m.registry, settings.host, settings.admin_port, token=token)
         except OSError as exc:  # a busy port must not keep the node's data from serving
             log.warning("node %s: /metrics not served on port %d: %s", store_node.node_id, settings.admin_port, exc)
     stop = store_node.stop

@@ -4,7 +4,8 @@ two chat requests that share a long prefix through the router with the OpenAI cl
 answers with their TTFT and cached tokens, and stops. `--engine vllm` runs vLLM OpenAI servers
 with the kvpool connector instead of the reference workers (kvpool/tools/launch/vllm.py).
 `--auth-file KEYRING` (from `kvpool auth init`) turns authentication on: every process it starts
-gets KVPOOL_AUTH_FILE, and the router then wants a tenant's API key (docs/security.md)."""
+gets KVPOOL_AUTH_FILE, and the router then wants a tenant's API key (docs/security.md). Without it
+the processes share their user's own keyring (`kvpool.security.local`), which they find by themselves."""
 
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ def _load_config(path: str | None) -> dict:
                    "shares every core). The router and the pool are not pinned.")
 @click.option("--auth-file", type=click.Path(dir_okay=False, exists=True),
               help="Keyring (`kvpool auth init`): authentication on every port, API keys at the router; passed "
-                   "to every process as KVPOOL_AUTH_FILE [default: none, everything open on loopback].")
+                   "to every process as KVPOOL_AUTH_FILE [default: the user's own keyring, ~/.config/kvpool, on the "
+                   "pool's ports; the router and workers open on loopback; KVPOOL_LOCAL_AUTH=off: all open].")
 def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args, worker_args, demo, max_tokens,
        workdir, ssd_path, engine, dtype, chunk_tokens, vllm_python, vllm_args, kv_codec, cpus_per_worker, auth_file) -> None:
     """Start the pool, the workers and the router as separate processes on loopback.

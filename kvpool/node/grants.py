@@ -14,8 +14,10 @@ that hands the ranges out is
 itself authorized per principal (`kvpool.security.authz`): a tenant only ever pins or reserves its
 own keys, so it only ever holds grants to its own objects' bytes.
 
-Without a keyring nothing changes: no handshake, no grants, the data port serves any range
-(and the pool listens on loopback only).
+With the user's own keyring (`kvpool.security.local`, the default without configuration) the
+data port authenticates every connection but takes no grants: everyone who can prove that keyring
+is its owner. Without any keyring (`KVPOOL_LOCAL_AUTH=off`) nothing changes: no handshake, no
+grants, the data port serves any range (and the pool listens on loopback only).
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ def engine_access(keyring: Keyring | None) -> dict[str, Any]:
     if keyring is None:
         return {}
     node = keyring.node_credential()
+    if keyring.local:  # the user's own keyring: whoever proves it is the owner; grants would add nothing
+        return {"auth": keyring.secret, "credential": (node.principal, node.secret)}
     return {"auth": keyring.secret, "credential": (node.principal, node.secret), "grant_key": grant_key(node.secret)}
 
 
 def attach(engine: Any, segment: str, pins: Any, writes: Any, keyring: Keyring | None, node_id: str) -> None:
     """Have `pins` and `writes` sign grants of `segment` when `engine` requires them."""
     if not getattr(engine, "requires_grants", False):
-        if keyring is not None:
+        if keyring is not None and not keyring.local:
             log.warning("node %s: authentication is on but the transfer engine passed in takes no grants: its data "
                         "port serves any range of the arena to whoever reaches it", node_id)
         return

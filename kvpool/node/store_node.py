@@ -121,7 +121,9 @@ class StoreNode:
         self.writes = Writes(self.store, self.node_id, self.segment, s.put_timeout_s, master)
         self.writes.credential = node_credential(s)  # what it shows the source node of a copy
         keyring = getattr(self.rpc, "keyring", None)
-        if keyring is not None and master is None:  # our master is elsewhere: its tickets admit each write
+        # Our master is elsewhere: its tickets admit each write. Not with the user's own keyring
+        # (`kvpool.security.local`): its one principal could sign tickets itself, as with grants.
+        if keyring is not None and not keyring.local and master is None:
             self.writes.tickets = Tickets(ticket_key(keyring.node_credential().secret))
         self._load_mark()
         self._start_transfer_engine()

@@ -5,7 +5,8 @@ socket (a 64 KiB round trip costs about half of loopback TCP's); it keeps its TC
 its identity and falls back to TCP if the unix socket cannot be reached. It spins for a reply
 only when the server's last reply said it may (`FLAG_SPIN`, see `kvpool.rpc.spin`).
 
-Given a `Credential` (or a keyring in `settings.auth_file`), a client proves its principal with
+Given a `Credential` (or a keyring in `settings.auth_file`, else the user's own keyring made on
+first use: `kvpool.security.local`), a client proves its principal with
 `transfer.auth`'s handshake on every connection it opens, TCP or unix, before any frame; a
 refused or failed handshake is `Unauthorized`.
 """
@@ -22,6 +23,7 @@ from typing import Any, Sequence
 import msgspec
 
 from kvpool.security.keyring import Credential, load_keyring
+from kvpool.security.local import resolve as resolve_keyring
 from kvpool.config import RpcSettings
 from kvpool.errors import InvalidArgument, LimitExceeded, Unauthorized, Unavailable, error_from_code
 from kvpool.messages import PROTOCOL_VERSION, Err
@@ -111,7 +113,7 @@ class RpcClient:
                 sock.close()
         except AuthError as exc:
             sock.close()
-            raise Unauthorized(f"{self.address}: principal {cred.principal!r}: {exc}") from None
+            raise Unauthorized(f"{self.address}: principal {cred.principal!r}: {exc}{_implicit_hint(cred)}") from None
         return sock
 
     def _refusal(self, sock: socket.socket, first: bytes) -> Exception:
@@ -328,12 +330,36 @@ class RpcClient:
 
 
 def credential_from(settings: RpcSettings) -> Credential | None:
-    """The credential `settings` name (`auth_file` + `principal`), or None: authentication off."""
-    keyring = load_keyring(settings.auth_file) if settings.auth_file else None
-    return keyring.credential(settings.principal) if keyring is not None else None
+    """The credential `settings` name (`auth_file` + `principal`), else the user's own keyring's
+    (`kvpool.security.local`), or None: authentication off."""
+    if settings.auth_file:
+        return load_keyring(settings.auth_file).credential(settings.principal)
+    keyring = resolve_keyring(None)  # KVPOOL_AUTH_FILE, else the per-user keyring
+    if keyring is None:
+        return None
+    return LocalCredential.of(keyring) if keyring.local else keyring.credential(settings.principal)
 
 
 def node_credential(settings: RpcSettings) -> Credential | None:
     """What masters and nodes present to each other: the keyring's node principal (None: off)."""
-    keyring = load_keyring(settings.auth_file) if settings.auth_file else None
+    keyring = resolve_keyring(settings.auth_file)
     return keyring.node_credential() if keyring is not None else None
+
+
+class LocalCredential(Credential):
+    """The per-user keyring's credential, used because nothing was configured: its refusals say so."""
+
+    @classmethod
+    def of(cls, keyring) -> "LocalCredential":
+        cred = keyring.node_credential()
+        return cls(cred.principal, cred.secret)
+
+
+def _implicit_hint(cred: Credential | None) -> str:
+    if not isinstance(cred, LocalCredential):
+        return ""
+    from kvpool.security.local import LOCAL_ENV, local_dir
+
+    return (f" (this client proved its user's own keyring, {local_dir() / 'keyring.toml'}, as nothing else was "
+            f"configured: a pool of another user or host needs KVPOOL_AUTH_FILE with a principal of its keyring; "
+            f"one running with {LOCAL_ENV}=off needs the same setting here; see docs/security.md)")

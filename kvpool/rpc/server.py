@@ -12,7 +12,8 @@ Invariants: at most one request is outstanding on a connection; a one-way frame
 (`FLAG_ONEWAY`) gets no reply; a frame with a wrong version or an undecodable message gets an
 `Err` and the connection is closed. The server owns its `SpinPolicy` (`kvpool.rpc.spin`).
 
-Identity: with a keyring (`keyring=`, else `settings.auth_file`), each new connection must open
+Identity: with a keyring (`keyring=`, else `settings.auth_file`'s, else the user's own made on
+first use, `kvpool.security.local`; none only with `KVPOOL_LOCAL_AUTH=off`), each new connection must open
 with `transfer.auth`'s handshake (channel "rpc"); its proved principal is `ServerConn.principal`,
 and `_dispatch` authorizes every request against it and scopes a tenant's keys
 (`kvpool.security.authz`). A connection that does not open with a hello gets one `Err("unauthorized")`
@@ -45,7 +46,8 @@ from typing import Any, Callable, Sequence
 
 import msgspec
 
-from kvpool.security.keyring import ANYONE, Keyring, Principal, load_keyring
+from kvpool.security.keyring import ANYONE, Keyring, Principal
+from kvpool.security.local import resolve as resolve_keyring
 from kvpool.config import RpcSettings
 from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, LimitExceeded, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Err
@@ -105,7 +107,8 @@ class RpcServer:
                  on_close: Callable[[ServerConn], None] | None = None, unix: bool = True,
                  settings: RpcSettings | None = None, keyring: Keyring | None = None):
         settings = settings or RpcSettings()
-        self.keyring = keyring if keyring is not None else load_keyring(settings.auth_file)
+        # the configured keyring, else this user's own (`kvpool.security.local`; None when turned off)
+        self.keyring = keyring if keyring is not None else resolve_keyring(settings.auth_file)
         self.handlers = handlers
         self.name = name
         self.on_close = on_close

@@ -97,6 +97,7 @@ class Keyring:
     def __init__(self, entries: dict[str, Entry], source: str = "<memory>"):
         self.entries = dict(entries)
         self.source = source
+        self.local = False  # the per-user keyring made on first use (`kvpool.security.local`)
         self._by_api_key = {k: e for e in entries.values() for k in e.api_keys}
 
     # -- loading ---------------------------------------------------------------------------

@@ -22,7 +22,8 @@ object was removed (a client retrying a put starts it again at the master: a new
 The key is the node principal's secret (`kvpool.security.keyring.ticket_key`), which masters and
 nodes share through the keyring; tenants cannot make one. The deadline is wall clock: masters'
 and nodes' clocks must agree within `SKEW_MS` plus the put timeout. Without a keyring there are
-no tickets and nodes take any write of a pending put, as before (loopback only).
+no tickets and nodes take any write of a pending put, as before (loopback only); nor with the
+user's own keyring (`kvpool.security.local`), whose one principal, `node`, could sign them itself.
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ starts and stops whole clusters (~1-2 minutes apiece here)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from kvpool.tools.launch.processes import clean_env
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -19,7 +19,7 @@ KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 
 
 def _bench(args: list[str], tmp_path: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run([KVPOOL, "--log-level", "WARNING", "bench", *args, "--workdir", str(tmp_path), "--json"],
                        capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

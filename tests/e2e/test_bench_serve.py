@@ -5,12 +5,12 @@ chat workload. (`kvpool up` itself is started by the slow tests in test_cli_and_
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from kvpool.tools.launch.processes import clean_env
 
 pytestmark = [pytest.mark.model]
 
@@ -24,7 +24,7 @@ def openai_cluster(cluster):
 
 
 def test_bench_serve_chat_against_the_cluster(openai_cluster):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run([KVPOOL, "bench", "serve", "--base-url", openai_cluster, "--workload", "chat",
                         "--num-requests", "6", "--rate", "inf", "--set", "output_len=16", "--set", "system_len=700",
                         "--set", "system_prompts=1", "--set", "max_concurrency=1",

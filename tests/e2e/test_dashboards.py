@@ -18,6 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.security.local import local_token
+
 pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvpool-dashboard.json"
@@ -53,7 +55,13 @@ def scraped(deployed):
     pages = {"master": f"{deployed.master_admin}/metrics", "node": deployed.node_metrics,
              "prefill": f"{c.url('prefill')}/metrics", "decode": f"{c.url('decode')}/metrics",
              "router": f"{c.router_url}/metrics"}
-    return {name: httpx.get(url, timeout=30).text for name, url in pages.items()}
+    # as a scraper of this user's pool: the master's and node's /metrics take the user's own metrics
+    # token (the default, kvpool.security.local); the router's and workers' are open on loopback
+    scraper = {"authorization": f"Bearer {local_token('metrics')}"}
+    pages = {name: httpx.get(url, timeout=30, headers=scraper) for name, url in pages.items()}
+    assert httpx.get(deployed.node_metrics, timeout=30).status_code == 401  # without the token: refused
+    assert all(r.status_code == 200 for r in pages.values()), {n: r.status_code for n, r in pages.items()}
+    return {name: r.text for name, r in pages.items()}
 
 
 def test_every_metric_the_grafana_dashboard_queries_is_exported(scraped):

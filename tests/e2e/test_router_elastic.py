@@ -5,7 +5,6 @@ rotation, and a drained worker finishes its streams and leaves."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kvpool.tools.launch.processes import clean_env
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and his cat."}]
@@ -130,7 +130,7 @@ def test_kv_lost_before_decode_is_recomputed_not_failed(elastic, rm, tmp_path):
     from e2e_support import reference
     from kvpool.tools.launch.local import WorkerSpec
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     with open(tmp_path / "empty-pool.log", "w") as log:
         empty = subprocess.Popen([str(Path(sys.executable).with_name("kvpool")), "--log-level", "WARNING", "serve",
                                   "--port", "0", "--admin-port", "0", "--dram-capacity", "64MiB"],

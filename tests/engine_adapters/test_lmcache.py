@@ -35,6 +35,7 @@ from engine_adapters.lmcache.options import pool_address
 from kvpool.chunk_format import KVLayout
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace
+from kvpool.tools.launch.processes import clean_env
 
 LAYERS, HEADS, DIM, CHUNK = 4, 2, 8, 16
 ROOT = Path(__file__).parents[2]
@@ -125,7 +126,7 @@ def lmc():
 @contextlib.contextmanager
 def kvpool_serve(env: dict[str, str] | None = None) -> Iterator[str]:
     """A `kvpool serve` process on a free loopback port; yields its address."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    clean = clean_env()
     proc = subprocess.Popen([sys.executable, "-c", "from kvpool.cli import main; main()", "serve", "--host", "127.0.0.1",
                              "--port", "0", "--admin-port", "0", "--dram-capacity", "128MiB"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**clean, **(env or {})})

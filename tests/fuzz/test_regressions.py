@@ -90,7 +90,8 @@ def test_rpc_server_does_not_allocate_an_announced_message_before_it_arrives(tmp
 
 
 @pytest.mark.parametrize("msg_len,payload_len", [(0xFFFFFFFF, 0), (MAX_MESSAGE + 1, 0), (4, 1 << 62)])
-def test_rpc_client_refuses_an_oversized_reply(msg_len, payload_len):
+def test_rpc_client_refuses_an_oversized_reply(msg_len, payload_len, monkeypatch):
+    monkeypatch.setenv("KVPOOL_LOCAL_AUTH", "off")  # the lie is in the reply to a request, not the handshake
     server = LyingServer(HEADER.pack(PROTOCOL_VERSION, 0, msg_len, payload_len) + b"\x91\x00\x00\x00", hold=True)
     client = RpcClient(server.address, timeout=2.0)
     tracemalloc.start()

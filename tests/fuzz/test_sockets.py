@@ -31,6 +31,7 @@ from kvpool.rpc.frame import HEADER
 from transfer import wire
 from transfer.descriptor import SegmentDescriptor
 from test_decoders import REQUEST_SEEDS
+from kvpool.tools.launch.processes import clean_env
 
 IO_TIMEOUT = 5.0
 
@@ -54,7 +55,7 @@ class Served:
 
 def _serve(tmp: Path) -> Served:
     log = tmp / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     proc = subprocess.Popen([str(Path(sys.executable).with_name("kvpool")), "--log-level", "WARNING", "serve",
                              "--port", "0", "--admin-port", "0", "--dram-capacity", "32MiB"],
                             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env)

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 import httpx
 
-from kvpool.tools.launch.processes import free_port
+from kvpool.tools.launch.processes import clean_env, free_port
 from kvpool.tools.chaos.procs import etcd_binary
 
 
@@ -167,7 +167,7 @@ def serve_process(log: str | os.PathLike, dram_capacity: str,
     any KVPOOL_* variable, plus `env`; its stderr goes to the file `log`."""
     log = Path(log)
     admin_port = free_port()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}, **(env or {})}
+    env = clean_env(**(env or {}))
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("kvpool")), "--log-level", "WARNING", "serve", "--port", "0",
          "--admin-port", str(admin_port), "--dram-capacity", dram_capacity],

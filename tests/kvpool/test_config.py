@@ -13,11 +13,14 @@ from kvpool.errors import InvalidArgument
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    """No KVPOOL_* variable from the calling shell leaks into these tests."""
+    """No KVPOOL_* setting from the calling shell leaks into these tests (where the user's keyring
+    lives is not a setting: tests/conftest.py chose it for the session)."""
     import os
 
+    from kvpool.security.local import ENV_VARS
+
     for name in list(os.environ):
-        if name.startswith("KVPOOL_"):
+        if name.startswith("KVPOOL_") and name not in ENV_VARS:
             monkeypatch.delenv(name)
 
 

@@ -192,7 +192,10 @@ def run_load(address: str, admin_url: str, duration: float, report) -> dict:
         lost = [k for k, v in got if v is None]
         corrupt += [k for k, v in got if v is not None and v != value_for(k)]
         resurrected = [k for k, hit in _batched(checker.exists_batch, removed) if hit]
-    stats = httpx.get(f"{admin_url}/v1/stats", timeout=10).json()["stats"]
+    from kvpool.security.local import local_token
+
+    own = {"Authorization": f"Bearer {local_token('admin')}"}  # the pool runs as this user, unconfigured
+    stats = httpx.get(f"{admin_url}/v1/stats", timeout=10, headers=own).json()["stats"]
 
     lat: dict[str, list[float]] = {}
     for r in results:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from kvpool.security.keyring import Credential
+from kvpool.tools.launch.processes import clean_env
 
 SECRETS = {"node": "n" * 40, "ops": "o" * 40, "acme": "a" * 40, "beta": "b" * 40}
 ROLES = {"node": "node", "ops": "admin", "acme": "tenant:acme", "beta": "tenant:beta"}
@@ -27,5 +28,3 @@ def cred(name: str, secret: str | None = None) -> Credential:
     return Credential(name, (secret or SECRETS[name]).encode())
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}, **extra}

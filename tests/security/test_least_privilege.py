@@ -10,7 +10,6 @@ and untenanted ones."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import tomllib
@@ -18,12 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvpool.tools.launch.processes import clean_env
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}, **extra}
+    return clean_env(**extra)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

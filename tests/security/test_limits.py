@@ -27,15 +27,18 @@ from transfer import TransferEngine, wire
 from transfer.errors import LimitReached, ProtocolError, TransferError
 
 MiB = 1 << 20
-TIGHT = {"KVPOOL_HEADER_TIMEOUT_S": "0.5", "KVPOOL_IDLE_TIMEOUT_S": "2", "KVPOOL_MIN_BODY_RATE": "256KiB",
+TIGHT = {"KVPOOL_LOCAL_AUTH": "off", "KVPOOL_HEADER_TIMEOUT_S": "0.5", "KVPOOL_IDLE_TIMEOUT_S": "2", "KVPOOL_MIN_BODY_RATE": "256KiB",
          "KVPOOL_MAX_CONNECTIONS": "10", "KVPOOL_MAX_CONNECTIONS_PER_PEER": "6"}
-SLOW_TICK = {"KVPOOL_HEADER_TIMEOUT_S": "30", "KVPOOL_PUT_TIMEOUT_S": "2", "KVPOOL_HEARTBEAT_S": "0.2"}
+SLOW_TICK = {"KVPOOL_LOCAL_AUTH": "off", "KVPOOL_HEADER_TIMEOUT_S": "30", "KVPOOL_PUT_TIMEOUT_S": "2", "KVPOOL_HEARTBEAT_S": "0.2"}
 
 
 @pytest.fixture(autouse=True)
 def _no_ambient_settings(monkeypatch):
     for name in ("KVPOOL_AUTH_FILE", "KVPOOL_PRINCIPAL", "KVPOOL_MAX_REPLY_BYTES"):
         monkeypatch.delenv(name, raising=False)
+    # these limits are those of a pool without authentication (raw frames from the first byte):
+    # no per-user keyring either (test_flood.py has the limits of an authenticating pool)
+    monkeypatch.setenv("KVPOOL_LOCAL_AUTH", "off")
 
 
 @pytest.fixture(scope="module")

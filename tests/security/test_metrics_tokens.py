@@ -6,7 +6,6 @@ else, on the master's admin API and the router too. `kvpool auth init` writes it
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -15,12 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvpool.tools.launch.processes import clean_env
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}, **extra}
+    return clean_env(**extra)
 
 
 def _free_port() -> int:

@@ -33,7 +33,9 @@ operation of the client thread and of the whole server process (`client_cpu_us`,
 `server_cpu_us`, from the process CPU clock): on a loaded machine CPU per op moves less than
 wall time. What authentication adds per operation: a role check and the tenant's key scoping
 on each request; the HMAC handshake runs once per connection, and no MAC is computed over bulk
-bytes on this path.
+bytes on this path. A pool "without a keyring" runs the default mode: its user's own keyring
+(`kvpool.security.local`: the same once-per-connection handshake, no roles, scoping or grants);
+`KVPOOL_LOCAL_AUTH=off` on the bench measures the pools and clients with no handshake at all.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import subprocess
 import time
 from typing import Any, Callable, Sequence
 
-from kvpool.tools.launch.processes import KVPOOL, stop
+from kvpool.tools.launch.processes import KVPOOL, clean_env, stop
 
 
 class PoolProcess:
@@ -19,7 +19,7 @@ class PoolProcess:
     def __init__(self, dram_capacity: int, auth_file: str | None = None, settings: dict[str, str] | None = None,
                  host: str = "127.0.0.1", prefix: Sequence[str] = ()):
         """`settings`: KVPOOL_* variables for the pool (none of this process's are passed on)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | (settings or {})
+        env = clean_env(**(settings or {}))
         if auth_file:
             env["KVPOOL_AUTH_FILE"] = auth_file
         self.proc = subprocess.Popen(

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import httpx
 
-from kvpool.tools.launch.processes import KVPOOL, free_port, spawn, stop
+from kvpool.tools.launch.processes import KVPOOL, clean_env, free_port, spawn, stop
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +161,7 @@ class Service(Managed):
                 "--host", self.host, "--port", str(self.port)]
 
     def env(self) -> dict[str, str]:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
-        return {**base, **self.extra_env}
+        return clean_env(**self.extra_env)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -10,14 +10,17 @@ PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the pro
 started from a short-lived thread (the chaos cluster starts its services in parallel, one thread
 each) got SIGTERM as soon as that thread returned. So a child spawned off the main thread is
 forked by one long-lived spawner thread, which ends only with the process.
+
+`clean_env` is the environment of a child that must not inherit our `KVPOOL_*` settings.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import signal
+import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +29,8 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
+
+from kvpool.security.local import ENV_VARS
 
 T = TypeVar("T")
 
@@ -43,6 +48,13 @@ except (OSError, AttributeError):
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the launcher dies
+
+
+def clean_env(**settings: str) -> dict[str, str]:
+    """This process's environment without its `KVPOOL_*` settings, plus `settings`; it keeps where
+    this user's own keyring lives and whether it is on (`kvpool.security.local`), because a child
+    that found another keyring than ours (or none) could not talk to us, nor we to it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_") or k in ENV_VARS} | settings
 
 
 def free_port(host: str = "127.0.0.1") -> int:

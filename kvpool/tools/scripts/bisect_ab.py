@@ -149,10 +149,12 @@ def main() -> None:
     if names[0] == names[1]:
         names = [n + f"#{i}" for i, n in enumerate(names)]
     workers = []
+    from kvpool.tools.launch.processes import clean_env  # this tree's; a worker imports its own tree
+
     for t in a.trees:
         t, _, settings = t.partition("@")
         extra = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | extra | {"PYTHONPATH": os.path.abspath(t)}
+        env = clean_env(**extra, PYTHONPATH=os.path.abspath(t))
         p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], cwd=t, env=env,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "ready"

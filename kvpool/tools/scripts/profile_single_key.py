@@ -208,7 +208,9 @@ def main() -> None:
 
     os.environ.update(NO_SPIN)
     report = f"/tmp/kvpool-profile-{os.getpid()}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | NO_SPIN
+    from kvpool.tools.launch.processes import clean_env
+
+    env = clean_env(**NO_SPIN)
     credential = None
     if args.auth:
         import secrets

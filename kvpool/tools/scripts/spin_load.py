@@ -48,7 +48,9 @@ def run(clients: int, spin: bool, shm: bool, seconds: float) -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     exe = os.path.join(os.path.dirname(sys.executable), "kvpool")
-    srv_env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | env
+    from kvpool.tools.launch.processes import clean_env
+
+    srv_env = clean_env(**env)
     srv = subprocess.Popen([exe, "serve", "--port", str(port), "--admin-port", "0", "--dram-capacity", "4GiB"],
                            env=srv_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+from kvpool.tools.launch.processes import clean_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -39,7 +40,7 @@ def router_url(model_path, tmp_path_factory, kvpool_up_vllm):
         "node": {"role": "node", "secret": "n" * 40},
         **{t: {"role": f"tenant:{t}", "secret": t[0] * 40, "api_keys": [key]} for t, key in API_KEYS.items()}}}))
     os.chmod(keyring, 0o600)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     with kvpool_up_vllm(["--colocated", "1", "--dtype", "float32", "--port", "0", "--auth-file", str(keyring),
                          "--vllm-arg=--max-model-len=1024", "--vllm-arg=--no-enable-prefix-caching"],
                         workdir, env) as url:

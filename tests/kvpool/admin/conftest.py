@@ -44,8 +44,10 @@ def admin(master):
 
 
 @pytest.fixture
-def open_admin(master):
-    """(handle, client) of an app with NO token configured."""
+def open_admin(master, monkeypatch):
+    """(handle, client) of an app with NO token configured and authentication off (no keyring,
+    not even the user's own: `KVPOOL_LOCAL_AUTH=off`)."""
+    monkeypatch.setenv("KVPOOL_LOCAL_AUTH", "off")
     handle = _serve(master, Settings())
     with httpx.Client(base_url=handle.url, timeout=10) as client:
         yield handle, client

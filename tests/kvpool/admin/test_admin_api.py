@@ -117,9 +117,31 @@ def test_every_endpoint_needs_the_token(master, admin, method, path, body):
             assert c.get(path).status_code == 200
 
 
-def test_no_token_configured_means_open(master, open_admin):
+def test_authentication_off_means_open(master, open_admin):
     _, c = open_admin
     assert c.post(f"/v1/nodes/{NODE}/drain").status_code == 200
+
+
+def test_no_token_configured_means_the_users_own(master):
+    """Issue 27: with no configuration the admin API takes its user's own token (made on first use,
+    0600, `kvpool.security.local`): another local user, who cannot read it, is refused."""
+    import httpx
+
+    from kvpool.admin import create_app, serve_in_thread
+    from kvpool.config import Settings
+    from kvpool.security.local import local_dir, local_token
+
+    handle = serve_in_thread(create_app(master.admin, Settings()), "127.0.0.1", 0)
+    try:
+        with httpx.Client(base_url=handle.url, timeout=10) as c:
+            assert c.post(f"/v1/nodes/{NODE}/drain").status_code == 401
+            assert c.get("/v1/keys").status_code == 401
+            own = {"Authorization": f"Bearer {local_token('admin')}"}
+            assert c.get("/v1/keys", headers=own).status_code == 200
+            assert c.get("/metrics", headers={"Authorization": f"Bearer {local_token('metrics')}"}).status_code == 200
+        assert (local_dir() / "admin.token").stat().st_mode & 0o777 == 0o600
+    finally:
+        handle.stop()
 
 
 def test_evict_by_keys_and_bytes(master, admin, auth):
@@ -264,9 +286,9 @@ def test_async_master_methods_are_awaited(master):
 
             return call
 
-    handle = serve_in_thread(create_app(AsyncFacade(), Settings()), "127.0.0.1", 0)
+    handle = serve_in_thread(create_app(AsyncFacade(), Settings(admin_token="t" * 20)), "127.0.0.1", 0)
     try:
-        with httpx.Client(base_url=handle.url, timeout=10) as c:
+        with httpx.Client(base_url=handle.url, timeout=10, headers={"Authorization": "Bearer " + "t" * 20}) as c:
             assert c.get("/v1/stats").json()["stats"]["objects"] == 3
             assert c.get("/v1/keys/key-2").json()["info"]["size"] == 3000
             assert c.get("/v1/nodes/ghost").status_code == 404

@@ -13,15 +13,17 @@ import pytest
 from click.testing import CliRunner
 
 from kvpool.cli import cli
+from kvpool.security.local import ENV_VARS
+from kvpool.tools.launch.processes import clean_env
 
 TOKEN = "test-token-7f3a"
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
+def _no_kvpool_settings(monkeypatch):  # but the session's own keyring directory (tests/conftest.py)
     for name in list(os.environ):
-        if name.startswith("KVPOOL_"):
+        if name.startswith("KVPOOL_") and name not in ENV_VARS:
             monkeypatch.delenv(name)
 
 
@@ -47,7 +49,7 @@ def run(url, *args, token=True):
 
 def shell(*args, env=None):
     """The real `kvpool` executable in a new process (for what only a fresh process shows)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    full_env = clean_env()
     full_env.update(env or {})
     return subprocess.run([KVPOOL, "admin", *args], capture_output=True, text=True, timeout=60, env=full_env)
 
@@ -151,6 +153,7 @@ def test_url_from_settings(admin, tmp_path, monkeypatch, capsys):
 ])
 def test_errors_are_one_readable_line(master, admin, args, needle, monkeypatch, capsys):
     handle, _ = admin
+    monkeypatch.setenv("KVPOOL_LOCAL_AUTH", "off")  # else a CLI given no token presents its user's own (a wrong one)
     args = [{"WRONG": str(WRONG_FILE), "TOKEN": str(TOKEN_FILE)}.get(a, a) for a in args]
     code, _, err = main_in_process(monkeypatch, capsys, "--url", handle.url, *args)
     assert code == 2

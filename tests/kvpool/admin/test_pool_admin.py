@@ -4,7 +4,6 @@ typed error or a 4xx, and the pool keeps serving after each."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import kvpool
 from etcd_testing import serve_process
 from kvpool.errors import InvalidArgument, KeyNotFound, ObjectTooLarge
+from kvpool.tools.launch.processes import clean_env
 
 TOKEN = "e2e-token"
 
@@ -73,7 +73,7 @@ def test_evict_through_rest_makes_a_miss(client, http):
 
 def test_cli_against_the_pool(served, client):
     client.put("e2e/cli", b"c" * 777)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | {"KVPOOL_ADMIN_TOKEN": TOKEN}
+    env = clean_env(KVPOOL_ADMIN_TOKEN=TOKEN)
     kv = str(Path(sys.executable).with_name("kvpool"))
     r = subprocess.run([kv, "admin", "--url", served[1], "--json", "key", "e2e/cli"], capture_output=True, text=True,
                        timeout=60, env=env)

@@ -26,6 +26,14 @@ from transfer import SegmentDescriptor, TransferEngine
 ENGINE_TCP = dict(data_path="engine", transports=("tcp",))
 
 
+def own():
+    """What an engine of ours proves to the pools here, which run unconfigured: the user's own keyring."""
+    from kvpool.security.local import local_keyring
+
+    cred = local_keyring().node_credential()
+    return cred.principal, cred.secret
+
+
 def fake_verbs():
     """tests/transfer/fake_verbs.py (a FAKE RDMA device for in-process tests), loaded by path."""
     name = "fake_verbs"
@@ -62,7 +70,7 @@ class EngineWithHook(TransferEngine):
 
 
 def test_a_read_never_returns_bytes_of_an_object_evicted_mid_read():
-    with EmbeddedPool(settings(dram_capacity="8MiB")) as pool, EngineWithHook(transports=("tcp",)) as eng, \
+    with EmbeddedPool(settings(dram_capacity="8MiB")) as pool, EngineWithHook(transports=("tcp",), credential=own()) as eng, \
             kvpool.connect(pool.address, data_path="engine", transfer_engine=eng) as reader, \
             kvpool.connect(pool.address, data_path="rpc", use_shm=False) as writer:
         value = os.urandom(1 << 20)
@@ -155,7 +163,7 @@ def test_a_reserved_put_that_never_ends_is_reclaimed_on_the_node(cluster):
     master, nodes = cluster
     rpc, node_rpc, plan, slots = _reserve(master.address, "orphan", 4096)
     node = _node(nodes, plan.targets[0].node_id)
-    with TransferEngine(transports=("tcp",)) as eng:
+    with TransferEngine(transports=("tcp",), credential=own()) as eng:
         eng.write(SegmentDescriptor.from_bytes(slots.segment), slots.results[0].offset, b"z" * 4096)
     with kvpool.connect(master.address, **ENGINE_TCP) as c:
         assert c.get("orphan") is None  # written, never committed: invisible

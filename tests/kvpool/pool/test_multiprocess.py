@@ -143,7 +143,10 @@ def _reserve_and_write_half(address: str, key: str, size: int, put_id: int, fill
     node_rpc = RpcClient(address)
     slots = node_rpc.call(NodeReserve([key], [size], [put_id]))
     desc = SegmentDescriptor.from_bytes(slots.segment)
-    with TransferEngine(transports=("tcp",)) as eng:
+    from kvpool.security.local import local_keyring
+
+    own = local_keyring().node_credential()  # the pool runs unconfigured: its user's own keyring
+    with TransferEngine(transports=("tcp",), credential=(own.principal, own.secret)) as eng:
         eng.write(desc, slots.results[0].offset, fill * (size // 2))
     return node_rpc
 

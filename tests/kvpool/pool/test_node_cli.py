@@ -15,7 +15,11 @@ def test_node_serves_metrics_with_its_store_stats():
         node = spawn(["node", "--port", "0", "--master", master.address, "--node-id", "metrics-node",
                       "--dram-capacity", "8MiB", "--eviction", "arc", "--admin-port", str(port)])
         try:
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            from kvpool.security.local import local_token
+
+            url = f"http://127.0.0.1:{port}/metrics"
+            assert httpx.get(url, timeout=10).status_code == 401  # unconfigured: the user's own metrics token
+            text = httpx.get(url, timeout=10, headers={"Authorization": f"Bearer {local_token('metrics')}"}).text
             assert 'kvpool_up{node="metrics-node",service="node"} 1.0' in text
             assert "kvpool_stats_up" in text and "8.388608e+06" in text  # the DRAM capacity, from store.stats
         finally:

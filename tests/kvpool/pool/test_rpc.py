@@ -122,6 +122,11 @@ def test_frames_sent_back_to_back_and_large_messages_stay_in_frame(server):
     keys = [f"key-{i:05d}" for i in range(3000)]  # a message of ~30 KB
     wire = frame(Release([7]), flags=1) + frame(NodeGet([]), blob) + frame(Exists(keys)) + frame(Exists(["yes"]))
     with socket.create_connection(("127.0.0.1", server.port)) as s:
+        from kvpool.security.local import local_keyring
+        from transfer.auth import client_handshake
+
+        own = local_keyring().node_credential()  # the server, unconfigured, takes its user's own keyring
+        client_handshake(s, own.principal, own.secret, "rpc")
         s.sendall(wire)
         s.settimeout(5)
         f = s.makefile("rb")

@@ -5,14 +5,14 @@ asserted here (the figures are in the report)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from kvpool.tools.launch.processes import clean_env
 
 
 def test_bench_flood_smoke():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "flood", "--json", "--reps", "1", "--ops", "5",
          "--connects", "2", "--connections", "200", "--settle-s", "0"],

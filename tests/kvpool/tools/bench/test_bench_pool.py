@@ -4,16 +4,16 @@ Speed is not asserted here; only that every system was measured and correctness 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from kvpool.tools.launch.processes import clean_env
 
 import pytest
 
 
 def test_bench_pool_smoke():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--reps", "1", "--sizes", "64KiB",
          "--set", "bytes_per_rep=512KiB", "--set", "min_ops=4", "--set", "batch=4", "--peers", "redis"],
@@ -48,7 +48,7 @@ def test_twins_run_side_by_side_in_alternating_order():
 
 
 def test_bench_pool_auth_is_paired_with_a_control_and_cpu_per_op():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--workload", "auth", "--json", "--reps", "2",
          "--sizes", "64KiB", "--set", "bytes_per_rep=512KiB", "--set", "min_ops=4", "--set", "batch=4",
@@ -73,7 +73,7 @@ def test_bench_pool_auth_is_paired_with_a_control_and_cpu_per_op():
 def test_bench_pool_auth_covers_the_engine_path_with_grants():
     """The auth preset with the engine path: the engine path of the pool with a keyring (a grant per op,
     each frame counted under its grant) is compared with the engine path without."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--workload", "auth", "--json", "--reps", "1",
          "--sizes", "64KiB", "--set", "bytes_per_rep=256KiB", "--set", "min_ops=4", "--set", "batch=4", "--peers", "",
@@ -90,7 +90,7 @@ def test_bench_pool_auth_covers_the_engine_path_with_grants():
 def test_bench_pool_many_clients_measures_every_system_at_every_count():
     """Key `clients`: each count of client processes reads checked values from ours (TCP and
     same-host) and Redis; a wrong value would fail the run (each get is checked in the client)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--workload", "many-clients", "--json",
          "--set", "clients=1,3", "--reps", "1", "--sizes", "64KiB", "--set", "duration=0.3", "--peers", "redis"],

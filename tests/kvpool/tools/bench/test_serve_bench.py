@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from kvpool.tools.bench.serve_client import (SSEParser, ServeResult, poisson_off
 from kvpool.tools.bench.serve_metrics import RequestRecord, parse_slo, summarize
 from kvpool.tools.bench.workloads import (VOCAB, block_text, chat_requests, docqa_requests, mixed_requests,
                                     random_requests, trace_requests)
+from kvpool.tools.launch.processes import clean_env
 
 REAL_TRACE = Path("/work/shared/data/traces/conversation_trace.jsonl")
 
@@ -404,7 +404,7 @@ def test_report_ratios_point_the_right_way(tmp_path):
 
 def test_cli_fails_requests_cleanly_and_ends_with_json(tmp_path):
     """No server on the port: every request fails with its message; the JSON line still comes."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     (tmp_path / "w.toml").write_text('kind = "docqa"\ndoc_len = 20\nwarmup = 0\n')
     r = subprocess.run([str(Path(sys.executable).with_name("kvpool")), "bench", "serve", "--base-url",
                         "http://127.0.0.1:9/v1", "--model", "m", "--workload", str(tmp_path / "w.toml"),
