@@ -16,20 +16,21 @@ earlier term (before the tables were cleared for a new role) no longer counts.
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass
 from typing import Any, Union
 
+import msgspec
 
-@dataclass(frozen=True, slots=True)
-class RemoveCopies:
+
+# msgspec Structs, not frozen dataclasses: a remove queues one per replica under the lock, and a
+# frozen dataclass took 5.8 us to make here against 1.0 us for a Struct (0.75 us for a tuple).
+class RemoveCopies(msgspec.Struct, frozen=True):
     node_id: str
     keys: list[str]
     put_ids: list[int]  # the put that wrote each key's copy (0: unknown)
     term: int
 
 
-@dataclass(frozen=True, slots=True)
-class CopyObjects:
+class CopyObjects(msgspec.Struct, frozen=True):
     """`target` pulls these objects from `source` (at `source_address`)."""
 
     source: str
@@ -44,13 +45,11 @@ class CopyObjects:
         return self.target
 
 
-@dataclass(frozen=True, slots=True)
-class CloseLink:
+class CloseLink(msgspec.Struct, frozen=True):
     link: Any
 
 
-@dataclass(frozen=True, slots=True)
-class Stop:
+class Stop(msgspec.Struct, frozen=True):
     pass
 
 
