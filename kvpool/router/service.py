@@ -209,19 +209,20 @@ class Router:
             keys = chunk_keys_hex_u32(namespace, u32, self.chunk_tokens)
         else:
             keys = chunk_keys_hex(namespace, ids, self.chunk_tokens)
-        pool_chunks = 0
+        pool_chunks, matched = 0, False
         if keys and self.config.pool and (tenant is not None or self.pool is not None):
             try:
                 if tenant is None:
                     pool_chunks = await self.pool.match(keys)
                 else:
                     pool_chunks = await (await self.tenants.pool(tenant)).match_prefix(keys)
+                matched = True
             except KVPoolError as exc:  # a pool outage costs reuse, not the request
                 log.warning("match_prefix failed, routing as if nothing were cached: %s", exc)
         self._seq += 1
         req = RouteRequest(seq=self._seq, prompt_tokens=len(ids), max_tokens=max_tokens,
                            chunk_tokens=self.chunk_tokens or 1, pool_prefix_chunks=pool_chunks,
-                           bytes_per_token=self.bytes_per_token)
+                           bytes_per_token=self.bytes_per_token, pool_matched=matched)
         exclude = self.not_serving(tenant.id if tenant is not None else None)
         snap = self.snapshot(keys, exclude)
         if exclude and not any(w.decodes for w in snap.workers):

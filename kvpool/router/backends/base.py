@@ -70,6 +70,12 @@ class Request:
     keys: list[str]  # the prompt's chunk keys (in the tenant's namespace)
     route: "RouteRequest"
 
+    @property
+    def pool_chunks(self) -> int | None:
+        """The prompt's chunks the pool held when routed (None: the pool did not answer), for
+        the worker, which then need not ask again."""
+        return self.route.pool_prefix_chunks if self.route.pool_matched else None
+
 
 class Host(Protocol):
     """What the router lends a backend for the requests it runs (the `Router` implements it)."""

@@ -105,14 +105,14 @@ class ReferenceBackend:
         tenant = req.tenant
         headers = {**_JSON, TENANT_HEADER: tenant.id} if tenant is not None else _JSON
         if d.prefill is None:
-            return self._colocated(host, d, req.ids, req.max_tokens, req, out, headers)
+            return self._colocated(host, d, req.ids, req.max_tokens, req, out, headers, req.pool_chunks)
         return self._disaggregated(host, d, req, out, headers)
 
     async def _colocated(self, host: Host, d: Decision, ids: list[int], max_tokens: int, req: Request,
-                         out: Outcome, headers: dict[str, str]) -> AsyncIterator[Piece]:
+                         out: Outcome, headers: dict[str, str], pool_chunks: int | None) -> AsyncIterator[Piece]:
         worker = host.worker(d.decode)
         msg = wire.GenerateRequest(token_ids=ids, max_tokens=max_tokens, request_id=req.request_id,
-                                   sampling=req.sampling)
+                                   sampling=req.sampling, pool_chunks=pool_chunks)
         uncached = len(ids) - d.cached_tokens
         worker.prefill_sent(uncached)
         worker.decode_sent()
@@ -189,7 +189,7 @@ class ReferenceBackend:
             again = Decision(prefill=None, decode=decoder.name, kind="local_prefill")
             try:
                 async for piece in self._colocated(host, again, [*req.ids, head.first_token], req.max_tokens - 1,
-                                                   req, out, headers):
+                                                   req, out, headers, None):  # the pool changed: let it ask
                     yield piece
             except BeforeFirst as exc:  # the first token already reached the client: no retry elsewhere
                 raise exc.error from None
@@ -202,7 +202,8 @@ class ReferenceBackend:
         sent = time.perf_counter()
         try:
             body = await self._post(host, p, "/v1/prefill", wire.PrefillRequest(
-                token_ids=req.ids, request_id=req.request_id, sampling=req.sampling), headers)
+                token_ids=req.ids, request_id=req.request_id, sampling=req.sampling, pool_chunks=req.pool_chunks),
+                headers)
             round_trip = time.perf_counter() - sent
             head = wire.decode(body, wire.PrefillResponse)
         finally:
