@@ -60,6 +60,7 @@ class RouteRequest:
     chunk_tokens: int
     pool_prefix_chunks: int  # leading chunks of the prompt present in the pool (one match_prefix)
     bytes_per_token: int
+    pool_matched: bool = False  # the pool answered that match_prefix (else the 0 above is a guess)
 
 
 @dataclass(frozen=True)
