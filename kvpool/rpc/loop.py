@@ -42,7 +42,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from transfer.framing import DONTWAIT, IOV_MAX
+from kvpool.rpc.spin import Spin, SpinPolicy
+from transfer.framing import DONTWAIT, IOV_MAX, sched_yield
 
 log = logging.getLogger("kvpool.rpc")
 
@@ -55,10 +56,12 @@ class Link:
     """One connection as the loop sees it (`RpcServer._serve` makes it; see the module doc)."""
 
     __slots__ = ("loop", "sock", "fd", "conn", "reader", "peer", "gate", "closed", "out", "release", "since",
-                 "partial", "why")
+                 "partial", "why", "spin", "replied")
 
-    def __init__(self, loop: "ServeLoop", sock: socket.socket, conn: Any, reader: Any, peer: str):
+    def __init__(self, loop: "ServeLoop", sock: socket.socket, conn: Any, reader: Any, peer: str, spin: Spin):
         self.loop = loop
+        self.spin = spin  # polls for this client's next request (`kvpool.rpc.spin`)
+        self.replied = 0  # when its last reply went out (ns), while it may be spun for
         self.sock = sock
         self.fd = sock.fileno()
         self.conn = conn
@@ -79,9 +82,10 @@ class ServeLoop:
     on `link` (inline), returning False when the link was handed to its thread or closed;
     `limits`: the server's `transfer.framing.Limits`."""
 
-    def __init__(self, name: str, frames: Callable[[Link], bool], limits: Any):
+    def __init__(self, name: str, frames: Callable[[Link], bool], limits: Any, policy: SpinPolicy | None = None):
         self.name = name
         self._frames = frames
+        self.policy = policy  # spinning for a sole client (`kvpool.rpc.spin`): as a thread would
         self.header_timeout = limits.header_timeout_s or 0.0
         self.idle_timeout = limits.idle_timeout_s or 0.0
         self._ep = select.epoll()
@@ -241,12 +245,49 @@ class ServeLoop:
         if k == 0:
             self.end(link, "peer closed the connection")
             return
+        if link.replied:  # spinning was off for this wait: a short one turns it back on
+            link.spin.waited(time.monotonic_ns() - link.replied)
+            link.replied = 0
         reader.end += k
         if not link.partial:
             link.partial = time.monotonic()
         if self._frames(link) and reader.end == reader.start:
             link.partial = 0.0
             link.since = time.monotonic()
+            if link.spin.cap and not link.out and self.policy.loop_may_spin(link.fd):
+                self._spin(link)
+
+    def _spin(self, link: Link) -> None:
+        """Poll the sole active client for its next request instead of going back to epoll (a
+        wake-up costs more than the tens of microseconds it often takes), as long as it keeps
+        coming back within the spin (`Spin`); each request found is answered at once."""
+        reader, sock, spin, policy = link.reader, link.sock, link.spin, self.policy
+        polls = spin.polls
+        while polls:
+            try:
+                k = sock.recv_into(reader.view[reader.end:], 0, DONTWAIT)
+            except BlockingIOError:
+                polls -= 1
+                if not polls:
+                    spin.lost()
+                    break
+                sched_yield()
+                continue
+            except OSError as exc:
+                self.end(link, f"receive failed: {exc}")
+                return
+            if k == 0:
+                self.end(link, "peer closed the connection")
+                return
+            spin.won()
+            reader.end += k
+            if not self._frames(link) or link.out or reader.end != reader.start:
+                return  # handed over, ended, sending, or a frame still arriving: epoll takes over
+            if not policy.loop_may_spin(link.fd):
+                return
+            polls = spin.polls
+        if spin.cap and not spin.polls:
+            link.replied = time.monotonic_ns()  # time the next wait (`Spin.waited`)
 
     def _flush(self, link: Link, ev: int) -> None:
         if ev & (select.EPOLLERR | select.EPOLLHUP):

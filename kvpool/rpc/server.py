@@ -178,7 +178,7 @@ class RpcServer:
 
     def start(self) -> "RpcServer":
         if self._use_loop and self.inline and UNIX_SUPPORTED:  # epoll: Linux
-            self._loop = ServeLoop(self.name, self._frames, self.limits)
+            self._loop = ServeLoop(self.name, self._frames, self.limits, self.spin)
             self._loop.start()
         self._listener.start()
         return self
@@ -325,7 +325,7 @@ class RpcServer:
         reader = Reader(sock)
         try:
             if self._loop is not None:
-                self._serve_looped(conn, reader)
+                self._serve_looped(conn, reader, in_process)
             else:
                 self._serve_threaded(conn, reader, in_process)
         except Stalled as exc:
@@ -342,14 +342,15 @@ class RpcServer:
                 except Exception:
                     log.exception("%s: on_close failed", self.name)
 
-    def _serve_looped(self, conn: ServerConn, reader: Reader) -> None:
+    def _serve_looped(self, conn: ServerConn, reader: Reader, in_process: bool) -> None:
         """Between requests the connection waits in the loop, which answers the inline ones; this
         thread, parked meanwhile, serves each request the loop hands over (`kvpool.rpc.loop`)."""
-        loop = self._loop
-        link = Link(loop, conn.sock, conn, reader, conn.peer)
+        loop, policy = self._loop, self.spin
+        link = Link(loop, conn.sock, conn, reader, conn.peer, policy.connection(in_process))
         conn.link = link
         loop.adopt(link)
         pace = self.limits.min_per_tick
+        busy, me = policy.busy, threading.get_ident()
         while True:
             link.gate.acquire()  # parked until the loop hands a request over or ends the connection
             if link.closed:
@@ -359,8 +360,14 @@ class RpcServer:
                     log.debug("%s: connection from %s ended: %s", self.name, conn.peer, link.why)
                 return
             conn.link = None
-            if not self._one(conn, reader, 0, False, pace):
-                return
+            busy.add(me)  # the loop spins for nobody meanwhile
+            try:
+                now = policy.request_from(link.fd)
+                flags = FLAG_SPIN if link.spin.cap and policy.sole_client(now) else 0
+                if not self._one(conn, reader, flags, bool(flags), pace):
+                    return
+            finally:
+                busy.discard(me)
             conn.link = link
             loop.adopt(link)
 
@@ -368,9 +375,10 @@ class RpcServer:
         """On the loop thread: answer the complete inline frames buffered on `link`; hand the
         first other one to the connection's thread. False: the link left the loop (handed over,
         or ended)."""
-        reader, conn, loop = link.reader, link.conn, link.loop
+        reader, conn, loop, policy = link.reader, link.conn, link.loop, self.spin
         buf, view = reader.buf, reader.view
         hsize, unpack_from, decode, inline = HEADER.size, HEADER.unpack_from, request_decoder.decode, self.inline
+        spins = link.spin.cap
         while True:
             start = reader.start
             avail = reader.end - start
@@ -398,7 +406,7 @@ class RpcServer:
             reader.start = start + hsize + msg_len
             conn.oneway = bool(flags & FLAG_ONEWAY)
             conn.replied = False
-            conn.flags = 0
+            conn.flags = FLAG_SPIN if spins and policy.loop_sole_client(policy.request_from(link.fd)) else 0
             self._dispatch(msg, Payload(link.sock, payload_len, reader), conn)
             if link.closed or link.out:  # ended, or its reply is still being sent
                 return not link.closed
