@@ -58,6 +58,15 @@ def client() -> None:
             data = r.get(key)
             mv[:len(data)] = data
             return len(data)
+    elif kind == "raw":  # the RPC alone, no SDK: what the SDK's layers cost
+        from kvpool.messages import NodeGet
+        from kvpool.rpc import RpcClient
+        rpc = RpcClient(address)
+
+        def get_into(key, buf):
+            n = rpc.call(NodeGet([key])).sizes[0]
+            rpc.read_payload_into(memoryview(buf)[:n])
+            return n
     else:
         import kvpool
         c = kvpool.connect(address, use_shm=kind == "shm", transports=("tcp",))
@@ -107,6 +116,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--size", type=int, default=65536)
     ap.add_argument("--shm", action="store_true")
+    ap.add_argument("--kind", default="", help="client kind: tcp (SDK), shm (SDK same-host), raw (RpcClient)")
     ap.add_argument("--no-redis", action="store_true")
     ap.add_argument("--label", default="")
     a = ap.parse_args()
@@ -152,7 +162,7 @@ for i in range(KEYS):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | {
             "PYTHONPATH": os.path.abspath(a.trees[0].partition("@")[0]), "AB_DIR": tmp}
         systems.append(("redis", env, rproc, str(rport), cpu_clock(rproc.pid)))
-    kind = "shm" if a.shm else "tcp"
+    kind = a.kind or ("shm" if a.shm else "tcp")
     result = {"bench": "clients_ab", "sides": names, "size": a.size, "kind": kind, "reps": a.reps,
               "seconds": a.seconds, "label": a.label, "load": os.getloadavg(), "counts": {}}
     for count in [int(x) for x in a.clients.split(",")]:
