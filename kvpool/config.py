@@ -63,6 +63,9 @@ class RpcSettings(BaseSettings):
     # nobody spins while some task waited for a CPU more than this % of the last 10 s (Linux PSI; 100: no check)
     spin_max_cpu_pressure: float = Field(10.0, ge=0, le=100)
     rpc_unix: bool = True  # same-host clients move to the server's abstract unix socket (Linux)
+    # a node serves its connections from one epoll loop thread, answering gets there (kvpool.rpc.loop);
+    # False: a thread per connection
+    rpc_loop: bool = True
     # Authentication (kvpool.security.keyring): a keyring file turns it on for every port; a client speaks as
     # `principal` from it. None: off, and services listen on loopback only (protected mode).
     auth_file: str | None = None

@@ -95,6 +95,12 @@ class Pins:
                 return out
         return []  # released meanwhile (its connection closed): nothing to hand out
 
+    def granted(self, pin_ids: list[int]) -> bool:
+        """Whether any of these pins came with grants (releasing it revokes them, which may wait
+        for a READ in flight)."""
+        grants = self._grants
+        return bool(grants) and any(pid in grants for pid in pin_ids)
+
     def unpin(self, keys: list[str]) -> None:
         store = self.store
         if store is None:  # stopped: the pins went with the store

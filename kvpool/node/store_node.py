@@ -83,6 +83,23 @@ class StoreNode:
                  NodeReserve: self._on_reserve, NodeCommit: self._on_commit}
         return {kind: self._while_open(handler) for kind, handler in table.items()}
 
+    def inline(self) -> dict[type, Any]:
+        """The requests the RPC server may answer on its loop thread (`kvpool.rpc.loop`): those
+        that only touch memory. A get or pin of objects all in DRAM (not one to read from SSD
+        first), and an unpin, unless releasing revokes grants (which waits for READs in flight)."""
+        def reads(msg: Any, scope: str) -> bool:
+            store, pins = self.store, self.pins
+            return (store is not None and pins is not None and not (msg.unpin and pins.granted(msg.unpin))
+                    and store.resident(msg.keys, scope))
+
+        def unpins(msg: NodeUnpin, scope: str) -> bool:
+            pins = self.pins
+            return pins is not None and not pins.granted(msg.pin_ids)
+
+        if not hasattr(self.store, "resident"):
+            return {}
+        return {NodeGet: reads, NodePin: reads, NodeUnpin: unpins}
+
     def _while_open(self, handler: Any) -> Any:
         """A request still in flight when `stop` closed the store gets `Unavailable`, not a crash."""
         def guarded(msg: Any, payload: Payload, conn: ServerConn) -> Any:
@@ -110,9 +127,10 @@ class StoreNode:
         self.store.on_event = self._on_store_event
         if self._own_rpc:
             self.rpc = RpcServer(self.handlers(), s.host, s.port, name="node", on_close=self.conn_closed,
-                                 settings=s).start()
+                                 settings=s, inline=self.inline()).start()
         else:
             self.rpc.handlers.update(self.handlers())
+            self.rpc.inline.update(self.inline())
             self.rpc.on_close = self.conn_closed
         self.node_id = self.node_id or f"{socket.gethostname()}:{self.rpc.port}"
         self.segment = f"{self.node_id}/dram"
@@ -273,38 +291,48 @@ class StoreNode:
 
     # ------------------------------------------------------------------ handlers
 
-    def _on_get(self, msg: NodeGet, payload: Payload, conn: ServerConn) -> None:
+    def _on_get(self, msg: NodeGet, payload: Payload, conn: ServerConn) -> tuple:
+        """The objects' bytes straight from the arena, pinned until the reply is sent (`release`)."""
+        pins = self.pins
         if msg.unpin:
-            self.pins.release(msg.unpin, conn)
-        pinned, offsets, sizes, copies, ssd = self.pins.pin(msg.keys)
+            pins.release(msg.unpin, conn)
+        pinned, offsets, sizes, copies, ssd = pins.pin(msg.keys)
         try:
             arena = self.store.arena.buffer
             views = [memoryview(copies[i]) if i in copies else arena[o:o + n]
                      for i, (o, n) in enumerate(zip(offsets, sizes)) if n >= 0]
-            conn.reply(NodeData(sizes, ssd), views)
-        finally:
-            self.pins.unpin(pinned)
+        except BaseException:
+            pins.unpin(pinned)
+            raise
+        return NodeData(sizes, ssd), views, lambda: pins.unpin(pinned)
 
-    def _on_pin(self, msg: NodePin, payload: Payload, conn: ServerConn) -> None:
+    def _on_pin(self, msg: NodePin, payload: Payload, conn: ServerConn) -> tuple:
+        pins = self.pins
         if msg.unpin:
-            self.pins.release(msg.unpin, conn)
-        _, offsets, sizes, copies, ssd = self.pins.pin(msg.keys)
-        hits = [i for i, n in enumerate(sizes) if n >= 0 and i not in copies]
-        # Small objects ride inline in the reply (a pin + memcpy costs more than the bytes), and
-        # so do the unpinnable ones read from SSD (`copies`).
-        inline = [i for i in hits if msg.inline and sizes[i] <= INLINE_MAX]
-        kept = [msg.keys[i] for i in hits if not msg.inline or sizes[i] > INLINE_MAX]
-        arena = self.store.arena.buffer
-        views = [memoryview(copies[i]) if i in copies else arena[offsets[i]:offsets[i] + sizes[i]]
-                 for i in sorted([*inline, *copies])]
-        for i in inline:
-            offsets[i] = -1
-        pin_id = self.pins.hold(kept, conn) if kept else 0
+            pins.release(msg.unpin, conn)
+        pinned, offsets, sizes, copies, ssd = pins.pin(msg.keys)
         try:
-            conn.reply(Pins(pin_id, offsets, sizes, self.pins.grants(offsets, sizes, pin_id, conn.principal.name), ssd),
-                       views)
-        finally:
-            self.pins.unpin([msg.keys[i] for i in inline])
+            hits = [i for i, n in enumerate(sizes) if n >= 0 and i not in copies]
+            # Small objects ride inline in the reply (a pin + memcpy costs more than the bytes), and
+            # so do the unpinnable ones read from SSD (`copies`).
+            inline = [i for i in hits if msg.inline and sizes[i] <= INLINE_MAX]
+            kept = [msg.keys[i] for i in hits if not msg.inline or sizes[i] > INLINE_MAX]
+            arena = self.store.arena.buffer
+            views = [memoryview(copies[i]) if i in copies else arena[offsets[i]:offsets[i] + sizes[i]]
+                     for i in sorted([*inline, *copies])]
+            for i in inline:
+                offsets[i] = -1
+            pin_id = pins.hold(kept, conn) if kept else 0
+        except BaseException:
+            pins.unpin(pinned)
+            raise
+        sent = [msg.keys[i] for i in inline]  # pinned until the reply is sent
+        try:
+            granted = pins.grants(offsets, sizes, pin_id, conn.principal.name)
+        except BaseException:
+            pins.unpin(sent)
+            raise
+        return Pins(pin_id, offsets, sizes, granted, ssd), views, lambda: pins.unpin(sent)
 
     def _on_unpin(self, msg: NodeUnpin, payload: Payload, conn: ServerConn) -> None:
         self.pins.release(msg.pin_ids, conn)

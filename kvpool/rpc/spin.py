@@ -138,6 +138,18 @@ class SpinPolicy:
         Then its client may spin for our reply (FLAG_SPIN)."""
         return len(self.busy) == 1 and not self.spinning and now > self._last[2] and not self.pressure.busy(now)
 
+    def loop_may_spin(self, me: int) -> bool:
+        """A serve loop (`kvpool.rpc.loop`), having answered connection `me`: may it poll `me` for
+        the next request? Only when `me` sent the last request, no thread is handling one, and
+        clients have not been interleaving (a spin there makes every other connection wait)."""
+        now = time.monotonic_ns()
+        last = self._last
+        return last[0] == me and not self.busy and now > last[2] and not self.pressure.busy(now)
+
+    def loop_sole_client(self, now: int) -> bool:
+        """`sole_client` for a request a serve loop answers itself (no thread is busy for it)."""
+        return not self.busy and now > self._last[2] and not self.pressure.busy(now)
+
     def calm(self) -> None:
         """Forget that clients were interleaving (tests)."""
         self._last[2] = 0

@@ -426,6 +426,17 @@ class TieredStore:
             self.unpin(key)
 
     # -- queries ---------------------------------------------------------------------------
+    def resident(self, keys: Sequence[str], prefix: str = "") -> bool:
+        """Whether a pin of each of `prefix + key` would be served from DRAM now, with no SSD
+        read and no wait for a promotion (a key not held counts: its miss is quick). Advisory,
+        without the lock: a pin racing a change still answers correctly, only maybe slower."""
+        entries = self._entries
+        for key in keys:
+            entry = entries.get(prefix + key if prefix else key)
+            if entry is not None and (not entry.dram or entry.promoting):
+                return False
+        return True
+
     def contains(self, key: str) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.visible

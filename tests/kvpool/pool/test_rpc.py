@@ -16,8 +16,10 @@ from kvpool.rpc.frame import HEADER
 from kvpool.rpc.server import UNIX_SUPPORTED
 
 
-@pytest.fixture
-def server():
+@pytest.fixture(params=["threads", "loop"])
+def server(request):
+    """threads: a thread per connection; loop: every handler answered on the serve loop
+    (`kvpool.rpc.loop`) whenever its whole frame has arrived, else on the connection's thread."""
     seen: list = []
 
     def exists(msg, payload, conn):
@@ -35,7 +37,9 @@ def server():
     def release(msg, payload, conn):
         seen.append(msg.lease_ids)
 
-    srv = RpcServer({Exists: exists, NodeGet: get, Remove: remove, Release: release}, name="test").start()
+    handlers = {Exists: exists, NodeGet: get, Remove: remove, Release: release}
+    srv = RpcServer(handlers, name="test", inline=dict.fromkeys(handlers) if request.param == "loop" else None).start()
+    assert (srv._loop is not None) == (request.param == "loop")
     srv.seen = seen
     yield srv
     srv.stop()
