@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import gc
 import glob
 import json
 import os
@@ -132,10 +133,13 @@ def _serve(folder: str, lib_path: str, serve_args: list[str]) -> None:
         import threading
 
         with open(os.path.join(folder, "threads.json"), "w") as f:  # which threads counted
-            json.dump({t.name: not UNCOUNTED.fullmatch(t.name) for t in threading.enumerate()}, f)
+            json.dump({"alive": {t.name: not UNCOUNTED.fullmatch(t.name) for t in threading.enumerate()},
+                       "started": STARTED, "gc": gc.get_stats()}, f)
         ack()
 
     _count_threads(lib, lambda name: not UNCOUNTED.fullmatch(name))
+    if os.environ.get("KVPOOL_INSTR_GC") == "off":
+        gc.disable()
     signal.signal(signal.SIGUSR1, zero)
     signal.signal(signal.SIGUSR2, dump)
     from kvpool.cli import main
@@ -144,17 +148,28 @@ def _serve(folder: str, lib_path: str, serve_args: list[str]) -> None:
     main()
 
 
+STARTED: dict[str, int] = {}  # thread name -> how many started (the server's, for threads.json)
+
+
 def _count_threads(lib: ctypes.CDLL, counted) -> None:
     """Threads whose name `counted` accepts turn callgrind's collection on for themselves when
-    they start (valgrind runs with --collect-atstart=no; the collect state is per thread)."""
+    they start, and off when they end (valgrind runs with --collect-atstart=no; the collect state
+    is per thread, and a new thread that reuses an ended one's valgrind id inherits its state, so
+    a thread must leave it off)."""
     import threading
 
     run = threading.Thread.run
 
     def collecting(self: threading.Thread) -> None:
-        if counted(self.name):
+        on = counted(self.name)
+        STARTED[self.name] = STARTED.get(self.name, 0) + 1
+        if on:
             lib.kv_toggle()
-        run(self)
+        try:
+            run(self)
+        finally:
+            if on:
+                lib.kv_toggle()
 
     threading.Thread.run = collecting
 
@@ -194,6 +209,17 @@ def _cpu_clock(pid: int):
 
 
 # ---------------------------------------------------------------------------- the client
+
+def _settle(cpu, period: float = 0.5, quiet: float = 0.02, timeout: float = 300.0) -> None:
+    """Wait until the server is idle: under 2% of a core in each of two periods in a row (work a
+    request left to a background thread, such as a removal's, must not land in the next window)."""
+    deadline, calm, last = time.monotonic() + timeout, 0, cpu()
+    while calm < 2 and time.monotonic() < deadline:
+        time.sleep(period)
+        now = cpu()
+        calm = calm + 1 if now - last < quiet * period else 0
+        last = now
+
 
 def _client(a: argparse.Namespace) -> None:
     """`--client`: one case's windows against the server at `a.address`."""
@@ -247,10 +273,14 @@ def _client(a: argparse.Namespace) -> None:
         client.get_into(warm[-1], out)
         check(GET_KEYS - 1)
         client.remove_batch(warm)
+    if os.environ.get("KVPOOL_INSTR_GC") == "off":
+        gc.collect()
+        gc.disable()
     windows = []
     for w, n in enumerate(a.windows):
         label = f"{case}/w{w}/n{n}"
         keys = get_keys if a.op == "get" else [f"ipo/{case}/put/{w}/{i}" for i in range(n)]
+        _settle(server_cpu)  # the last window's removals are finished (the master's outbox) before this one
         server.zero()
         if counting:
             lib.kv_dump(b"discard")
@@ -334,6 +364,7 @@ def _group(a: argparse.Namespace, folder: str, lib: str, auth: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | ENV
     if a.tree:
         env["PYTHONPATH"] = os.path.abspath(a.tree)
+    env["KVPOOL_INSTR_GC"] = a.gc
     secret = ""
     if auth:
         env["KVPOOL_AUTH_FILE"], secret = _keyring(folder)
@@ -432,6 +463,8 @@ def main() -> None:
     ap.add_argument("--tree", help="import kvpool from this tree (a worktree of another commit)")
     ap.add_argument("--native", action="store_true", help="no valgrind: CPU seconds per op only")
     ap.add_argument("--idle", action="store_true", help="also count each server's instructions while idle")
+    ap.add_argument("--gc", choices=("off", "on"), default="off",
+                    help="Python's cyclic garbage collector in both processes (off: see the docstring)")
     ap.add_argument("--only", help="only the cases whose name (e.g. get_tcp_64KiB) holds one of these (comma-separated)")
     ap.add_argument("--keep", action="store_true", help="keep the callgrind files (for callgrind_annotate)")
     ap.add_argument("--out", help="write the results here (JSON)")
