@@ -14,10 +14,10 @@ Invariants:
 - Every error reaches the client as `ErrorBody` with the status of its `kvpool.errors` class
   (400 malformed input, 401 token, 404 unknown key or node, 413, 503, ...); an unexpected
   exception is logged here and answered 500 without a traceback. The app keeps serving.
-- With a bearer token configured (`settings.admin_token`, or `admin_token_file`), every endpoint
+- With a bearer token configured (`settings.security.admin_token`, or `admin_token_file`), every endpoint
   but the probes and the schema requires it (`kvpool.security.admin_token`); a refused request never
-  reaches the master. `/metrics` also takes the metrics token (`settings.metrics_token`), which
-  opens nothing else. With a keyring (`settings.auth_file`) the token is required: the app refuses
+  reaches the master. `/metrics` also takes the metrics token (`settings.security.metrics_token`), which
+  opens nothing else. With a keyring (`settings.security.auth_file`) the token is required: the app refuses
   to be made without one. A request body over 1 MiB is answered 413 (`kvpool.security.http_guard`).
 - A tenant (its derived token, `kvpool.security.admin_token`) sees only its own keys, named as it names
   them, and its own use and quota: another tenant's key answers exactly as a missing key (404,
@@ -43,7 +43,7 @@ from kvpool.security.admin_token import TenantTokens, needs_token, tenant_tokens
 from kvpool.security.keyring import load_keyring
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins, with_node_tiers
 from kvpool.contract import check_key, check_stored_key, scope_prefix
-from kvpool.config import Settings
+from kvpool.config import Settings, load_settings
 from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, Unavailable
 from kvpool.security.http_guard import HttpGuard
 
@@ -164,11 +164,11 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
                metrics: ServiceMetrics | None = None) -> FastAPI:
     """The admin app for `master_service`. `metrics` is the master's registry holder (one is
     made, watching `master_service.stats()`, if not given); it is served at `/metrics`."""
-    settings = settings or Settings()
-    keyring = load_keyring(settings.auth_file)
-    if keyring is not None and not settings.admin_token:
+    settings = settings or load_settings()
+    keyring = load_keyring(settings.security.auth_file)
+    if keyring is not None and not settings.security.admin_token:
         raise InvalidArgument(
-            f"admin API: a keyring is set ({settings.auth_file}) but no admin token, so anyone who reaches the admin "
+            f"admin API: a keyring is set ({settings.security.auth_file}) but no admin token, so anyone who reaches the admin "
             "port could list every tenant's keys and evict them. Give it a token in a file: "
             "KVPOOL_ADMIN_TOKEN_FILE=admin.token (`kvpool auth init` writes one), or turn the admin API off "
             "(admin_port = 0).")
@@ -187,14 +187,14 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         metrics.watch_stats(latest)  # one collector, so one kvpool_stats_up
 
     def current_token() -> str | None:
-        return settings.admin_token
+        return settings.security.admin_token
 
     errors = {c: {"model": s.ErrorBody} for c in (400, 401, 403, 404, 413, 500, 503)}
 
     app = FastAPI(title="kvpool admin", version=str(s.API_VERSION), responses=errors,
                   description="Admin API of a kvpool master: nodes, stats, keys, eviction, config.")
     app.state.master = svc
-    app.state.authenticated = lambda: bool(settings.admin_token)  # protected mode (server.py)
+    app.state.authenticated = lambda: bool(settings.security.admin_token)  # protected mode (server.py)
     app.state.metrics = metrics
 
     @app.exception_handler(KVPoolError)
@@ -215,7 +215,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     # Outermost: who is asking (the admin token, a tenant's: kvpool/security/admin_token.py), then the body
     # cap, before anything else runs.
     app.add_middleware(HttpGuard, what="the admin API", token=current_token, needs_token=needs_token,
-                       tenants=TenantTokens(tenant_tokens(keyring)), metrics_token=lambda: settings.metrics_token,
+                       tenants=TenantTokens(tenant_tokens(keyring)), metrics_token=lambda: settings.security.metrics_token,
                        error_body=lambda status, code, message: _error_doc(code, message))
 
     @app.get("/health", response_model=s.Health, tags=["health"])

@@ -31,7 +31,7 @@ from kvpool.client.datapath import DataPaths
 from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn
 from kvpool.client.where import EmbeddedWhere, MasterWhere
 from kvpool.security.keyring import Credential
-from kvpool.config import RpcSettings
+from kvpool.config import current_settings
 from kvpool.contract import check_key
 from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, NotLeader, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Admin, Exists, Hello, MatchPrefix, Placed, Release, Remove
@@ -59,7 +59,7 @@ class Client:
         self.timeout = timeout
         self.replicas = replicas
         self.use_shm = use_shm
-        self._rpc_settings = RpcSettings()
+        self._rpc_settings = current_settings()
         self.credential = credential if credential is not None else credential_from(self._rpc_settings)
         self.scope = ""  # how the pool stores our keys (a tenant's: "<tenant>\x00" + key), from its hello
         self._meta = address if address.startswith(("etcd://", "http://", "etcds://", "https://")) else None

@@ -69,8 +69,8 @@ class MasterState:
     pool passes the node itself, which also offers `hide`)."""
 
     def __init__(self, settings: Settings, link_factory: Callable[[NodeEntry], Any] | None, address: str):
-        s = settings
-        self.settings = s
+        s = settings.pool
+        self.settings = settings
         self.address = address
         # run-time tunables (the admin API may change them: `admin_ops.PATCHABLE`)
         self.replicas = s.replicas
@@ -83,7 +83,7 @@ class MasterState:
         self.removal_memory_s = s.removal_memory_s  # how long an acknowledged remove is remembered
         self.lock = threading.RLock()
         self.objects: TenantObjects = TenantObjects()  # key -> ObjectEntry, with each tenant's use
-        keyring = load_keyring(s.auth_file) if s.auth_file else None
+        keyring = load_keyring(settings.security.auth_file) if settings.security.auth_file else None
         # tenant -> (quota_bytes, quota_keys), pool-wide (`kvpool.master.quotas`)
         self.quotas = tenant_quotas(keyring) if keyring is not None else {}
         # signs each planned write's ticket for its node (`kvpool.security.tickets`); None: no keyring

@@ -5,7 +5,7 @@ socket (a 64 KiB round trip costs about half of loopback TCP's); it keeps its TC
 its identity and falls back to TCP if the unix socket cannot be reached. It spins for a reply
 only when the server's last reply said it may (`FLAG_SPIN`, see `kvpool.rpc.spin`).
 
-Given a `Credential` (or a keyring in `settings.auth_file`), a client proves its principal with
+Given a `Credential` (or a keyring in `settings.security.auth_file`), a client proves its principal with
 `transfer.auth`'s handshake on every connection it opens, TCP or unix, before any frame; a
 refused or failed handshake is `Unauthorized`.
 """
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import msgspec
 
 from kvpool.security.keyring import Credential, load_keyring
-from kvpool.config import RpcSettings
+from kvpool.config import Settings, current_settings
 from kvpool.errors import InvalidArgument, LimitExceeded, Unauthorized, Unavailable, error_from_code
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, parse_address,
@@ -44,24 +44,24 @@ class RpcClient:
     `call` returns the reply message (an `Err` reply is raised as its typed error); the reply's
     payload, if any, is then read with `read_payload_into` / `read_payload` before the next call
     (or is drained automatically). A broken connection raises `Unavailable` and reconnects on
-    the next call. `settings`: the RPC knobs (default: from the environment). `credential`: who
+    the next call. `settings`: its `[rpc]` knobs and `[security]` (default: `current_settings()`). `credential`: who
     to prove to be on each connection (default: `credential_from(settings)`; None there: no
     authentication).
     """
 
-    def __init__(self, address: str, timeout: float = 10.0, settings: RpcSettings | None = None,
+    def __init__(self, address: str, timeout: float = 10.0, settings: Settings | None = None,
                  credential: Credential | None = None):
-        settings = settings or RpcSettings()
+        settings = settings or current_settings()
         self.credential = credential if credential is not None else credential_from(settings)
         self.address = address
         self.host, self.port = parse_address(address)
         self.unix: str | None = None  # connect here instead (same host), see `use_unix`
         self.timeout = timeout
-        self._polls = settings.rpc_spin
-        self._unix_ok = settings.rpc_unix and UNIX_SUPPORTED
+        self._polls = settings.rpc.rpc_spin
+        self._unix_ok = settings.rpc.rpc_unix and UNIX_SUPPORTED
         self._sock: socket.socket | None = None
         self._header = bytearray(HEADER.size)
-        self.max_reply = settings.max_reply_bytes or MAX_PAYLOAD  # a reply announcing more is refused
+        self.max_reply = settings.rpc.max_reply_bytes or MAX_PAYLOAD  # a reply announcing more is refused
         self._used = 0.0  # when this connection last sent (`_open_sock`)
         self.payload_left = 0
         self._local: tuple | None = None  # this connection's address, while in `local.clients`
@@ -327,13 +327,13 @@ class RpcClient:
         self.payload_left -= n
 
 
-def credential_from(settings: RpcSettings) -> Credential | None:
-    """The credential `settings` name (`auth_file` + `principal`), or None: authentication off."""
-    keyring = load_keyring(settings.auth_file) if settings.auth_file else None
-    return keyring.credential(settings.principal) if keyring is not None else None
+def credential_from(settings: Settings) -> Credential | None:
+    """The credential `settings.security` names (`auth_file` + `principal`), or None: authentication off."""
+    keyring = load_keyring(settings.security.auth_file) if settings.security.auth_file else None
+    return keyring.credential(settings.security.principal) if keyring is not None else None
 
 
-def node_credential(settings: RpcSettings) -> Credential | None:
+def node_credential(settings: Settings) -> Credential | None:
     """What masters and nodes present to each other: the keyring's node principal (None: off)."""
-    keyring = load_keyring(settings.auth_file) if settings.auth_file else None
+    keyring = load_keyring(settings.security.auth_file) if settings.security.auth_file else None
     return keyring.node_credential() if keyring is not None else None

@@ -12,7 +12,7 @@ Invariants: at most one request is outstanding on a connection; a one-way frame
 (`FLAG_ONEWAY`) gets no reply; a frame with a wrong version or an undecodable message gets an
 `Err` and the connection is closed. The server owns its `SpinPolicy` (`kvpool.rpc.spin`).
 
-Identity: with a keyring (`keyring=`, else `settings.auth_file`), each new connection must open
+Identity: with a keyring (`keyring=`, else `settings.security.auth_file`), each new connection must open
 with `transfer.auth`'s handshake (channel "rpc"); its proved principal is `ServerConn.principal`,
 and `_dispatch` authorizes every request against it and scopes a tenant's keys
 (`kvpool.security.authz`). A connection that does not open with a hello gets one `Err("unauthorized")`
@@ -21,7 +21,7 @@ this process's uid or root (`SO_PEERCRED`), keyring or not: an abstract socket h
 permissions. Without a keyring every connection is `kvpool.security.keyring.ANYONE`. Keys are validated once:
 a tenant's here (`authz`), anyone else's per item where they enter the node or the master.
 
-Limits (`RpcSettings`: header and idle timeouts, minimum body rate, connection caps; see
+Limits (`settings.rpc`: header and idle timeouts, minimum body rate, connection caps; see
 `transfer.framing.Limits` and `transfer.listener`): with a keyring, connections that have not
 authenticated yet have a budget of their own (a new one over it replaces the oldest, and each has
 `handshake_timeout_s`), so no flood of them locks out a client with a credential; authenticated
@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 import msgspec
 
 from kvpool.security.keyring import ANYONE, Keyring, Principal, load_keyring
-from kvpool.config import RpcSettings
+from kvpool.config import Settings, current_settings
 from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, LimitExceeded, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
@@ -97,19 +97,19 @@ class RpcServer:
     """Serve `handlers` (message type -> handler) on host:port (0: a free port).
 
     `handlers` may be filled in after construction, before `start` (the embedded pool's node
-    and master share one server). `settings`: the RPC knobs (default: from the environment).
-    `keyring`: authenticate every connection against it (default: `settings.auth_file`'s, or
+    and master share one server). `settings`: its `[rpc]` knobs and `[security]` (default: `current_settings()`).
+    `keyring`: authenticate every connection against it (default: `settings.security.auth_file`'s, or
     none: authentication off)."""
 
     def __init__(self, handlers: dict[type, Handler], host: str = "127.0.0.1", port: int = 0, name: str = "rpc",
                  on_close: Callable[[ServerConn], None] | None = None, unix: bool = True,
-                 settings: RpcSettings | None = None, keyring: Keyring | None = None):
-        settings = settings or RpcSettings()
-        self.keyring = keyring if keyring is not None else load_keyring(settings.auth_file)
+                 settings: Settings | None = None, keyring: Keyring | None = None):
+        settings = settings or current_settings()
+        self.keyring = keyring if keyring is not None else load_keyring(settings.security.auth_file)
         self.handlers = handlers
         self.name = name
         self.on_close = on_close
-        self.spin = SpinPolicy(settings.server_spin, CpuPressure(settings.spin_max_cpu_pressure))
+        self.spin = SpinPolicy(settings.rpc.server_spin, CpuPressure(settings.rpc.spin_max_cpu_pressure))
         try:
             self._sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
         except OSError as exc:
@@ -121,7 +121,7 @@ class RpcServer:
         local.servers.add(self._listen_addr)
         self.unix_address: str | None = None
         self._unix_sock: socket.socket | None = None
-        if unix and settings.rpc_unix and UNIX_SUPPORTED:
+        if unix and settings.rpc.rpc_unix and UNIX_SUPPORTED:
             uname = f"@kvpool-rpc-{self.port}-{secrets.token_hex(6)}"
             try:
                 usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -131,8 +131,8 @@ class RpcServer:
                 log.info("%s: no unix socket (%s); same-host clients use TCP", name, exc)
             else:
                 self._unix_sock, self.unix_address = usock, uname
-        # Limits (`RpcSettings.limits`): connection caps here, the receive tick set once per socket.
-        self.limits = settings.limits()
+        # Limits (`RpcSection.limits`): connection caps here, the receive tick set once per socket.
+        self.limits = settings.rpc.limits()
         self._idle_ticks = self.limits.idle_ticks()
         self._listener = Listener([self._sock, self._unix_sock], self._serve, name, limits=self.limits,
                                   refusal=self._limit_frame, handshake=self.keyring is not None)
