@@ -278,3 +278,23 @@ def test_cli_config_show(tmp_path):
     assert r.returncode == 0, r.stderr
     assert 'policy = "least_loaded"' in r.stdout and "max_batch = 5" in r.stdout
     assert "replicas = 2" in r.stdout and "environment KVPOOL_REPLICAS" in r.stdout
+
+
+def test_the_documented_tree_is_the_tree(tmp_path):
+    """docs/configuration.md shows every field of every section, with the defaults in force."""
+    import re
+
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    block = re.search(r"## The tree\n\n```toml\n(.*?)```", doc, re.S).group(1)
+    shown = tmp_path / "tree.toml"
+    shown.write_text(block)
+    assert load_settings(shown).redacted() == load_settings().redacted()
+    section = None
+    named: dict[str, set[str]] = {}
+    for line in block.splitlines():
+        if m := re.match(r"\[\[?(\w+)\]", line):
+            section = m.group(1)
+        elif section and (m := re.match(r"#? ?(\w+) =", line)):
+            named.setdefault(section, set()).add(m.group(1))
+    for name, cls in SECTIONS.items():
+        assert named.get(name) == set(cls.model_fields), name
