@@ -168,8 +168,8 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     keyring = load_keyring(settings.security.auth_file)
     if keyring is not None and not settings.security.admin_token:
         raise InvalidArgument(
-            f"admin API: a keyring is set ({settings.security.auth_file}) but no admin token, so anyone who reaches the admin "
-            "port could list every tenant's keys and evict them. Give it a token in a file: "
+            f"admin API: a keyring is set ({settings.security.auth_file}) but no admin token, so anyone who reaches "
+            "the admin port could list every tenant's keys and evict them. Give it a token in a file: "
             "KVPOOL_ADMIN_TOKEN_FILE=admin.token (`kvpool auth init` writes one), or turn the admin API off "
             "(admin_port = 0).")
     svc = master_service

@@ -20,7 +20,8 @@ def master(config_file, sets, **flags) -> None:
     from kvpool.master.server import MasterServer
 
     settings = settings_from(config_file, sets, **flags)
-    check_bind(settings.pool.host, bool(settings.security.auth_file), "kvpool master")  # protected mode (kvpool.security.keyring)
+    # protected mode (kvpool.security.keyring)
+    check_bind(settings.pool.host, bool(settings.security.auth_file), "kvpool master")
     server = MasterServer(settings).start()
     if settings.pool.admin_port:
         from kvpool.admin.app import create_app

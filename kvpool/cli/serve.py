@@ -21,7 +21,8 @@ def serve(config_file, sets, **flags) -> None:
     from kvpool.embedded import EmbeddedPool
 
     settings = settings_from(config_file, sets, **flags)
-    check_bind(settings.pool.host, bool(settings.security.auth_file), "kvpool serve")  # protected mode (kvpool.security.keyring)
+    # protected mode (kvpool.security.keyring)
+    check_bind(settings.pool.host, bool(settings.security.auth_file), "kvpool serve")
     if settings.pool.meta:
         raise InvalidArgument("`kvpool serve` is the embedded mode (no etcd); for a cluster run "
                               "`kvpool master --meta ...` and `kvpool node --meta ...`")

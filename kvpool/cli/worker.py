@@ -67,5 +67,5 @@ def worker(config_file, sets, role, chunk_tokens, kv_codec, ready_file, **flags)
                              worker=flags)
     w = settings.worker
     serve(WorkerConfig.from_settings(settings, role), host=w.host, port=w.port, ready_file=ready_file,
-          model_cache=w.model_cache, dtype=w.dtype, on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"),
-          router=w.router, drain_timeout=w.drain_timeout_s, threads=w.threads, cpus=w.cpus)
+          model_cache=w.model_cache, dtype=w.dtype, router=w.router,
+          on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"), drain_timeout=w.drain_timeout_s, threads=w.threads, cpus=w.cpus)

@@ -72,7 +72,8 @@ class NodeConn:
                 if hostname == socket.gethostname():
                     self.rpc.use_unix(info.get("unix"))  # same host: the node's unix socket
             self._map(shm_path, hostname, arena_size)
-            if self.arena is not None and index_path and shm_index.supported() and (settings or current_settings()).rpc.shm_index:
+            use_index = shm_index.supported() and (settings or current_settings()).rpc.shm_index
+            if self.arena is not None and index_path and use_index:
                 try:
                     self.index = shm_index.ShmIndexReader(index_path)
                 except (OSError, InvalidArgument) as exc:
