@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 
 from kvpool.cli.service_options import config_options, settings_from
-from kvpool.config import CONFIG_ENV, ROOT_ENV, UpWorker, env_names
+from kvpool.config import CONFIG_ENV, ROOT_ENV, Settings, UpWorker, env_names
 
 # The shared prefix of the demo's two requests: a long system prompt (~700 tokens).
 HANDBOOK = " ".join(
@@ -99,7 +99,7 @@ def up(config_file, sets, port, n_prefill, n_decode, n_colocated, engine, vllm_a
     get_codec(settings.pool.kv_codec)  # an unknown name fails here, not in every worker
     # Every process started below reads the same tree: this process's environment, the file, and
     # what was set here, each as the variable that sets it.
-    os.environ.update(_child_environment(config_file, settings, sets))
+    os.environ.update(_child_environment(config_file, settings))
     workers = _workers(settings.workers, n_prefill, n_decode, n_colocated)
     cores = None
     if cfg.cpus_per_worker:
@@ -162,7 +162,7 @@ def up(config_file, sets, port, n_prefill, n_decode, n_colocated, engine, vllm_a
         click.echo("stopped", err=True)
 
 
-def _child_environment(config_file: str | None, settings, sets: tuple[str, ...]) -> dict[str, str]:
+def _child_environment(config_file: str | None, settings: Settings) -> dict[str, str]:
     """The variables that give the processes `kvpool up` starts the tree it runs with: the file
     (KVPOOL_CONFIG), and each value a flag or `--set` gave (KVPOOL_<SECTION>__<FIELD>)."""
     env = {CONFIG_ENV: str(Path(config_file).resolve())} if config_file else {}

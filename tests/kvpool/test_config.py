@@ -262,7 +262,7 @@ def test_show_is_a_config_file(tmp_path):
 def test_cli_unknown_key_is_a_clear_error_not_a_traceback(tmp_path):
     cfg = tmp_path / "typo.toml"
     cfg.write_text('[node]\ndram_capacty = "4GiB"\n')
-    for command in (["config", "show"], ["node", "--port", "0"], ["serve", "--port", "0"]):
+    for command in (["config", "show"], ["node", "--port", "0"], ["serve", "--port", "0"], ["up"], ["worker", "--role", "both"]):
         r = subprocess.run([*KVPOOL, *command, "--config", str(cfg)], capture_output=True, text=True, timeout=60,
                            env=_clean_env())
         assert r.returncode == 2, (command, r.stdout, r.stderr)
