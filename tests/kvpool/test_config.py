@@ -298,3 +298,14 @@ def test_the_documented_tree_is_the_tree(tmp_path):
             named.setdefault(section, set()).add(m.group(1))
     for name, cls in SECTIONS.items():
         assert named.get(name) == set(cls.model_fields), name
+
+
+def test_the_sdk_finds_the_pool_where_the_tree_says(monkeypatch):
+    import kvpool
+    from kvpool.embedded import EmbeddedPool
+
+    with EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="16MiB")) as ep:
+        monkeypatch.setenv("KVPOOL_MASTER", ep.address)
+        with kvpool.connect() as client:
+            client.put("k", b"v")
+            assert client.get("k") == b"v"
