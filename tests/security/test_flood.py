@@ -12,7 +12,6 @@ import os
 import resource
 import select
 import socket
-import threading
 import time
 
 import msgspec
@@ -23,6 +22,7 @@ from kvpool import messages as m
 from kvpool.errors import LimitExceeded
 from kvpool.rpc import RpcClient
 from kvpool.rpc.frame import HEADER
+from kvpool.tools.bench import flood_load
 from pool_auth_support import cred, write_keyring
 from served_support import Serve
 from transfer import wire
@@ -69,72 +69,19 @@ def capped(tmp_path_factory):
         served.stop()
 
 
-def connect_from(host: str, port: int, source: str) -> socket.socket:
-    return socket.create_connection((host, port), timeout=10, source_address=(source, 0))
-
-
-class Flood:
-    """`FLOOD` idle sockets per port, spread over `SOURCES`, each reopened as soon as the server
-    closes it (what a closed socket was told is kept in `told`, per port), by one thread. Each
-    connect completes before the next starts, so none waits out a SYN retransmission behind a
-    full accept queue."""
+class Flood(flood_load.Flood):
+    """`FLOOD` idle sockets per port from `SOURCES`, reopened as the server closes them, for a `with`."""
 
     def __init__(self, host: str, ports: list[int]):
-        self.host = host
-        self.slots = [(port, SOURCES[i % len(SOURCES)]) for port in ports for i in range(FLOOD)]
-        self.socks: list[socket.socket] = []
-        self.told: dict[int, list[bytes]] = {port: [] for port in ports}
-        self.reopened = 0
-        self.up = threading.Event()  # every slot opened once
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(host, ports, FLOOD * len(ports), SOURCES)
 
     def __enter__(self) -> "Flood":
-        self._thread.start()
+        self.start()
         assert self.up.wait(120), "the flood did not open its sockets in 120 s"
         return self
 
-    def _run(self) -> None:
-        poller = select.poll()
-        by_fd: dict[int, int] = {}
-
-        def open_slot(i: int) -> None:
-            sock = connect_from(self.host, *self.slots[i])
-            if i < len(self.socks):
-                self.socks[i] = sock
-            else:
-                self.socks.append(sock)
-            by_fd[sock.fileno()] = i
-            poller.register(sock.fileno(), select.POLLIN)
-
-        def reopen_closed(wait_ms: int) -> None:
-            for fd, _ in poller.poll(wait_ms):
-                i = by_fd.pop(fd)
-                poller.unregister(fd)
-                try:
-                    data = self.socks[i].recv(4096)
-                except OSError:
-                    data = b""
-                told = self.told[self.slots[i][0]]
-                if data and len(told) < 32:
-                    told.append(data)
-                self.socks[i].close()
-                open_slot(i)
-                self.reopened += 1
-
-        for i in range(len(self.slots)):
-            open_slot(i)
-            if i % 64 == 63:
-                reopen_closed(0)
-        self.up.set()
-        while not self._stop.is_set():
-            reopen_closed(100)
-
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        for s in self.socks:
-            s.close()
+        self.stop()
 
 
 def test_2000_idle_unauthenticated_sockets_do_not_lock_out_a_tenant(pool):

@@ -22,10 +22,14 @@ SOURCES = [f"127.0.0.{i}" for i in range(1, 9)]
 
 
 class Flood:
-    def __init__(self, host: str, ports: list[int], count: int):
+    """`count` idle sockets spread over `ports` and `sources`, opened and kept open by one thread;
+    what the server wrote to a socket before closing it is kept (up to 32 per port) in `told`."""
+
+    def __init__(self, host: str, ports: list[int], count: int, sources: list[str] = SOURCES):
         self.host = host
-        self.slots = [(ports[i % len(ports)], SOURCES[(i // len(ports)) % len(SOURCES)]) for i in range(count)]
+        self.slots = [(ports[i % len(ports)], sources[(i // len(ports)) % len(sources)]) for i in range(count)]
         self.socks: dict[int, socket.socket] = {}  # slot -> its open socket
+        self.told: dict[int, list[bytes]] = {port: [] for port in ports}
         self.reopened = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -69,7 +73,15 @@ class Flood:
             for fd, _ in poller.poll(wait_ms):
                 i = by_fd.pop(fd)
                 poller.unregister(fd)
-                self.socks.pop(i).close()
+                sock = self.socks.pop(i)
+                try:
+                    data = sock.recv(4096)
+                except OSError:
+                    data = b""
+                told = self.told[self.slots[i][0]]
+                if data and len(told) < 32:
+                    told.append(data)
+                sock.close()
                 self.reopened += 1
                 if not self._stop.is_set():
                     open_slot(i)
