@@ -38,13 +38,15 @@ def common_options(fn: Callable) -> Callable:
         config_options,
         click.option("--host", help="Address to listen on (default 127.0.0.1)."),
         click.option("--port", type=int, help="Pool RPC port (0: any free port)."),
-        click.option("--heartbeat-s", type=float, help="Heartbeat period in seconds."),
     ], fn)
 
 
 def cluster_options(fn: Callable) -> Callable:
     """`kvpool master | node`."""
-    return click.option("--meta", help="etcd://HOST:PORT for cluster mode (default: none, standalone).")(fn)
+    return _apply([
+        click.option("--meta", help="etcd://HOST:PORT for cluster mode (default: none, standalone)."),
+        click.option("--heartbeat-s", type=float, help="Heartbeat period in seconds (default 1)."),
+    ], fn)
 
 
 def node_options(fn: Callable) -> Callable:

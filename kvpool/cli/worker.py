@@ -1,9 +1,9 @@
 """`kvpool worker`: a reference prefill / decode worker on the reference model.
 
 The CLI is the one place in `kvpool` that sees `engine_adapters` (imported on use). Its options
-are the common ones; every other `[worker]` setting (max_kv_tokens, drain_timeout_s,
-model_cache) comes from the configuration tree: `--set worker.max_kv_tokens=0`,
-`KVPOOL_WORKER__MAX_KV_TOKENS`, or `[worker]` in the file.
+are the common ones; every other setting (`[worker]` max_kv_tokens, drain_timeout_s,
+model_cache; `[pool]` chunk_tokens, the chunk format it shares with the other workers) comes from
+the configuration tree: `--set worker.max_kv_tokens=0`, `KVPOOL_WORKER__MAX_KV_TOKENS`, or the file.
 
 The tenant salt is a secret (it keys the namespace), so it never comes from argv, which any local
 user reads in `ps`: `[security] tenant_salt_file` (KVPOOL_TENANT_SALT_FILE) or KVPOOL_TENANT_SALT.
@@ -35,7 +35,6 @@ def _refuse_salt_on_argv(ctx: click.Context, param: click.Parameter, value: str 
 @click.option("--port", type=int, help="HTTP port (default 0: any free port).")
 @click.option("--router", help="Register with this router URL (POST URL/admin/workers, repeated every 5 s) and tell "
                                "it on drain.")
-@click.option("--chunk-tokens", type=int, help="Tokens per KV chunk (default: [pool] chunk_tokens, 256).")
 @click.option("--kv-codec", metavar="CODEC",
               help="How KV chunks are stored in the pool: none (lossless, the default), int8, fp8, or one of those "
                    "+ '+zstd' (`kvpool bench codec` measures what each costs). Part of the namespace: workers of "
@@ -55,7 +54,7 @@ def _refuse_salt_on_argv(ctx: click.Context, param: click.Parameter, value: str 
               help="Write {url, port, pid, role} here (JSON) once serving: for launchers.")
 @click.option("--tenant-salt", expose_value=False, hidden=True, callback=_refuse_salt_on_argv,
               help="Refused: use KVPOOL_TENANT_SALT_FILE.")
-def worker(config_file, sets, role, chunk_tokens, kv_codec, ready_file, **flags) -> None:
+def worker(config_file, sets, role, kv_codec, ready_file, **flags) -> None:
     """Serve a reference worker's HTTP API (/v1/prefill, /v1/decode, /v1/generate, /load, /metrics).
 
     SIGTERM or SIGINT drains first (503 to new requests, open streams finish), then exits 0.
@@ -63,8 +62,7 @@ def worker(config_file, sets, role, chunk_tokens, kv_codec, ready_file, **flags)
     from reference_worker.config import WorkerConfig
     from reference_worker.server import serve
 
-    settings = settings_from(config_file, sets, pool={"chunk_tokens": chunk_tokens, "kv_codec": kv_codec},
-                             worker=flags)
+    settings = settings_from(config_file, sets, pool={"kv_codec": kv_codec}, worker=flags)
     w = settings.worker
     serve(WorkerConfig.from_settings(settings, role), host=w.host, port=w.port, ready_file=ready_file,
           model_cache=w.model_cache, dtype=w.dtype, router=w.router,
