@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvpool.errors import InvalidArgument
 
@@ -83,7 +83,7 @@ def _sizes(*names: str) -> Any:
 
 
 Size = Annotated[int, Field(ge=0)]
-StrList = Annotated[list[str], NoDecode]
+StrList = list[str]  # also "a,b" or JSON where a string is given (`_list`)
 
 
 class Section(BaseModel):
@@ -426,7 +426,8 @@ SHORT_NAMES: dict[str, str] = {}  # short field name -> its section (`SHORT_ENV`
 for _name, _section in SECTIONS.items():
     if _section.SHORT_ENV:
         for _field in _section.model_fields:
-            assert _field not in SHORT_NAMES, f"{_field} is in two short-named sections"
+            if _field in SHORT_NAMES:  # KVPOOL_<FIELD> must name one field
+                raise TypeError(f"{_field} is in two short-named sections")
             SHORT_NAMES[_field] = _name
 
 
