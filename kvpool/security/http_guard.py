@@ -179,7 +179,7 @@ class HttpGuard:
         log.info("request body of %d bytes refused (limit %d)", size, self.max_body)
         await self._answer(send, 413, "request_too_large",
                            f"the request body is {'at least ' if close else ''}{size} bytes; {self.what} accepts "
-                           f"at most {self.max_body} bytes ({MAX_BODY_ENV})",
+                           f"at most {self.max_body} bytes (KVPOOL_HTTP_MAX_BODY)",
                            {"connection": "close"} if close else None)
 
     async def _answer(self, send: Any, status: int, code: str, message: str,
