@@ -31,7 +31,7 @@ from kvpool.client.datapath import DataPaths
 from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn
 from kvpool.client.where import EmbeddedWhere, MasterWhere
 from kvpool.security.keyring import Credential
-from kvpool.config import RpcSettings
+from kvpool.config import current_settings
 from kvpool.contract import check_key
 from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, NotLeader, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Admin, Exists, Hello, MatchPrefix, NodeGet, Placed, Release, Remove
@@ -45,7 +45,7 @@ _MISS = object()  # `_direct_get`: the key is absent
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:7600", *, timeout: float = 10.0, replicas: int | None = None,
+    def __init__(self, address: str | None = None, *, timeout: float = 10.0, replicas: int | None = None,
                  use_shm: bool = True, writer_node: str = "", data_path: str = "auto", transfer_engine: Any = None,
                  transports: Sequence[str] | None = None, credential: Credential | None = None):
         """`use_shm`: take the same-host fast paths when the server is on this machine (reads
@@ -60,7 +60,8 @@ class Client:
         self.timeout = timeout
         self.replicas = replicas
         self.use_shm = use_shm
-        self._rpc_settings = RpcSettings()
+        self._rpc_settings = current_settings()
+        address = address or self._rpc_settings.pool.master  # KVPOOL_MASTER, else 127.0.0.1:7600
         self.credential = credential if credential is not None else credential_from(self._rpc_settings)
         self.scope = ""  # how the pool stores our keys (a tenant's: "<tenant>\x00" + key), from its hello
         self._meta = address if address.startswith(("etcd://", "http://", "etcds://", "https://")) else None

@@ -178,9 +178,8 @@ class AdminOps:
 
     def config(self) -> dict:
         with self.state.lock:
-            doc = self.state.settings.model_dump()
-            doc.update({k: getattr(self.state.tunables, k) for k in PATCHABLE})
-            doc.pop("admin_token", None)  # never hand the secret out
+            doc = self.state.settings.redacted()  # the configuration, no secret in it
+            doc.update({k: getattr(self.state.tunables, k) for k in PATCHABLE})  # the values in force now
             return doc
 
     def patch_config(self, changes: dict) -> dict:

@@ -114,7 +114,7 @@ class Housekeeping:
                         st.evict_replica_locked(obj, node.node_id)
 
     def tick_loop(self, stop: threading.Event) -> None:
-        period = min(0.5, self.state.settings.heartbeat_s)
+        period = min(0.5, self.state.settings.pool.heartbeat_s)
         while not stop.wait(period):
             try:
                 self.tick()

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from kvpool.config import Settings
+from kvpool.config import Settings, load_settings
 from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import AlreadyExists, CapacityError, InvalidArgument, ObjectTooLarge, Unavailable
 from kvpool.master.admin_ops import AdminOps
@@ -48,7 +48,7 @@ class MasterService:
 
     def __init__(self, settings: Settings | None = None, *, link_factory: Callable[[NodeEntry], Any] | None = None,
                  address: str = ""):
-        self.state = MasterState(settings or Settings(), link_factory, address)
+        self.state = MasterState(settings or load_settings(), link_factory, address)
         self.unix_address: str | None = None  # the RPC server's unix socket, told to clients in hello
         self.migration = Migration(self.state)
         self.housekeeping = Housekeeping(self.state, self.migration)

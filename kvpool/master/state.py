@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from kvpool.security.keyring import load_keyring, ticket_key
 from kvpool.security.tickets import Tickets
-from kvpool.config import Settings
+from kvpool.config import PoolSection, Settings
 from kvpool.errors import NotLeader
 from kvpool.master.leases import LeaseTable
 from kvpool.master.links import Links
@@ -80,7 +80,7 @@ class Tunables:
     low_watermark: float = 0.85
 
     @classmethod
-    def of(cls, s: Settings) -> "Tunables":
+    def of(cls, s: PoolSection) -> "Tunables":
         return cls(replicas=s.replicas, put_timeout_s=s.put_timeout_s, lease_s=s.lease_s,
                    node_timeout_s=max(3.0 * s.heartbeat_s, 2.0), recovery_s=max(3.0 * s.heartbeat_s, 3.0))
 
@@ -130,8 +130,8 @@ class MasterState:
     pool passes the node itself, which also offers `hide`)."""
 
     def __init__(self, settings: Settings, link_factory: Callable[[NodeEntry], Any] | None, address: str):
-        s = settings
-        self.settings = s
+        s = settings.pool
+        self.settings = settings
         self.tunables = Tunables.of(s)
         self.lock = threading.RLock()
         self.nodes = NodeTable()
@@ -139,9 +139,9 @@ class MasterState:
         self.leases = LeaseTable()
         self.tombstones = Tombstones(s.removal_memory_s)
         self.outbox = Outbox()
-        self.links = Links(link_factory, s)
+        self.links = Links(link_factory, settings)
         self.role = Role(address)
-        keyring = load_keyring(s.auth_file) if s.auth_file else None
+        keyring = load_keyring(settings.security.auth_file) if settings.security.auth_file else None
         self.quotas = QuotaTable(tenant_quotas(keyring) if keyring is not None else None)
         # signs each planned write's ticket for its node (`kvpool.security.tickets`); None: no keyring
         self.tickets = Tickets(ticket_key(keyring.node_credential().secret)) if keyring is not None else None

@@ -51,7 +51,7 @@ class StoreNode:
     `rpc`: a server to add the node's handlers to (the embedded pool shares one with the
     master; the caller starts and stops it), else the node serves on its own.
     `engine`: a started `transfer.TransferEngine` to register the arena with (the caller owns
-    it); default: the node starts its own with `settings.transports`."""
+    it); default: the node starts its own with `settings.node.transports`."""
 
     def __init__(self, settings: Settings, *, master: Any = None, store: Any = None, rpc: RpcServer | None = None,
                  engine: Any = None):
@@ -60,7 +60,7 @@ class StoreNode:
         self.store = store
         self.rpc = rpc
         self._own_rpc = rpc is None
-        self.node_id = settings.node_id or ""
+        self.node_id = settings.node.node_id or ""
         self.segment = ""
         self.pins: PinTable | None = None
         self.writes: Writes | None = None
@@ -126,7 +126,7 @@ class StoreNode:
             self.store.quotas = {}
         self.store.on_event = self._on_store_event
         if self._own_rpc:
-            self.rpc = RpcServer(self.handlers(), s.host, s.port, name="node", on_close=self.conn_closed,
+            self.rpc = RpcServer(self.handlers(), s.pool.host, s.pool.port, name="node", on_close=self.conn_closed,
                                  settings=s, inline=self.inline()).start()
         else:
             self.rpc.handlers.update(self.handlers())
@@ -135,8 +135,8 @@ class StoreNode:
         self.node_id = self.node_id or f"{socket.gethostname()}:{self.rpc.port}"
         self.segment = f"{self.node_id}/dram"
         master = self.master
-        self.pins = PinTable(self.store, s.lease_s, master.touch if master is not None else None)
-        self.writes = Writes(self.store, self.node_id, self.segment, s.put_timeout_s, master)
+        self.pins = PinTable(self.store, s.pool.lease_s, master.touch if master is not None else None)
+        self.writes = Writes(self.store, self.node_id, self.segment, s.pool.put_timeout_s, master)
         self.writes.credential = node_credential(s)  # what it shows the source node of a copy
         keyring = getattr(self.rpc, "keyring", None)
         # Our master is elsewhere: its tickets admit each write. Not with the user's own keyring
@@ -184,9 +184,11 @@ class StoreNode:
             from transfer import TransferEngine
 
             if self.engine is None:
-                transports = [t for t in self.settings.transports if t in ("shm", "tcp", "rdma")]
-                self.engine = TransferEngine(name=f"kvpool-{self.node_id}", host=self.settings.host,
-                                             transports=transports or ("tcp",), limits=self.settings.limits(),
+                transports = [t for t in self.settings.node.transports if t in ("shm", "tcp", "rdma")]
+                self.engine = TransferEngine(name=f"kvpool-{self.node_id}", host=self.settings.pool.host,
+                                             transports=transports or ("tcp",), limits=self.settings.rpc.limits(),
+                                             rdma_device=self.settings.rpc.rdma_device,
+                                             rdma_gid_index=self.settings.rpc.rdma_gid_index,
                                              **grants.engine_access(getattr(self.rpc, "keyring", None))).start()
             desc = self.engine.register(self.store.arena.buffer, name=self.segment, shm_path=self.store.arena.path)
             self.transfer_segment = desc.to_bytes()
@@ -199,7 +201,7 @@ class StoreNode:
                 self.engine = None
 
     def info(self) -> NodeInfo:
-        s = self.settings
+        s = self.settings.node
         capacity = {"dram": self.store.arena.size}
         if s.ssd_path:
             capacity["ssd"] = s.ssd_capacity
@@ -216,7 +218,7 @@ class StoreNode:
         return [Held(k, size, tier, self.writes.put_id_of(k)) for k, size, tier in self.store.keys()]
 
     def _mark_path(self) -> str | None:
-        return os.path.join(self.settings.ssd_path, MARK_FILE) if self.settings.ssd_path else None
+        return os.path.join(self.settings.node.ssd_path, MARK_FILE) if self.settings.node.ssd_path else None
 
     def _load_mark(self) -> None:
         path = self._mark_path()
@@ -246,7 +248,7 @@ class StoreNode:
             log.warning("node %s: registration failed (%s); retrying with the next heartbeat", self.node_id, exc)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_s):
+        while not self._stop.wait(self.settings.pool.heartbeat_s):
             expired = self.pins.expire()
             if expired:
                 log.info("node %s: %d pin(s) expired without an unpin", self.node_id, expired)

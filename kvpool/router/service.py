@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from kvpool import worker_api as wire
+from kvpool.config import Settings, default
 from kvpool.security.keyring import Entry, load_keyring
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.keys import chunk_keys_hex, chunk_keys_hex_u32, parse_namespace_hex
@@ -42,6 +43,7 @@ from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, mak
                                   tbt_estimate, without_workers)
 from kvpool.router.tenants import Tenant, Tenants
 from kvpool.router.tokenizer import RouterTokenizer
+from kvpool.router.backends.vllm import VLLMSettings
 from kvpool.router.workers import DOWN, DRAINING, UP, Workers, WorkerState
 
 log = logging.getLogger(__name__)
@@ -51,24 +53,43 @@ INLINE_CHARS = 1024  # a prompt this short is tokenized on the event loop (Route
 
 @dataclass
 class RouterConfig:
+    """The router's run-time configuration; `from_settings` makes it from the tree's `[router]`,
+    whose defaults these are (kvpool.config)."""
+
     pool: str | None = None  # pool address for match_prefix; None: only the workers' own caches count
-    policy: str = "cache_aware"
+    policy: str = default("router.policy")
     ttft_slo_s: float | None = None  # admission: refuse when the best estimate is above it
     tbt_slo_s: float | None = None
-    local_prefill_tokens: int = 256  # uncached work this small is prefilled on the decode worker
-    default_max_tokens: int = 1024  # chat requests without max_tokens (completions: 16, as OpenAI)
+    local_prefill_tokens: int = default("router.local_prefill_tokens")  # this small: prefilled on the decode worker
+    default_max_tokens: int = default("router.default_max_tokens")  # chat requests without max_tokens (completions: 16)
     model_name: str | None = None  # the name /v1/models lists; default: the workers' model id
     poll_s: float = 0.25
     fail_after: int = 3
     request_timeout_s: float = 600.0
     workers: list[str] = field(default_factory=list)  # "URL" or "ROLE=URL" (the role: --engine vllm only)
-    engine: str = "reference"  # the workers' engine: "reference" (reference workers) or "vllm" (backends/vllm.py)
+    engine: str = default("router.engine")  # the workers': "reference" (reference workers) or "vllm" (backends/vllm.py)
     vllm: Any = None  # VLLMSettings, with engine "vllm"
     auth_file: str | None = None  # keyring (default: KVPOOL_AUTH_FILE); its tenants' api_keys admit requests
     tokenize_threads: int = 4  # prompts are tokenized on these threads, off the event loop
     # --engine vllm: "URL=ENDPOINT[,REPLAY_ENDPOINT]", where the server at URL publishes its KV events
     # (vLLM's --kv-events-config): the router follows them as that server's own cache (kv_events.py)
     kv_events: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "RouterConfig":
+        r = settings.router
+        vllm = None
+        if r.engine == "vllm":
+            if not r.tokenizer:
+                raise InvalidArgument("a router for vLLM servers (engine vllm) needs the model folder they load: "
+                                      "--tokenizer DIR ([router] tokenizer)")
+            vllm = VLLMSettings(model_path=r.tokenizer, connector=dict(r.kv_connector_config), kv_dtype=r.kv_dtype)
+        return cls(pool=r.pool, policy=r.policy, workers=list(r.workers),
+                   ttft_slo_s=None if r.ttft_slo_ms is None else r.ttft_slo_ms / 1e3,
+                   tbt_slo_s=None if r.tbt_slo_ms is None else r.tbt_slo_ms / 1e3,
+                   local_prefill_tokens=r.local_prefill_tokens, default_max_tokens=r.default_max_tokens,
+                   model_name=r.model_name, engine=r.engine, vllm=vllm, auth_file=settings.security.auth_file,
+                   kv_events=list(r.kv_events))
 
 
 class Router:

@@ -12,8 +12,8 @@ Invariants: at most one request is outstanding on a connection; a one-way frame
 (`FLAG_ONEWAY`) gets no reply; a frame with a wrong version or an undecodable message gets an
 `Err` and the connection is closed. The server owns its `SpinPolicy` (`kvpool.rpc.spin`).
 
-Identity: with a keyring (`keyring=`, else `settings.auth_file`'s, else the user's own made on
-first use, `kvpool.security.local`; none only with `KVPOOL_LOCAL_AUTH=off`), each new connection must open
+Identity: with a keyring (`keyring=`, else `settings.security.auth_file`'s, else the user's own made
+on first use, `kvpool.security.local`; none only with `KVPOOL_LOCAL_AUTH=off`), each new connection must open
 with `transfer.auth`'s handshake (channel "rpc"); its proved principal is `ServerConn.principal`,
 and `_dispatch` authorizes every request against it and scopes a tenant's keys
 (`kvpool.security.authz`). A connection that does not open with a hello gets one `Err("unauthorized")`
@@ -22,7 +22,7 @@ this process's uid or root (`SO_PEERCRED`), keyring or not: an abstract socket h
 permissions. Without a keyring every connection is `kvpool.security.keyring.ANYONE`. Keys are validated once:
 a tenant's here (`authz`), anyone else's per item where they enter the node or the master.
 
-Limits (`RpcSettings`: header and idle timeouts, minimum body rate, connection caps; see
+Limits (`settings.rpc`: header and idle timeouts, minimum body rate, connection caps; see
 `transfer.framing.Limits` and `transfer.listener`): with a keyring, connections that have not
 authenticated yet have a budget of their own (a new one over it replaces the oldest, and each has
 `handshake_timeout_s`), so no flood of them locks out a client with a credential; authenticated
@@ -48,7 +48,7 @@ import msgspec
 
 from kvpool.security.keyring import ANYONE, Keyring, Principal
 from kvpool.security.local import resolve as resolve_keyring
-from kvpool.config import RpcSettings
+from kvpool.config import Settings, current_settings
 from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, LimitExceeded, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
@@ -129,25 +129,25 @@ class RpcServer:
 
     `handlers` may be filled in after construction, before `start` (the embedded pool's node
     and master share one server), and so may `inline`: the message types whose handlers never
-    block (`Inline`); with any, and `settings.rpc_loop`, connections are served by one loop
-    thread (`kvpool.rpc.loop`), else each by its own thread. `settings`: the RPC knobs (default:
-    from the environment). `keyring`: authenticate every connection against it (default:
-    `settings.auth_file`'s, or none: authentication off)."""
+    block (`Inline`); with any, and `settings.rpc.rpc_loop`, connections are served by one loop
+    thread (`kvpool.rpc.loop`), else each by its own thread. `settings`: its `[rpc]` knobs and
+    `[security]` (default: `current_settings()`). `keyring`: authenticate every connection against
+    it (default: `settings.security.auth_file`'s, else the user's own, or none: authentication off)."""
 
     def __init__(self, handlers: dict[type, Handler], host: str = "127.0.0.1", port: int = 0, name: str = "rpc",
                  on_close: Callable[[ServerConn], None] | None = None, unix: bool = True,
-                 settings: RpcSettings | None = None, keyring: Keyring | None = None,
+                 settings: Settings | None = None, keyring: Keyring | None = None,
                  inline: dict[type, Inline] | None = None):
-        settings = settings or RpcSettings()
+        settings = settings or current_settings()
         # the configured keyring, else this user's own (`kvpool.security.local`; None when turned off)
-        self.keyring = keyring if keyring is not None else resolve_keyring(settings.auth_file)
+        self.keyring = keyring if keyring is not None else resolve_keyring(settings.security.auth_file)
         self.handlers = handlers
         self.inline: dict[type, Inline] = dict(inline or {})
-        self._use_loop = settings.rpc_loop
+        self._use_loop = settings.rpc.rpc_loop
         self._loop: ServeLoop | None = None
         self.name = name
         self.on_close = on_close
-        self.spin = SpinPolicy(settings.server_spin, CpuPressure(settings.spin_max_cpu_pressure))
+        self.spin = SpinPolicy(settings.rpc.server_spin, CpuPressure(settings.rpc.spin_max_cpu_pressure))
         try:
             self._sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
         except OSError as exc:
@@ -159,7 +159,7 @@ class RpcServer:
         local.servers.add(self._listen_addr)
         self.unix_address: str | None = None
         self._unix_sock: socket.socket | None = None
-        if unix and settings.rpc_unix and UNIX_SUPPORTED:
+        if unix and settings.rpc.rpc_unix and UNIX_SUPPORTED:
             uname = f"@kvpool-rpc-{self.port}-{secrets.token_hex(6)}"
             try:
                 usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -169,8 +169,8 @@ class RpcServer:
                 log.info("%s: no unix socket (%s); same-host clients use TCP", name, exc)
             else:
                 self._unix_sock, self.unix_address = usock, uname
-        # Limits (`RpcSettings.limits`): connection caps here, the receive tick set once per socket.
-        self.limits = settings.limits()
+        # Limits (`RpcSection.limits`): connection caps here, the receive tick set once per socket.
+        self.limits = settings.rpc.limits()
         self._idle_ticks = self.limits.idle_ticks()
         self._listener = Listener([self._sock, self._unix_sock], self._serve, name, limits=self.limits,
                                   refusal=self._limit_frame, handshake=self.keyring is not None)

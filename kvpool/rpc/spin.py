@@ -7,7 +7,7 @@ when the other side is in this process (`LocalEndpoints`): there it needs our GI
 Each connection adapts (`Spin`); a server (`SpinPolicy`, `server_spin` polls) spins only for its
 sole active client and tells that client so (FLAG_SPIN), and a client (`rpc_spin` polls) spins
 only when told: clients cannot see each other (on 2 cores, 4 clients that all spun got 0.85x the
-throughput with a worse p99). Settings: `kvpool.config.RpcSettings`.
+throughput with a worse p99). Settings: `[rpc]` of `kvpool.config`.
 
 Measured here (2 cores, 64 KiB put/get, kvpool/tools/scripts/spin_load.py): one client 2-3x the ops/s over
 TCP and 1.4-1.6x same-host; 4 clients 1.0-1.16x; 16 clients 0.79-1.04x (mean 0.95x), p99 within

@@ -92,13 +92,15 @@ class TieredStore:
 
     @classmethod
     def from_settings(cls, settings: Any, **kwargs: Any) -> "TieredStore":
-        """A store sized from `kvpool.config.Settings` (dram/ssd capacity, ssd_path, eviction)."""
-        if "quotas" not in kwargs and getattr(settings, "auth_file", None):
-            kwargs["quotas"] = tenant_quotas(load_keyring(settings.auth_file))
-        return cls(settings.dram_capacity, ssd_path=settings.ssd_path,
-                   ssd_capacity=settings.ssd_capacity if settings.ssd_path else 0,
-                   policy=settings.eviction,
-                   index_slots=settings.shm_index_slots, **kwargs)
+        """A store as `kvpool.config.Settings` describe it (`[node]`: capacities, ssd_path,
+        eviction, the shm index; `[rpc] shm_index`; the keyring's quotas)."""
+        node, auth_file = settings.node, settings.security.auth_file
+        if "quotas" not in kwargs and auth_file:
+            kwargs["quotas"] = tenant_quotas(load_keyring(auth_file))
+        return cls(node.dram_capacity, ssd_path=node.ssd_path,
+                   ssd_capacity=node.ssd_capacity if node.ssd_path else 0,
+                   policy=node.eviction,
+                   index_slots=node.shm_index_slots if settings.rpc.shm_index else 0, **kwargs)
 
     @property
     def arena(self):

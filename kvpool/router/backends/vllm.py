@@ -86,14 +86,17 @@ class VLLMSettings:
         dtype = "bfloat16" if dtype in ("float32", "float") and not self.kv_dtype else dtype
         if dtype not in _DTYPES:
             raise InvalidArgument(f"KV dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-        chunk = int(self.connector.get("chunk_tokens", 256))
+        from kvpool.config import current_settings
+
+        settings = current_settings()  # the connector fills what its extra config leaves out from the same tree
+        chunk = int(self.connector.get("chunk_tokens", settings.pool.chunk_tokens))
         layout = KVLayout(num_layers=int(self.connector.get("num_layers", cfg["num_hidden_layers"])),
                           kv_heads=int(self.connector.get("kv_heads", cfg.get("num_key_value_heads", heads))),
                           head_dim=int(self.connector.get("head_dim", cfg.get("head_dim") or cfg["hidden_size"] // heads)),
                           dtype=_DTYPES[dtype], chunk_tokens=chunk,
-                          codec=str(self.connector.get("kv_codec", "none")))  # as the connector's settings
+                          codec=str(self.connector.get("kv_codec", settings.pool.kv_codec)))  # as the connector's
         ns = Namespace(str(self.connector.get("model_id", served_root)),
-                       str(self.connector.get("weights_fingerprint", "unversioned")), layout,
+                       str(self.connector.get("weights_fingerprint", settings.connector.weights_fingerprint)), layout,
                        tenant_salt=str(self.connector.get("tenant_salt", "")))
         return ns, chunk
 

@@ -200,7 +200,7 @@ def test_config_patch_bad_input(master, admin, auth, body):
 
 
 def test_secret_never_returned(master, admin):
-    master.state.settings.admin_token = "leak-me"  # even if the master forgot to drop it
+    master.state.settings.security.admin_token = "leak-me"  # even if the master forgot to drop it
     _, c = admin
     assert "leak-me" not in c.get("/v1/config").text
 
