@@ -142,10 +142,10 @@ def _serve(folder: str, lib_path: str, serve_args: list[str]) -> None:
         gc.disable()
     signal.signal(signal.SIGUSR1, zero)
     signal.signal(signal.SIGUSR2, dump)
-    from kvpool.cli import main
+    import importlib
 
     sys.argv = ["kvpool", "--log-level", "WARNING", *serve_args]
-    main()
+    importlib.import_module("kvpool.cli").main()  # `kvpool serve` in this process, as its command line runs it
 
 
 STARTED: dict[str, int] = {}  # thread name -> how many started (the server's, for threads.json)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvpool
-from kvpool.config import RpcSettings, load_settings
+from kvpool.config import Settings, load_settings
 from kvpool.embedded import EmbeddedPool
 from kvpool.errors import AlreadyExists, KeyNotFound, KVPoolError
 from kvpool.messages import Bools, Exists, NodeGet
@@ -237,7 +237,7 @@ def test_the_loop_spins_for_a_sole_client_only_while_the_cpus_are_calm(tmp_path)
     hinted = {}
     for avg10 in (0.0, 90.0):
         srv = RpcServer({Exists: lambda m, p, c: Bools([k == "yes" for k in m.keys])}, name="spin",
-                        settings=RpcSettings(server_spin=64), inline={Exists: None}).start()
+                        settings=Settings(server_spin=64), inline={Exists: None}).start()
         assert srv._loop is not None
         srv.spin.pressure = CpuPressure(10, _psi(tmp_path, avg10))
         srv.spin.calm()
