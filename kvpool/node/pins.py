@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable
 
 from kvpool.errors import CapacityError, KVPoolError
+from kvpool.messages import NodeData
 from transfer import READ
 
 log = logging.getLogger("kvpool.node")
@@ -79,6 +80,26 @@ class Pins:
             if loc.from_ssd:
                 ssd.append(i)
         return pinned, offsets, sizes, copies, ssd
+
+    def get_one(self, key: str, arena: memoryview) -> tuple:
+        """`pin([key])` as a `NodeGet` reply: (NodeData, the object's bytes, the unpin to run once
+        they are sent), for the single get that most requests are."""
+        visible = self._visible
+        if visible is not None and not visible(key):
+            return NodeData([-1], []), ()
+        store = self.store
+        try:
+            loc = store.pin(key)
+        except CapacityError:  # DRAM all pinned: served from SSD without promoting
+            data = store.get(key)
+            if data is None:
+                return NodeData([-1], []), ()
+            return NodeData([len(data)], [0]), (memoryview(data),)
+        except (KVPoolError, ValueError):  # absent, being removed: a miss
+            return NodeData([-1], []), ()
+        offset, length = loc.offset, loc.length
+        return (NodeData([length], [0] if loc.from_ssd else []), (arena[offset:offset + length],),
+                lambda: self.unpin((key,)))
 
     def grants(self, offsets: list[int], sizes: list[int], pin_id: int, principal: str) -> list[bytes]:
         """A READ grant per range pinned under `pin_id` (b"" for misses and inline objects) to

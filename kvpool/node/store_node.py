@@ -298,6 +298,8 @@ class StoreNode:
         pins = self.pins
         if msg.unpin:
             pins.release(msg.unpin, conn)
+        elif len(msg.keys) == 1:  # the common single get: no lists to build
+            return pins.get_one(msg.keys[0], self.store.arena.buffer)
         pinned, offsets, sizes, copies, ssd = pins.pin(msg.keys)
         try:
             arena = self.store.arena.buffer

@@ -94,6 +94,7 @@ class ServeLoop:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ep.register(self._wake_r, select.EPOLLIN)
         self.closed = False
+        self.now = time.monotonic()  # when the loop last woke (its clock for timeouts)
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
 
     def start(self) -> None:
@@ -161,7 +162,7 @@ class ServeLoop:
         rest = _after(parts, sent)
         if release is None:
             rest = [memoryview(bytes(v)) for v in rest]
-        link.out, link.release, link.since = rest, release, time.monotonic()
+        link.out, link.release, link.since = rest, release, self.now
         try:
             self._ep.modify(link.fd, WRITE | select.EPOLLRDHUP)
         except OSError as exc:
@@ -170,14 +171,15 @@ class ServeLoop:
         return True
 
     def _run(self) -> None:
-        poll, links = self._ep.poll, self._links
-        next_sweep = time.monotonic() + SWEEP_S
+        poll, links, clock = self._ep.poll, self._links, time.monotonic
+        next_sweep = clock() + SWEEP_S
         try:
             while not self.closed:
                 try:
                     events = poll(SWEEP_S)
                 except InterruptedError:
                     continue
+                self.now = clock()  # one clock read per wake-up: the links' timestamps
                 for fd, ev in events:
                     link = links.get(fd)
                     if link is None:
@@ -193,7 +195,7 @@ class ServeLoop:
                         log.exception("%s: serving %s failed", self.name, link.peer)
                         if fd in links:
                             self.end(link, f"internal error: {exc}")
-                now = time.monotonic()
+                now = self.now
                 if now >= next_sweep:
                     next_sweep = now + SWEEP_S
                     self._sweep(now)
@@ -216,7 +218,7 @@ class ServeLoop:
             if ending or self.closed:
                 self._end(link, "the server is stopping")
                 continue
-            link.since = time.monotonic()
+            link.since = self.now = time.monotonic()
             self._links[link.fd] = link
             try:
                 self._ep.register(link.fd, READ)
@@ -250,10 +252,10 @@ class ServeLoop:
             link.replied = 0
         reader.end += k
         if not link.partial:
-            link.partial = time.monotonic()
+            link.partial = self.now
         if self._frames(link) and reader.end == reader.start:
             link.partial = 0.0
-            link.since = time.monotonic()
+            link.since = self.now
             if link.spin.cap and not link.out and self.policy.loop_may_spin(link.fd):
                 self._spin(link)
 
@@ -281,8 +283,10 @@ class ServeLoop:
                 return
             spin.won()
             reader.end += k
+            link.partial = link.since = self.now = time.monotonic()
             if not self._frames(link) or link.out or reader.end != reader.start:
                 return  # handed over, ended, sending, or a frame still arriving: epoll takes over
+            link.partial = 0.0
             if not policy.loop_may_spin(link.fd):
                 return
             polls = spin.polls
@@ -302,7 +306,7 @@ class ServeLoop:
             self.end(link, f"send failed: {exc}")
             return
         link.out = out = _after(out, sent)
-        link.since = time.monotonic()
+        link.since = self.now
         if out:
             return
         release, link.release = link.release, None

@@ -95,8 +95,9 @@ class ServerConn:
         link = self.link
         if link is not None:  # the loop: never block (what the kernel does not take now follows)
             body = encoder.encode(msg)
-            head = HEADER.pack(PROTOCOL_VERSION, self.flags, len(body), _nbytes(buffers)) + body
-            link.loop.send(link, [head, *buffers], len(head) + _nbytes(buffers), release)
+            n = _nbytes(buffers)
+            head = HEADER.pack(PROTOCOL_VERSION, self.flags, len(body), n) + body
+            link.loop.send(link, [head, *buffers], len(head) + n, release)
             return
         try:
             if not buffers:  # most replies: one small frame, one send
@@ -114,7 +115,7 @@ def _nbytes(buffers: Sequence[Any]) -> int:
         return 0
     if len(buffers) == 1 and type(buffers[0]) is memoryview:
         return buffers[0].nbytes
-    return sum(memoryview(b).nbytes for b in buffers)
+    return sum(b.nbytes if type(b) is memoryview else memoryview(b).nbytes for b in buffers)
 
 
 Handler = Callable[[Any, Payload, ServerConn], Any]
