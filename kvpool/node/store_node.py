@@ -74,6 +74,7 @@ class StoreNode:
         self._own_engine = engine is None
         self.transfer_segment: bytes | None = None
         self._mark_saved_at = 0.0
+        self._mark_unsaved = False  # a newer mark than MARK_FILE's waits out the save interval
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -231,9 +232,13 @@ class StoreNode:
     def _save_mark(self) -> None:
         path = self._mark_path()
         now = time.monotonic()
-        if path is None or now - self._mark_saved_at < MARK_SAVE_S:
+        if path is None:
+            return
+        if now - self._mark_saved_at < MARK_SAVE_S:
+            self._mark_unsaved = True  # saved by a later heartbeat, not lost
             return
         self._mark_saved_at = now
+        self._mark_unsaved = False
         try:
             with open(path + ".tmp", "w") as f:
                 f.write(str(self.writes.mark))
@@ -259,7 +264,7 @@ class StoreNode:
             try:
                 stats = self.store.stats()
                 known, mark = self.channel.heartbeat(self.node_id, stats, dropped, moved)
-                if mark and self.writes.set_mark(mark):
+                if (mark and self.writes.set_mark(mark)) or self._mark_unsaved:
                     self._save_mark()
                 if not known or self.channel.changed:
                     self.channel.changed = False
