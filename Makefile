@@ -104,10 +104,11 @@ lmcache-env:
 # etcd (cluster-mode tests), redis (bench baseline) and chromium (the headless browser that loads the
 # router's built-in dashboard, tests/e2e/test_dashboards.py) come from Debian's packages.
 system-deps:
-	@command -v etcd >/dev/null && command -v redis-server >/dev/null && command -v chromium >/dev/null || { \
-	  echo "installing etcd-server, etcd-client, redis-server, chromium (apt-get)"; \
+	@command -v etcd >/dev/null && command -v redis-server >/dev/null && command -v chromium >/dev/null \
+	  && command -v ip >/dev/null && command -v nft >/dev/null || { \
+	  echo "installing etcd-server, etcd-client, redis-server, chromium, iproute2, nftables (apt-get)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client redis-server \
-	    chromium >/dev/null; }
+	    chromium iproute2 nftables >/dev/null; }
 
 run: $(STAMP)
 	$(BIN)/kvpool up --demo

@@ -9,7 +9,6 @@ The contract itself, and the invariants kept here, are in `engine_adapters.base`
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from engine_adapters.chunk_reader import ChunkReader
 from kvpool.chunk_format import ChunkAuth, ChunkView, decode_chunk, seal_into
 from kvpool.codec import encode_raw_object
 from kvpool.security.keyring import chunk_mac_key, load_keyring, tenant_salt
-from kvpool.config import read_secret_file
+from kvpool.config import current_settings, read_secret_file
 from kvpool.contract import PoolClient
 from kvpool.errors import AlreadyExists, CorruptObject, InvalidArgument, KVPoolError, LayoutMismatch
 from kvpool.handle import KVHandle
@@ -53,16 +52,13 @@ def plugin_mac_key(keyring=None) -> bytes | None:
     return chunk_mac_key(keyring.credential().secret) if keyring is not None else None
 
 
-TENANT_SALT_ENV = "KVPOOL_TENANT_SALT"
-
-
 def plugin_tenant_salt(extra: dict, keyring=None) -> str:
     """The namespace salt of an engine plug-in (vLLM connector, SGLang backend). With a keyring
     whose plug-in principal (`KVPOOL_PRINCIPAL`) is a tenant: that tenant's derived salt, the one
     the router and the reference workers use for it. Otherwise, first found: the file named by
-    `tenant_salt_file` in the plug-in's extra config, `KVPOOL_TENANT_SALT`, then `tenant_salt`
-    itself (accepted, with a warning: an engine's JSON config is usually on its argv, which every
-    user of the machine reads in `ps`)."""
+    `tenant_salt_file` in the plug-in's extra config, `[security] tenant_salt` (KVPOOL_TENANT_SALT,
+    or read from KVPOOL_TENANT_SALT_FILE), then `tenant_salt` itself (accepted, with a warning: an
+    engine's JSON config is usually on its argv, which every user of the machine reads in `ps`)."""
     keyring = keyring if keyring is not None else load_keyring()
     if keyring is not None:
         entry = keyring.entries[keyring.credential().principal]
@@ -70,12 +66,13 @@ def plugin_tenant_salt(extra: dict, keyring=None) -> str:
             return tenant_salt(entry.principal.tenant, entry.secret)
     if extra.get("tenant_salt_file"):
         return read_secret_file(str(extra["tenant_salt_file"]), "tenant_salt_file")
-    if os.environ.get(TENANT_SALT_ENV):
-        return os.environ[TENANT_SALT_ENV]
+    configured = current_settings().security.tenant_salt
+    if configured:
+        return configured
     salt = str(extra.get("tenant_salt", ""))
     if salt:
         log.warning("tenant_salt given inline in the engine's kv config: anyone who can run `ps` reads it; "
-                    "use tenant_salt_file or %s", TENANT_SALT_ENV)
+                    "use tenant_salt_file or KVPOOL_TENANT_SALT_FILE")
     return salt
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,9 @@ def require(engine: str, version: str | None = None) -> str | None:
     message = (f"kvpool's {engine} integration is tested with {engine} {', '.join(s + '.x' for s in tested)}; "
                f"this is {engine} {version}, whose interfaces may differ (docs/compatibility.md). "
                f"Set {ALLOW_ENV}=1 to try it anyway.")
-    if os.environ.get(ALLOW_ENV, "") not in ("", "0"):
+    from kvpool.config import current_settings
+
+    if current_settings().connector.allow_untested:  # KVPOOL_ALLOW_UNTESTED
         log.warning("%s", message)
         return version
     raise UntestedVersion(message)

@@ -34,7 +34,6 @@ Semantics:
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, List, Optional
 
 import torch
@@ -44,6 +43,7 @@ from engine_adapters.compat import require
 from engine_adapters.chunk_store import plugin_mac_key, plugin_tenant_salt
 from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, encode_into
 from kvpool.codec import encode_object, get_codec
+from kvpool.config import current_settings
 from kvpool.contract import PoolClient
 from kvpool.errors import InvalidArgument, KVPoolError
 from kvpool.keys import Namespace
@@ -92,14 +92,15 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.tp_size = int(getattr(storage_config, "tp_size", 1))
         self.pp_rank = int(getattr(storage_config, "pp_rank", 0))
         self.model_id = str(extra.get("model_id") or getattr(storage_config, "model_name", None) or "unknown-model")
-        self.weights_fingerprint = str(extra.get("weights_fingerprint", "unversioned"))
+        settings = current_settings()  # what the engine's own extra_config leaves out
+        self.weights_fingerprint = str(extra.get("weights_fingerprint", settings.connector.weights_fingerprint))
         # pipeline stages hold different layers: the salt keeps their pages apart
         salt = plugin_tenant_salt(extra)
         self.tenant_salt = salt if self.pp_rank == 0 else f"{salt}/pp{self.pp_rank}"
-        self.address = str(extra.get("kvpool_address", os.environ.get("KVPOOL_MASTER", "127.0.0.1:7600")))
+        self.address = str(extra.get("kvpool_address", settings.pool.master))
         # how pages are stored (kvpool.codec; part of the layout and so of the namespace): lossless
         # unless the extra config names a codec; the v2 side pools are always stored lossless
-        self.kv_codec = str(extra.get("kv_codec", "none"))
+        self.kv_codec = str(extra.get("kv_codec", settings.pool.kv_codec))
         self._codec = get_codec(self.kv_codec)  # an unknown name is InvalidArgument now
         self._client = client
         self._owns_client = client is None

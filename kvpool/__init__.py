@@ -21,14 +21,14 @@ __all__ = [
 ]
 
 
-def connect(address: str = "127.0.0.1:7600", **kwargs):
-    """A client of the pool at `address` (see `kvpool.client.connect`)."""
+def connect(address: str | None = None, **kwargs):
+    """A client of the pool at `address` (default `[pool] master`, KVPOOL_MASTER; see `kvpool.client.connect`)."""
     from kvpool.client import connect as _connect
 
     return _connect(address, **kwargs)
 
 
-async def connect_async(address: str = "127.0.0.1:7600", **kwargs):
+async def connect_async(address: str | None = None, **kwargs):
     """An asyncio client of the pool at `address` (see `kvpool.client.connect_async`)."""
     from kvpool.client import connect_async as _connect_async
 

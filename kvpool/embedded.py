@@ -7,7 +7,7 @@
 
 The node's handlers consult the in-process master, so a put or a get is one round trip, and the
 master removes bytes through the node object directly (no socket). `admin=True` also serves the
-REST admin API on `settings.admin_port`.
+REST admin API on `settings.pool.admin_port`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvpool.config import Settings
+from kvpool.config import Settings, load_settings
 from kvpool.master.handlers import master_handlers
 from kvpool.master.service import MasterService
 from kvpool.node.store_node import StoreNode
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class EmbeddedPool:
     def __init__(self, settings: Settings | None = None, *, admin: bool = False, transfer_engine: Any = None):
         """`transfer_engine`: a started `transfer.TransferEngine` for the node's arena (caller-owned)."""
-        self.settings = settings or Settings()
+        self.settings = settings or load_settings()
         self.transfer_engine = transfer_engine
         self.admin = admin
         self.master: MasterService | None = None
@@ -41,7 +41,7 @@ class EmbeddedPool:
 
     def start(self) -> "EmbeddedPool":
         s = self.settings
-        self.rpc = RpcServer({}, s.host, s.port, name="pool", settings=s)
+        self.rpc = RpcServer({}, s.pool.host, s.pool.port, name="pool", settings=s)
         self.master = MasterService(s, link_factory=lambda entry: self.node, address=self.rpc.address)
         self.master.unix_address = self.rpc.unix_address
         self.node = StoreNode(s, master=self.master, rpc=self.rpc, engine=self.transfer_engine)
@@ -51,11 +51,11 @@ class EmbeddedPool:
             self.node.start()  # adds its handlers to our server
             self.master.mark_local(self.node.node_id)
             self.rpc.start()
-            if self.admin and s.admin_port:
+            if self.admin and s.pool.admin_port:
                 from kvpool.admin.app import create_app
                 from kvpool.admin.server import serve_in_thread
 
-                self.admin_handle = serve_in_thread(create_app(self.master.admin, s), s.host, s.admin_port)
+                self.admin_handle = serve_in_thread(create_app(self.master.admin, s), s.pool.host, s.pool.admin_port)
         except BaseException:
             self.stop()
             raise

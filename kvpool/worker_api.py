@@ -61,6 +61,11 @@ class PrefillRequest(Message):
     token_ids: list[int]
     request_id: str | None = None  # the caller's id; the worker adds a unique suffix
     sampling: SamplingParams | None = None  # None: greedy
+    # How many of the prompt's full chunks the pool held when the router routed it (its one
+    # match_prefix, in the same namespace); the worker reads them without asking the pool again.
+    # A count gone stale costs nothing but reuse: the read stops at the first chunk missing.
+    # None: the worker asks the pool itself.
+    pool_chunks: int | None = None
 
 
 class PrefillResponse(Message):
@@ -98,6 +103,7 @@ class GenerateRequest(Message):
     request_id: str | None = None
     stop_token_ids: list[int] | None = None
     sampling: SamplingParams | None = None
+    pool_chunks: int | None = None  # as in `PrefillRequest`
 
 
 class ErrorInfo(msgspec.Struct):

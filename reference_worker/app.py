@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpool import worker_api as m
 from kvpool.errors import KVPoolError
-from kvpool.security.http_guard import TENANT_HEADER, HttpGuard, internal_token, metrics_token_from_env
+from kvpool.security.http_guard import TENANT_HEADER, HttpGuard, internal_token, metrics_token
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ async def _ndjson(events: AsyncIterator[m.TokenEvent], worker: Any) -> AsyncIter
 def create_app(worker: Any) -> FastAPI:
     app = FastAPI(title=f"kvpool {worker.config.role} worker", version=str(m.WIRE_VERSION))
     token = internal_token()  # None without a keyring: nothing to check
-    scraper = metrics_token_from_env() if token else None  # with a keyring, a scraper's token opens /metrics too
+    scraper = metrics_token() if token else None  # with a keyring, a scraper's token opens /metrics too
     app.add_middleware(HttpGuard, token=lambda: token, what=f"the {worker.config.role} worker",
                        metrics_token=lambda: scraper)
 

@@ -61,8 +61,11 @@ def gguf_path() -> Path:
 
 
 def default_cache_root() -> Path:
-    env = os.environ.get("KVPOOL_MODEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "kvpool" / "models"
+    """`[worker] model_cache` (KVPOOL_MODEL_CACHE), else ~/.cache/kvpool/models."""
+    from kvpool.config import current_settings
+
+    configured = current_settings().worker.model_cache
+    return Path(configured) if configured else Path.home() / ".cache" / "kvpool" / "models"
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 from reference_worker.config import NO_POOL
 from reference_worker.service import Worker, WorkerConfig
+from kvpool.config import default
 from kvpool.security.keyring import check_bind, load_keyring
 from kvpool.security.http_guard import internal_headers
 from kvpool.listen import bind, url_of, write_ready
@@ -173,7 +174,7 @@ def _signals_to(handler: Callable[[int, Any], None]) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def build_worker(config: WorkerConfig, *, model_cache: str | None = None, dtype: str = "float32") -> Worker:
+def build_worker(config: WorkerConfig, *, model_cache: str | None = None, dtype: str = default("worker.dtype")) -> Worker:
     import kvpool
     from reference_worker.model import load_reference_model
 
@@ -190,9 +191,9 @@ def build_worker(config: WorkerConfig, *, model_cache: str | None = None, dtype:
 
 
 def serve(config: WorkerConfig, *, host: str = "127.0.0.1", port: int = 0, ready_file: str | None = None,
-          model_cache: str | None = None, dtype: str = "float32",
+          model_cache: str | None = None, dtype: str = default("worker.dtype"),
           on_ready: Callable[[str], None] | None = None, router: str | None = None,
-          drain_timeout: float = 60.0, threads: int | None = None, cpus: str | None = None) -> None:
+          drain_timeout: float = default("worker.drain_timeout_s"), threads: int | None = None, cpus: str | None = None) -> None:
     """Serve until a signal, then drain (see the module docstring). Signals drain only when this
     runs on the main thread (the only one that may install signal handlers)."""
     import uvicorn

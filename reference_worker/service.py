@@ -3,8 +3,9 @@ three operations the HTTP API exposes (prefill, decode, generate).
 
 Prefill of a prompt of n tokens:
   1. chunk keys of its full chunks; the longest run held in the local cache (k_local chunks);
-  2. the longest run in the pool (one match_prefix); chunks the pool has beyond k_local are
-     fetched, verified and added to the local cache (a damaged one ends the run: recomputed);
+  2. the longest run in the pool (one match_prefix, unless the router sent the one it made when
+     it routed the prompt: `pool_chunks`); chunks the pool has beyond k_local are fetched,
+     verified and added to the local cache (a missing or damaged one ends the run: recomputed);
   3. the engine computes only tokens [cached, n) on a cache built from those chunks (at
      least the last token, so a fully cached prompt still yields its logits);
   4. the new full chunks enter the local cache; every full chunk the pool lacks (new, or local
@@ -229,7 +230,8 @@ class Worker:
             raise InvalidArgument(f"this is a {self.config.role} worker; that call needs role {' or '.join(roles)}")
 
     # -- prefill -------------------------------------------------------------------------------
-    def _find_prefix(self, kv: TenantKV, ids: list[int]) -> _Prefix:
+    def _find_prefix(self, kv: TenantKV, ids: list[int], pool_chunks: int | None = None) -> _Prefix:
+        """`pool_chunks`: the router's count of the prompt's chunks in the pool (None: ask it)."""
         keys = kv.adapter.chunk_keys(ids)
         local = self.cache.get_run(keys)
         fetched: list[Any] = []
@@ -237,7 +239,8 @@ class Worker:
         fetch_ms = 0.0
         if len(local) < len(keys):
             started = time.perf_counter()
-            in_pool = kv.reader.match(keys) if self.pooled else 0
+            in_pool = (0 if not self.pooled else kv.reader.match(keys) if pool_chunks is None
+                       else min(pool_chunks, len(keys)))
             if in_pool > len(local):
                 views = kv.reader.run(keys[len(local):in_pool])
                 fetched = [view.as_torch() for view in views]
@@ -248,13 +251,14 @@ class Worker:
         return _Prefix(keys, local + fetched, len(local), len(fetched), fetch_ms, tiers)
 
     async def run_prefill(self, ids: list[int], request_id: str, params: SamplingParams | None = None,
-                          kv: TenantKV | None = None, room: int = 0) -> tuple[PrefillJob, _Prefix]:
+                          kv: TenantKV | None = None, room: int = 0,
+                          pool_chunks: int | None = None) -> tuple[PrefillJob, _Prefix]:
         """Find the cached prefix, compute the rest; the job holds the KV (with space for `room`
         more tokens: what a decode on it will add), the last logits and the first token (picked
-        per `params`)."""
+        per `params`). `pool_chunks`: the router's match (`PrefillRequest.pool_chunks`)."""
         self._unsubmitted_tokens += len(ids)  # event loop only: no lock
         try:
-            prefix = await asyncio.to_thread(self._find_prefix, kv or self.tenants.default, ids)
+            prefix = await asyncio.to_thread(self._find_prefix, kv or self.tenants.default, ids, pool_chunks)
             cached = len(prefix.chunks) * self.layout.chunk_tokens
             usable = min(cached, len(ids) - 1)  # compute at least one token: its logits give the first token
             capacity = min(len(ids) + room, self.runner.max_positions)
@@ -283,10 +287,11 @@ class Worker:
         started = time.perf_counter()
         ids = self._check_tokens(list(req.token_ids))
         params = sampling.check(req.sampling)
+        pool_chunks = _check_pool_chunks(req.pool_chunks)
         rid = _unique(req.request_id)
         with self.admission.request():
             kv = await asyncio.to_thread(self.tenants.get, tenant)
-            job, prefix = await self.run_prefill(ids, rid, params, kv)
+            job, prefix = await self.run_prefill(ids, rid, params, kv, pool_chunks=pool_chunks)
             pushed = time.perf_counter()
             saved = await asyncio.to_thread(self._publish, kv, ids, job, prefix, rid)
             handle = kv.adapter.make_handle(ids, saved)
@@ -431,11 +436,12 @@ class Worker:
         if req.max_tokens < 1:
             raise InvalidArgument("max_tokens must be >= 1")
         params = sampling.check(req.sampling)
+        pool_chunks = _check_pool_chunks(req.pool_chunks)
         rid = _unique(req.request_id)
         slot = self.admission.open_stream()
         try:
             kv = await asyncio.to_thread(self.tenants.get, tenant)
-            job, prefix = await self.run_prefill(ids, rid, params, kv, room=req.max_tokens)
+            job, prefix = await self.run_prefill(ids, rid, params, kv, room=req.max_tokens, pool_chunks=pool_chunks)
             head = self._prefill_response(rid, ids, job, prefix, None, started, kv.tenant)
         except BaseException:
             slot.release()
@@ -464,6 +470,12 @@ class Worker:
                 await events.aclose()
         finally:  # the stream (and its admission slot) ends once its KV is stored: a drain waits for it
             await asyncio.wait([publish])
+
+
+def _check_pool_chunks(n: int | None) -> int | None:
+    if n is not None and n < 0:
+        raise InvalidArgument(f"pool_chunks must be >= 0 (or absent), got {n}")
+    return n
 
 
 def _log_failed_publish(task: asyncio.Future) -> None:

@@ -40,6 +40,15 @@ from kvpool.errors import Unavailable
 POOL_DRAM = "256MiB"  # a 2,048-token float32 prompt is ~94 MB of KV
 
 
+@pytest.fixture(autouse=True)
+def _process_settings():
+    """A command run in this process (click's runner) makes its tree the process's; not the next test's."""
+    yield
+    from kvpool.config import use_settings
+
+    use_settings(None)
+
+
 @pytest.fixture(scope="session")
 def reference_model():
     """SmolLM2-135M-Instruct in float32, loaded once per session (from the safetensors cache)."""

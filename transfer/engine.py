@@ -59,8 +59,9 @@ class TransferEngine:
                  transports: Sequence[str] = ("shm", "tcp", "rdma"), timeout: float = 10.0,
                  connections_per_peer: int = 4, slice_bytes: int = 4 << 20, rdma_device: Any = None,
                  auth: Any = None, credential: tuple[str, bytes] | None = None, grant_key: bytes | None = None,
-                 limits: Limits | None = None):
-        """`rdma_device`: a verbs-layer device to use instead of opening one (tests pass a fake).
+                 limits: Limits | None = None, rdma_gid_index: int = 0):
+        """`rdma_device`: the name of the RDMA device to open (default: the first), or a verbs-layer
+        device to use instead of opening one (tests pass a fake); `rdma_gid_index`: its GID index.
         `auth`, `credential`, `grant_key`: see the module doc. `limits`: the data server's
         per-connection limits and caps (`transfer.framing.Limits`; default: its defaults)."""
         unknown = set(transports) - KNOWN_TRANSPORTS
@@ -89,16 +90,17 @@ class TransferEngine:
         if "shm" in transports:
             self._transports["shm"] = ShmTransport()
         if "rdma" in transports:
-            self._transports["rdma"] = self._open_rdma(timeout, connections_per_peer, slice_bytes, rdma_device)
+            self._transports["rdma"] = self._open_rdma(timeout, connections_per_peer, slice_bytes, rdma_device,
+                                                         rdma_gid_index)
             if self._transports["rdma"] is None:
                 del self._transports["rdma"]
             else:
                 self._transports["rdma"].credential = credential
 
-    def _open_rdma(self, timeout: float, qps_per_peer: int, slice_bytes: int, device: Any):
+    def _open_rdma(self, timeout: float, qps_per_peer: int, slice_bytes: int, device: Any, gid_index: int):
         from transfer import rdma
 
-        return rdma.open_transport(self, timeout, qps_per_peer, slice_bytes, device)
+        return rdma.open_transport(self, timeout, qps_per_peer, slice_bytes, device, gid_index)
 
     @property
     def transports(self) -> tuple[str, ...]:

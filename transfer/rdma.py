@@ -41,12 +41,13 @@ EXPIRY_CHECK_S = 0.05
 
 
 def open_transport(engine: Any, timeout: float, qps_per_peer: int, slice_bytes: int,
-                   device: Any = None) -> "RdmaTransport | None":
-    """The engine's RDMA transport, or None when no device can be opened here."""
-    if device is None:
+                   device: Any = None, gid_index: int = 0) -> "RdmaTransport | None":
+    """The engine's RDMA transport, or None when no device can be opened here. `device`: an
+    opened device, or the name of one to open (None: the first)."""
+    if device is None or isinstance(device, str):
         from transfer import verbs
 
-        device = verbs.open_device()
+        device = verbs.open_device(device, gid_index=gid_index)
         if device is None:
             return None
     return RdmaTransport(engine.name, (engine.host, engine.port), device, timeout, qps_per_peer, slice_bytes)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import random
 
 from transfer.wire import QPInfo
@@ -46,8 +45,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def open_device(name: str | None = None, port: int = 1, gid_index: int | None = None) -> "Device | None":
-    """Open the named (or first) RDMA device; None when there is none (reason is logged)."""
+def open_device(name: str | None = None, port: int = 1, gid_index: int = 0) -> "Device | None":
+    """Open the named (or first) RDMA device; None when there is none (reason is logged). The
+    pool's `[rpc] rdma_device` / `rdma_gid_index` settings (KVPOOL_RDMA_*) arrive here as arguments."""
     reason = unavailable_reason()
     if reason is not None:
         log.debug("rdma transport disabled: %s", reason)
@@ -55,10 +55,7 @@ def open_device(name: str | None = None, port: int = 1, gid_index: int | None = 
     from pyverbs.device import get_device_list
 
     names = [d.name.decode() if isinstance(d.name, bytes) else d.name for d in get_device_list()]
-    name = name or os.environ.get("KVPOOL_RDMA_DEVICE") or names[0]
-    if gid_index is None:
-        gid_index = int(os.environ.get("KVPOOL_RDMA_GID_INDEX", "0"))
-    return Device(name, port, gid_index)
+    return Device(name or names[0], port, gid_index)
 
 
 class Device:

@@ -4,10 +4,11 @@ The plugin's own settings live in LMCache's `extra_config` under `remote_storage
 (LMCache's convention for remote storage plugins), every one optional:
 
     url                  kvpool://HOST:PORT (an embedded pool or a master), or kvpool+etcd://HOST:PORT
-                         (cluster mode: the leader master is found in etcd); default: $KVPOOL_MASTER,
-                         else kvpool://127.0.0.1:7600
+                         (cluster mode: the leader master is found in etcd); default:
+                         kvpool://<[pool] master> (KVPOOL_MASTER, else 127.0.0.1:7600)
     weights_fingerprint  part of the namespace: engines whose weights differ never share chunks
-                         (default "unversioned": the model name alone decides)
+                         (default `[connector] weights_fingerprint`, "unversioned": the model
+                         name alone decides)
     threads              pool connections working in parallel (default 4)
     tenant_salt_file     a file holding the namespace salt (`engine_adapters.chunk_store.plugin_tenant_salt`)
 
@@ -17,16 +18,15 @@ of the keyring `KVPOOL_AUTH_FILE`, as every kvpool engine plug-in does.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from kvpool.chunk_format import KVLayout
+from kvpool.config import current_settings, default
 from kvpool.errors import InvalidArgument
 
 PLUGIN_TYPE = "kvpool"
-DEFAULT_URL = "kvpool://127.0.0.1:7600"
 SCHEMES = ("kvpool://", "kvpool+etcd://")
 _DTYPES = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
 
@@ -60,7 +60,7 @@ def plugin_options(extra_config: dict | None, plugin_name: str) -> dict[str, Any
 @dataclass(frozen=True)
 class PluginOptions:
     address: str
-    weights_fingerprint: str = "unversioned"
+    weights_fingerprint: str = default("connector.weights_fingerprint")
     threads: int = 4
     extra: dict = field(default_factory=dict, repr=False)  # all plugin entries (the tenant salt reads its own)
 
@@ -76,14 +76,15 @@ class PluginOptions:
             if remote_url and str(remote_url).startswith(SCHEMES):
                 url = remote_url
         if url is None:
-            url = f"kvpool://{os.environ['KVPOOL_MASTER']}" if os.environ.get("KVPOOL_MASTER") else DEFAULT_URL
+            url = f"kvpool://{current_settings().pool.master}"
         try:
             threads = int(opts.get("threads", 4))
         except (TypeError, ValueError):
             threads = 0
         if not 1 <= threads <= 64:
             raise InvalidArgument(f"remote_storage_plugin.{plugin_name}.threads must be 1..64, got {opts.get('threads')!r}")
-        return cls(pool_address(url), str(opts.get("weights_fingerprint", "unversioned")), threads, opts)
+        fingerprint = opts.get("weights_fingerprint", current_settings().connector.weights_fingerprint)
+        return cls(pool_address(url), str(fingerprint), threads, opts)
 
 
 def check_supported(config: Any, metadata: Any) -> None:

@@ -5,7 +5,6 @@ parallel configs and `--kv-transfer-config` (its `kv_connector_extra_config`) on
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ from engine_adapters.vllm.layouts import PAGED_LAYOUTS
 from kvpool.chunk_format import KVLayout
 from kvpool.security.keyring import request_salt
 from kvpool.codec import get_codec
+from kvpool.config import current_settings, default
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace
 
@@ -41,7 +41,7 @@ class ConnectorSettings:
     model_id: str
     weights_fingerprint: str
     tenant_salt: str = ""
-    address: str = "127.0.0.1:7600"
+    address: str = default("pool.master")
     kv_role: str = "kv_both"
     async_save: bool = False
     load_mode: str = "layerwise"  # or "sync": scatter every layer inside start_load_kv
@@ -53,7 +53,8 @@ class ConnectorSettings:
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
         model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
         block_size = int(cache.block_size)
-        chunk_tokens = int(extra.get("chunk_tokens", 256))
+        settings = current_settings()  # what kv_connector_extra_config leaves out
+        chunk_tokens = int(extra.get("chunk_tokens", settings.pool.chunk_tokens))
         if chunk_tokens <= 0 or chunk_tokens % block_size:
             raise InvalidArgument(f"chunk_tokens ({chunk_tokens}) must be a positive multiple of vLLM's block size ({block_size})")
         cache_dtype = getattr(cache, "cache_dtype", "auto")
@@ -65,7 +66,7 @@ class ConnectorSettings:
             dtype=dtype,
             chunk_tokens=chunk_tokens,
             # how chunks are stored (kvpool.codec): part of the layout, so of the namespace; lossless by default
-            codec=str(extra.get("kv_codec", "none")),
+            codec=str(extra.get("kv_codec", settings.pool.kv_codec)),
         )
         get_codec(layout.codec)  # an unknown name is InvalidArgument at startup, not at the first save
         load_mode = extra.get("load_mode", "layerwise")
@@ -82,9 +83,10 @@ class ConnectorSettings:
             layout=layout,
             tp_size=int(getattr(parallel, "tensor_parallel_size", 1)),
             model_id=str(extra.get("model_id", model.model)),
-            weights_fingerprint=str(extra.get("weights_fingerprint", getattr(model, "revision", None) or "unversioned")),
+            weights_fingerprint=str(extra.get("weights_fingerprint", getattr(model, "revision", None)
+                                              or settings.connector.weights_fingerprint)),
             tenant_salt=plugin_tenant_salt(extra),
-            address=str(extra.get("kvpool_address", os.environ.get("KVPOOL_MASTER", "127.0.0.1:7600"))),
+            address=str(extra.get("kvpool_address", settings.pool.master)),
             kv_role=kv_role,
             async_save=bool(extra.get("async_save", False)),
             load_mode=load_mode,

@@ -3,7 +3,7 @@
 Wiring, in the master process:
 
     from kvpool.admin import create_app, serve_in_thread
-    handle = serve_in_thread(create_app(master.admin, settings), settings.host, settings.admin_port)
+    handle = serve_in_thread(create_app(master.admin, settings), settings.pool.host, settings.pool.admin_port)
     ...
     handle.stop()
 

@@ -14,13 +14,14 @@ Invariants:
 - Every error reaches the client as `ErrorBody` with the status of its `kvpool.errors` class
   (400 malformed input, 401 token, 404 unknown key or node, 413, 503, ...); an unexpected
   exception is logged here and answered 500 without a traceback. The app keeps serving.
-- With a bearer token configured (`settings.admin_token`, or `admin_token_file`), every endpoint
+- With a bearer token configured (`settings.security.admin_token`, or `admin_token_file`), every endpoint
   but the probes and the schema requires it (`kvpool.security.admin_token`); a refused request never
-  reaches the master. `/metrics` also takes the metrics token (`settings.metrics_token`), which
-  opens nothing else. With a keyring (`settings.auth_file`) the token is required: the app refuses
-  to be made without one. With no configuration at all, the user's own admin and metrics tokens
-  are used (`kvpool.security.local`: made on first use, 0600), so another local user is refused;
-  `KVPOOL_LOCAL_AUTH=off` leaves the API open on loopback as before. A request body over 1 MiB is answered 413 (`kvpool.security.http_guard`).
+  reaches the master. `/metrics` also takes the metrics token (`settings.security.metrics_token`),
+  which opens nothing else. With a keyring (`settings.security.auth_file`) the token is required:
+  the app refuses to be made without one. With no configuration at all, the user's own admin and
+  metrics tokens are used (`kvpool.security.local`: made on first use, 0600), so another local
+  user is refused; `KVPOOL_LOCAL_AUTH=off` leaves the API open on loopback as before. A request
+  body over 1 MiB is answered 413 (`kvpool.security.http_guard`).
 - A tenant (its derived token, `kvpool.security.admin_token`) sees only its own keys, named as it names
   them, and its own use and quota: another tenant's key answers exactly as a missing key (404,
   the same body); every other endpoint is 403 for it.
@@ -46,7 +47,7 @@ from kvpool.security.keyring import load_keyring
 from kvpool.security.local import local_token
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins, with_node_tiers
 from kvpool.contract import check_key, check_stored_key, scope_prefix
-from kvpool.config import Settings
+from kvpool.config import Settings, load_settings
 from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, Unavailable
 from kvpool.security.http_guard import HttpGuard
 
@@ -167,15 +168,15 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
                metrics: ServiceMetrics | None = None) -> FastAPI:
     """The admin app for `master_service`. `metrics` is the master's registry holder (one is
     made, watching `master_service.stats()`, if not given); it is served at `/metrics`."""
-    settings = settings or Settings()
-    keyring = load_keyring(settings.auth_file)
-    admin_token, metrics_token = settings.admin_token, settings.metrics_token
+    settings = settings or load_settings()
+    keyring = load_keyring(settings.security.auth_file)
+    admin_token, metrics_token = settings.security.admin_token, settings.security.metrics_token
     if keyring is None and not admin_token:  # no configuration: the user's own tokens (kvpool.security.local)
         admin_token, metrics_token = local_token("admin"), metrics_token or local_token("metrics")
     if keyring is not None and not admin_token:
         raise InvalidArgument(
-            f"admin API: a keyring is set ({settings.auth_file}) but no admin token, so anyone who reaches the admin "
-            "port could list every tenant's keys and evict them. Give it a token in a file: "
+            f"admin API: a keyring is set ({settings.security.auth_file}) but no admin token, so anyone who reaches "
+            "the admin port could list every tenant's keys and evict them. Give it a token in a file: "
             "KVPOOL_ADMIN_TOKEN_FILE=admin.token (`kvpool auth init` writes one), or turn the admin API off "
             "(admin_port = 0).")
     svc = master_service
@@ -200,7 +201,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     app = FastAPI(title="kvpool admin", version=str(s.API_VERSION), responses=errors,
                   description="Admin API of a kvpool master: nodes, stats, keys, eviction, config.")
     app.state.master = svc
-    app.state.authenticated = lambda: bool(settings.admin_token)  # protected mode (server.py): a configured token
+    app.state.authenticated = lambda: bool(settings.security.admin_token)  # protected mode (server.py): a configured token
     app.state.metrics = metrics
 
     @app.exception_handler(KVPoolError)

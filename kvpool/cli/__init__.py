@@ -30,7 +30,11 @@ COMMANDS: dict[str, str] = {
     "sim": "kvpool.cli.sim:sim",
     "chaos": "kvpool.cli.chaos:chaos",
     "soak": "kvpool.cli.soak:soak",
+    "config": "kvpool.cli.config:config",
 }
+
+
+LOG_FLAG: dict[str, str | None] = {"level": None}  # `kvpool --log-level`, which beats the tree's log_level
 
 
 class LazyGroup(click.Group):
@@ -47,16 +51,19 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="kvpool")
-@click.option("--log-level", default="INFO", envvar="KVPOOL_LOG_LEVEL", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-def cli(log_level: str) -> None:
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="Over the configuration's log_level (KVPOOL_LOG_LEVEL; default INFO).")
+def cli(log_level: str | None) -> None:
     """kvpool: a distributed KV-cache pool for LLM serving (prefill/decode disaggregation).
 
     Start with `kvpool up` (a local cluster with the reference model) or `kvpool serve`
-    (a pool: master + one node in one process).
+    (a pool: master + one node in one process). Every command reads one configuration tree
+    (a file, KVPOOL_* variables, flags): `kvpool config show` prints it.
     """
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if log_level.upper() != "DEBUG":  # httpx logs every request at INFO: noise around a bench's progress bar
+    # a command that loads the tree applies its log_level then, unless this flag chose one
+    LOG_FLAG["level"] = log_level = log_level.upper() if log_level else None
+    logging.basicConfig(level=log_level or "INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level != "DEBUG":  # httpx logs every request at INFO: noise around a bench's progress bar
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 

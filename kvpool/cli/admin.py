@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from kvpool.cli.service_options import config_options
 from kvpool.errors import InvalidArgument
 
 
@@ -52,29 +53,31 @@ def _size(n: Any) -> str:
 @click.option("--principal", metavar="NAME",
               help="Ask as this tenant principal of the keyring (KVPOOL_AUTH_FILE): its own token is derived from "
                    "its secret, and the API shows only its keys and its use and quota.")
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Settings file (TOML or JSON).")
+@config_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.pass_context
 def admin(ctx: click.Context, url: str | None, token_file: str | None, principal: str | None,
-          config_file: str | None, as_json: bool) -> None:
+          config_file: str | None, sets: tuple[str, ...], as_json: bool) -> None:
     """Inspect and operate a running pool (nodes, stats, keys, eviction, drain, config)."""
-    from kvpool.config import load_settings, read_secret_file
+    from kvpool.cli.service_options import settings_from
+    from kvpool.config import read_secret_file
 
     if token_file and principal:
         raise InvalidArgument("give --token-file (the admin) or --principal (a tenant), not both")
     token = read_secret_file(token_file, "--token-file") if token_file else None
-    settings = load_settings(config_file, admin_token=token)
+    settings = settings_from(config_file, sets, admin_token=token)
+    pool, security = settings.pool, settings.security
     if url is None:
-        if not settings.admin_port:
+        if not pool.admin_port:
             raise InvalidArgument("the admin API is disabled (admin_port = 0); pass --url")
-        url = f"http://{settings.host}:{settings.admin_port}"
-    token = settings.admin_token
-    if token is None and not principal and not settings.auth_file:  # the user's own (kvpool.security.local)
+        url = f"http://{pool.host}:{pool.admin_port}"
+    token = security.admin_token
+    if token is None and not principal and not security.auth_file:  # the user's own (kvpool.security.local)
         from kvpool.security.local import local_token
 
         token = local_token("admin")
-    ctx.obj = _Ctx(url, _tenant_token(principal, settings.auth_file) if principal else token, as_json,
-                   settings.auth_file)
+    ctx.obj = _Ctx(url, _tenant_token(principal, security.auth_file) if principal else token, as_json,
+                   security.auth_file)
 
 
 def _tenant_token(principal: str, auth_file: str | None) -> str:

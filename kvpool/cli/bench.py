@@ -22,6 +22,7 @@ BENCHES: dict[str, str] = {
     "lmcache": "kvpool.tools.bench.lmcache_remote:lmcache",
     "overhead": "kvpool.tools.bench.overhead:overhead",
     "policies": "kvpool.tools.bench.policies:policies",
+    "presets": "kvpool.tools.workload_file:presets",
     "pool": "kvpool.tools.bench.pool:pool",
     "router": "kvpool.tools.bench.router:router",
     "serve": "kvpool.tools.bench.serve:serve",
@@ -44,4 +45,8 @@ class _LazyBench(click.Group):
 
 @click.group(cls=_LazyBench)
 def bench() -> None:
-    """Benchmarks with same-run baselines; `--json` ends the output with one JSON line."""
+    """Benchmarks with same-run baselines; `--json` ends the output with one JSON line.
+
+    The load of serve, disagg, engine, pool and policies comes from `--workload NAME|FILE` (a
+    preset or a TOML/YAML file; `kvpool bench presets` lists them), `--set KEY=VALUE`, and a few
+    flags that override the file."""

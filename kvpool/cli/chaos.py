@@ -7,21 +7,34 @@ import tempfile
 from pathlib import Path
 
 import click
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from kvpool.tools.workload_file import WorkloadFile, takes_workload
 
 
+class ChaosWorkload(WorkloadFile):
+    """`kvpool chaos`'s keys; the defaults are the `campaign` preset (RELIABILITY.md)."""
+
+    seed: int = Field(1, description="Seed of the fault schedule and of the load.")
+    duration: PositiveFloat = Field(600.0, description="Seconds of faults under load.")
+    min_faults: int = Field(100, ge=0, description="Keep injecting past duration (up to 3x) until this many faults.")
+    clients: PositiveInt = Field(4, description="Load client processes.")
+    rate: PositiveFloat = Field(25.0, description="Operations per second per client.")
+
+
+@takes_workload("chaos", ChaosWorkload)
 @click.command()
-@click.option("--seed", default=1, show_default=True, help="Seed of the fault schedule and of the load.")
-@click.option("--duration", default=600.0, show_default=True, help="Seconds of faults under load.")
-@click.option("--min-faults", default=100, show_default=True,
-              help="Keep injecting past --duration (up to 3x) until this many faults.")
-@click.option("--clients", default=4, show_default=True, help="Load client processes.")
-@click.option("--rate", default=25.0, show_default=True, help="Operations per second per client.")
+@click.option("--seed", type=int, help="Seed of the fault schedule and of the load (key seed).")
+@click.option("--duration", type=float, help="Seconds of faults under load (key duration).")
+@click.option("--rate", type=float, help="Operations per second per client (key rate).")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where logs, operation records and data go (default: a new temporary directory, kept).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the full report (every fault, every violation) here.")
-def chaos(seed: int, duration: float, min_faults: int, clients: int, rate: float, workdir: Path | None,
-          json_path: Path | None) -> None:
+@click.option("--netns", is_flag=True,
+              help="Run the cluster across network namespaces (root): every process in its own, every fault a "
+                   "partition (nft cuts: master/etcd, node/master, one-way cuts ...).")
+def chaos(workload: ChaosWorkload, workdir: Path | None, json_path: Path | None, netns: bool) -> None:
     """Faults under load: SIGKILL/SIGSTOP of nodes and of the leading master, etcd restarts,
     cut/delayed/blackholed links, a full SSD disk; then every operation and every key checked.
 
@@ -29,11 +42,14 @@ def chaos(seed: int, duration: float, min_faults: int, clients: int, rate: float
     same fault schedule."""
     from kvpool.tools.chaos.campaign import run_campaign
 
+    seed, duration, min_faults, clients, rate = (workload.seed, workload.duration, workload.min_faults,
+                                                 workload.clients, workload.rate)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvpool-chaos-"))
-    click.echo(f"chaos campaign, seed {seed}, {duration:.0f}s, at least {min_faults} faults; logs in {workdir}")
+    where = " across network namespaces" if netns else ""
+    click.echo(f"chaos campaign{where}, seed {seed}, {duration:.0f}s, at least {min_faults} faults; logs in {workdir}")
     try:
         report = run_campaign(workdir, seed=seed, duration_s=duration, min_faults=min_faults, clients=clients,
-                              rate=rate)
+                              rate=rate, netns=netns)
     except RuntimeError as exc:  # the cluster could not start (no etcd, a service that did not come up)
         raise click.ClickException(f"{exc} (logs in {workdir})") from None
     path = json_path or workdir / "report.json"

@@ -8,8 +8,11 @@ import sys
 
 import click
 
+from kvpool.cli.service_options import config_options, settings_from
+
 
 @click.command()
+@config_options
 @click.option("--prefill", "prefill_url", required=True, help="Prefill worker URL, e.g. http://127.0.0.1:8100")
 @click.option("--decode", "decode_url", required=True, help="Decode worker URL, e.g. http://127.0.0.1:8200")
 @click.option("--prompt", help="Plain text prompt (no chat template).")
@@ -17,13 +20,17 @@ import click
 @click.option("--max-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON line: text, token_ids, ttft_ms, "
               "cached_tokens, computed_tokens.")
-def generate(prefill_url, decode_url, prompt, message, max_tokens, as_json) -> None:
-    """Send PROMPT (or MESSAGE) through a prefill and a decode worker and stream the answer."""
+def generate(config_file, sets, prefill_url, decode_url, prompt, message, max_tokens, as_json) -> None:
+    """Send PROMPT (or MESSAGE) through a prefill and a decode worker and stream the answer.
+    With a keyring ([security] auth_file) it presents the workers' internal token."""
+    from kvpool.security.http_guard import internal_headers
     from reference_worker.client import WorkerClient, generate as run
 
     if (prompt is None) == (message is None):
         raise click.UsageError("give exactly one of --prompt or --message")
-    with WorkerClient(prefill_url) as prefill, WorkerClient(decode_url) as decode:
+    settings_from(config_file, sets)
+    headers = internal_headers()
+    with WorkerClient(prefill_url, headers=headers) as prefill, WorkerClient(decode_url, headers=headers) as decode:
         if prompt is not None:
             ids = prefill.tokenize(prompt=prompt)
         else:

@@ -13,17 +13,18 @@ from kvpool.errors import InvalidArgument
 @common_options
 @node_options
 @click.option("--admin-port", type=int, help="REST admin API port (0 disables).")
-def serve(config_file, **flags) -> None:
+def serve(config_file, sets, **flags) -> None:
     """Run a whole pool in this process: clients connect with kvpool.connect("HOST:PORT").
 
     Prints "kvpool serving at HOST:PORT" once it accepts connections.
     """
     from kvpool.embedded import EmbeddedPool
 
-    settings = settings_from(config_file, **flags)
-    check_bind(settings.host, bool(settings.auth_file), "kvpool serve")  # protected mode (kvpool.security.keyring)
-    if settings.meta:
+    settings = settings_from(config_file, sets, **flags)
+    # protected mode (kvpool.security.keyring)
+    check_bind(settings.pool.host, bool(settings.security.auth_file), "kvpool serve")
+    if settings.pool.meta:
         raise InvalidArgument("`kvpool serve` is the embedded mode (no etcd); for a cluster run "
                               "`kvpool master --meta ...` and `kvpool node --meta ...`")
-    pool = EmbeddedPool(settings, admin=bool(settings.admin_port)).start()
+    pool = EmbeddedPool(settings, admin=bool(settings.pool.admin_port)).start()
     run_until_signal(pool, f"kvpool serving at {pool.address}")

@@ -9,10 +9,12 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
+from pydantic import Field, PositiveFloat, PositiveInt
 
+from kvpool.tools.workload_file import Size, WorkloadFile, list_of, takes_workload
 
 
 def _size_or_unlimited(value: str | None) -> int | None:
@@ -23,111 +25,146 @@ def _size_or_unlimited(value: str | None) -> int | None:
     return parse_size(value)
 
 
-def _workload_options(fn):
-    opts = [
-        click.option("--trace", type=click.Path(dir_okay=False), help="Mooncake-format JSONL trace."),
-        click.option("--synthetic", type=int, metavar="N", help="N synthetic multi-turn chat requests instead."),
-        click.option("--synthetic-rate", type=float, default=2.0, show_default=True, help="Their arrival rate."),
-        click.option("--limit", type=int, help="Only the first N requests of the trace."),
-        click.option("--rate-scale", type=float, default=1.0, show_default=True,
-                     help="Replay the arrivals this many times as fast (2: twice the rate)."),
-        click.option("--profile", "profile_name", default="h100-llama3-8b", show_default=True,
-                     help="Performance profile: 'local' (kvpool sim calibrate), a GPU profile, or a JSON file."),
-        click.option("--decode-profile", help="Another profile for decode instances (other cards)."),
-        click.option("--price", type=float, help="$ per instance-hour (overrides the profile's)."),
-        click.option("--decode-price", type=float, help="$ per decode-instance-hour."),
-        click.option("--policy", default="cache_aware", show_default=True,
-                     type=click.Choice(["cache_aware", "round_robin", "least_loaded"])),
-        click.option("--eviction", default="lru", show_default=True, type=click.Choice(["lru", "s3fifo", "arc"])),
-        click.option("--cache", default="global", show_default=True, type=click.Choice(["global", "local"]),
-                     help="global: one pool for all; local: each prefilling instance its own share."),
-        click.option("--ssd", default="0", show_default=True, help="Pool SSD in total (e.g. 4TiB)."),
-        click.option("--local-prefill-tokens", type=int, default=256, show_default=True,
-                     help="Uncached work this small is prefilled on the decode instance (router default)."),
-        click.option("--host-cores", type=int, default=0, show_default=True,
-                     help="Instances share this many CPU cores (one host, e.g. the local profile); 0: dedicated."),
-        click.option("--slo-ttft-ms", type=float, default=2000.0, show_default=True),
-        click.option("--slo-tbt-ms", type=float, default=100.0, show_default=True, help="TPOT SLO per request."),
-        click.option("--slo-target", type=float, default=0.9, show_default=True,
-                     help="Fraction of requests that must meet both SLOs (goodput, plan)."),
-    ]
-    for opt in reversed(opts):
+class SimWorkload(WorkloadFile):
+    """The keys every `kvpool sim` command takes: the workload, the cards, the routing and the
+    pool, the SLOs. The presets (kvpool/tools/presets/sim) hold only these."""
+
+    PATH_KEYS = ("trace",)
+
+    trace: str | None = Field(None, description="Mooncake-format JSONL trace.")
+    synthetic: PositiveInt | None = Field(None, description="N synthetic multi-turn chat requests instead.")
+    synthetic_rate: PositiveFloat = Field(2.0, description="Their arrival rate.")
+    limit: PositiveInt | None = Field(None, description="Only the first N requests of the trace.")
+    rate_scale: PositiveFloat = Field(1.0, description="Replay the arrivals this many times as fast.")
+    profile: str = Field("h100-llama3-8b", description="Performance profile: local (kvpool sim calibrate), a GPU "
+                         "profile, or a JSON file.")
+    decode_profile: str | None = Field(None, description="Another profile for decode instances (other cards).")
+    price: float | None = Field(None, ge=0, description="$ per instance-hour (overrides the profile's).")
+    decode_price: float | None = Field(None, ge=0, description="$ per decode-instance-hour.")
+    policy: Literal["cache_aware", "round_robin", "least_loaded"] = "cache_aware"
+    eviction: Literal["lru", "s3fifo", "arc"] = "lru"
+    cache: Literal["global", "local"] = Field("global", description="global: one pool for all; local: each "
+                                              "prefilling instance its own share.")
+    ssd: Size = Field("0", description="Pool SSD in total (e.g. 4TiB).")
+    local_prefill_tokens: int = Field(256, ge=0, description="Uncached work this small is prefilled on the decode "
+                                      "instance (router default).")
+    host_cores: int = Field(0, ge=0, description="Instances share this many CPU cores (one host, e.g. the local "
+                            "profile); 0: dedicated.")
+    slo_ttft_ms: PositiveFloat = 2000.0
+    slo_tbt_ms: PositiveFloat = Field(100.0, description="TPOT SLO per request.")
+    slo_target: float = Field(0.9, ge=0, le=1, description="Fraction of requests that must meet both SLOs.")
+
+
+class RunWorkload(SimWorkload):
+    prefill: int = Field(0, ge=0, description="Prefill instances.")
+    decode: int = Field(0, ge=0, description="Decode instances.")
+    colocated: int = Field(0, ge=0, description="Colocated instances (instead of prefill/decode).")
+    dram: Size = Field("unlimited", description="Pool DRAM in total (e.g. 512GiB) or unlimited.")
+    goodput_steps: int = Field(6, ge=0, description="Extra runs of the rate search for goodput_rps (0: skip).")
+    kv_codec: str = Field("none", description="Pool chunks stored with this codec (kvpool.codec): every block, fetch "
+                          "and push shrinks by its bytes ratio (e.g. int8: 0.51 of bf16); decode cost not modelled.")
+
+
+class PlanWorkload(SimWorkload):
+    mix: list_of(str) = Field(["4P/12D", "8P/8D", "12P/4D", "16c"], description="Instance mixes to try (NP/MD or Kc).")
+    dram: list_of(Size) = Field(["64GiB", "256GiB", "1TiB", "unlimited"], description="Pool DRAM sizes to try.")
+    dram_price: float = Field(0.004, ge=0, description="$ per GB-hour of pool DRAM.")
+    min_hit_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class StudyWorkload(SimWorkload):
+    prefill: PositiveInt = 16
+    decode: PositiveInt = 16
+    cheap_decode_profile: str = Field("a100-llama3-8b", description="Decode cards of the equal-cost disaggregated "
+                                      "config (Splitwise).")
+    scales: list_of(PositiveFloat) = Field([1.0, 4.0, 8.0], description="Rate scales for the load rows.")
+    capacities: list_of(Size) = Field(["256GiB", "1TiB", "4TiB"], description="Pool DRAM sizes for global vs local "
+                                      "caches.")
+    goodput_steps: int = Field(6, ge=0)
+
+
+def _common_flags(fn):
+    """The flags every sim command keeps: they override the workload's keys of their names."""
+    for opt in reversed([
+        click.option("--trace", help="Mooncake-format JSONL trace (key trace)."),
+        click.option("--rate-scale", type=float, help="Replay the arrivals this many times as fast (key rate_scale)."),
+        click.option("--profile", help="Performance profile: local, a GPU profile or a JSON file (key profile)."),
+    ]):
         fn = opt(fn)
     return fn
 
 
-def _load(opts: dict[str, Any]):
+def _load(w: SimWorkload):
     from kvpool.tools.sim.profile import load_profile
     from kvpool.tools.sim.workload import load_trace, synthetic
 
-    if opts["trace"] and opts["synthetic"]:
-        raise click.UsageError("give --trace FILE or --synthetic N, not both")
-    if opts["trace"]:
-        workload = load_trace(opts["trace"], limit=opts["limit"])
-    elif opts["synthetic"]:
-        workload = synthetic(opts["synthetic"], opts["synthetic_rate"])
+    if w.trace and w.synthetic:
+        raise click.UsageError("give a trace (--trace FILE) or synthetic = N, not both")
+    if w.trace:
+        workload = load_trace(w.trace, limit=w.limit)
+    elif w.synthetic:
+        workload = synthetic(w.synthetic, w.synthetic_rate)
     else:
-        raise click.UsageError("give a workload: --trace FILE (Mooncake JSONL) or --synthetic N")
-    workload = workload.scaled(opts["rate_scale"])
-    prof = load_profile(opts["profile_name"]).with_price(opts["price"])
-    dprof = load_profile(opts["decode_profile"]).with_price(opts["decode_price"]) if opts["decode_profile"] else (
-        None if opts["decode_price"] is None else prof.with_price(opts["decode_price"]))
+        raise click.UsageError("give a workload: --trace FILE (Mooncake JSONL), or a preset or file with "
+                               "synthetic = N (e.g. --workload synthetic-chat)")
+    workload = workload.scaled(w.rate_scale)
+    prof = load_profile(w.profile).with_price(w.price)
+    dprof = load_profile(w.decode_profile).with_price(w.decode_price) if w.decode_profile else (
+        None if w.decode_price is None else prof.with_price(w.decode_price))
     return workload, prof, dprof
 
 
-def _config(opts: dict[str, Any], prof, dprof, **over):
+def _config(w: SimWorkload, prof, dprof, **over):
     from kvpool.config import parse_size
     from kvpool.tools.sim.engine import SimConfig
 
-    cfg = SimConfig(profile=prof, decode_profile=dprof, ssd_bytes=parse_size(opts["ssd"]), eviction=opts["eviction"],
-                    policy=opts["policy"], cache=opts["cache"], local_prefill_tokens=opts["local_prefill_tokens"],
-                    host_cores=opts["host_cores"])
+    cfg = SimConfig(profile=prof, decode_profile=dprof, ssd_bytes=parse_size(w.ssd), eviction=w.eviction,
+                    policy=w.policy, cache=w.cache, local_prefill_tokens=w.local_prefill_tokens,
+                    host_cores=w.host_cores)
     return replace(cfg, **over)
 
 
+@takes_workload("sim", RunWorkload)
 @click.group(invoke_without_command=True)
-@_workload_options
-@click.option("--prefill", type=int, default=0, help="Prefill instances.")
-@click.option("--decode", type=int, default=0, help="Decode instances.")
-@click.option("--colocated", type=int, default=0, help="Colocated instances (instead of --prefill/--decode).")
-@click.option("--dram", default="unlimited", show_default=True, help="Pool DRAM in total (e.g. 512GiB) or unlimited.")
-@click.option("--goodput-steps", type=int, default=6, show_default=True,
-              help="Extra runs of the rate search for goodput_rps (0: skip, goodput_rps null).")
+@_common_flags
+@click.option("--prefill", type=click.IntRange(min=0), help="Prefill instances (key prefill).")
+@click.option("--decode", type=click.IntRange(min=0), help="Decode instances (key decode).")
+@click.option("--colocated", type=click.IntRange(min=0), help="Colocated instances, instead (key colocated).")
+@click.option("--dram", help="Pool DRAM in total (e.g. 512GiB) or unlimited (key dram).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write PNG plots here.")
-@click.option("--kv-codec", default="none", show_default=True, metavar="CODEC",
-              help="Pool chunks stored with this codec (kvpool.codec): every block, fetch and push shrinks by "
-                   "its bytes ratio (e.g. int8: 0.51 of bf16); decode cost not modelled.")
 @click.option("--json", "as_json", is_flag=True, help="End the output with one JSON line.")
 @click.pass_context
-def sim(ctx: click.Context, prefill, decode, colocated, dram, goodput_steps, plot_path, kv_codec, as_json,
-        **opts) -> None:
+def sim(ctx: click.Context, workload: RunWorkload | None, plot_path, as_json) -> None:
     """Simulate a serving cluster on a trace, with the real router and eviction policies.
 
     \b
     kvpool sim --trace conversation_trace.jsonl --prefill 16 --decode 16 --json
-    kvpool sim --trace T --colocated 32 --dram 1TiB --ssd 8TiB --policy round_robin
+    kvpool sim --trace T --colocated 32 --dram 1TiB --set ssd=8TiB --set policy=round_robin
+    kvpool sim --workload synthetic-chat --prefill 4 --decode 4 --json
     kvpool sim plan --trace T --mix 8P/24D,16P/16D,32c --dram 256GiB,1TiB --plot plan.png
     kvpool sim calibrate            (measures this machine's workers: the 'local' profile)
 
     Profiles: local, h100-llama3-8b, a100-llama3-8b, h200-llama3-8b, l40s-llama3-8b,
     h100x8-llama3-70b, a100x8-llama3-70b, h200x8-llama3-70b (docs/sim.md).
     """
-    if ctx.invoked_subcommand is not None:
+    if ctx.invoked_subcommand is not None or workload is None:
         return
     from kvpool.tools.sim.engine import Simulation
     from kvpool.tools.sim.goodput import goodput_search
     from kvpool.tools.sim.results import summarize
 
-    if not (prefill or decode or colocated):
+    w = workload
+    goodput_steps, kv_codec = w.goodput_steps, w.kv_codec
+    if not (w.prefill or w.decode or w.colocated):
         raise click.UsageError("give --prefill N --decode M, or --colocated K")
-    workload, prof, dprof = _load(opts)
+    workload, prof, dprof = _load(w)
     ratio = _codec_bytes_ratio(kv_codec, prof, workload.block_tokens)
     if ratio != 1.0:
         prof = replace(prof, bytes_per_token=max(1, round(prof.bytes_per_token * ratio)))
         dprof = None if dprof is None else replace(dprof, bytes_per_token=max(1, round(dprof.bytes_per_token * ratio)))
-    cfg = _config(opts, prof, dprof, prefill=prefill, decode=decode, colocated=colocated,
-                  dram_bytes=_size_or_unlimited(dram))
-    slo = (opts["slo_ttft_ms"] / 1e3, opts["slo_tbt_ms"] / 1e3, opts["slo_target"])
+    cfg = _config(w, prof, dprof, prefill=w.prefill, decode=w.decode, colocated=w.colocated,
+                  dram_bytes=_size_or_unlimited(w.dram))
+    slo = (w.slo_ttft_ms / 1e3, w.slo_tbt_ms / 1e3, w.slo_target)
     from kvpool.tools.bench.report import progress
 
     bar, step = progress(len(workload) + goodput_steps, f"simulating {len(workload)} requests")
@@ -192,40 +229,39 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
+@takes_workload("sim plan", PlanWorkload, presets="sim")
 @sim.command()
-@_workload_options
-@click.option("--mix", "mixes", default="4P/12D,8P/8D,12P/4D,16c", show_default=True,
-              help="Instance mixes to try, comma-separated (NP/MD or Kc).")
-@click.option("--dram", "drams", default="64GiB,256GiB,1TiB,unlimited", show_default=True,
-              help="Pool DRAM sizes to try, comma-separated.")
-@click.option("--dram-price", type=float, default=0.004, show_default=True, help="$ per GB-hour of pool DRAM.")
-@click.option("--min-hit-ratio", type=float, default=0.0, show_default=True)
+@_common_flags
+@click.option("--mix", help="Instance mixes to try, comma-separated: NP/MD or Kc (key mix).")
+@click.option("--dram", help="Pool DRAM sizes to try, comma-separated (key dram).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the curves as a PNG here.")
 @click.option("--json", "as_json", is_flag=True)
-def plan(mixes, drams, dram_price, min_hit_ratio, plot_path, as_json, **opts) -> None:
+def plan(workload: PlanWorkload, plot_path, as_json) -> None:
     """Sweep capacities and instance mixes; print the cheapest configuration meeting the targets."""
     from kvpool.tools.bench.report import progress
     from kvpool.tools.sim.plan import cheapest, sweep
 
-    workload, prof, dprof = _load(opts)
-    mix_list = [m for m in mixes.split(",") if m.strip()]
-    dram_list = [(d.strip(), _size_or_unlimited(d)) for d in drams.split(",") if d.strip()]
+    w = workload
+    dram_price, min_hit_ratio = w.dram_price, w.min_hit_ratio
+    workload, prof, dprof = _load(w)
+    mix_list = list(w.mix)
+    dram_list = [(d.strip(), _size_or_unlimited(d)) for d in w.dram]
     if not mix_list or not dram_list:
         raise click.UsageError("give at least one --mix and one --dram")
-    base = _config(opts, prof, dprof)
+    base = _config(w, prof, dprof)
     bar, step = progress(len(mix_list) * len(dram_list), "planning")
     with bar:
-        rows = sweep(workload, base, mix_list, dram_list, opts["slo_ttft_ms"] / 1e3, opts["slo_tbt_ms"] / 1e3,
-                     opts["slo_target"], dram_price, on_step=step)
-    best = cheapest(rows, opts["slo_target"], min_hit_ratio)
+        rows = sweep(workload, base, mix_list, dram_list, w.slo_ttft_ms / 1e3, w.slo_tbt_ms / 1e3, w.slo_target,
+                     dram_price, on_step=step)
+    best = cheapest(rows, w.slo_target, min_hit_ratio)
     doc = {"requests": len(workload), "offered_rps": round(workload.rate, 4), "profile": prof.name,
-           "targets": {"slo_ttft_ms": opts["slo_ttft_ms"], "slo_tbt_ms": opts["slo_tbt_ms"],
-                       "slo_target": opts["slo_target"], "min_hit_ratio": min_hit_ratio},
+           "targets": {"slo_ttft_ms": w.slo_ttft_ms, "slo_tbt_ms": w.slo_tbt_ms,
+                       "slo_target": w.slo_target, "min_hit_ratio": min_hit_ratio},
            "rows": rows, "cheapest": best}
     if plot_path:
         from kvpool.tools.sim.plot import plot_plan
 
-        doc["plot"] = str(plot_plan(rows, best, opts["slo_target"], Path(plot_path)))
+        doc["plot"] = str(plot_plan(rows, best, w.slo_target, Path(plot_path)))
     from rich.console import Console
     from rich.table import Table
 
@@ -279,20 +315,14 @@ def calibrate(out_path, workdir, repeats, as_json) -> None:
         click.echo(json.dumps(profile.to_json(), indent=1))
 
 
+@takes_workload("sim study", StudyWorkload, presets="sim")
 @sim.command()
-@_workload_options
-@click.option("--prefill", type=int, default=16, show_default=True)
-@click.option("--decode", type=int, default=16, show_default=True)
-@click.option("--cheap-decode-profile", default="a100-llama3-8b", show_default=True,
-              help="Decode cards of the equal-cost disaggregated config (Splitwise).")
-@click.option("--scales", default="1,4,8", show_default=True, help="Rate scales for the load rows.")
-@click.option("--capacities", default="256GiB,1TiB,4TiB", show_default=True,
-              help="Pool DRAM sizes for global vs local caches.")
-@click.option("--goodput-steps", type=int, default=6, show_default=True)
-@click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True, help="JSON document here.")
+@_common_flags
+@click.option("--prefill", type=click.IntRange(min=1), help="Prefill instances (key prefill).")
+@click.option("--decode", type=click.IntRange(min=1), help="Decode instances (key decode).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), help="JSON document here (required).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG here.")
-def study(prefill, decode, cheap_decode_profile, scales, capacities, goodput_steps, out_path, plot_path,
-          **opts) -> None:
+def study(workload: StudyWorkload, out_path, plot_path) -> None:
     """The issue's questions on one trace: reuse bound, global vs local caches, policies, colocated vs
     disaggregated at equal count and equal cost. Writes one JSON document (and a PNG)."""
     import time
@@ -301,11 +331,15 @@ def study(prefill, decode, cheap_decode_profile, scales, capacities, goodput_ste
     from kvpool.tools.sim.profile import load_profile
     from kvpool.tools.sim.study import Study
 
-    workload, prof, dprof = _load(opts)
-    slo = (opts["slo_ttft_ms"] / 1e3, opts["slo_tbt_ms"] / 1e3, opts["slo_target"])
-    scale_list = tuple(float(x) for x in scales.split(","))
-    caps = [(c.strip(), _size_or_unlimited(c)) for c in capacities.split(",")]
-    base = _config(opts, prof, dprof, prefill=prefill, decode=decode)
+    if not out_path:
+        raise click.UsageError("Missing option '--out'.")
+    w = workload
+    prefill, decode, cheap_decode_profile, goodput_steps = w.prefill, w.decode, w.cheap_decode_profile, w.goodput_steps
+    workload, prof, dprof = _load(w)
+    slo = (w.slo_ttft_ms / 1e3, w.slo_tbt_ms / 1e3, w.slo_target)
+    scale_list = tuple(w.scales)
+    caps = [(c.strip(), _size_or_unlimited(c)) for c in w.capacities]
+    base = _config(w, prof, dprof, prefill=prefill, decode=decode)
     cheap = load_profile(cheap_decode_profile)
     n_cheap = int(decode * prof.price_per_hour // cheap.price_per_hour) if cheap.price_per_hour else decode
     configs = {f"{prefill + decode} colocated": replace(base, prefill=0, decode=0, colocated=prefill + decode),

@@ -5,26 +5,27 @@ answers with their TTFT and cached tokens, and stops. `--engine vllm` runs vLLM 
 with the kvpool connector instead of the reference workers (kvpool/tools/launch/vllm.py).
 `--auth-file KEYRING` (from `kvpool auth init`) turns authentication on: every process it starts
 gets KVPOOL_AUTH_FILE, and the router then wants a tenant's API key (docs/security.md). Without it
-the processes share their user's own keyring (`kvpool.security.local`), which they find by themselves."""
+the processes share their user's own keyring (`kvpool.security.local`), which they find by themselves.
+
+One configuration tree for all of them (docs/configuration.md): the file of `--config` reaches
+every process as KVPOOL_CONFIG, each `--set` as its KVPOOL_<SECTION>__<FIELD> variable, so the
+pool reads `[node]`, the router `[router]` and each worker `[worker]` of the same file; `[[workers]]`
+lists the workers (a role each, and `[worker]` settings of their own), `[up]` holds up's own."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 import click
 
-from kvpool.errors import InvalidArgument
-
-DEFAULT_CONFIG = {
-    "pool": {"dram_capacity": "1GiB", "ssd_capacity": "8GiB", "eviction": "arc"},
-    "workers": [{"role": "prefill", "local_cache": "512MiB"}, {"role": "decode", "local_cache": "512MiB"}],
-}
+from kvpool.cli.service_options import config_options, settings_from
+from kvpool.config import CONFIG_ENV, ROOT_ENV, Settings, UpWorker, env_names
 
 # The shared prefix of the demo's two requests: a long system prompt (~700 tokens).
 HANDBOOK = " ".join(
@@ -37,73 +38,40 @@ DEMO_QUESTIONS = ("When does the harbour office open according to section 3?",
                   "Which channel must ships use according to section 5?")
 
 
-def _flags(table: dict) -> list[str]:
-    args: list[str] = []
-    for key, value in table.items():
-        if key in ("role", "name") or value is None:
-            continue
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    return args
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _load_config(path: str | None) -> dict:
-    if path is None:
-        return DEFAULT_CONFIG
-    try:
-        doc = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise InvalidArgument(f"cannot read {path}: {exc}") from None
-    return {"pool": doc.get("pool", {}), "workers": doc.get("workers", DEFAULT_CONFIG["workers"])}
-
-
 @click.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True),
-              help="Cluster file (see deploy/local.toml); default: one prefill and one decode worker.")
-@click.option("--port", type=int, help="Port of the router's OpenAI API (default 8000; with --demo any free "
-                                      "port; 0: any free port).")
-@click.option("--prefill", "n_prefill", type=int, help="Prefill workers (with --decode; overrides the file).")
+@config_options
+@click.option("--port", type=int, help="Port of the router's OpenAI API (default [router] port, 8000; with --demo "
+                                      "any free port; 0: any free port).")
+@click.option("--prefill", "n_prefill", type=int, help="Prefill workers (with --decode; instead of [[workers]]).")
 @click.option("--decode", "n_decode", type=int, help="Decode workers (with --prefill).")
 @click.option("--colocated", "n_colocated", type=int, help="Workers that prefill and decode (--role both) "
                                                               "instead of separate ones.")
-@click.option("--policy", type=click.Choice(["cache_aware", "least_loaded", "round_robin"]), default="cache_aware",
-              show_default=True, help="The router's placement policy.")
-@click.option("--router-arg", "router_args", multiple=True, metavar="FLAG",
-              help="Extra `kvpool router` flag, e.g. --router-arg=--ttft-slo-ms=5000 (repeatable).")
-@click.option("--worker-arg", "worker_args", multiple=True, metavar="FLAG",
-              help="Extra `kvpool worker` flag for every worker, e.g. --worker-arg=--threads=1 (repeatable).")
-@click.option("--demo", is_flag=True, help="Send two chat requests sharing a long prefix through the router "
-                                           "(OpenAI API), print them with TTFT and cached tokens, stop.")
-@click.option("--max-tokens", type=int, default=32, show_default=True, help="Tokens per demo answer.")
-@click.option("--workdir", type=click.Path(file_okay=False), help="Logs and ready files (default: a temp dir).")
-@click.option("--ssd-path", type=click.Path(file_okay=False), help="Give the pool an SSD tier here.")
-@click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
-              help="The workers: kvpool's reference workers, or vLLM OpenAI servers with the kvpool connector "
-                   "(prefill: kv_producer, decode: kv_consumer, colocated: kv_both; needs vLLM, see docs/vllm.md).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
-              show_default=True, help="--engine vllm: the servers' dtype (float32: greedy output bit-stable "
-                                      "whatever is cached; see docs/vllm.md, Limits).")
-@click.option("--chunk-tokens", type=int, default=256, show_default=True,
-              help="--engine vllm: tokens per pool chunk (a multiple of the block size, 32).")
-@click.option("--vllm-python", type=click.Path(dir_okay=False, exists=True),
-              help="--engine vllm: the Python that runs the servers (default: this one; it must import vllm).")
+@click.option("--engine", type=click.Choice(["reference", "vllm"]),
+              help="The workers: kvpool's reference workers (default), or vLLM OpenAI servers with the kvpool "
+                   "connector (prefill: kv_producer, decode: kv_consumer, colocated: kv_both; needs vLLM, see "
+                   "docs/vllm.md; [up] vllm_dtype, vllm_python shape them).")
 @click.option("--vllm-arg", "vllm_args", multiple=True, metavar="FLAG",
               help="--engine vllm: extra flag for every vLLM server, e.g. --vllm-arg=--max-num-seqs=8 (repeatable).")
-@click.option("--kv-codec", default="none", show_default=True, metavar="CODEC",
-              help="How every worker stores KV chunks in the pool (`kvpool worker --kv-codec`): none (lossless), "
+@click.option("--kv-codec", metavar="CODEC",
+              help="How every worker stores KV chunks in the pool ([pool] kv_codec): none (lossless, the default), "
                    "int8, fp8, or one of those + '+zstd'; lossy codecs are opt-in.")
-@click.option("--cpus-per-worker", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
-              help="Give each worker (or vLLM server) N cores of its own, in order (0: no pinning, the kernel "
-                   "shares every core). The router and the pool are not pinned.")
+@click.option("--cpus-per-worker", type=click.IntRange(min=0), metavar="N",
+              help="Give each worker (or vLLM server) N cores of its own, in order (default 0: no pinning, the "
+                   "kernel shares every core). The router and the pool are not pinned.")
 @click.option("--auth-file", type=click.Path(dir_okay=False, exists=True),
               help="Keyring (`kvpool auth init`): authentication on every port, API keys at the router; passed "
                    "to every process as KVPOOL_AUTH_FILE [default: the user's own keyring, ~/.config/kvpool, on the "
                    "pool's ports; the router and workers open on loopback; KVPOOL_LOCAL_AUTH=off: all open].")
-def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args, worker_args, demo, max_tokens,
-       workdir, ssd_path, engine, dtype, chunk_tokens, vllm_python, vllm_args, kv_codec, cpus_per_worker, auth_file) -> None:
+@click.option("--workdir", type=click.Path(file_okay=False), help="Logs and ready files (default: a temp dir).")
+@click.option("--demo", is_flag=True, help="Send two chat requests sharing a long prefix through the router "
+                                           "(OpenAI API), print them with TTFT and cached tokens, stop.")
+@click.option("--max-tokens", type=int, default=32, show_default=True, help="Tokens per demo answer.")
+def up(config_file, sets, port, n_prefill, n_decode, n_colocated, engine, vllm_args, kv_codec, cpus_per_worker,
+       auth_file, workdir, demo, max_tokens) -> None:
     """Start the pool, the workers and the router as separate processes on loopback.
 
     The router's OpenAI-compatible API is at http://127.0.0.1:PORT/v1; Ctrl-C stops everything.
@@ -114,55 +82,55 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
 
     for name in ("httpx", "httpx2"):  # one line per request is noise here (httpx2: the openai client's)
         logging.getLogger(name).setLevel(logging.WARNING)
-    if port is None:  # the demo needs no fixed port; a server keeps the usual one
-        port = 0 if demo else 8000
+    settings = settings_from(config_file, sets, pool={"kv_codec": kv_codec}, router={"engine": engine},
+                             security={"auth_file": auth_file and str(Path(auth_file).resolve())},
+                             up={"workdir": workdir, "cpus_per_worker": cpus_per_worker,
+                                 "vllm_args": list(vllm_args) or None})
+    if port is None:  # the demo needs no fixed port; a server keeps the configured one
+        port = 0 if demo and settings.source("router.port") == "default" else settings.router.port
+    engine, policy, cfg = settings.router.engine, settings.router.policy, settings.up
 
     api_key = "unused"
-    if auth_file:
-        from kvpool.security.keyring import AUTH_FILE_ENV, Keyring
+    if settings.security.auth_file:
+        from kvpool.security.keyring import Keyring
 
-        keyring = Keyring.load(auth_file)  # a bad or readable file fails here, not in five processes
-        os.environ[AUTH_FILE_ENV] = str(Path(auth_file).resolve())  # inherited by every process started below
+        keyring = Keyring.load(settings.security.auth_file)  # a bad or readable file fails here, not in five processes
         api_key = next((k for e in keyring.entries.values() for k in e.api_keys), api_key)
     from kvpool.codec import get_codec
 
-    get_codec(kv_codec)  # an unknown name fails here, not in every worker
-    config = _load_config(config_file)
-    pool_table = dict(config["pool"])
-    if ssd_path:
-        pool_table["ssd_path"] = ssd_path
-    tables = _worker_tables(config["workers"], n_prefill, n_decode, n_colocated)
+    get_codec(settings.pool.kv_codec)  # an unknown name fails here, not in every worker
+    # Every process started below reads the same tree: this process's environment, the file, and
+    # what was set here, each as the variable that sets it.
+    os.environ.update(_child_environment(config_file, settings))
+    workers = _workers(settings.workers, n_prefill, n_decode, n_colocated)
     cores = None
-    if cpus_per_worker:
+    if cfg.cpus_per_worker:
         from reference_worker.cpus import plan
 
-        cores = plan(len(tables), cpus_per_worker)
-    workdir = workdir or tempfile.mkdtemp(prefix="kvpool-up-")
+        cores = plan(len(workers), cfg.cpus_per_worker)
+    workdir = cfg.workdir or tempfile.mkdtemp(prefix="kvpool-up-")
     console = Console(stderr=True)
     if engine == "vllm":
         from kvpool.tools.launch.vllm import VLLMCluster, check_python, reference_spec
 
-        if worker_args:
-            raise click.UsageError("--worker-arg is for the reference workers; vLLM servers take --vllm-arg")
-        if kv_codec != "none":
+        if any(w.settings for w in workers):
+            raise click.UsageError("[[workers]] settings are the reference workers'; vLLM servers take --vllm-arg")
+        if settings.pool.kv_codec != "none":
             raise click.UsageError("--kv-codec is for the reference workers; a vLLM server takes kv_codec in its "
                                    "kv_connector_extra_config (docs/vllm.md)")
 
-        python = vllm_python or sys.executable
+        python = cfg.vllm_python or sys.executable
         check_python(python)
-        spec = reference_spec(python=python, dtype=dtype, chunk_tokens=chunk_tokens, extra_args=list(vllm_args))
-        cluster = VLLMCluster(workdir, spec, [w["role"] for w in tables], pool_args=_flags(pool_table),
-                              router_port=port, router_args=["--policy", policy, *router_args], cpus=cores)
+        spec = reference_spec(python=python, dtype=cfg.vllm_dtype, chunk_tokens=settings.pool.chunk_tokens,
+                              extra_args=list(cfg.vllm_args))
+        cluster = VLLMCluster(workdir, spec, [w.role for w in workers], router_port=port, cpus=cores)
     else:
-        codec_args = ["--kv-codec", kv_codec] if kv_codec != "none" else []
         from reference_worker.cpus import format_list
 
-        workers = [WorkerSpec(role=w["role"], name=w.get("name", ""),
-                              args=_flags(w) + codec_args + list(worker_args)
-                              + (["--cpus", format_list(cores[i])] if cores else []))
-                   for i, w in enumerate(tables)]
-        cluster = LocalCluster(workdir, workers, PoolSpec(args=_flags(pool_table)),
-                               router=RouterSpec(port=port, args=["--policy", policy, *router_args]))
+        specs = [WorkerSpec(role=w.role, name=w.name, args=_worker_args(w) + (["--cpus", format_list(cores[i])]
+                                                                              if cores else []))
+                 for i, w in enumerate(workers)]
+        cluster = LocalCluster(workdir, specs, PoolSpec(), router=RouterSpec(port=port))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM ends the cluster as cleanly as Ctrl-C does
     try:
         with console.status("starting the local cluster") as status:
@@ -177,8 +145,9 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
             click.echo(f"{name:<10} {proc.url}")
         click.echo(f"logs     {workdir}")
         click.echo(f"\nOpenAI API: {base}   (policy {policy}; workers: {cluster.router_url}/admin/workers)")
-        click.echo(f"dashboard:  {cluster.router_url}/dashboard" + ("#token=<internal token>" if auth_file else ""))
-        auth_header = f"-H 'authorization: Bearer {api_key}' " if auth_file else ""
+        authenticated = bool(settings.security.auth_file)
+        click.echo(f"dashboard:  {cluster.router_url}/dashboard" + ("#token=<internal token>" if authenticated else ""))
+        auth_header = f"-H 'authorization: Bearer {api_key}' " if authenticated else ""
         click.echo(f"try: curl -s {base}/chat/completions {auth_header}-H 'content-type: application/json' "
                    f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": "
                    f"\"What is a KV cache?\"}}], \"max_tokens\": 32}}'\n")
@@ -195,23 +164,45 @@ def up(config_file, port, n_prefill, n_decode, n_colocated, policy, router_args,
         click.echo("stopped", err=True)
 
 
+def _child_environment(config_file: str | None, settings: Settings) -> dict[str, str]:
+    """The variables that give the processes `kvpool up` starts the tree it runs with: the file
+    (KVPOOL_CONFIG), and each value a flag or `--set` gave (KVPOOL_<SECTION>__<FIELD>)."""
+    env = {CONFIG_ENV: str(Path(config_file).resolve())} if config_file else {}
+    for path, origin in settings.sources().items():
+        if not origin.startswith("flag"):
+            continue  # the file and this environment reach them anyway
+        section, _, field = path.partition(".")
+        value = getattr(getattr(settings, section), field) if field else getattr(settings, path)
+        if isinstance(value, list) and value and not isinstance(value[0], str):
+            value = [v.model_dump() for v in value]  # [[workers]]
+        env[env_names(section, field)[0] if field else ROOT_ENV[path]] = (
+            value if isinstance(value, str) else json.dumps(value))
+    return env
+
+
+def _worker_args(worker: UpWorker) -> list[str]:
+    """A `[[workers]]` entry's own settings, as `kvpool worker` flags (over `[worker]`)."""
+    return [a for k, v in worker.settings.items()
+            for a in ("--set", f"worker.{k}={v if isinstance(v, str) else json.dumps(v)}")]
+
+
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def _worker_tables(tables: list[dict], n_prefill: int | None, n_decode: int | None,
-                   n_colocated: int | None) -> list[dict]:
+def _workers(configured: list[UpWorker], n_prefill: int | None, n_decode: int | None,
+             n_colocated: int | None) -> list[UpWorker]:
+    """`[[workers]]`, unless the counts on the command line replace it."""
     if n_colocated is not None:
         if n_prefill is not None or n_decode is not None:
             raise click.UsageError("--colocated excludes --prefill/--decode")
         if n_colocated < 1:
             raise click.UsageError("--colocated needs at least 1 worker")
-        return [{"role": "both", "local_cache": "512MiB"} for _ in range(n_colocated)]
+        return [UpWorker(role="both") for _ in range(n_colocated)]
     if n_prefill is not None or n_decode is not None:
         if (n_prefill or 0) < 1 or (n_decode or 0) < 1:
             raise click.UsageError("--prefill and --decode each need at least 1 worker")
-        return ([{"role": "prefill", "local_cache": "512MiB"} for _ in range(n_prefill)]
-                + [{"role": "decode", "local_cache": "512MiB"} for _ in range(n_decode)])
-    return list(tables)
+        return [UpWorker(role="prefill") for _ in range(n_prefill)] + [UpWorker(role="decode") for _ in range(n_decode)]
+    return list(configured)
 
 
 def _demo(base_url: str, max_tokens: int, api_key: str = "unused") -> None:

@@ -12,14 +12,15 @@ from kvpool.client.aio import AsyncClient
 from kvpool.client.sync import Client
 
 
-def connect(address: str = "127.0.0.1:7600", **kwargs: Any) -> Client:
-    """A connected synchronous client. kwargs: timeout, replicas, use_shm, writer_node, data_path
+def connect(address: str | None = None, **kwargs: Any) -> Client:
+    """A connected synchronous client of the pool at `address` (default: `[pool] master` of the
+    configuration, KVPOOL_MASTER, else 127.0.0.1:7600). kwargs: timeout, replicas, use_shm, writer_node, data_path
     ("auto" | "rpc" | "engine"), transfer_engine, transports, credential (a `kvpool.security.keyring.Credential`;
     default: `KVPOOL_PRINCIPAL` in the keyring file `KVPOOL_AUTH_FILE`, see `Client`)."""
     return Client(address, **kwargs)
 
 
-async def connect_async(address: str = "127.0.0.1:7600", **kwargs: Any) -> AsyncClient:
+async def connect_async(address: str | None = None, **kwargs: Any) -> AsyncClient:
     """A connected asyncio client. kwargs: concurrency, and the `Client` ones."""
     return await AsyncClient(address, **kwargs).connect()
 

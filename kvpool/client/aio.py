@@ -16,8 +16,10 @@ from kvpool.client.sync import Client
 
 
 class AsyncClient:
-    def __init__(self, address: str = "127.0.0.1:7600", *, concurrency: int = 4, **client_kwargs: Any):
-        self.address = address
+    def __init__(self, address: str | None = None, *, concurrency: int = 4, **client_kwargs: Any):
+        from kvpool.config import current_settings
+
+        self.address = address or current_settings().pool.master
         self._kwargs = client_kwargs
         self._local = threading.local()
         self._clients: list[Client] = []

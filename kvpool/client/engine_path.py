@@ -45,9 +45,12 @@ class EnginePath:
         if self._engine is None:
             from transfer import TransferEngine
 
-            cred = self._credential
+            from kvpool.config import current_settings
+
+            cred, rpc = self._credential, current_settings().rpc
             self._engine = TransferEngine(transports=self._transports, timeout=self._timeout,
-                                          credential=(cred.principal, cred.secret) if cred else None).start()
+                                          credential=(cred.principal, cred.secret) if cred else None,
+                                          rdma_device=rpc.rdma_device, rdma_gid_index=rpc.rdma_gid_index).start()
         return self._engine
 
     def _learn_credential(self, work: Sequence[tuple[NodeConn, list[int]]]) -> None:

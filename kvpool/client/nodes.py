@@ -19,7 +19,7 @@ import socket
 from typing import Any, Callable, Sequence
 
 from kvpool.security.keyring import Credential
-from kvpool.config import RpcSettings
+from kvpool.config import Settings, current_settings
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import NodePin, NodeStats, NodeUnpin
 from kvpool.rpc import RpcClient, parse_address
@@ -47,7 +47,7 @@ def node_tickets(tickets: Sequence[dict[str, bytes] | None] | None, conn: "NodeC
 class NodeConn:
     def __init__(self, address: str, rpc: RpcClient | None = None, *, timeout: float = 10.0, use_shm: bool = True,
                  shm_path: str | None = None, hostname: str | None = None, arena_size: int | None = None,
-                 segment: bytes | None = None, index_path: str | None = None, settings: RpcSettings | None = None,
+                 segment: bytes | None = None, index_path: str | None = None, settings: Settings | None = None,
                  credential: Credential | None = None, scope: str = ""):
         """`scope`: the prefix the pool stores our keys under (a tenant's), for reads from the shm
         index; the node scopes the keys of our requests itself."""
@@ -72,7 +72,8 @@ class NodeConn:
                 if hostname == socket.gethostname():
                     self.rpc.use_unix(info.get("unix"))  # same host: the node's unix socket
             self._map(shm_path, hostname, arena_size)
-            if self.arena is not None and index_path and shm_index.supported():
+            use_index = shm_index.supported() and (settings or current_settings()).rpc.shm_index
+            if self.arena is not None and index_path and use_index:
                 try:
                     self.index = shm_index.ShmIndexReader(index_path)
                 except (OSError, InvalidArgument) as exc:

@@ -27,12 +27,12 @@ import base64
 import http.client
 import json
 import logging
-import os
 import select
 import ssl
 import threading
 from typing import Any
 
+from kvpool.config import current_settings
 from kvpool.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,6 @@ def _prefix_end(prefix: bytes) -> bytes:
 
 TXN_OPS = 100  # operations per transaction (etcd refuses more than --max-txn-ops, 128 by default)
 
-TLS_ENV = ("KVPOOL_ETCD_CA_FILE", "KVPOOL_ETCD_CERT_FILE", "KVPOOL_ETCD_KEY_FILE")
 
 
 def _readable(sock: Any) -> bool:
@@ -82,7 +81,10 @@ def parse_etcd_url(meta: str) -> str:
 
 
 def _tls_context() -> ssl.SSLContext:
-    ca, cert, key = (os.environ.get(name) or None for name in TLS_ENV)
+    """etcds://: the CA and client certificate of `[pool] etcd_ca_file`, `etcd_cert_file`, `etcd_key_file`
+    (KVPOOL_ETCD_CA_FILE, ...)."""
+    pool = current_settings().pool
+    ca, cert, key = pool.etcd_ca_file or None, pool.etcd_cert_file or None, pool.etcd_key_file or None
     try:
         ctx = ssl.create_default_context(cafile=ca)
         if cert or key:
@@ -90,7 +92,7 @@ def _tls_context() -> ssl.SSLContext:
                 raise InvalidArgument("etcd client certificate: set both KVPOOL_ETCD_CERT_FILE and KVPOOL_ETCD_KEY_FILE")
             ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:
-        raise InvalidArgument(f"etcd TLS files ({', '.join(TLS_ENV)}): {exc}") from None
+        raise InvalidArgument(f"etcd TLS files (KVPOOL_ETCD_CA_FILE, _CERT_FILE, _KEY_FILE): {exc}") from None
     return ctx
 
 

@@ -34,18 +34,17 @@ class AdminOps:
 
     def nodes(self) -> list[dict]:
         with self.state.lock:
-            return [self._node_doc_locked(n) for n in self.state.nodes.values()]
+            return [self._node_doc_locked(n) for n in self.state.nodes]
 
     def node(self, node_id: str) -> dict:
         with self.state.lock:
-            return self._node_doc_locked(self.state.node_locked(node_id))
+            return self._node_doc_locked(self.state.nodes.require(node_id))
 
     def drain_node(self, node_id: str) -> dict:
         """Stop placing new objects on the node and copy what only it holds to other nodes
         (in the background); `pending_migration` counts down to 0, then it can leave."""
         with self.state.lock:
-            node = self.state.node_locked(node_id)
-            node.state = NODE_DRAINING
+            node = self.state.nodes.set_state(node_id, NODE_DRAINING)
             return self._node_doc_locked(node)
 
     def _node_doc_locked(self, node: Any) -> dict:
@@ -57,17 +56,16 @@ class AdminOps:
 
     def undrain_node(self, node_id: str) -> dict:
         with self.state.lock:
-            node = self.state.node_locked(node_id)
-            node.state = NODE_UP
+            node = self.state.nodes.set_state(node_id, NODE_UP)
             return node.to_dict(time.monotonic())
 
     def remove_node(self, node_id: str) -> dict:
         """Forget the node and its replicas; it may not register again under this id."""
         st = self.state
         with st.lock:
-            info = st.node_locked(node_id).to_dict(time.monotonic())
+            info = st.nodes.require(node_id).to_dict(time.monotonic())
             st.drop_node_locked(node_id, "removed by an operator")
-            st.banned.add(node_id)
+            st.nodes.ban(node_id)
             return info
 
     def stats(self) -> dict:
@@ -75,7 +73,7 @@ class AdminOps:
         now = time.monotonic()
         with st.lock:
             tiers: dict[str, dict[str, int]] = {}
-            for n in st.nodes.values():
+            for n in st.nodes:
                 for tier, cap in n.capacity.items():
                     t = tiers.setdefault(tier, {"capacity_bytes": 0, "used_bytes": 0, "replicas": 0})
                     t["capacity_bytes"] += cap
@@ -92,20 +90,20 @@ class AdminOps:
                     t["used_bytes"] += obj.size
                     t["replicas"] += 1
             return {
-                "leader": st.leader,
-                "leader_address": st.leader_address,
-                "recovering": st.recovering_locked(now),
+                "leader": st.role.leader,
+                "leader_address": st.role.leader_address,
+                "recovering": st.role.recovering(now),
                 "nodes": len(st.nodes),
-                "nodes_up": sum(n.state == NODE_UP for n in st.nodes.values()),
+                "nodes_up": sum(n.state == NODE_UP for n in st.nodes),
                 "objects": complete,
                 "pending": pending,
                 "bytes": nbytes,
                 "leases": leases,
-                "tombstones": len(st.removed),  # removes remembered by key (`removal_memory_s`)
-                "removal_horizon": st.horizon,  # the generation below which they were forgotten
+                "tombstones": len(st.tombstones),  # removes remembered by key (`removal_memory_s`)
+                "removal_horizon": st.tombstones.horizon,  # the generation below which they were forgotten
                 "tiers": tiers,
-                "totals": {"capacity_bytes": sum(n.total_capacity for n in st.nodes.values()),
-                           "used_bytes": sum(n.used for n in st.nodes.values())},
+                "totals": {"capacity_bytes": sum(n.total_capacity for n in st.nodes),
+                           "used_bytes": sum(n.used for n in st.nodes)},
                 "counters": dict(st.counters),
             }
 
@@ -115,7 +113,7 @@ class AdminOps:
         st = self.state
         with st.lock:
             used_bytes, used_keys = st.objects.used(tenant)
-            quota_bytes, quota_keys = st.quotas.get(tenant, (0, 0))
+            quota_bytes, quota_keys = st.quotas.of(tenant)
         return {"tenant": tenant, "bytes": used_bytes, "keys": used_keys,
                 "quota_bytes": quota_bytes, "quota_keys": quota_keys}
 
@@ -180,9 +178,8 @@ class AdminOps:
 
     def config(self) -> dict:
         with self.state.lock:
-            doc = self.state.settings.model_dump()
-            doc.update({k: getattr(self.state, k) for k in PATCHABLE})
-            doc.pop("admin_token", None)  # never hand the secret out
+            doc = self.state.settings.redacted()  # the configuration, no secret in it
+            doc.update({k: getattr(self.state.tunables, k) for k in PATCHABLE})  # the values in force now
             return doc
 
     def patch_config(self, changes: dict) -> dict:
@@ -195,11 +192,12 @@ class AdminOps:
                 raise InvalidArgument(f"{name!r} cannot be changed at run time (changeable: {sorted(PATCHABLE)})")
             if not check(value):
                 raise InvalidArgument(f"invalid value for {name}: {value!r}")
-        low = changes.get("low_watermark", self.state.low_watermark)
-        high = changes.get("high_watermark", self.state.high_watermark)
+        tunables = self.state.tunables
+        low = changes.get("low_watermark", tunables.low_watermark)
+        high = changes.get("high_watermark", tunables.high_watermark)
         if low > high:
             raise InvalidArgument(f"low_watermark ({low}) must not exceed high_watermark ({high})")
         with self.state.lock:
             for name, value in changes.items():
-                setattr(self.state, name, value)
+                setattr(tunables, name, value)
         return self.config()

@@ -6,10 +6,10 @@
   nodes silent for `node_timeout_s` (embedded nodes excepted), plan drain copies
   (`kvpool.master.migration`), and evict least-recently-used unleased replicas from any node
   above `high_watermark` of its capacity down to `low_watermark`.
-- the outbox thread (`outbox_loop`): removes the bytes of dropped objects on their nodes,
-  outside the lock, each removal naming the put that wrote the copy; runs drain copies. Each
-  node's work is counted in `MasterState.busy` until done (no mark meanwhile); a removal that
-  fails marks the node `dirty` (it must re-register).
+- the outbox thread (`outbox_loop`): runs the outbox's jobs (`kvpool.master.outbox`) outside the
+  lock: removes the bytes of dropped objects on their nodes, each removal naming the put that
+  wrote the copy; runs drain copies; closes links. A removal that fails marks the node dirty (it
+  must re-register).
 - `make_room_locked`: when no node can take a new object, evict LRU unleased replicas from
   the roomiest node; `AllPinned` when only leased objects stand in the way.
 Eviction order is the master's own access recency (it sees every lookup), fair across tenants
@@ -29,8 +29,9 @@ from typing import Any, Iterable, Iterator
 
 from kvpool.errors import AllPinned, KVPoolError
 from kvpool.master.migration import Migration
+from kvpool.master.outbox import CloseLink, CopyObjects, RemoveCopies, Stop
 from kvpool.master.state import MasterState
-from kvpool.master.tables import COMPLETE, NODE_UP, PENDING
+from kvpool.master.tables import NODE_UP
 from kvpool.security.tenancy import tenant_of
 
 log = logging.getLogger("kvpool.master.service")
@@ -66,17 +67,14 @@ class Housekeeping:
     def make_room_locked(self, size: int, now: float) -> None:
         """No node has `size` free: evict LRU unleased objects from the roomiest node."""
         st = self.state
-        candidates = [n for n in st.nodes.values() if n.state == NODE_UP and n.total_capacity >= size]
+        candidates = [n for n in st.nodes if n.state == NODE_UP and n.total_capacity >= size]
         if not candidates:
             return
         node = max(candidates, key=lambda n: n.free)
         pinned = False
-        mine = fair_order(o for o in st.objects.values() if node.node_id in o.replicas and o.state == COMPLETE)
-        for obj in mine:
+        for obj in fair_order(st.objects.on(node.node_id)):
             if node.free >= size:
                 return
-            if obj.state != COMPLETE:
-                continue
             if obj.leased(now):
                 pinned = True
                 continue
@@ -87,39 +85,27 @@ class Housekeeping:
     def tick(self) -> None:
         """Reclaim expired puts, drop silent nodes, finish removals, evict above the high watermark."""
         st = self.state
+        tun = st.tunables
         now = time.monotonic()
         with st.lock:
-            if not st.leader:
+            if not st.role.leader:
                 return
-            for key in list(st.pending):
-                obj = st.objects.get(key)
-                if obj is None or obj.state != PENDING:
-                    st.pending.discard(key)
-                elif obj.deadline <= now:
-                    st.pending.discard(key)
-                    log.info("reclaiming put of %r (no put_end within %.1fs)", obj.key, st.put_timeout_s)
-                    st.reclaim_locked(obj)
-            for key in list(st.removing):
-                obj = st.objects.get(key)
-                if obj is None or not obj.removing:
-                    st.removing.discard(key)
-                elif not obj.leased(now):
-                    st.removing.discard(key)
-                    st.delete_locked(obj)
-            st.expire_removals_locked(now)
+            for obj in st.objects.due_puts(now):
+                log.info("reclaiming put of %r (no put_end within %.1fs)", obj.key, tun.put_timeout_s)
+                st.reclaim_locked(obj)
+            for obj in st.objects.ended_removals(now):
+                st.delete_locked(obj)
+            st.tombstones.expire(now)
             # Leases whose reader never released them (a crashed client) end at their expiry.
-            st.release_locked([lid for lid, (_, until) in st.lease_keys.items() if until <= now], now)
-            for node in [n for n in st.nodes.values()
-                         if now - n.last_heartbeat > st.node_timeout_s and n.node_id not in st.local]:
+            st.release_locked(st.leases.expired(now), now)
+            for node in st.nodes.silent(now, tun.node_timeout_s):
                 st.drop_node_locked(node.node_id, f"no heartbeat for {now - node.last_heartbeat:.1f}s")
             self.migration.plan_locked()
-            for node in st.nodes.values():
+            for node in st.nodes:
                 cap = node.total_capacity
-                if cap and node.used > st.high_watermark * cap:
-                    target = node.used - int(st.low_watermark * cap)
-                    victims = fair_order(o for o in st.objects.values() if node.node_id in o.replicas
-                                         and o.state == COMPLETE and not o.removing)
-                    for obj in victims:
+                if cap and node.used > tun.high_watermark * cap:
+                    target = node.used - int(tun.low_watermark * cap)
+                    for obj in fair_order(o for o in st.objects.on(node.node_id) if not o.removing):
                         if target <= 0:
                             break
                         if obj.leased(now):
@@ -128,7 +114,7 @@ class Housekeeping:
                         st.evict_replica_locked(obj, node.node_id)
 
     def tick_loop(self, stop: threading.Event) -> None:
-        period = min(0.5, self.state.settings.heartbeat_s)
+        period = min(0.5, self.state.settings.pool.heartbeat_s)
         while not stop.wait(period):
             try:
                 self.tick()
@@ -139,35 +125,38 @@ class Housekeeping:
     def outbox_loop(self) -> None:
         st = self.state
         while True:
-            item = st.outbox.get()
-            if item is None:
+            job = st.outbox.get()
+            if isinstance(job, Stop):
                 return
-            node_id, keys, put_ids, term = item
-            if node_id == "__close__":
+            if isinstance(job, CloseLink):
                 try:
-                    keys.close()
+                    job.link.close()
                 except Exception:  # closing a dead link
                     log.debug("closing a node link failed", exc_info=True)
-                continue
-            if node_id == "__copy__":
-                self.migration.run_copy(keys, term)
-                continue
-            failed = False
-            try:
-                link = st.link(node_id)
-                if link is not None:
-                    link.remove(keys, put_ids)
-            except Exception as exc:  # a dead node's bytes die with it; a live one re-registers (`dirty`)
-                log.info("removing %d object(s) on node %s failed: %s", len(keys), node_id, exc)
-                failed = True
-            with st.lock:
-                st.done_locked(node_id, term, failed)
+            elif isinstance(job, CopyObjects):
+                self.migration.run_copy(job)
+            elif isinstance(job, RemoveCopies):
+                self.remove_copies(job)
+
+    def remove_copies(self, job: RemoveCopies) -> None:
+        """Remove the job's copies from its node (outside the lock)."""
+        st = self.state
+        failed = False
+        try:
+            link = st.link(job.node_id)
+            if link is not None:
+                link.remove(job.keys, job.put_ids)
+        except Exception as exc:  # a dead node's bytes die with it; a live one re-registers (dirty)
+            log.info("removing %d object(s) on node %s failed: %s", len(job.keys), job.node_id, exc)
+            failed = True
+        with st.lock:
+            st.done_locked(job, failed)
 
     def save_horizon(self) -> None:
         """Cluster mode: tell etcd the tombstones the leader forgot (`RemovalLog.compact`), outside the lock."""
         st = self.state
         with st.lock:
-            horizon = st.horizon if st.leader and st.horizon > st.horizon_saved else 0
+            horizon = st.tombstones.unsaved() if st.role.leader else 0
             log_ = st.removal_log
         if not horizon or log_ is None:
             return
@@ -177,4 +166,4 @@ class Housekeeping:
             log.info("compacting removes up to %d in etcd failed (retried): %s", horizon, exc)
             return
         with st.lock:
-            st.horizon_saved = max(st.horizon_saved, horizon)
+            st.tombstones.mark_saved(horizon)

@@ -127,10 +127,27 @@ class TenantObjects(dict):
         return (cell[0], cell[1]) if cell is not None else (0, 0)
 
 
-def check_quota(quotas: dict[str, tuple[int, int]], objects: TenantObjects, key: str, size: int,
-                replicas: int) -> None:
+class QuotaTable:
+    """Each tenant's pool-wide quota, tenant -> (quota_bytes, quota_keys) from the keyring (0: no
+    limit; a tenant not named, or no keyring: none). Its use is the object table's own account."""
+
+    def __init__(self, limits: dict[str, tuple[int, int]] | None = None):
+        self.limits = dict(limits or {})
+
+    def check(self, objects: Any, key: str, size: int, replicas: int) -> None:
+        """`QuotaExceeded` when a new object of `key` on `replicas` nodes takes its tenant past its
+        quota; `objects`: the table, with `used(tenant)`."""
+        if self.limits:
+            check_quota(self.limits, objects, key, size, replicas)
+
+    def of(self, tenant: str) -> tuple[int, int]:
+        return self.limits.get(tenant, (0, 0))
+
+
+def check_quota(quotas: dict[str, tuple[int, int]], objects: Any, key: str, size: int, replicas: int) -> None:
     """Raise `QuotaExceeded` when a new object of `size` bytes on `replicas` nodes under `key`
-    takes its tenant past a quota of `quotas` (tenant -> (bytes, keys); 0: none)."""
+    takes its tenant past a quota of `quotas` (tenant -> (bytes, keys); 0: none); `objects` (the
+    object table, or a `TenantObjects`) gives the tenant's use."""
     tenant = tenant_of(key)
     quota = quotas.get(tenant)
     if quota is None:

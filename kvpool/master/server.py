@@ -1,5 +1,5 @@
 """`MasterServer`: a standalone master process (`kvpool master`): the service on an RPC port,
-plus, in cluster mode (`settings.meta`), leader election and node membership through etcd.
+plus, in cluster mode (`settings.pool.meta`), leader election and node membership through etcd.
 
 In cluster mode a master starts as a standby. When elected it starts from empty tables and
 waits for the nodes registered in etcd to re-report (see `MasterService.become_leader`),
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class MasterServer:
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.rpc = RpcServer({}, settings.host, settings.port, name="master", settings=settings)
+        self.rpc = RpcServer({}, settings.pool.host, settings.pool.port, name="master", settings=settings)
         self.service = MasterService(settings, address=self.rpc.address)
         self.service.unix_address = self.rpc.unix_address
         self.rpc.handlers.update(master_handlers(self.service))
@@ -36,22 +36,22 @@ class MasterServer:
 
     def start(self) -> "MasterServer":
         self.service.start()
-        if self.settings.meta:
+        if self.settings.pool.meta:
             from kvpool.cluster import EtcdClient, LeaderElection, lease_ttl
 
             from kvpool.cluster.removals import RemovalLog
 
-            self._etcd = EtcdClient(self.settings.meta)
+            self._etcd = EtcdClient(self.settings.pool.meta)
             self.service.state.removal_log = RemovalLog(
                 self._etcd, lambda: self._election.lease if self._election is not None else 0)
             self.service.become_standby(None)
-            self._election = LeaderElection(self._etcd, self.address, lease_ttl(self.settings.heartbeat_s),
+            self._election = LeaderElection(self._etcd, self.address, lease_ttl(self.settings.pool.heartbeat_s),
                                             self._on_elected, self.service.become_standby).start()
             self._watcher = threading.Thread(target=self._watch_nodes, name="master-etcd-nodes", daemon=True)
             self._watcher.start()
         self.rpc.start()
-        log.info("master serving at %s (%s)", self.address, f"cluster, meta {self.settings.meta}"
-                 if self.settings.meta else "standalone")
+        log.info("master serving at %s (%s)", self.address, f"cluster, meta {self.settings.pool.meta}"
+                 if self.settings.pool.meta else "standalone")
         return self
 
     def _registered_nodes(self) -> set[str]:
@@ -72,7 +72,7 @@ class MasterServer:
         self.service.become_leader(expected, removed, horizon, floor)
 
     def _watch_nodes(self) -> None:
-        while not self._stop.wait(min(0.5, self.settings.heartbeat_s)):
+        while not self._stop.wait(min(0.5, self.settings.pool.heartbeat_s)):
             if not self.service.leader:
                 continue
             try:

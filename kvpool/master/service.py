@@ -25,15 +25,16 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from kvpool.config import Settings
+from kvpool.config import Settings, load_settings
 from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import AlreadyExists, CapacityError, InvalidArgument, ObjectTooLarge, Unavailable
 from kvpool.master.admin_ops import AdminOps
 from kvpool.master.housekeeping import Housekeeping
 from kvpool.master.migration import Migration
+from kvpool.master.nodes import MAX_OBJECT_BYTES
 from kvpool.master.placement import choose_nodes
-from kvpool.master.state import MAX_OBJECT_BYTES, MasterState
-from kvpool.master.tables import COMPLETE, PENDING, NodeEntry, ObjectEntry, Replica
+from kvpool.master.state import MasterState
+from kvpool.master.tables import COMPLETE, PENDING, NodeEntry
 from kvpool.messages import Entry, Held, Location, NodeInfo, Placed, PutPlan, Target
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class MasterService:
 
     def __init__(self, settings: Settings | None = None, *, link_factory: Callable[[NodeEntry], Any] | None = None,
                  address: str = ""):
-        self.state = MasterState(settings or Settings(), link_factory, address)
+        self.state = MasterState(settings or load_settings(), link_factory, address)
         self.unix_address: str | None = None  # the RPC server's unix socket, told to clients in hello
         self.migration = Migration(self.state)
         self.housekeeping = Housekeeping(self.state, self.migration)
@@ -57,7 +58,7 @@ class MasterService:
 
     @property
     def replicas(self) -> int:
-        return self.state.replicas
+        return self.state.tunables.replicas
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -73,11 +74,11 @@ class MasterService:
     def stop(self) -> None:
         st = self.state
         self._stop.set()
-        st.outbox.put(None)
+        st.outbox.stop()
         for t in self._threads:
             t.join(timeout=5)
         with st.lock:
-            links, st.links = list(st.links.values()), {}
+            links = st.links.take_all()
         for link in links:
             try:
                 link.close()
@@ -86,7 +87,7 @@ class MasterService:
 
     @property
     def leader(self) -> bool:
-        return self.state.leader
+        return self.state.role.leader
 
     def become_leader(self, expected_nodes: Iterable[str] = (), removed: Iterable[tuple[str, int]] = (),
                       horizon: int = 0, floor: int = 0) -> None:
@@ -95,106 +96,40 @@ class MasterService:
         tombstones earlier leaders left, and their `horizon`; `floor`, the first generation this
         term may issue (ids only grow across leaders)."""
         st = self.state
+        removed = list(removed)
         with st.lock:
             st.clear_tables_locked()
-            now = time.monotonic()
-            for key, generation in removed:
-                if generation > horizon:
-                    st.remember_removal_locked(key, generation, now)
+            st.tombstones.restore(removed, horizon, time.monotonic())
+            for _, generation in removed:
                 st.ids.observe(generation)
-            st.horizon = st.horizon_saved = horizon
             st.ids.observe(max(horizon, floor))
-            st.awaiting = set(expected_nodes)
-            st.recovering_until = time.monotonic() + st.recovery_s if st.awaiting else 0.0
-            st.leader = True
-            st.leader_address = st.address
-        log.info("master %s is the leader; waiting for %d node(s) to re-report", st.address, len(st.awaiting))
+            waiting = st.role.lead(expected_nodes, st.tunables.recovery_s, time.monotonic())
+        log.info("master %s is the leader; waiting for %d node(s) to re-report", st.role.address, waiting)
 
     def become_standby(self, leader_address: str | None) -> None:
         st = self.state
         with st.lock:
-            st.leader = False
-            st.leader_address = leader_address
+            st.role.stand_by(leader_address)
             st.clear_tables_locked()
 
     # ------------------------------------------------------------------ node-facing
 
     def register_node(self, info: NodeInfo, objects: Sequence[Held] = (), mark: int = 0) -> None:
-        """A node (re-)joins and reports everything it holds; the index is reconciled with it:
-        replicas it no longer reports are dropped, reported objects are (re-)added (a removed
-        object still waiting for its readers keeps its removal pending), except copies a remove
-        covers, or may cover (`MasterState.refused_locked`, given the node's `mark`), and copies
-        older than the object known under the key: those the node is told to drop."""
+        """A node (re-)joins and reports everything it holds; the table is reconciled with it
+        (`MasterState.reconcile_locked`); the copies it must not keep are removed from it."""
         st = self.state
-        st.check_leader()
-        if info.node_id in st.banned:
-            raise InvalidArgument(f"node {info.node_id!r} was removed by an operator; start it with another id")
+        st.role.check_leader()
         now = time.monotonic()
         with st.lock:
-            node = st.nodes.get(info.node_id)
-            if node is None:
-                node = st.nodes[info.node_id] = NodeEntry(node_id=info.node_id, address=info.address)
-            elif node.address != info.address:  # restarted elsewhere: the old connection is useless
-                silent = now - node.last_heartbeat
-                if node.node_id not in st.local and silent <= st.node_timeout_s:
-                    # A live node is not re-pointed (an impostor would take its reads and writes);
-                    # a node that really moved registers once the old one timed out.
-                    raise AlreadyExists(f"node {info.node_id!r} is live at {node.address} (heartbeat {silent:.1f}s "
-                                        f"ago); it can re-register at {info.address} after {st.node_timeout_s}s "
-                                        "without heartbeats")
-                link = st.links.pop(node.node_id, None)
+            node, moved = st.nodes.join(info, now, st.tunables.node_timeout_s)
+            if moved:  # restarted elsewhere: the old connection is useless
+                link = st.links.pop(node.node_id)
                 if link is not None:
-                    st.outbox.put(("__close__", link, None, 0))
-            node.address, node.hostname, node.segments = info.address, info.hostname, list(info.segments)
-            node.shm_path, node.capacity = info.shm_path, dict(info.capacity)
-            node.transfer_segment = info.transfer_segment
-            node.last_heartbeat = now
-            st.dirty.discard(node.node_id)
-            st.ids.observe(mark)
-            reported = {h.key for h in objects}
-            for key in [k for k, o in st.objects.items()
-                        if node.node_id in o.replicas and o.state == COMPLETE and k not in reported]:
-                st.drop_replica_locked(key, node.node_id)
-            stale_keys: list[str] = []
-            stale_ids: list[int] = []
-            for held in objects:
-                put_id = held.put_id
-                st.ids.observe(put_id)
-                obj = st.objects.get(held.key)
-                known = (obj is not None and obj.state == COMPLETE and obj.size == held.size
-                         and put_id != 0 and put_id == obj.put_id)  # a replica of a live object
-                if not known and st.refused_locked(held.key, put_id, mark):
-                    stale_keys.append(held.key)  # removed before this node dropped it (a failover, a pause)
-                    stale_ids.append(put_id)
-                    continue
-                if obj is not None and obj.state == COMPLETE and put_id and obj.put_id and put_id != obj.put_id:
-                    # Two puts of one key both live: the older was removed before the newer began.
-                    if put_id < obj.put_id or obj.removing:
-                        stale_keys.append(held.key)
-                        stale_ids.append(put_id)
-                        continue
-                    st.delete_locked(obj)  # ours is the newer: the known one's copies go
-                    obj = None
-                if obj is None:
-                    obj = ObjectEntry(key=held.key, size=held.size, state=COMPLETE, replicas={}, put_id=put_id)
-                    st.objects[held.key] = obj
-                elif obj.size != held.size or (obj.state == PENDING and obj.put_id != put_id):
-                    stale_keys.append(held.key)  # another copy won; this one must not linger
-                    stale_ids.append(put_id)
-                    continue
-                elif obj.state == PENDING:
-                    continue  # its writer will end the put and name this node
-                elif not obj.put_id:
-                    obj.put_id = put_id  # learned from a copy of unknown put (a restarted node)
-                if node.node_id in obj.replicas:
-                    obj.replicas[node.node_id].tier = held.tier
-                    continue
-                obj.replicas[node.node_id] = Replica(node.node_id, held.tier, "", -1)
-                node.used += held.size
-                node.objects += 1
+                    st.outbox.close(link)
+            stale_keys, stale_ids = st.reconcile_locked(node, objects, mark)
             if stale_keys:
-                st.queue_removal_locked(node.node_id, stale_keys, stale_ids)
-            st.awaiting.discard(info.node_id)
+                st.outbox.remove(node.node_id, stale_keys, stale_ids)
+            st.role.reported(info.node_id)
         log.info("node %s registered at %s with %d object(s)%s", info.node_id, info.address, len(objects),
                  f", {len(stale_keys)} refused" if stale_keys else "")
 
@@ -204,21 +139,16 @@ class MasterService:
         False: register again (unknown, or a removal failed to reach it); `mark`: the node's
         mark (`MasterState.grant_mark_locked`)."""
         st = self.state
-        st.check_leader()
+        st.role.check_leader()
         with st.lock:
-            node = st.nodes.get(node_id)
+            node = st.nodes.heard(node_id, time.monotonic(), stats)
             if node is None:
                 return False, 0
-            node.last_heartbeat = time.monotonic()
-            if stats:
-                node.stats = dict(stats)
             for held in dropped:
                 st.drop_replica_locked(held.key, node_id, held.put_id)
             for held in moved:
-                obj = st.objects.get(held.key)
-                if obj is not None and node_id in obj.replicas:
-                    obj.replicas[node_id].tier = held.tier
-            if node_id in st.dirty:
+                st.objects.retier(held.key, node_id, held.tier)
+            if st.nodes.is_dirty(node_id):
                 return False, node.mark
             return True, st.grant_mark_locked(node)
 
@@ -230,15 +160,15 @@ class MasterService:
     def mark_local(self, node_id: str) -> None:
         """The node runs in this process (embedded): its liveness is ours, never time it out."""
         with self.state.lock:
-            self.state.local.add(node_id)
+            self.state.nodes.mark_local(node_id)
 
     def node_addresses(self) -> set[str]:
         with self.state.lock:
-            return {n.address for n in self.state.nodes.values()}
+            return self.state.nodes.addresses()
 
     def known_nodes(self) -> list[str]:
         with self.state.lock:
-            return list(self.state.nodes)
+            return self.state.nodes.ids()
 
     # ------------------------------------------------------------------ client-facing
 
@@ -253,16 +183,18 @@ class MasterService:
         found by issue 14's chaos runs): it is reclaimed and the put planned anew, so a retry
         never fails on itself. Any other pending put of `key` raises `AlreadyExists`."""
         st = self.state
-        st.check_leader()
+        st.role.check_leader()
         check_key(key)
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidArgument(f"value size must be a positive integer, got {size!r}")
-        want = st.replicas if not replicas else replicas
+        tun = st.tunables
+        want = tun.replicas if not replicas else replicas
         if not isinstance(want, int) or want < 1:
             raise InvalidArgument(f"replicas must be >= 1, got {replicas!r}")
         now = time.monotonic()
         with st.lock:
-            limit = st.max_object_locked()
+            nodes = st.nodes
+            limit = nodes.max_object()
             if size > limit:
                 raise ObjectTooLarge(f"value of {size} bytes is larger than the largest object a node can hold "
                                      f"({limit} bytes)")
@@ -275,64 +207,47 @@ class MasterService:
                 if obj.removing:
                     raise AlreadyExists(f"key {key!r} is being removed (a reader holds a lease); retry later")
                 st.reclaim_locked(obj)
-            st.check_quota_locked(key, size, 1)  # before making room: nobody is evicted for a refused put
-            chosen = choose_nodes(list(st.nodes.values()), size, want, writer_node)
+            st.quotas.check(st.objects, key, size, 1)  # before making room: nobody is evicted for a refused put
+            chosen = choose_nodes(nodes.values(), size, want, writer_node)
             if not chosen:
                 self.housekeeping.make_room_locked(size, now)
-                chosen = choose_nodes(list(st.nodes.values()), size, want, writer_node)
+                chosen = choose_nodes(nodes.values(), size, want, writer_node)
             if not chosen:
                 raise CapacityError(f"no store node has room for {size} bytes "
-                                    f"({len(st.nodes)} node(s) registered)")
+                                    f"({len(nodes)} node(s) registered)")
             if len(chosen) < want:
                 log.warning("put %r: %d replica(s) requested, only %d node(s) can take it", key, want, len(chosen))
-            st.check_quota_locked(key, size, len(chosen))
+            st.quotas.check(st.objects, key, size, len(chosen))
             put_id = next(st.ids)
-            st.objects[key] = ObjectEntry(key=key, size=size, state=PENDING,
-                                             replicas={n.node_id: Replica(n.node_id) for n in chosen},
-                                             put_id=put_id, deadline=now + st.put_timeout_s, token=token)
-            st.pending.add(key)
-            for n in chosen:
-                n.used += size
-            tickets, local = st.tickets, st.local
+            st.objects.plan(key, size, chosen, put_id, now + tun.put_timeout_s, token)
+            tickets = st.tickets
             if tickets is None:
                 return PutPlan(put_id=put_id, targets=[Target(n.node_id, n.address) for n in chosen])
             # a node in another process takes the write only with the ticket (a node here asks us)
             return PutPlan(put_id=put_id, targets=[
-                Target(n.node_id, n.address, b"" if n.node_id in local else
-                       tickets.sign(put_id, key, size, n.node_id, st.put_timeout_s)) for n in chosen])
+                Target(n.node_id, n.address, b"" if nodes.is_local(n.node_id) else
+                       tickets.sign(put_id, key, size, n.node_id, tun.put_timeout_s)) for n in chosen])
 
     def put_end(self, key: str, put_id: int, written: Sequence[Placed]) -> None:
         """Publish a put with the replicas that landed; no replica landed = abort."""
         st = self.state
-        st.check_leader()
+        st.role.check_leader()
         with st.lock:
             obj = st.objects.get(key)
             if obj is not None and obj.state == COMPLETE and obj.put_id == put_id:
                 return  # already published (a new leader learned it from the nodes' reports)
             if obj is None or obj.state != PENDING or obj.put_id != put_id:
                 for p in written:  # the put was reclaimed or removed meanwhile: its bytes must go
-                    st.queue_removal_locked(p.node_id, [key], [put_id])
+                    st.outbox.remove(p.node_id, [key], [put_id])
                 raise Unavailable(f"put of {key!r} was reclaimed or removed before it ended; retry it")
-            landed = {p.node_id: p for p in written if p.node_id in obj.replicas and p.node_id in st.nodes}
-            for p in written:
-                if p.node_id not in landed:  # the node left and came back meanwhile: its copy is unknown
-                    st.queue_removal_locked(p.node_id, [key], [put_id])
-            for node_id in list(obj.replicas):
-                if node_id not in landed:
-                    st.release_space_locked(node_id, obj.size, count=False)
-                    del obj.replicas[node_id]
-                    # A write still on its way there must not land as a copy nobody knows (the
-                    # node remembers the put as aborted, `kvpool.node.writes`).
-                    st.queue_removal_locked(node_id, [key], [put_id])
-            if not landed:
-                del st.objects[key]
+            # A copy the table does not take (its node left and came back, or a write still on its
+            # way to a node that missed the put) must not linger unknown: the node remembers the
+            # put as aborted (`kvpool.node.writes`).
+            published, gone = st.objects.publish(obj, written, time.monotonic())
+            for node_id in gone:
+                st.outbox.remove(node_id, [key], [put_id])
+            if not published:
                 raise Unavailable(f"put of {key!r}: no replica was written")
-            for node_id, p in landed.items():
-                obj.replicas[node_id] = Replica(node_id, p.tier, p.segment, p.offset)
-                st.nodes[node_id].objects += 1
-            obj.state = COMPLETE
-            obj.deadline = 0.0
-            obj.last_access = time.monotonic()
             st.counters["puts"] += 1
             st.counters["put_bytes"] += obj.size
 
@@ -344,7 +259,7 @@ class MasterService:
 
     def put_abort(self, key: str, put_id: int) -> None:
         st = self.state
-        st.check_leader()
+        st.role.check_leader()
         with st.lock:
             obj = st.objects.get(key)
             if obj is not None and obj.state == PENDING and obj.put_id == put_id:
@@ -354,33 +269,33 @@ class MasterService:
                release: Sequence[int] = ()) -> tuple[int, list[Entry | None]]:
         """Replicas of each complete key (None: a miss) and one lease id covering the hits."""
         st = self.state
-        st.check_leader()
+        st.role.check_leader()
         now = time.monotonic()
         out: list[Entry | None] = []
         with st.lock:
             if release:
                 st.release_locked(release, now)
             lease_id = next(st.ids) if lease else 0
-            hit_keys: list[str] = []
+            get, node_of, counters = st.objects.get, st.nodes.get, st.counters
+            leased = []
             for key in keys:
-                obj = st.objects.get(key)
+                obj = get(key)
                 if obj is None or not obj.visible():
-                    if obj is None and st.recovering_locked(now):
+                    if obj is None and st.role.recovering(now):
                         raise Unavailable("master is recovering after a failover; retry shortly")
                     out.append(None)
-                    st.counters["misses"] += 1
+                    counters["misses"] += 1
                     continue
-                locs = [Location(r.node_id, st.nodes[r.node_id].address, r.tier, r.offset)
-                        for r in obj.replicas.values() if r.node_id in st.nodes]
+                locs = [Location(r.node_id, n.address, r.tier, r.offset)
+                        for r in obj.replicas.values() if (n := node_of(r.node_id)) is not None]
                 obj.last_access = now
                 if lease:
-                    obj.leases[lease_id] = now + st.lease_s
-                    hit_keys.append(key)
+                    leased.append(obj)
                 out.append(Entry(obj.size, locs))
-                st.counters["hits"] += 1
-            st.counters["gets"] += len(keys)
-            if hit_keys:
-                st.lease_keys[lease_id] = (hit_keys, now + st.lease_s)
+                counters["hits"] += 1
+            counters["gets"] += len(keys)
+            if leased:
+                st.leases.grant(lease_id, leased, now + st.tunables.lease_s)
             else:
                 lease_id = 0
         return lease_id, out
@@ -389,9 +304,7 @@ class MasterService:
         """The leases among `lease_ids` that cover only keys under `prefix` (a tenant's scope):
         lease ids are sequential, so a tenant must not end another tenant's leases."""
         with self.state.lock:
-            leases = self.state.lease_keys
-            return [lid for lid in lease_ids
-                    if (held := leases.get(lid)) is not None and all(k.startswith(prefix) for k in held[0])]
+            return self.state.leases.owned(lease_ids, prefix)
 
     def release(self, lease_ids: Sequence[int]) -> None:
         """The reader is done: leases end, deferred removals finish."""
@@ -402,8 +315,8 @@ class MasterService:
         """Embedded fast path: visible? and count the access (no lease: the node pins while it reads)."""
         st = self.state
         with st.lock:
-            obj = st.objects.get(key)
-            if obj is None or not obj.visible():
+            obj = st.objects.visible(key)
+            if obj is None:
                 st.counters["misses"] += 1
                 return False
             obj.last_access = time.monotonic()
@@ -412,20 +325,23 @@ class MasterService:
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         st = self.state
-        st.check_leader()
+        st.role.check_leader()
         with st.lock:
-            if st.recovering_locked(time.monotonic()) and any(k not in st.objects for k in keys):
+            objects = st.objects
+            if st.role.recovering(time.monotonic()) and any(k not in objects for k in keys):
                 raise Unavailable("master is recovering after a failover; retry shortly")
-            return [(o := st.objects.get(k)) is not None and o.visible() for k in keys]
+            get = objects.get
+            return [(o := get(k)) is not None and o.visible() for k in keys]
 
     def match_prefix(self, keys: Sequence[str]) -> int:
         """n such that keys[0..n) are all complete and keys[n] is not."""
         st = self.state
-        st.check_leader()
+        st.role.check_leader()
         with st.lock:
-            recovering = st.recovering_locked(time.monotonic())
+            recovering = st.role.recovering(time.monotonic())
+            get = st.objects.get
             for i, key in enumerate(keys):
-                obj = st.objects.get(key)
+                obj = get(key)
                 if obj is None or not obj.visible():
                     if recovering:
                         raise Unavailable("master is recovering after a failover; retry shortly")
@@ -439,32 +355,32 @@ class MasterService:
         Never undone, found or not: the remove takes a generation T and leaves a tombstone for
         each key (in cluster mode written to etcd first, outside the lock), so a node's copy
         written before it (put id <= T), reported later to this master or the next leader, is
-        refused (`MasterState`). A put that began after T is not removed by it."""
+        refused (`kvpool.master.tombstones`). A put that began after T is not removed by it."""
         st = self.state
-        st.check_leader()
+        st.role.check_leader()
         out = []
         now = time.monotonic()
         log_ = st.removal_log
         with st.lock:
             # A key this new leader does not know yet may be on a node still to re-report: "not
             # found" now would leave the object to come back with that report (found by chaos).
-            if st.recovering_locked(now) and any(k not in st.objects for k in keys):
+            if st.role.recovering(now) and any(k not in st.objects for k in keys):
                 raise Unavailable("master is recovering after a failover; retry shortly")
             # The pool in one process (embedded): its node never re-reports, no tombstone needed.
-            tombstones = not st.local or any(n not in st.local for n in st.nodes)
+            tombstones = not st.nodes.all_local()
             generation = next(st.ids)
             if tombstones and log_ is not None:
-                st.recording.add(generation)
+                st.tombstones.recording(generation)
         if tombstones and log_ is not None:
             try:
                 log_.record(keys, generation)  # Unavailable when etcd cannot take it: nothing was removed
             finally:
                 with st.lock:
-                    st.recording.discard(generation)
+                    st.tombstones.recorded(generation)
         with st.lock:
             for key in keys:
                 if tombstones:
-                    st.remember_removal_locked(key, generation, now)
+                    st.tombstones.remember(key, generation, now)
                 obj = st.objects.get(key)
                 if obj is None or obj.removing or obj.put_id > generation:
                     out.append(False)
@@ -472,8 +388,7 @@ class MasterService:
                 if obj.state == PENDING:
                     st.reclaim_locked(obj)
                 elif obj.leased(now):
-                    obj.removing = True
-                    st.removing.add(key)
+                    st.objects.start_removing(obj)
                     for node_id in obj.replicas:
                         st.hide_local_locked(node_id, obj)
                 else:
@@ -485,6 +400,6 @@ class MasterService:
     def max_object_bytes(self) -> int:
         with self.state.lock:
             try:
-                return self.state.max_object_locked()
+                return self.state.nodes.max_object()
             except Unavailable:
                 return MAX_OBJECT_BYTES

@@ -1,19 +1,10 @@
-"""The master's two tables: objects and nodes, as plain records.
+"""The records in the master's tables: an object (`ObjectEntry`, with its `Replica`s) and a store
+node (`NodeEntry`). Plain data: the tables that hold them keep their invariants
+(`kvpool.master.objects`, `nodes`, `leases`, `tombstones`; `kvpool.master.state` ties them).
 
-Invariants (kept by `MasterService`, which owns the only lock):
-- An object is `pending` from `put_start` until `put_end`; only `complete` objects are visible
-  to readers (`lookup`, `exists`, `match_prefix`). A pending object whose deadline passes is
-  reclaimed: dropped from the table and its bytes removed from the nodes it was placed on.
-- A complete object has at least one replica; dropping its last replica drops the object.
 - `ObjectEntry.leases` maps lease id -> monotonic expiry; while one is unexpired the object is
   neither evicted nor removed (a `remove` marks it `removing`, hides it from readers, and finishes
   when the last lease is released or expires).
-- Every remove leaves a tombstone (`MasterState.removed`, key -> the remove's generation; in
-  cluster mode written to etcd first, `kvpool.cluster.removals`) whether the key was found or
-  not: a node the master did not know held a copy (dropped while paused, or not yet re-reported
-  after a failover) may report it later, and that report is refused, so the remove never comes
-  undone. Tombstones older than `removal_memory_s` are forgotten behind a horizon; a node's
-  `mark` covers them (`kvpool.master.state`).
 - `NodeEntry.used` is the master's own account: bytes of replicas placed on the node (pending
   and complete). `capacity` comes from the node's registration.
 """

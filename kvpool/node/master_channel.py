@@ -29,16 +29,16 @@ class MasterChannel:
         self._registration = None
         self._credential = node_credential(settings) if settings is not None else None
         self.changed = False
-        if settings is not None and settings.meta:
+        if settings is not None and settings.pool.meta:
             from kvpool.cluster import EtcdClient
 
-            self._etcd = EtcdClient(settings.meta)
+            self._etcd = EtcdClient(settings.pool.meta)
         elif settings is not None:
-            parse_address(settings.master)  # a typo fails at start, not in every heartbeat
+            parse_address(settings.pool.master)  # a typo fails at start, not in every heartbeat
 
     def _leader_address(self) -> str:
         if self._etcd is None:
-            return self._settings.master
+            return self._settings.pool.master
         from kvpool.cluster import LEADER_KEY
 
         leader = self._etcd.get(LEADER_KEY)
@@ -77,7 +77,7 @@ class MasterChannel:
 
             doc = json.dumps({"node_id": info.node_id, "address": info.address})
             self._registration = Registration(self._etcd, NODES_PREFIX + info.node_id, doc,
-                                              lease_ttl(self._settings.heartbeat_s)).start()
+                                              lease_ttl(self._settings.pool.heartbeat_s)).start()
         self._call(RegisterNode(info, objects, mark))
         self.changed = False
 

@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable
 
 from kvpool.errors import CapacityError, KVPoolError
+from kvpool.messages import NodeData
 from transfer import READ
 
 log = logging.getLogger("kvpool.node")
@@ -80,6 +81,26 @@ class Pins:
                 ssd.append(i)
         return pinned, offsets, sizes, copies, ssd
 
+    def get_one(self, key: str, arena: memoryview) -> tuple:
+        """`pin([key])` as a `NodeGet` reply: (NodeData, the object's bytes, the unpin to run once
+        they are sent), for the single get that most requests are."""
+        visible = self._visible
+        if visible is not None and not visible(key):
+            return NodeData([-1], []), ()
+        store = self.store
+        try:
+            loc = store.pin(key)
+        except CapacityError:  # DRAM all pinned: served from SSD without promoting
+            data = store.get(key)
+            if data is None:
+                return NodeData([-1], []), ()
+            return NodeData([len(data)], [0]), (memoryview(data),)
+        except (KVPoolError, ValueError):  # absent, being removed: a miss
+            return NodeData([-1], []), ()
+        offset, length = loc.offset, loc.length
+        return (NodeData([length], [0] if loc.from_ssd else []), (arena[offset:offset + length],),
+                lambda: self.unpin((key,)))
+
     def grants(self, offsets: list[int], sizes: list[int], pin_id: int, principal: str) -> list[bytes]:
         """A READ grant per range pinned under `pin_id` (b"" for misses and inline objects) to
         `principal` (the reader: only its own data connections may use them), valid for the pin's
@@ -94,6 +115,12 @@ class Pins:
                 self._grants[pin_id] = [g for g in out if g]
                 return out
         return []  # released meanwhile (its connection closed): nothing to hand out
+
+    def granted(self, pin_ids: list[int]) -> bool:
+        """Whether any of these pins came with grants (releasing it revokes them, which may wait
+        for a READ in flight)."""
+        grants = self._grants
+        return bool(grants) and any(pid in grants for pid in pin_ids)
 
     def unpin(self, keys: list[str]) -> None:
         store = self.store

@@ -51,7 +51,7 @@ class StoreNode:
     `rpc`: a server to add the node's handlers to (the embedded pool shares one with the
     master; the caller starts and stops it), else the node serves on its own.
     `engine`: a started `transfer.TransferEngine` to register the arena with (the caller owns
-    it); default: the node starts its own with `settings.transports`."""
+    it); default: the node starts its own with `settings.node.transports`."""
 
     def __init__(self, settings: Settings, *, master: Any = None, store: Any = None, rpc: RpcServer | None = None,
                  engine: Any = None):
@@ -60,7 +60,7 @@ class StoreNode:
         self.store = store
         self.rpc = rpc
         self._own_rpc = rpc is None
-        self.node_id = settings.node_id or ""
+        self.node_id = settings.node.node_id or ""
         self.segment = ""
         self.pins: PinTable | None = None
         self.writes: Writes | None = None
@@ -74,6 +74,7 @@ class StoreNode:
         self._own_engine = engine is None
         self.transfer_segment: bytes | None = None
         self._mark_saved_at = 0.0
+        self._mark_unsaved = False  # a newer mark than MARK_FILE's waits out the save interval
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -82,6 +83,23 @@ class StoreNode:
                  NodeRemove: self._on_remove, NodeCopy: self._on_copy, NodeStats: self._on_stats,
                  NodeReserve: self._on_reserve, NodeCommit: self._on_commit}
         return {kind: self._while_open(handler) for kind, handler in table.items()}
+
+    def inline(self) -> dict[type, Any]:
+        """The requests the RPC server may answer on its loop thread (`kvpool.rpc.loop`): those
+        that only touch memory. A get or pin of objects all in DRAM (not one to read from SSD
+        first), and an unpin, unless releasing revokes grants (which waits for READs in flight)."""
+        def reads(msg: Any, scope: str) -> bool:
+            store, pins = self.store, self.pins
+            return (store is not None and pins is not None and not (msg.unpin and pins.granted(msg.unpin))
+                    and store.resident(msg.keys, scope))
+
+        def unpins(msg: NodeUnpin, scope: str) -> bool:
+            pins = self.pins
+            return pins is not None and not pins.granted(msg.pin_ids)
+
+        if not hasattr(self.store, "resident"):
+            return {}
+        return {NodeGet: reads, NodePin: reads, NodeUnpin: unpins}
 
     def _while_open(self, handler: Any) -> Any:
         """A request still in flight when `stop` closed the store gets `Unavailable`, not a crash."""
@@ -109,16 +127,17 @@ class StoreNode:
             self.store.quotas = {}
         self.store.on_event = self._on_store_event
         if self._own_rpc:
-            self.rpc = RpcServer(self.handlers(), s.host, s.port, name="node", on_close=self.conn_closed,
-                                 settings=s).start()
+            self.rpc = RpcServer(self.handlers(), s.pool.host, s.pool.port, name="node", on_close=self.conn_closed,
+                                 settings=s, inline=self.inline()).start()
         else:
             self.rpc.handlers.update(self.handlers())
+            self.rpc.inline.update(self.inline())
             self.rpc.on_close = self.conn_closed
         self.node_id = self.node_id or f"{socket.gethostname()}:{self.rpc.port}"
         self.segment = f"{self.node_id}/dram"
         master = self.master
-        self.pins = PinTable(self.store, s.lease_s, master.touch if master is not None else None)
-        self.writes = Writes(self.store, self.node_id, self.segment, s.put_timeout_s, master)
+        self.pins = PinTable(self.store, s.pool.lease_s, master.touch if master is not None else None)
+        self.writes = Writes(self.store, self.node_id, self.segment, s.pool.put_timeout_s, master)
         self.writes.credential = node_credential(s)  # what it shows the source node of a copy
         keyring = getattr(self.rpc, "keyring", None)
         # Our master is elsewhere: its tickets admit each write. Not with the user's own keyring
@@ -166,9 +185,11 @@ class StoreNode:
             from transfer import TransferEngine
 
             if self.engine is None:
-                transports = [t for t in self.settings.transports if t in ("shm", "tcp", "rdma")]
-                self.engine = TransferEngine(name=f"kvpool-{self.node_id}", host=self.settings.host,
-                                             transports=transports or ("tcp",), limits=self.settings.limits(),
+                transports = [t for t in self.settings.node.transports if t in ("shm", "tcp", "rdma")]
+                self.engine = TransferEngine(name=f"kvpool-{self.node_id}", host=self.settings.pool.host,
+                                             transports=transports or ("tcp",), limits=self.settings.rpc.limits(),
+                                             rdma_device=self.settings.rpc.rdma_device,
+                                             rdma_gid_index=self.settings.rpc.rdma_gid_index,
                                              **grants.engine_access(getattr(self.rpc, "keyring", None))).start()
             desc = self.engine.register(self.store.arena.buffer, name=self.segment, shm_path=self.store.arena.path)
             self.transfer_segment = desc.to_bytes()
@@ -181,7 +202,7 @@ class StoreNode:
                 self.engine = None
 
     def info(self) -> NodeInfo:
-        s = self.settings
+        s = self.settings.node
         capacity = {"dram": self.store.arena.size}
         if s.ssd_path:
             capacity["ssd"] = s.ssd_capacity
@@ -198,7 +219,7 @@ class StoreNode:
         return [Held(k, size, tier, self.writes.put_id_of(k)) for k, size, tier in self.store.keys()]
 
     def _mark_path(self) -> str | None:
-        return os.path.join(self.settings.ssd_path, MARK_FILE) if self.settings.ssd_path else None
+        return os.path.join(self.settings.node.ssd_path, MARK_FILE) if self.settings.node.ssd_path else None
 
     def _load_mark(self) -> None:
         path = self._mark_path()
@@ -211,9 +232,13 @@ class StoreNode:
     def _save_mark(self) -> None:
         path = self._mark_path()
         now = time.monotonic()
-        if path is None or now - self._mark_saved_at < MARK_SAVE_S:
+        if path is None:
+            return
+        if now - self._mark_saved_at < MARK_SAVE_S:
+            self._mark_unsaved = True  # saved by a later heartbeat, not lost
             return
         self._mark_saved_at = now
+        self._mark_unsaved = False
         try:
             with open(path + ".tmp", "w") as f:
                 f.write(str(self.writes.mark))
@@ -228,7 +253,7 @@ class StoreNode:
             log.warning("node %s: registration failed (%s); retrying with the next heartbeat", self.node_id, exc)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_s):
+        while not self._stop.wait(self.settings.pool.heartbeat_s):
             expired = self.pins.expire()
             if expired:
                 log.info("node %s: %d pin(s) expired without an unpin", self.node_id, expired)
@@ -239,7 +264,7 @@ class StoreNode:
             try:
                 stats = self.store.stats()
                 known, mark = self.channel.heartbeat(self.node_id, stats, dropped, moved)
-                if mark and self.writes.set_mark(mark):
+                if (mark and self.writes.set_mark(mark)) or self._mark_unsaved:
                     self._save_mark()
                 if not known or self.channel.changed:
                     self.channel.changed = False
@@ -273,38 +298,50 @@ class StoreNode:
 
     # ------------------------------------------------------------------ handlers
 
-    def _on_get(self, msg: NodeGet, payload: Payload, conn: ServerConn) -> None:
+    def _on_get(self, msg: NodeGet, payload: Payload, conn: ServerConn) -> tuple:
+        """The objects' bytes straight from the arena, pinned until the reply is sent (`release`)."""
+        pins = self.pins
         if msg.unpin:
-            self.pins.release(msg.unpin, conn)
-        pinned, offsets, sizes, copies, ssd = self.pins.pin(msg.keys)
+            pins.release(msg.unpin, conn)
+        elif len(msg.keys) == 1:  # the common single get: no lists to build
+            return pins.get_one(msg.keys[0], self.store.arena.buffer)
+        pinned, offsets, sizes, copies, ssd = pins.pin(msg.keys)
         try:
             arena = self.store.arena.buffer
             views = [memoryview(copies[i]) if i in copies else arena[o:o + n]
                      for i, (o, n) in enumerate(zip(offsets, sizes)) if n >= 0]
-            conn.reply(NodeData(sizes, ssd), views)
-        finally:
-            self.pins.unpin(pinned)
+        except BaseException:
+            pins.unpin(pinned)
+            raise
+        return NodeData(sizes, ssd), views, lambda: pins.unpin(pinned)
 
-    def _on_pin(self, msg: NodePin, payload: Payload, conn: ServerConn) -> None:
+    def _on_pin(self, msg: NodePin, payload: Payload, conn: ServerConn) -> tuple:
+        pins = self.pins
         if msg.unpin:
-            self.pins.release(msg.unpin, conn)
-        _, offsets, sizes, copies, ssd = self.pins.pin(msg.keys)
-        hits = [i for i, n in enumerate(sizes) if n >= 0 and i not in copies]
-        # Small objects ride inline in the reply (a pin + memcpy costs more than the bytes), and
-        # so do the unpinnable ones read from SSD (`copies`).
-        inline = [i for i in hits if msg.inline and sizes[i] <= INLINE_MAX]
-        kept = [msg.keys[i] for i in hits if not msg.inline or sizes[i] > INLINE_MAX]
-        arena = self.store.arena.buffer
-        views = [memoryview(copies[i]) if i in copies else arena[offsets[i]:offsets[i] + sizes[i]]
-                 for i in sorted([*inline, *copies])]
-        for i in inline:
-            offsets[i] = -1
-        pin_id = self.pins.hold(kept, conn) if kept else 0
+            pins.release(msg.unpin, conn)
+        pinned, offsets, sizes, copies, ssd = pins.pin(msg.keys)
         try:
-            conn.reply(Pins(pin_id, offsets, sizes, self.pins.grants(offsets, sizes, pin_id, conn.principal.name), ssd),
-                       views)
-        finally:
-            self.pins.unpin([msg.keys[i] for i in inline])
+            hits = [i for i, n in enumerate(sizes) if n >= 0 and i not in copies]
+            # Small objects ride inline in the reply (a pin + memcpy costs more than the bytes), and
+            # so do the unpinnable ones read from SSD (`copies`).
+            inline = [i for i in hits if msg.inline and sizes[i] <= INLINE_MAX]
+            kept = [msg.keys[i] for i in hits if not msg.inline or sizes[i] > INLINE_MAX]
+            arena = self.store.arena.buffer
+            views = [memoryview(copies[i]) if i in copies else arena[offsets[i]:offsets[i] + sizes[i]]
+                     for i in sorted([*inline, *copies])]
+            for i in inline:
+                offsets[i] = -1
+            pin_id = pins.hold(kept, conn) if kept else 0
+        except BaseException:
+            pins.unpin(pinned)
+            raise
+        sent = [msg.keys[i] for i in inline]  # pinned until the reply is sent
+        try:
+            granted = pins.grants(offsets, sizes, pin_id, conn.principal.name)
+        except BaseException:
+            pins.unpin(sent)
+            raise
+        return Pins(pin_id, offsets, sizes, granted, ssd), views, lambda: pins.unpin(sent)
 
     def _on_unpin(self, msg: NodeUnpin, payload: Payload, conn: ServerConn) -> None:
         self.pins.release(msg.pin_ids, conn)

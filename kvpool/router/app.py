@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from kvpool import worker_api as wire
 from kvpool.security.keyring import Entry
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
-from kvpool.security.http_guard import HttpGuard, internal_token, metrics_token_from_env
+from kvpool.security.http_guard import HttpGuard, internal_token, metrics_token
 from kvpool.router import observe, openai_api as oa
 from kvpool.router.kv_events import KVEventsSource
 from kvpool.router.service import Outcome, Piece, Rejected, Router
@@ -86,7 +86,7 @@ def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvpool router", lifespan=lifespan)
     token = internal_token(router.keyring) if router.keyring is not None else None
     app.add_middleware(OpenAIFront, router=router)  # inside the guard: added first
-    scraper = metrics_token_from_env() if token else None  # with a keyring, a scraper's token opens /metrics too
+    scraper = metrics_token() if token else None  # with a keyring, a scraper's token opens /metrics too
     app.add_middleware(HttpGuard, token=lambda: token, what="this router", metrics_token=lambda: scraper,
                        needs_token=lambda path: path.startswith("/admin") or path in ("/metrics", "/dashboard/data"),
                        error_body=lambda status, code, message: oa.OpenAIError(status, message, code=code).body())

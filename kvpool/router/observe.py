@@ -44,7 +44,7 @@ async def snapshot(router: Any, timeout_s: float = 2.0) -> dict[str, Any]:
     started = time.time()
     sources = [_source("router", "router", lambda: parse(router.metrics.render().decode()))]
     workers = list(router.workers.by_url.values()) if router.workers is not None else []
-    tasks = [_worker(router.http, w.url, w.name, timeout_s) for w in workers]
+    tasks = [_worker(router.backend.http, w.url, w.name, timeout_s) for w in workers]
     if router.pool is not None:
         tasks.append(_pool(router.pool, timeout_s))
     sources += await asyncio.gather(*tasks)

@@ -60,6 +60,7 @@ class RouteRequest:
     chunk_tokens: int
     pool_prefix_chunks: int  # leading chunks of the prompt present in the pool (one match_prefix)
     bytes_per_token: int
+    pool_matched: bool = False  # the pool answered that match_prefix (else the 0 above is a guess)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ class CacheAware:
     Ties (a prefix no worker holds, every worker idle) go to the worker whose own cache holds
     least: new prefixes spread over the workers' caches. Broken by name, every cold conversation
     landed on the first worker, whose cache then evicted them while the others sat empty, and the
-    next round found its prefix nowhere (issue 9, `kvpool bench policies --scenario local-caches`)."""
+    next round found its prefix nowhere (issue 9, `kvpool bench policies --workload local-caches`)."""
 
     name = "cache_aware"
 

@@ -5,12 +5,11 @@ Workers join by `POST /admin/workers` (a worker started with `--router` does it 
 repeats it every few seconds, so a restarted router relearns its workers) or from the command
 line (`kvpool router --worker URL`). A poll loop reads each worker's load and its KV events
 (tier "local": what entered and left its prefix cache) every `poll_s`, in one call
-(`GET /load?events_since=N`, on hop.py's client; a worker that answers without its events is
-also asked `/v1/events`). Workers of
-another API (vLLM's OpenAI servers: `backend`, see backends/vllm.py) are described and polled by
-their backend instead; their role is given at registration, and where the router knows their KV
-events endpoint (`kv_events`), a subscriber (kv_events.py) keeps their `local_keys` from vLLM's
-own events, pushed as they happen rather than polled.
+(the backend's `poll`: a reference worker answers both in one `GET /load?events_since=N`,
+backends/reference.py). Workers whose backend's events come separately (vLLM's OpenAI servers,
+backends/vllm.py: their role is given at registration) have a subscriber (kv_events.py) keep
+their `local_keys` from their own events, pushed as they happen rather than polled, where the
+router knows their KV events endpoint (`kv_events`).
 
 States: `up` (in rotation) -> `draining` (no new requests; forgotten once its load shows no
 work and the router has nothing in flight there) ; `up` -> `down` on a refused connection or
@@ -30,11 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import aiohttp
-
 from kvpool import worker_api as wire
 from kvpool.errors import AlreadyExists, InvalidArgument, Unavailable
-from kvpool.router.hop import Hop, HopError
+from kvpool.router.backends.base import Backend, WorkerRefused
 from kvpool.router.kv_events import BlockIndex, KVEventSubscriber, KVEventsSource, namespace_resolver
 from kvpool.router.policy import WorkerView
 
@@ -107,15 +104,11 @@ class WorkerState:
 
 
 class Workers:
-    def __init__(self, http: aiohttp.ClientSession, *, poll_s: float = 0.25, fail_after: int = 3,
+    def __init__(self, backend: Backend, *, poll_s: float = 0.25, fail_after: int = 3,
                  forget_s: float = 30.0, on_join: Callable[[WorkerState], Any] | None = None,
-                 on_load: Callable[[WorkerState], None] | None = None, backend: Any = None,
-                 headers: dict[str, str] | None = None, kv_events: dict[str, KVEventsSource] | None = None):
-        self.http = http
-        self.kv_events = dict(kv_events or {})  # backend workers' KV event endpoints, by URL
-        # Polls of reference workers: one `GET /load?events_since=N` each, on hop.py's client
-        # (its own connections; a poll unanswered for 4 polls' time fails).
-        self.hop = Hop(headers, read_timeout=max(1.0, 4 * poll_s)) if backend is None else None
+                 on_load: Callable[[WorkerState], None] | None = None,
+                 kv_events: dict[str, KVEventsSource] | None = None):
+        self.kv_events = dict(kv_events or {})  # KV event endpoints of the workers, by URL
         self.backend = backend
         self.poll_s = poll_s
         self.fail_after = fail_after
@@ -131,11 +124,11 @@ class Workers:
     # -- membership ----------------------------------------------------------------------------
     async def register(self, url: str, role: str | None = None,
                        kv_events: KVEventsSource | None = None) -> WorkerState:
-        """`role`: for a backend's workers (default "both"); a reference worker states its own.
-        `kv_events`: where a backend's worker publishes its KV events (else as configured)."""
+        """`role`: for a vLLM server (default "both"); a reference worker states its own.
+        `kv_events`: where the worker publishes its KV events (else as configured)."""
         url = _normalize(url)
         if kv_events is not None:
-            if self.backend is None:
+            if not self.backend.kv_events:
                 raise InvalidArgument("KV event endpoints are for vLLM servers; reference workers send their "
                                       "events with their load")
             self.kv_events[url] = kv_events
@@ -144,10 +137,7 @@ class Workers:
             if kv_events is not None and (known.kv_events is None or known.kv_events.source != kv_events):
                 self._follow_events(known)  # told where its events are after it joined
             return known
-        if self.backend is not None:
-            info = await self.backend.info(self.http, url, role)
-        else:
-            info = await self._get(url, "/v1/info", wire.WorkerInfo, timeout=5.0)
+        info = await self.backend.describe(url, role)
         if self.namespace is not None and (info.namespace != self.namespace or info.model_id != self.model_id):
             raise AlreadyExists(f"worker {url} serves {info.model_id} (namespace {info.namespace[:8]}...), this "
                                 f"router {self.model_id} (namespace {self.namespace[:8]}...): refused")
@@ -170,9 +160,9 @@ class Workers:
         return state
 
     def _follow_events(self, state: WorkerState) -> None:
-        """Start (or restart, empty) the subscriber of a backend worker with a KV events endpoint."""
+        """Start (or restart, empty) the subscriber of a worker with a KV events endpoint."""
         source = self.kv_events.get(state.url)
-        if self.backend is None or source is None:
+        if not self.backend.kv_events or source is None:
             return
         if state.kv_events is not None:
             state.kv_events.close()
@@ -199,6 +189,12 @@ class Workers:
         self._forget(state)
         log.info("worker %s removed", state.name)
         return state
+
+    def leaving(self, state: WorkerState) -> None:
+        """The worker answered that it is draining (503): no new requests."""
+        if state.status == UP:
+            state.status = DRAINING
+            log.info("worker %s is draining: no new requests", state.name)
 
     def mark_down(self, state: WorkerState, why: str) -> None:
         if state.status == DRAINING:
@@ -233,8 +229,6 @@ class Workers:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        if self.hop is not None:
-            await self.hop.close()
         for state in list(self.by_url.values()):
             if state.kv_events is not None:
                 await state.kv_events.stop()
@@ -249,20 +243,10 @@ class Workers:
 
     async def _poll_one(self, state: WorkerState) -> None:
         try:
-            if self.backend is not None:  # its KV events, if any, come by kv_events.py
-                load = await self.backend.poll(self.http, state, timeout=max(1.0, 4 * self.poll_s))
-                events = wire.EventsResponse(events=[], next=state.events_since)
-            else:
-                load = await self._poll_load(state)
-                events = load.events
-                if events is None:  # a worker that does not send its events with its load
-                    events = await self._get(state.url, f"/v1/events?since={state.events_since}",
-                                             wire.EventsResponse, timeout=max(1.0, 4 * self.poll_s))
+            load, events = await self.backend.poll(state, timeout=max(1.0, 4 * self.poll_s))
         except Unavailable as exc:
             state.failures += 1
-            cause = exc.__cause__
-            refused = isinstance(cause, aiohttp.ClientConnectorError) or getattr(cause, "refused", False)
-            if refused or state.failures >= self.fail_after:
+            if isinstance(exc, WorkerRefused) or state.failures >= self.fail_after:
                 self.mark_down(state, str(exc))
             if state.status == DOWN and time.monotonic() - state.down_since > self.forget_s:
                 self._forget(state)
@@ -274,7 +258,8 @@ class Workers:
             log.info("worker %s is back in rotation", state.name)
         elif state.status == UP and load.draining:
             state.status = DRAINING
-        self._apply_events(state, events)
+        if events is not None:
+            self._apply_events(state, events)
         if self._on_load is not None:
             self._on_load(state)
         if (state.status == DRAINING and load.open_streams == 0 and load.queue_length == 0
@@ -294,31 +279,6 @@ class Workers:
             elif ev.kind == "removed":
                 state.local_keys.difference_update(ev.keys)
         state.events_since = resp.next
-
-    async def _poll_load(self, state: WorkerState) -> wire.LoadReport:
-        path = f"/load?events_since={state.events_since}"
-        try:
-            resp = await self.hop.request(state.url, path, None)
-            try:
-                status, body = resp.status, await resp.read()
-            finally:
-                resp.release()
-        except HopError as exc:
-            raise Unavailable(f"worker {state.url} unreachable: {exc}") from exc
-        if status != 200:
-            raise Unavailable(f"worker {state.url} answered {status} to {path}: {body[:200]!r}")
-        return wire.decode(body, wire.LoadReport)
-
-    async def _get(self, url: str, path: str, type_: type, timeout: float) -> Any:
-        try:
-            async with self.http.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                body = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise Unavailable(f"worker {url} unreachable: {type(exc).__name__}: {exc}") from exc
-        if status != 200:
-            raise Unavailable(f"worker {url} answered {status} to {path}: {body[:200]!r}")
-        return wire.decode(body, type_)
 
 
 def _normalize(url: str) -> str:

@@ -5,8 +5,8 @@ socket (a 64 KiB round trip costs about half of loopback TCP's); it keeps its TC
 its identity and falls back to TCP if the unix socket cannot be reached. It spins for a reply
 only when the server's last reply said it may (`FLAG_SPIN`, see `kvpool.rpc.spin`).
 
-Given a `Credential` (or a keyring in `settings.auth_file`, else the user's own keyring made on
-first use: `kvpool.security.local`), a client proves its principal with
+Given a `Credential` (or a keyring in `settings.security.auth_file`, else the user's own keyring
+made on first use: `kvpool.security.local`), a client proves its principal with
 `transfer.auth`'s handshake on every connection it opens, TCP or unix, before any frame; a
 refused or failed handshake is `Unauthorized`.
 """
@@ -24,7 +24,7 @@ import msgspec
 
 from kvpool.security.keyring import Credential, load_keyring
 from kvpool.security.local import resolve as resolve_keyring
-from kvpool.config import RpcSettings
+from kvpool.config import Settings, current_settings
 from kvpool.errors import InvalidArgument, LimitExceeded, Unauthorized, Unavailable, error_from_code
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, parse_address,
@@ -46,24 +46,24 @@ class RpcClient:
     `call` returns the reply message (an `Err` reply is raised as its typed error); the reply's
     payload, if any, is then read with `read_payload_into` / `read_payload` before the next call
     (or is drained automatically). A broken connection raises `Unavailable` and reconnects on
-    the next call. `settings`: the RPC knobs (default: from the environment). `credential`: who
+    the next call. `settings`: its `[rpc]` knobs and `[security]` (default: `current_settings()`). `credential`: who
     to prove to be on each connection (default: `credential_from(settings)`; None there: no
     authentication).
     """
 
-    def __init__(self, address: str, timeout: float = 10.0, settings: RpcSettings | None = None,
+    def __init__(self, address: str, timeout: float = 10.0, settings: Settings | None = None,
                  credential: Credential | None = None):
-        settings = settings or RpcSettings()
+        settings = settings or current_settings()
         self.credential = credential if credential is not None else credential_from(settings)
         self.address = address
         self.host, self.port = parse_address(address)
         self.unix: str | None = None  # connect here instead (same host), see `use_unix`
         self.timeout = timeout
-        self._polls = settings.rpc_spin
-        self._unix_ok = settings.rpc_unix and UNIX_SUPPORTED
+        self._polls = settings.rpc.rpc_spin
+        self._unix_ok = settings.rpc.rpc_unix and UNIX_SUPPORTED
         self._sock: socket.socket | None = None
         self._header = bytearray(HEADER.size)
-        self.max_reply = settings.max_reply_bytes or MAX_PAYLOAD  # a reply announcing more is refused
+        self.max_reply = settings.rpc.max_reply_bytes or MAX_PAYLOAD  # a reply announcing more is refused
         self._used = 0.0  # when this connection last sent (`_open_sock`)
         self.payload_left = 0
         self._local: tuple | None = None  # this connection's address, while in `local.clients`
@@ -329,20 +329,21 @@ class RpcClient:
         self.payload_left -= n
 
 
-def credential_from(settings: RpcSettings) -> Credential | None:
-    """The credential `settings` name (`auth_file` + `principal`), else the user's own keyring's
-    (`kvpool.security.local`), or None: authentication off."""
-    if settings.auth_file:
-        return load_keyring(settings.auth_file).credential(settings.principal)
+def credential_from(settings: Settings) -> Credential | None:
+    """The credential `settings.security` names (`auth_file` + `principal`), else the user's own
+    keyring's (`kvpool.security.local`), or None: authentication off."""
+    security = settings.security
+    if security.auth_file:
+        return load_keyring(security.auth_file).credential(security.principal)
     keyring = resolve_keyring(None)  # KVPOOL_AUTH_FILE, else the per-user keyring
     if keyring is None:
         return None
-    return LocalCredential.of(keyring) if keyring.local else keyring.credential(settings.principal)
+    return LocalCredential.of(keyring) if keyring.local else keyring.credential(security.principal)
 
 
-def node_credential(settings: RpcSettings) -> Credential | None:
+def node_credential(settings: Settings) -> Credential | None:
     """What masters and nodes present to each other: the keyring's node principal (None: off)."""
-    keyring = resolve_keyring(settings.auth_file)
+    keyring = resolve_keyring(settings.security.auth_file)
     return keyring.node_credential() if keyring is not None else None
 
 

@@ -12,8 +12,8 @@ Invariants: at most one request is outstanding on a connection; a one-way frame
 (`FLAG_ONEWAY`) gets no reply; a frame with a wrong version or an undecodable message gets an
 `Err` and the connection is closed. The server owns its `SpinPolicy` (`kvpool.rpc.spin`).
 
-Identity: with a keyring (`keyring=`, else `settings.auth_file`'s, else the user's own made on
-first use, `kvpool.security.local`; none only with `KVPOOL_LOCAL_AUTH=off`), each new connection must open
+Identity: with a keyring (`keyring=`, else `settings.security.auth_file`'s, else the user's own made
+on first use, `kvpool.security.local`; none only with `KVPOOL_LOCAL_AUTH=off`), each new connection must open
 with `transfer.auth`'s handshake (channel "rpc"); its proved principal is `ServerConn.principal`,
 and `_dispatch` authorizes every request against it and scopes a tenant's keys
 (`kvpool.security.authz`). A connection that does not open with a hello gets one `Err("unauthorized")`
@@ -22,7 +22,7 @@ this process's uid or root (`SO_PEERCRED`), keyring or not: an abstract socket h
 permissions. Without a keyring every connection is `kvpool.security.keyring.ANYONE`. Keys are validated once:
 a tenant's here (`authz`), anyone else's per item where they enter the node or the master.
 
-Limits (`RpcSettings`: header and idle timeouts, minimum body rate, connection caps; see
+Limits (`settings.rpc`: header and idle timeouts, minimum body rate, connection caps; see
 `transfer.framing.Limits` and `transfer.listener`): with a keyring, connections that have not
 authenticated yet have a budget of their own (a new one over it replaces the oldest, and each has
 `handshake_timeout_s`), so no flood of them locks out a client with a credential; authenticated
@@ -48,12 +48,13 @@ import msgspec
 
 from kvpool.security.keyring import ANYONE, Keyring, Principal
 from kvpool.security.local import resolve as resolve_keyring
-from kvpool.config import RpcSettings
+from kvpool.config import Settings, current_settings
 from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, LimitExceeded, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
                               request_decoder, send_frame, unix_name)
 from kvpool.security.authz import NODE_ONLY, ROLE_NAMES, RULES, rank, scope_of
+from kvpool.rpc.loop import Link, ServeLoop
 from kvpool.rpc.spin import CpuPressure, SpinPolicy, local
 from transfer.auth import MAGIC, AuthError, AuthLimited, looks_like_hello, peer_uid, serve_handshake
 from transfer.framing import Stalled, peer_pid, refuse_after
@@ -80,39 +81,74 @@ class ServerConn:
         self.oneway = False
         self.flags = 0  # reply flags for the request being handled (FLAG_SPIN)
         self.state: dict[str, Any] = {}  # per-connection handler state (e.g. pins to drop on close)
+        self.link: Link | None = None  # while served by the server's loop (`kvpool.rpc.loop`)
 
-    def reply(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
+    def reply(self, msg: Any, buffers: Sequence[Any] = (), release: Callable[[], None] | None = None) -> None:
+        """Send the reply to the request being handled. `release`: called once the bytes of
+        `buffers` are no longer needed (sent, or the connection ended): a handler sending from
+        pinned memory passes its unpin here, which lets the loop send without blocking."""
         if self.oneway:
+            if release is not None:
+                release()
             return
-        if not buffers:  # most replies: one small frame, one send
-            body = encoder.encode(msg)
-            self.sock.sendall(HEADER.pack(PROTOCOL_VERSION, self.flags, len(body), 0) + body)
-        else:
-            send_frame(self.sock, msg, buffers, self.flags)  # payload from where it lies, one sendmsg
         self.replied = True
+        link = self.link
+        if link is not None:  # the loop: never block (what the kernel does not take now follows)
+            body = encoder.encode(msg)
+            n = _nbytes(buffers)
+            head = HEADER.pack(PROTOCOL_VERSION, self.flags, len(body), n) + body
+            link.loop.send(link, [head, *buffers], len(head) + n, release)
+            return
+        try:
+            if not buffers:  # most replies: one small frame, one send
+                body = encoder.encode(msg)
+                self.sock.sendall(HEADER.pack(PROTOCOL_VERSION, self.flags, len(body), 0) + body)
+            else:
+                send_frame(self.sock, msg, buffers, self.flags)  # payload from where it lies, one sendmsg
+        finally:
+            if release is not None:
+                release()
+
+
+def _nbytes(buffers: Sequence[Any]) -> int:
+    if not buffers:
+        return 0
+    if len(buffers) == 1 and type(buffers[0]) is memoryview:
+        return buffers[0].nbytes
+    return sum(b.nbytes if type(b) is memoryview else memoryview(b).nbytes for b in buffers)
 
 
 Handler = Callable[[Any, Payload, ServerConn], Any]
+# May a request of this type be answered on the loop thread (`kvpool.rpc.loop`)? None: always;
+# else asked per request with (message, the connection's key scope, `ServerConn.scope`).
+Inline = Callable[[Any, str], bool] | None
+_NOT_INLINE = object()
 
 
 class RpcServer:
     """Serve `handlers` (message type -> handler) on host:port (0: a free port).
 
     `handlers` may be filled in after construction, before `start` (the embedded pool's node
-    and master share one server). `settings`: the RPC knobs (default: from the environment).
-    `keyring`: authenticate every connection against it (default: `settings.auth_file`'s, or
-    none: authentication off)."""
+    and master share one server), and so may `inline`: the message types whose handlers never
+    block (`Inline`); with any, and `settings.rpc.rpc_loop`, connections are served by one loop
+    thread (`kvpool.rpc.loop`), else each by its own thread. `settings`: its `[rpc]` knobs and
+    `[security]` (default: `current_settings()`). `keyring`: authenticate every connection against
+    it (default: `settings.security.auth_file`'s, else the user's own, or none: authentication off)."""
 
     def __init__(self, handlers: dict[type, Handler], host: str = "127.0.0.1", port: int = 0, name: str = "rpc",
                  on_close: Callable[[ServerConn], None] | None = None, unix: bool = True,
-                 settings: RpcSettings | None = None, keyring: Keyring | None = None):
-        settings = settings or RpcSettings()
+                 settings: Settings | None = None, keyring: Keyring | None = None,
+                 inline: dict[type, Inline] | None = None):
+        settings = settings or current_settings()
         # the configured keyring, else this user's own (`kvpool.security.local`; None when turned off)
-        self.keyring = keyring if keyring is not None else resolve_keyring(settings.auth_file)
+        self.keyring = keyring if keyring is not None else resolve_keyring(settings.security.auth_file)
         self.handlers = handlers
+        self.inline: dict[type, Inline] = dict(inline or {})
+        self._use_loop = settings.rpc.rpc_loop
+        self._loop: ServeLoop | None = None
         self.name = name
         self.on_close = on_close
-        self.spin = SpinPolicy(settings.server_spin, CpuPressure(settings.spin_max_cpu_pressure))
+        self.spin = SpinPolicy(settings.rpc.server_spin, CpuPressure(settings.rpc.spin_max_cpu_pressure))
         try:
             self._sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
         except OSError as exc:
@@ -124,7 +160,7 @@ class RpcServer:
         local.servers.add(self._listen_addr)
         self.unix_address: str | None = None
         self._unix_sock: socket.socket | None = None
-        if unix and settings.rpc_unix and UNIX_SUPPORTED:
+        if unix and settings.rpc.rpc_unix and UNIX_SUPPORTED:
             uname = f"@kvpool-rpc-{self.port}-{secrets.token_hex(6)}"
             try:
                 usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -134,8 +170,8 @@ class RpcServer:
                 log.info("%s: no unix socket (%s); same-host clients use TCP", name, exc)
             else:
                 self._unix_sock, self.unix_address = usock, uname
-        # Limits (`RpcSettings.limits`): connection caps here, the receive tick set once per socket.
-        self.limits = settings.limits()
+        # Limits (`RpcSection.limits`): connection caps here, the receive tick set once per socket.
+        self.limits = settings.rpc.limits()
         self._idle_ticks = self.limits.idle_ticks()
         self._listener = Listener([self._sock, self._unix_sock], self._serve, name, limits=self.limits,
                                   refusal=self._limit_frame, handshake=self.keyring is not None)
@@ -145,12 +181,17 @@ class RpcServer:
         return f"{self.host}:{self.port}"
 
     def start(self) -> "RpcServer":
+        if self._use_loop and self.inline and UNIX_SUPPORTED:  # epoll: Linux
+            self._loop = ServeLoop(self.name, self._frames, self.limits, self.spin)
+            self._loop.start()
         self._listener.start()
         return self
 
     def stop(self) -> None:
         local.servers.discard(self._listen_addr)
-        self._listener.close()
+        self._listener.close()  # shuts every connection down: the loop sees each end
+        if self._loop is not None:
+            self._loop.close()
 
     def _authenticate(self, sock: socket.socket, peer: str) -> Principal | None:
         """The principal of a new connection, or None when it was refused (and told why)."""
@@ -286,12 +327,135 @@ class RpcServer:
             return
         conn = ServerConn(sock, peer, principal)
         reader = Reader(sock)
+        try:
+            if self._loop is not None:
+                self._serve_looped(conn, reader, in_process)
+            else:
+                self._serve_threaded(conn, reader, in_process)
+        except Stalled as exc:
+            log.info("%s: cut the connection from %s: %s", self.name, peer, exc)
+        except BlockingIOError:
+            log.info("%s: cut the connection from %s: a receive or send tick (%.3gs) passed without progress "
+                     "mid-frame", self.name, peer, self.limits.header_timeout_s)
+        except (ConnectionError, OSError) as exc:
+            log.debug("%s: connection from %s ended: %s", self.name, peer, exc)
+        finally:
+            if self.on_close is not None:
+                try:
+                    self.on_close(conn)
+                except Exception:
+                    log.exception("%s: on_close failed", self.name)
+
+    def _serve_looped(self, conn: ServerConn, reader: Reader, in_process: bool) -> None:
+        """Between requests the connection waits in the loop, which answers the inline ones; this
+        thread, parked meanwhile, serves each request the loop hands over (`kvpool.rpc.loop`)."""
+        loop, policy = self._loop, self.spin
+        link = Link(loop, conn.sock, conn, reader, conn.peer, policy.connection(in_process))
+        conn.link = link
+        loop.adopt(link)
+        pace = self.limits.min_per_tick
+        busy, me = policy.busy, threading.get_ident()
+        while True:
+            link.gate.acquire()  # parked until the loop hands a request over or ends the connection
+            if link.closed:
+                if link.why.startswith(("frame not finished", "the client read nothing", "idle")):
+                    log.info("%s: closing %s: %s", self.name, conn.peer, link.why)
+                else:
+                    log.debug("%s: connection from %s ended: %s", self.name, conn.peer, link.why)
+                return
+            conn.link = None
+            busy.add(me)  # the loop spins for nobody meanwhile
+            try:
+                now = policy.request_from(link.fd)
+                flags = FLAG_SPIN if link.spin.cap and policy.sole_client(now) else 0
+                if not self._one(conn, reader, flags, bool(flags), pace):
+                    return
+            finally:
+                busy.discard(me)
+            conn.link = link
+            loop.adopt(link)
+
+    def _frames(self, link: Link) -> bool:
+        """On the loop thread: answer the complete inline frames buffered on `link`; hand the
+        first other one to the connection's thread. False: the link left the loop (handed over,
+        or ended)."""
+        reader, conn, loop, policy = link.reader, link.conn, link.loop, self.spin
+        buf, view = reader.buf, reader.view
+        hsize, unpack_from, decode, inline = HEADER.size, HEADER.unpack_from, request_decoder.decode, self.inline
+        spins = link.spin.cap
+        while True:
+            start = reader.start
+            avail = reader.end - start
+            if avail < hsize:
+                return True
+            version, flags, msg_len, payload_len = unpack_from(buf, start)
+            need = hsize + msg_len + payload_len
+            if version != PROTOCOL_VERSION or need > len(buf):  # bad, or too big to wait for here
+                loop.hand_over(link)
+                return False
+            if avail < need:
+                if start + need > len(buf):  # make room for the rest of it
+                    buf[:avail] = bytes(view[start:reader.end])
+                    reader.start, reader.end = 0, avail
+                return True
+            try:
+                msg = decode(view[start + hsize:start + hsize + msg_len])
+            except msgspec.DecodeError:
+                loop.hand_over(link)  # its thread answers the error
+                return False
+            check = inline.get(type(msg), _NOT_INLINE)
+            if check is _NOT_INLINE or (check is not None and not check(msg, conn.scope)):
+                loop.hand_over(link)
+                return False
+            reader.start = start + hsize + msg_len
+            conn.oneway = bool(flags & FLAG_ONEWAY)
+            conn.replied = False
+            conn.flags = FLAG_SPIN if spins and policy.loop_sole_client(policy.request_from(link.fd)) else 0
+            self._dispatch(msg, Payload(link.sock, payload_len, reader), conn)
+            if link.closed or link.out:  # ended, or its reply is still being sent
+                return not link.closed
+
+    def _one(self, conn: ServerConn, reader: Reader, flags: int, spin: bool, pace: int) -> bool:
+        """Serve the request whose header is buffered in `reader`, blocking as it needs; False
+        when the connection must close (a frame that cannot be trusted). `flags`: the reply's."""
+        sock = conn.sock
+        hsize = HEADER.size
+        reader.fill(hsize)
+        conn.flags = flags
+        version, flags, msg_len, payload_len = HEADER.unpack_from(reader.buf, reader.start)
+        reader.start += hsize
+        if version != PROTOCOL_VERSION or msg_len > MAX_MESSAGE or payload_len > MAX_PAYLOAD:
+            conn.oneway = False
+            conn.reply(Err("invalid_argument", f"bad frame: protocol version {version} (this server speaks "
+                           f"{PROTOCOL_VERSION}), message {msg_len} bytes, payload {payload_len} bytes"))
+            return False
+        if msg_len <= len(reader.buf):
+            reader.fill(msg_len)
+            body = reader.view[reader.start:reader.start + msg_len]
+            reader.start += msg_len
+        else:
+            body = self._recv_message(sock, reader, msg_len)
+        payload = Payload(sock, payload_len, reader, spin=spin, pace=pace)
+        conn.oneway = bool(flags & FLAG_ONEWAY)
+        conn.replied = False
+        try:
+            msg = request_decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            payload.drain()
+            conn.reply(Err("invalid_argument", f"malformed message: {exc}"))
+            return True
+        del body  # a view of the buffer, which the next recv reuses
+        self._dispatch(msg, payload, conn)
+        return True
+
+    def _serve_threaded(self, conn: ServerConn, reader: Reader, in_process: bool) -> None:
+        """A thread per connection: wait for each request (polling first when the spin policy
+        allows, `kvpool.rpc.spin`), then serve it (`_one`)."""
+        peer = conn.peer
         policy = self.spin
         spin = policy.connection(in_process)  # a client in this process needs our GIL: never spin for it
         busy, spinning = policy.busy, policy.spinning
         hsize = HEADER.size
-        unpack_from = HEADER.unpack_from
-        decode = request_decoder.decode
         me = threading.get_ident()
         ticks = [0, 0]  # receive ticks with no byte: while idle, since a header started
         pace = self.limits.min_per_tick
@@ -316,45 +480,11 @@ class RpcServer:
                 ticks[0] = ticks[1] = 0
                 busy.add(me)
                 now = policy.request_from(me)
-                conn.flags = FLAG_SPIN if spin.cap and policy.sole_client(now) else 0
-                version, flags, msg_len, payload_len = unpack_from(reader.buf, reader.start)
-                reader.start += hsize
-                if version != PROTOCOL_VERSION or msg_len > MAX_MESSAGE or payload_len > MAX_PAYLOAD:
-                    conn.oneway = False
-                    conn.reply(Err("invalid_argument", f"bad frame: protocol version {version} (this server speaks "
-                                   f"{PROTOCOL_VERSION}), message {msg_len} bytes, payload {payload_len} bytes"))
+                flags = FLAG_SPIN if spin.cap and policy.sole_client(now) else 0
+                if not self._one(conn, reader, flags, bool(flags), pace):
                     return
-                if msg_len <= len(reader.buf):
-                    reader.fill(msg_len)
-                    body = reader.view[reader.start:reader.start + msg_len]
-                    reader.start += msg_len
-                else:
-                    body = self._recv_message(sock, reader, msg_len)
-                payload = Payload(sock, payload_len, reader, spin=bool(conn.flags & FLAG_SPIN), pace=pace)
-                conn.oneway = bool(flags & FLAG_ONEWAY)
-                conn.replied = False
-                try:
-                    msg = decode(body)
-                except msgspec.DecodeError as exc:
-                    payload.drain()
-                    conn.reply(Err("invalid_argument", f"malformed message: {exc}"))
-                    continue
-                del body  # a view of the buffer, which the next recv reuses
-                self._dispatch(msg, payload, conn)
-        except Stalled as exc:
-            log.info("%s: cut the connection from %s: %s", self.name, peer, exc)
-        except BlockingIOError:
-            log.info("%s: cut the connection from %s: a receive or send tick (%.3gs) passed without progress "
-                     "mid-frame", self.name, peer, self.limits.header_timeout_s)
-        except (ConnectionError, OSError) as exc:
-            log.debug("%s: connection from %s ended: %s", self.name, peer, exc)
         finally:
             busy.discard(me)
-            if self.on_close is not None:
-                try:
-                    self.on_close(conn)
-                except Exception:
-                    log.exception("%s: on_close failed", self.name)
 
     def _dispatch(self, msg: Any, payload: Payload, conn: ServerConn) -> None:
         handler = self.handlers.get(type(msg))
@@ -377,13 +507,18 @@ class RpcServer:
             log.exception("%s: %s failed", self.name, type(msg).__name__)
             out = Err("internal", f"{type(exc).__name__}: {exc}")
         if payload.remaining:
-            payload.drain()
+            try:
+                payload.drain()
+            except BaseException:
+                if isinstance(out, tuple) and len(out) > 2:
+                    out[2]()  # the reply's release (an unpin) runs even when it is never sent
+                raise
         if conn.replied or out is None:
             return
         if conn.scope and isinstance(out, Err):  # a tenant sees its keys as it named them
             out = Err(out.code, out.message.replace(conn.scope, "").replace(repr(conn.scope)[1:-1], ""))
-        if isinstance(out, tuple):
-            conn.reply(out[0], out[1])
+        if isinstance(out, tuple):  # (reply, buffers) or (reply, buffers, release)
+            conn.reply(*out)
         else:
             conn.reply(out)
 

@@ -7,7 +7,7 @@ when the other side is in this process (`LocalEndpoints`): there it needs our GI
 Each connection adapts (`Spin`); a server (`SpinPolicy`, `server_spin` polls) spins only for its
 sole active client and tells that client so (FLAG_SPIN), and a client (`rpc_spin` polls) spins
 only when told: clients cannot see each other (on 2 cores, 4 clients that all spun got 0.85x the
-throughput with a worse p99). Settings: `kvpool.config.RpcSettings`.
+throughput with a worse p99). Settings: `[rpc]` of `kvpool.config`.
 
 Measured here (2 cores, 64 KiB put/get, kvpool/tools/scripts/spin_load.py): one client 2-3x the ops/s over
 TCP and 1.4-1.6x same-host; 4 clients 1.0-1.16x; 16 clients 0.79-1.04x (mean 0.95x), p99 within
@@ -137,6 +137,18 @@ class SpinPolicy:
         """While handling a request that came at `now`: is this connection the only active one?
         Then its client may spin for our reply (FLAG_SPIN)."""
         return len(self.busy) == 1 and not self.spinning and now > self._last[2] and not self.pressure.busy(now)
+
+    def loop_may_spin(self, me: int) -> bool:
+        """A serve loop (`kvpool.rpc.loop`), having answered connection `me`: may it poll `me` for
+        the next request? Only when `me` sent the last request, no thread is handling one, and
+        clients have not been interleaving (a spin there makes every other connection wait)."""
+        now = time.monotonic_ns()
+        last = self._last
+        return last[0] == me and not self.busy and now > last[2] and not self.pressure.busy(now)
+
+    def loop_sole_client(self, now: int) -> bool:
+        """`sole_client` for a request a serve loop answers itself (no thread is busy for it)."""
+        return not self.busy and now > self._last[2] and not self.pressure.busy(now)
 
     def calm(self) -> None:
         """Forget that clients were interleaving (tests)."""

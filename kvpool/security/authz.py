@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from kvpool import messages as m
 from kvpool.security.keyring import Principal
-from kvpool.contract import check_key, scope_prefix
+from kvpool.contract import MAX_KEY_BYTES, check_key, scope_prefix
 
 TENANT, ADMIN, NODE = 0, 1, 2
 ROLE_NAMES = {TENANT: "a tenant", ADMIN: "an admin", NODE: "a node"}
@@ -33,7 +33,11 @@ def rank(principal: Principal) -> int:
 def _keys(msg: Any, prefix: str) -> None:
     keys = msg.keys
     if len(keys) == 1:  # a single-key request, the common case: no comprehension (a call of its own)
-        msg.keys = [prefix + check_key(keys[0])]
+        key = keys[0]
+        # `check_key`'s fast path inline (a call costs ~600 instructions, a fifth of this function)
+        if type(key) is not str or not key.isascii() or not 0 < len(key) <= MAX_KEY_BYTES or "\x00" in key:
+            check_key(key)
+        msg.keys = [prefix + key]
     else:
         msg.keys = [prefix + check_key(k) for k in keys]
 

@@ -2,9 +2,9 @@
 bearer token where one is required. Used by the admin API, the router and the workers' app.
 
 `HttpGuard` is ASGI middleware:
-- Body cap (`max_body`, default `KVPOOL_HTTP_MAX_BODY`, else 1 MiB): a request body over the cap is answered 413 before the
-  app runs. The body is read as it arrives and dropped once over the cap (never more than
-  `max_body` bytes are held); the rest is read and discarded up to `DRAIN_LIMIT`, so the client,
+- Body cap (`max_body`, default `[security] http_max_body`, 1 MiB): a request body over the cap
+  is answered 413 before the app runs. The body is read as it arrives and dropped once over the
+  cap (never more than `max_body` bytes are held); the rest is read and discarded up to `DRAIN_LIMIT`, so the client,
   still sending, reads the 413 instead of a connection reset. A larger body gets the 413 and the
   connection is closed at once.
 - Bearer token: when `token()` returns a token, every path for which `needs_token(path)` is true
@@ -30,17 +30,14 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 from typing import Any, Callable, Protocol
 
 from kvpool.security.keyring import internal_http_token, load_keyring
-from kvpool.config import parse_size, read_secret_file
+from kvpool.config import current_settings, read_secret_file
 from kvpool.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 1 << 20  # 1 MiB: a 100k-token prompt is ~400 KB of JSON
-MAX_BODY_ENV = "KVPOOL_HTTP_MAX_BODY"
 DRAIN_LIMIT = 64 << 20  # read and drop at most this much of an oversized body before answering
 TENANT_HEADER = "x-kvpool-tenant"  # router -> worker: the tenant a request is for (with the internal token)
 
@@ -57,13 +54,14 @@ INTERNAL_TOKEN_FILE_ENV = "KVPOOL_INTERNAL_TOKEN_FILE"
 
 def internal_token(keyring: Any = None) -> str | None:
     """The router<->worker bearer token when `keyring` (default: the one `KVPOOL_AUTH_FILE` names)
-    is set: the file `KVPOOL_INTERNAL_TOKEN_FILE` names (`kvpool auth init` writes internal.token),
+    is set: the file `[security] internal_token_file` names (KVPOOL_INTERNAL_TOKEN_FILE; `kvpool auth
+    init` writes internal.token),
     else derived from the keyring's node secret. A keyring of tenants only (a router's or a worker's,
     which hold no node secret) needs the file: `InvalidArgument` says so."""
     keyring = keyring if keyring is not None else load_keyring()
     if keyring is None:
         return None
-    path = os.environ.get(INTERNAL_TOKEN_FILE_ENV)
+    path = current_settings().security.internal_token_file
     if path:
         return read_secret_file(path, INTERNAL_TOKEN_FILE_ENV)
     node = [e for e in keyring.entries.values() if e.principal.role == "node"]
@@ -75,16 +73,10 @@ def internal_token(keyring: Any = None) -> str | None:
     return internal_http_token(node[0].secret)
 
 
-METRICS_TOKEN_ENV, METRICS_TOKEN_FILE_ENV = "KVPOOL_METRICS_TOKEN", "KVPOOL_METRICS_TOKEN_FILE"
-
-
-def metrics_token_from_env() -> str | None:
-    """The metrics token of `KVPOOL_METRICS_TOKEN_FILE` (a file: not world-readable) or
-    `KVPOOL_METRICS_TOKEN`, for the services without `Settings` (the router, workers)."""
-    path = os.environ.get(METRICS_TOKEN_FILE_ENV)
-    if path:
-        return read_secret_file(path, METRICS_TOKEN_FILE_ENV)
-    return os.environ.get(METRICS_TOKEN_ENV) or None
+def metrics_token() -> str | None:
+    """The token a Prometheus scraper presents (`[security] metrics_token`, or read from
+    `metrics_token_file`: KVPOOL_METRICS_TOKEN(_FILE)), for the router's and workers' /metrics."""
+    return current_settings().security.metrics_token
 
 
 def internal_headers(keyring: Any = None) -> dict[str, str]:
@@ -122,7 +114,7 @@ class HttpGuard:
         self.metrics_path = metrics_path
         self.tenants = tenants
         self.error_body = error_body
-        self.max_body = max_body if max_body is not None else parse_size(os.environ.get(MAX_BODY_ENV) or MAX_BODY)
+        self.max_body = max_body if max_body is not None else current_settings().security.http_max_body
         self.token = token
         self.needs_token = needs_token
         self.what = what
@@ -187,7 +179,7 @@ class HttpGuard:
         log.info("request body of %d bytes refused (limit %d)", size, self.max_body)
         await self._answer(send, 413, "request_too_large",
                            f"the request body is {'at least ' if close else ''}{size} bytes; {self.what} accepts "
-                           f"at most {self.max_body} bytes ({MAX_BODY_ENV})",
+                           f"at most {self.max_body} bytes (KVPOOL_HTTP_MAX_BODY)",
                            {"connection": "close"} if close else None)
 
     async def _answer(self, send: Any, status: int, code: str, message: str,

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.config import parse_size
+from kvpool.config import current_settings, parse_size
 from kvpool.errors import InvalidArgument, Unauthorized
 
 ROLES = ("node", "admin", "tenant")
@@ -161,9 +161,9 @@ class Keyring:
         return entry.principal
 
     def credential(self, name: str | None = None) -> Credential:
-        """The credential of `name` (default: `KVPOOL_PRINCIPAL`, else the keyring's only
-        principal, else its `node` principal)."""
-        name = name or os.environ.get(PRINCIPAL_ENV)
+        """The credential of `name` (default: `[security] principal`, KVPOOL_PRINCIPAL, else the
+        keyring's only principal, else its `node` principal)."""
+        name = name or current_settings().security.principal
         if not name:
             if len(self.entries) == 1:
                 name = next(iter(self.entries))
@@ -179,10 +179,10 @@ class Keyring:
 
     def own_credential(self, name: str | None = None) -> Credential | None:
         """What a service of the deployment (the router, a worker) speaks as on its own behalf, for
-        untenanted requests: `name`, else `KVPOOL_PRINCIPAL`, else the node principal; None when the
+        untenanted requests: `name`, else `[security] principal`, else the node principal; None when the
         keyring names none (one of tenants only: least privilege, such a service acts only for a
         tenant, as that tenant)."""
-        name = name or os.environ.get(PRINCIPAL_ENV)
+        name = name or current_settings().security.principal
         if name:
             return self.credential(name)
         if any(e.principal.role == "node" for e in self.entries.values()):
@@ -250,8 +250,9 @@ def parse_role(role: str, where: str = "role") -> tuple[str, str | None]:
 
 
 def load_keyring(path: str | os.PathLike | None = None) -> Keyring | None:
-    """The keyring at `path`, else at `KVPOOL_AUTH_FILE`, else None (authentication off)."""
-    path = path or os.environ.get(AUTH_FILE_ENV) or None
+    """The keyring at `path`, else at `[security] auth_file` (KVPOOL_AUTH_FILE), else None
+    (authentication off)."""
+    path = path or current_settings().security.auth_file or None
     return Keyring.load(path) if path else None
 
 

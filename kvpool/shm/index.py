@@ -59,8 +59,9 @@ _hash = xxhash.xxh3_128_intdigest
 
 
 def supported() -> bool:
-    """Whether optimistic readers are sound on this CPU (ordered loads and stores)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("KVPOOL_SHM_INDEX", "1") != "0"
+    """Whether optimistic readers are sound on this CPU (ordered loads and stores). Whether to use
+    the index at all is the caller's setting (`[rpc] shm_index`)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def auto_slots(dram_capacity: int) -> int:

@@ -49,8 +49,8 @@ def test_bench_disagg_reports_the_seeds_table(tmp_path):
 
 
 def test_bench_policies_compares_the_three_on_the_same_workers(tmp_path):
-    doc = _bench(["policies", "--scenario", "local-caches", "--conversations", "2", "--rounds", "2",
-                  "--system-len", "300", "--output-len", "4", "--rate", "0.5"], tmp_path)
+    doc = _bench(["policies", "--workload", "local-caches", "--set", "conversations=2", "--set", "rounds=2",
+                  "--set", "system_len=300", "--set", "output_len=4", "--rate", "0.5"], tmp_path)
     cases = {r["case"]: r for r in doc["results"]}
     for policy in ("round_robin", "least_loaded", "cache_aware"):
         row = cases[f"ttft_mean/{policy}@0.5"]["extra"]

@@ -26,8 +26,8 @@ def openai_cluster(cluster):
 def test_bench_serve_chat_against_the_cluster(openai_cluster):
     env = clean_env()
     r = subprocess.run([KVPOOL, "bench", "serve", "--base-url", openai_cluster, "--workload", "chat",
-                        "--num-requests", "6", "--rate", "inf", "--output-len", "16", "--system-len", "700",
-                        "--system-prompts", "1", "--max-concurrency", "1",
+                        "--num-requests", "6", "--rate", "inf", "--set", "output_len=16", "--set", "system_len=700",
+                        "--set", "system_prompts=1", "--set", "max_concurrency=1",
                         "--json"], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Traceback" not in r.stderr

@@ -105,3 +105,86 @@ def test_kvpool_up_stops_its_processes_on_sigint(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+TREE = """
+[node]
+dram_capacity = "40MiB"
+
+[router]
+policy = "round_robin"
+
+[worker]
+max_batch = 3
+
+[[workers]]
+role = "both"
+local_cache = "8MiB"
+"""
+
+
+def test_kvpool_up_and_kvpool_node_read_the_same_file(tmp_path):
+    """One configuration tree: `kvpool up` hands its file to the pool, the router and the worker
+    it starts (each reads its own sections), and `kvpool node` reads the same file alike."""
+    import kvpool
+
+    cfg = tmp_path / "cluster.toml"
+    cfg.write_text(TREE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    proc = subprocess.Popen([*KVPOOL, "up", "--config", str(cfg), "--port", "0", "--workdir", str(tmp_path / "up"),
+                             "--set", "worker.threads=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines, pool, router = [], None, None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("pool "):
+                pool = line.split()[-1]
+            if "OpenAI API:" in line:
+                router = line.split()[2].removesuffix("/v1")
+            if "Ctrl-C stops" in line:
+                break
+        assert pool and router, "".join(lines)
+        with kvpool.connect(pool) as client:
+            (node,) = client.admin("nodes")
+        assert node["capacity_bytes"] == 40 << 20  # the pool read [node]
+        doc = httpx.get(f"{router}/admin/workers", timeout=10).json()
+        assert doc["policy"] == "round_robin"  # the router read [router]
+        (worker,) = doc["workers"]
+        load = httpx.get(f"{worker['url']}/load", timeout=10).json()
+        assert load["role"] == "both" and load["max_batch"] == 3  # the worker read [worker] and [[workers]]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    master, address = _service(["master", "--port", "0", "--admin-port", "0", "--heartbeat-s", "0.2"], env)
+    try:
+        node, _ = _service(["node", "--config", str(cfg), "--port", "0", "--master", address, "--admin-port", "0",
+                            "--heartbeat-s", "0.2"], env)
+        try:
+            with kvpool.connect(address) as client:
+                deadline = time.monotonic() + 10
+                while not client.admin("nodes") and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                (entry,) = client.admin("nodes")
+            assert entry["capacity_bytes"] == 40 << 20  # the node read the same [node]
+        finally:
+            node.terminate()
+            node.wait(30)
+    finally:
+        master.terminate()
+        master.wait(30)
+
+
+def _service(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """`kvpool ARGS` started, and the address of its ready line ("kvpool ... at HOST:PORT")."""
+    proc = subprocess.Popen([*KVPOOL, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("kvpool "):
+            return proc, line.split()[-1]
+    proc.kill()
+    raise AssertionError(f"kvpool {' '.join(args)} did not start:\n{''.join(lines)}")

@@ -141,7 +141,7 @@ def test_admission_refuses_with_429_early(cluster, tmp_path):
 
     urls = [p.url for p in cluster.workers.values()]
     ready = tmp_path / "router.ready"
-    args = ["router", "--port", "0", "--pool", cluster.pool_address, "--ttft-slo-ms", "0.001",
+    args = ["router", "--port", "0", "--pool", cluster.pool_address, "--set", "router.ttft_slo_ms=0.001",
             "--ready-file", str(ready)] + [x for u in urls for x in ("--worker", u)]
     proc = subprocess.Popen([*KVPOOL, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -98,6 +98,7 @@ def test_corrupted_chunk_is_detected_and_recomputed(rm, prefill, decode, pool_cl
     assert_same_tokens(rm, ids, final.token_ids, want)
 
 
+@pytest.mark.slow  # tests/engine_adapters/test_hf.py covers the SSD hand-off in one process
 def test_prefix_served_from_ssd_after_dram_eviction(rm, prefill, decode, pool_client):
     ids = filler_ids(rm, 600, seed=88)  # two full chunks and a tail
     want = reference(rm, ids, NEW_TOKENS)

@@ -1,4 +1,4 @@
-"""`kvpool bench policies`' scenario options (issue 9): a bad size is a clear usage error before
+"""`kvpool bench policies`' scenarios (issue 9), its presets: a bad size is a clear usage error before
 anything starts, a run's worker counters become prefills per worker and a hit ratio, and
 `kvpool sim validate` still reads the setup note (and refuses the scenario it does not model)."""
 
@@ -8,25 +8,28 @@ import pytest
 from click.testing import CliRunner
 
 from kvpool.tools.bench.cluster import counter_delta
-from kvpool.tools.bench.policies import SCENARIOS, _setup_note, policies
+from kvpool.tools.bench.policies import PoliciesWorkload, _setup_note, policies
 from kvpool.errors import InvalidArgument
 from kvpool.tools.sim.profile import Profile
 from kvpool.tools.sim.validate import cases
+from kvpool.tools.workload_file import resolve
 
 
 def test_bad_sizes_are_usage_errors_before_anything_starts(tmp_path):
-    for flag in ("--pool-dram", "--local-cache"):
-        result = CliRunner().invoke(policies, ["--scenario", "local-caches", flag, "lots", "--workdir",
+    for key in ("pool_dram", "local_cache"):
+        result = CliRunner().invoke(policies, ["--workload", "local-caches", "--set", f"{key}=lots", "--workdir",
                                                str(tmp_path / "never")])
-        assert result.exit_code == 2 and "not a size" in result.output and flag in result.output
+        assert result.exit_code == 2 and "not a size" in result.output and repr(key) in result.output
         assert not (tmp_path / "never").exists()
 
 
 def test_local_caches_scenario_shrinks_the_pool_below_the_working_set():
-    shared, local = SCENARIOS["shared-pool"], SCENARIOS["local-caches"]
-    assert shared["pool_dram"] is None and shared["local_cache"] is None  # the default run is unchanged
-    assert local["conversations"] % 2 == 1  # round robin over 2 prefill workers scatters conversations
-    assert local["system_prompts"] == 0  # one system prompt per conversation: no prefix shared across them
+    shared, local = (resolve("bench policies", PoliciesWorkload, name) for name in ("shared-pool", "local-caches"))
+    assert shared.settings() == PoliciesWorkload().settings()  # the default run is the shared-pool preset
+    assert shared.pool_dram is None and shared.local_cache is None
+    assert local.conversations % 2 == 1  # round robin over 2 prefill workers scatters conversations
+    assert local.system_prompts == 0  # one system prompt per conversation: no prefix shared across them
+    assert (local.pool_dram, local.local_cache, local.pool_eviction) == ("128MiB", "128MiB", "lru")
 
 
 def test_counter_delta_gives_prefills_per_worker_and_the_hit_ratio():

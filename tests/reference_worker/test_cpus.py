@@ -1,5 +1,5 @@
 """CPU lists and the plan that gives each worker cores of its own (`kvpool up --cpus-per-worker`,
-`kvpool bench disagg --cpus-per-worker`), and a worker process that pins itself."""
+`kvpool bench disagg`'s cpus_per_worker), and a worker process that pins itself."""
 
 from __future__ import annotations
 

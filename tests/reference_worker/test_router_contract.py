@@ -115,3 +115,30 @@ def test_draining_refuses_new_work_with_503(worker_factory, http_of):
     assert http.get("/load").json()["draining"] is True
     assert http.post("/v1/tokenize", json={"prompt": "still fine"}).status_code == 200
     assert w.idle()
+
+
+def test_prefill_takes_the_routers_pool_match_instead_of_asking_again(worker_factory, http_of):
+    """`pool_chunks` (the router's match_prefix when it routed the prompt): the worker reads that
+    many chunks from the pool without asking it again; a count gone stale reads what is there (the
+    read stops at the first chunk missing); without one the worker asks; a negative one is a 400."""
+    ids = ids_of(600, seed=12)  # 2 full chunks
+    asyncio.run(worker_factory(role="prefill").prefill(m.PrefillRequest(token_ids=ids)))  # both into the pool
+    half = ids[:300] + ids_of(300, seed=13)  # only its first chunk is in the pool
+
+    def prefill(prompt: list[int], **extra) -> dict:  # on a fresh worker: its own cache is empty
+        resp = http_of(worker_factory(role="prefill")).post("/v1/prefill", json={"token_ids": prompt, **extra})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    told_none = prefill(ids, pool_chunks=0)  # the router found nothing: the worker does not look
+    assert told_none["pool_cached_tokens"] == 0 and told_none["computed_tokens"] == 600
+    one = prefill(ids, pool_chunks=1)
+    assert one["pool_cached_tokens"] == 256 and one["computed_tokens"] == 344
+    assert prefill(ids, pool_chunks=9)["pool_cached_tokens"] == 512  # more than the prompt has
+    stale = prefill(half, pool_chunks=2)  # the second chunk is not there (evicted since, say)
+    assert stale["pool_cached_tokens"] == 256 and stale["computed_tokens"] == 344
+    asked = prefill(ids)
+    assert asked["pool_cached_tokens"] == 512
+    assert one["first_token"] == told_none["first_token"] == asked["first_token"]
+    bad = http_of(worker_factory(role="prefill")).post("/v1/prefill", json={"token_ids": ids, "pool_chunks": -1})
+    assert bad.status_code == 400 and "pool_chunks" in bad.json()["message"]

@@ -27,7 +27,7 @@ def registrations(url: str, n: int):
 
 def test_registers_drains_with_a_stream_in_flight_and_exits_zero(spawn_worker):
     port = free_port()  # nothing listens here yet: the worker must keep retrying
-    worker = spawn_worker("both", "--router", f"http://127.0.0.1:{port}", "--drain-timeout", "120")
+    worker = spawn_worker("both", "--router", f"http://127.0.0.1:{port}", "--set", "worker.drain_timeout_s=120")
     time.sleep(1.5)
     router = RecordingRouter(port=port, fail_first=2)  # comes up, then answers 503 twice
     try:

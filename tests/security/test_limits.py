@@ -1,4 +1,4 @@
-"""Resource limits of a real `kvpool serve` (issue 13), each a setting (`RpcSettings`, KVPOOL_*):
+"""Resource limits of a real `kvpool serve` (issue 13), each a setting (`[rpc]` of the tree, KVPOOL_*):
 stalled connections announcing 64 MiB cost no memory, a stalled NodeWrite's reservation is
 reclaimed at the put deadline, idle and header timeouts and the minimum body rate close slow
 peers, connection caps refuse with a typed error, and clients refuse oversized replies. After
@@ -17,7 +17,7 @@ import pytest
 
 import kvpool
 from kvpool import messages as m
-from kvpool.config import RpcSettings
+from kvpool.config import Settings
 from kvpool.errors import KVPoolError, LimitExceeded
 from kvpool.messages import PROTOCOL_VERSION
 from kvpool.rpc import RpcClient
@@ -292,7 +292,7 @@ def test_the_rpc_client_refuses_a_reply_over_its_cap():
     body = encoder.encode(m.Ok())
     for payload_len, cap in ((8 << 30, None), (2 * MiB, MiB)):
         server = LyingServer(HEADER.pack(PROTOCOL_VERSION, 0, len(body), payload_len) + body)
-        settings = RpcSettings() if cap is None else RpcSettings(max_reply_bytes=cap)
+        settings = Settings() if cap is None else Settings(max_reply_bytes=cap)
         rpc = RpcClient(f"127.0.0.1:{server.port}", timeout=3, settings=settings)
         try:
             with pytest.raises(LimitExceeded, match="max_reply_bytes"):

@@ -1,2 +1,30 @@
-"""What the router talks to: `reference` (kvpool's own prefill/decode workers) and `vllm` (vLLM
-OpenAI servers with kvpool's connector). Each owns its HTTP client and maps its errors."""
+"""What the router talks to, behind one `Backend` protocol (base.py): `reference` (kvpool's own
+prefill/decode workers) and `vllm` (vLLM OpenAI servers with kvpool's connector). Each owns its
+HTTP clients and maps its errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.errors import InvalidArgument
+from kvpool.router.backends.base import Backend
+from kvpool.router.backends.reference import ReferenceBackend
+from kvpool.router.backends.vllm import VLLMBackend
+
+ENGINES = ("reference", "vllm")
+
+
+def make_backend(engine: str, vllm: Any = None, *, keyring: Any = None, request_timeout_s: float = 600.0,
+                 poll_s: float = 0.25) -> Backend:
+    """The backend for `engine`: "reference" (with `keyring`, the internal token on every call)
+    or "vllm" (`vllm`: its `VLLMSettings`)."""
+    if engine == "reference":
+        return ReferenceBackend(keyring, request_timeout_s=request_timeout_s, poll_s=poll_s)
+    if engine != "vllm":
+        raise InvalidArgument(f"unknown engine {engine!r}: 'reference' (the reference workers) or 'vllm'")
+    if vllm is None or not vllm.model_path:
+        raise InvalidArgument("--engine vllm needs --tokenizer (the model folder the vLLM servers load)")
+    return VLLMBackend(vllm, request_timeout_s=request_timeout_s)
+
+
+__all__ = ["Backend", "ENGINES", "ReferenceBackend", "VLLMBackend", "make_backend"]

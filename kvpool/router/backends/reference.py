@@ -1,61 +1,248 @@
-"""How the router calls a reference worker on a request's path, and what a failure means.
+"""The router in front of kvpool's reference workers (`--engine reference`): their worker API.
 
-`WorkerCalls` is a mixin of `Router` (service.py): it uses the router's `hop` (hop.py), `metrics`
-and `workers`.
+    registration   GET /v1/info (the worker states its role), GET /v1/tokenizer
+    polling        GET /load?events_since=N: load and the KV events of its own prefix cache in one
+                   call (a worker that does not send events with its load is also asked /v1/events)
+    colocated      POST /v1/generate on the one worker (NDJSON `TokenEvent`s)
+    disaggregated  POST /v1/prefill on the prefill worker (first token + KV handle), then
+                   POST /v1/decode on the decode worker with the handle (it pulls the KV from the
+                   pool); the prefill carries the pool's match the router made (`pool_chunks`), so
+                   the worker does not ask the pool again
+    retry          a decode that fails before it streamed anything is tried once on another decode
+                   worker (same handle: the KV is in the pool)
+    KV lost        a decode worker that answers that the handle's KV is gone from the pool (evicted
+                   before it was read, a node lost, a damaged object it dropped) is asked to
+                   generate the rest itself from the prompt and the first token (POST /v1/generate):
+                   the request costs a second prefill instead of failing mid-stream.
 
-    _post(worker, path, msg)     the body of a 2xx answer (POST /v1/prefill)
-    _stream(worker, path, msg)   the NDJSON `TokenEvent`s of /v1/decode or /v1/generate
+HTTP clients: the calls on a request's path go through hop.py's lean client, the polls through
+another (their own connections; a poll unanswered for 4 polls' time fails), the rest through
+aiohttp. Every call carries the internal bearer token when a keyring is configured, and a
+tenant's request `X-KVPool-Tenant: <id>`.
 
-A worker that cannot be reached, breaks off, or answers 5xx or 503 (draining) raises
-`_BeforeFirst` when nothing was streamed yet, so the caller may try once elsewhere; the worker is
-taken out of rotation when unreachable, marked draining on a 503. A 4xx is the request's own
-fault: its `kvpool.errors` error is raised as is. After the first event, a failure raises
-`Unavailable` (or the worker's error).
+Errors: a worker that cannot be reached, breaks off, or answers 5xx or 503 (draining) raises
+`BeforeFirst` when nothing was streamed yet; the worker is taken out of rotation when
+unreachable, marked draining on a 503. A 4xx is the request's own fault: its `kvpool.errors`
+error is raised as is. After the first event, a failure raises `Unavailable` (or the worker's
+error).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+import logging
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kvpool import worker_api as wire
-from kvpool.errors import Unavailable, error_from_code
-from kvpool.router.hop import HopError
-from kvpool.router.workers import DRAINING, UP, WorkerState
+from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable, error_from_code
+from kvpool.router.backends.base import (BeforeFirst, Host, Outcome, Piece, Request, WorkerRefused, client_session,
+                                         get)
+from kvpool.router.hop import Hop, HopError
+from kvpool.router.policy import Decision
+from kvpool.security.http_guard import TENANT_HEADER, internal_headers
+
+if TYPE_CHECKING:
+    from kvpool.router.workers import WorkerState
+
+log = logging.getLogger(__name__)
+_JSON = {"content-type": "application/json"}
 
 
-class WorkerCalls:
-    async def _post(self, worker: WorkerState, path: str, msg: Any, headers: dict[str, str] = None) -> bytes:
-        """The body of a 2xx answer; a worker that fails or answers 5xx/503 raises `_BeforeFirst`."""
+class ReferenceBackend:
+    engine = "reference"
+    registers_itself = True
+    tenant_header = True
+    kv_events = False  # reference workers send their KV events with their load
+
+    def __init__(self, keyring: Any = None, *, request_timeout_s: float = 600.0, poll_s: float = 0.25):
+        self._headers = internal_headers(keyring) if keyring is not None else {}
+        self._request_timeout_s = request_timeout_s
+        self._poll_timeout_s = max(1.0, 4 * poll_s)
+        self.http = None
+        self._hop: Hop | None = None
+        self._polls: Hop | None = None
+
+    async def start(self) -> None:
+        # aiohttp, not httpx, off the request path: its asyncio client costs ~0.5 ms less per call.
+        self.http = client_session(self._headers, self._request_timeout_s)
+        self._hop = Hop(self._headers, read_timeout=self._request_timeout_s)
+        self._polls = Hop(self._headers, read_timeout=self._poll_timeout_s)
+
+    async def close(self) -> None:
+        for client in (self._polls, self.http, self._hop):
+            if client is not None:
+                await client.close()
+
+    # -- what the router learns ----------------------------------------------------------------
+    async def describe(self, url: str, role: str | None) -> wire.WorkerInfo:
+        return wire.decode(await get(self.http, url, "/v1/info", 5.0), wire.WorkerInfo)
+
+    async def tokenizer(self, url: str) -> wire.TokenizerInfo:
+        return wire.decode(await get(self.http, url, "/v1/tokenizer", 30.0), wire.TokenizerInfo)
+
+    async def poll(self, state: "WorkerState", timeout: float) -> tuple[wire.LoadReport, wire.EventsResponse]:
+        path = f"/load?events_since={state.events_since}"
         try:
-            resp = await self.hop.request(worker.url, path, wire.encode(msg), headers)
+            resp = await self._polls.request(state.url, path, None)
+            try:
+                status, body = resp.status, await resp.read()
+            finally:
+                resp.release()
+        except HopError as exc:
+            raise (WorkerRefused if exc.refused else Unavailable)(f"worker {state.url} unreachable: {exc}") from exc
+        if status != 200:
+            raise Unavailable(f"worker {state.url} answered {status} to {path}: {body[:200]!r}")
+        load = wire.decode(body, wire.LoadReport)
+        events = load.events
+        if events is None:  # a worker that does not send its events with its load
+            events = wire.decode(await get(self.http, state.url, f"/v1/events?since={state.events_since}", timeout),
+                                 wire.EventsResponse)
+        return load, events
+
+    # -- a request -----------------------------------------------------------------------------
+    def run(self, host: Host, d: Decision, req: Request, out: Outcome) -> AsyncIterator[Piece]:
+        tenant = req.tenant
+        headers = {**_JSON, TENANT_HEADER: tenant.id} if tenant is not None else _JSON
+        if d.prefill is None:
+            return self._colocated(host, d, req.ids, req.max_tokens, req, out, headers, req.pool_chunks)
+        return self._disaggregated(host, d, req, out, headers)
+
+    async def _colocated(self, host: Host, d: Decision, ids: list[int], max_tokens: int, req: Request,
+                         out: Outcome, headers: dict[str, str], pool_chunks: int | None) -> AsyncIterator[Piece]:
+        worker = host.worker(d.decode)
+        msg = wire.GenerateRequest(token_ids=ids, max_tokens=max_tokens, request_id=req.request_id,
+                                   sampling=req.sampling, pool_chunks=pool_chunks)
+        uncached = len(ids) - d.cached_tokens
+        worker.prefill_sent(uncached)
+        worker.decode_sent()
+        prefilled = True
+        try:
+            async for event in self._stream(host, worker, "/v1/generate", msg, headers):
+                head = event.prefill
+                if head is not None:
+                    prefilled = False
+                    worker.prefill_done(uncached)
+                    out.cached_tokens = head.cached_tokens
+                try:
+                    if event.done:
+                        yield Piece(finish=event.finish_reason or "stop")
+                        return
+                    out.completion_tokens += 1
+                    yield Piece(event.text)
+                finally:  # as in _disaggregated: after the first token is on its way
+                    if head is not None:
+                        _learn(host, head, worker, None)
+        finally:
+            worker.decode_done()
+            if prefilled:
+                worker.prefill_done(uncached)
+
+    async def _disaggregated(self, host: Host, d: Decision, req: Request, out: Outcome,
+                             headers: dict[str, str]) -> AsyncIterator[Piece]:
+        p = host.worker(d.prefill)
+        head, round_trip = await self._prefill(host, p, d, req, headers)
+        out.cached_tokens = head.cached_tokens
+        out.completion_tokens = 1
+        try:
+            yield Piece(head.text)
+        finally:  # the first token is on its way to the client before the router learns from it
+            _learn(host, head, p, round_trip)
+        msg = wire.DecodeRequest(handle=head.handle, first_token=head.first_token, max_tokens=req.max_tokens,
+                                 sampling=req.sampling)
+        tried: list[str] = [p.name] if p.role == "prefill" else []
+        decoder = host.worker(d.decode)
+        lost: KVPoolError | None = None
+        for attempt in range(2):
+            decoder.decode_sent()
+            try:
+                async for event in self._stream(host, decoder, "/v1/decode", msg, headers):
+                    if event.done:
+                        yield Piece(finish=event.finish_reason or "stop")
+                        return
+                    out.completion_tokens += 1
+                    yield Piece(event.text)
+                return
+            except (KeyNotFound, CorruptObject) as exc:  # the worker says the handle's KV is gone
+                lost = exc
+                break
+            except BeforeFirst as exc:  # the handle still names the KV in the pool: another decoder
+                tried.append(decoder.name)
+                if isinstance(exc.error, (KeyNotFound, CorruptObject)):
+                    lost = exc.error
+                    break
+                if attempt == 1 or isinstance(exc.error, InvalidArgument):
+                    raise exc.error from None
+                alt = host.another_decoder(req.keys, tried, req.tenant.id if req.tenant is not None else None)
+                if alt is None:
+                    raise exc.error from None
+                host.metrics.retries.labels(stage="decode").inc()
+                log.warning("request %s: decode retried on %s after %s", req.request_id, alt.name, exc.error)
+                decoder = alt
+            finally:
+                decoder.decode_done()
+        if lost is not None:  # recompute on the decode worker: prompt + first token, the rest of the budget
+            if req.max_tokens < 2:  # (a decode worker loads nothing for a one-token budget: not reached)
+                raise lost
+            host.metrics.retries.labels(stage="kv_lost").inc()
+            log.warning("request %s: %s; %s generates the rest from the prompt", req.request_id, lost, decoder.name)
+            again = Decision(prefill=None, decode=decoder.name, kind="local_prefill")
+            try:
+                async for piece in self._colocated(host, again, [*req.ids, head.first_token], req.max_tokens - 1,
+                                                   req, out, headers, None):  # the pool changed: let it ask
+                    yield piece
+            except BeforeFirst as exc:  # the first token already reached the client: no retry elsewhere
+                raise exc.error from None
+
+    async def _prefill(self, host: Host, p: "WorkerState", d: Decision, req: Request,
+                       headers: dict[str, str]) -> tuple[wire.PrefillResponse, float]:
+        """The worker's answer, and the call's round trip in seconds."""
+        uncached = len(req.ids) - d.cached_tokens
+        p.prefill_sent(uncached)
+        sent = time.perf_counter()
+        try:
+            body = await self._post(host, p, "/v1/prefill", wire.PrefillRequest(
+                token_ids=req.ids, request_id=req.request_id, sampling=req.sampling, pool_chunks=req.pool_chunks),
+                headers)
+            round_trip = time.perf_counter() - sent
+            head = wire.decode(body, wire.PrefillResponse)
+        finally:
+            p.prefill_done(uncached)
+        return head, round_trip
+
+    # -- the calls and what their failures mean --------------------------------------------------
+    async def _post(self, host: Host, worker: "WorkerState", path: str, msg: Any, headers: dict[str, str]) -> bytes:
+        """The body of a 2xx answer; a worker that fails or answers 5xx/503 raises `BeforeFirst`."""
+        try:
+            resp = await self._hop.request(worker.url, path, wire.encode(msg), headers)
             try:
                 body = await resp.read()
             finally:
                 resp.release()
         except HopError as exc:
-            self._failed(worker, path, exc)
-            raise _BeforeFirst(worker.name, Unavailable(f"worker {worker.name} failed: {exc}"))
+            host.worker_failed(worker, _stage(path), f"{path}: {type(exc).__name__}: {exc}")
+            raise BeforeFirst(worker.name, Unavailable(f"worker {worker.name} failed: {exc}"))
         if resp.status >= 400:
-            raise self._error_of(worker, path, resp.status, body)
+            raise _error_of(host, worker, path, resp.status, body)
         return body
 
-    async def _stream(self, worker: WorkerState, path: str, msg: Any, headers: dict[str, str],
-                      before_first: bool) -> AsyncIterator[wire.TokenEvent]:
+    async def _stream(self, host: Host, worker: "WorkerState", path: str, msg: Any,
+                      headers: dict[str, str]) -> AsyncIterator[wire.TokenEvent]:
+        """The NDJSON `TokenEvent`s of /v1/decode or /v1/generate."""
         got_any = False
         resp = None
         try:
-            resp = await self.hop.request(worker.url, path, wire.encode(msg), headers)
+            resp = await self._hop.request(worker.url, path, wire.encode(msg), headers)
             if resp.status >= 400:
-                raise self._error_of(worker, path, resp.status, await resp.read())
+                raise _error_of(host, worker, path, resp.status, await resp.read())
             async for line in resp.lines():  # NDJSON: one event per line
                 if not line.strip():
                     continue
                 event = wire.decode(line, wire.TokenEvent)
                 if event.error is not None:
                     err = error_from_code(event.error.code, event.error.message)
-                    if not got_any and before_first:
-                        raise _BeforeFirst(worker.name, err)
+                    if not got_any:
+                        raise BeforeFirst(worker.name, err)
                     raise err
                 got_any = True
                 if event.done:  # the body ends right after: read its end and pool the connection now
@@ -65,37 +252,45 @@ class WorkerCalls:
                     return
                 yield event
         except HopError as exc:
-            self._failed(worker, path, exc)
+            host.worker_failed(worker, _stage(path), f"{path}: {type(exc).__name__}: {exc}")
             err = Unavailable(f"worker {worker.name} failed mid-request: {exc}")
-            if not got_any and before_first:
-                raise _BeforeFirst(worker.name, err) from None
+            if not got_any:
+                raise BeforeFirst(worker.name, err) from None
             raise err from None
         finally:
             if resp is not None:
                 resp.release()  # closes the connection unless the stream was read to its end
 
-    def _error_of(self, worker: WorkerState, path: str, status: int, body: bytes) -> Exception:
-        try:
-            doc = json.loads(body)
-            err = error_from_code(doc["code"], doc["message"])
-        except Exception:
-            err = Unavailable(f"worker {worker.name} answered {status} to {path}")
-        if status >= 500 or isinstance(err, Unavailable):  # down or draining: try elsewhere
-            self.metrics.worker_failures.labels(stage=path.rsplit("/", 1)[-1]).inc()
-            if status == 503 and worker.status == UP:  # a worker answers 503 only when leaving
-                worker.status = DRAINING
-            return _BeforeFirst(worker.name, err)
-        return err
 
-    def _failed(self, worker: WorkerState, path: str, exc: Exception) -> None:
-        self.metrics.worker_failures.labels(stage=path.rsplit("/", 1)[-1]).inc()
-        self.workers.mark_down(worker, f"{path}: {type(exc).__name__}: {exc}")
+def _error_of(host: Host, worker: "WorkerState", path: str, status: int, body: bytes) -> Exception:
+    try:
+        doc = json.loads(body)
+        err = error_from_code(doc["code"], doc["message"])
+    except Exception:
+        err = Unavailable(f"worker {worker.name} answered {status} to {path}")
+    if status >= 500 or isinstance(err, Unavailable):  # down or draining: try elsewhere
+        host.metrics.worker_failures.labels(stage=_stage(path)).inc()
+        if status == 503:  # a worker answers 503 only when leaving
+            host.worker_leaving(worker)
+        return BeforeFirst(worker.name, err)
+    return err
 
 
-class _BeforeFirst(Exception):
-    """A worker failed before this step streamed anything: the step may be retried elsewhere."""
+def _stage(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
 
-    def __init__(self, worker: str, error: Exception):
-        super().__init__(str(error))
-        self.worker = worker
-        self.error = error
+
+def _learn(host: Host, head: wire.PrefillResponse, worker: "WorkerState", round_trip_s: float | None) -> None:
+    """Feed the cost model (and refit it now, so that the next route finds it fitted) and the
+    token counters. Called once the first token is on its way: none of this is on TTFT."""
+    fetched = head.pool_cached_tokens * (worker.info.stored_bytes_per_token or worker.info.bytes_per_token
+                                         or host.bytes_per_token)
+    host.cost.observe_prefill(head.computed_tokens, head.cached_tokens, head.compute_ms / 1e3,
+                              fetched, head.fetch_ms / 1e3)
+    if worker.role == "prefill" and round_trip_s is not None:  # the push plus the HTTP round trip
+        http = round_trip_s - head.prefill_ms / 1e3  # (queue wait is not hand-off)
+        host.cost.observe_handoff(max(0.0, head.push_ms / 1e3 + http))
+    host.metrics.prompt_tokens.labels(source="cached").inc(head.cached_tokens)
+    host.metrics.prompt_tokens.labels(source="computed").inc(head.computed_tokens)
+    host.cost.params()
+

@@ -29,8 +29,9 @@ prefix cache with it, and the connector its chunk keys' namespace, so tenants ne
 `--enable-prompt-tokens-details`): the prompt tokens it did not compute, i.e. those it loaded from
 the pool (or found in its own prefix cache), as the client would see it behind vLLM's proxy.
 
-Invariants: every request counted in flight on a worker is uncounted exactly once; a failure
-before the decode stream sent anything is raised as the router's retryable `_BeforeFirst`.
+Its HTTP client is its own aiohttp session, without kvpool's internal token (a vLLM server has
+its own --api-key). Invariants: every request counted in flight on a worker is uncounted exactly
+once; a failure before the decode stream sent anything is raised as the retryable `BeforeFirst`.
 """
 
 from __future__ import annotations
@@ -50,11 +51,10 @@ from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import Namespace
 from kvpool.chunk_format import KVLayout
 from kvpool.codec import stored_bytes_per_token
+from kvpool.router.backends.base import BeforeFirst, Host, Outcome, Piece, Request, client_session, get
 
 if TYPE_CHECKING:
     from kvpool.router.policy import Decision
-    from kvpool.router.service import Outcome, Piece, Router
-    from kvpool.router.tenants import Tenant
     from kvpool.router.workers import WorkerState
 
 log = logging.getLogger(__name__)
@@ -86,14 +86,17 @@ class VLLMSettings:
         dtype = "bfloat16" if dtype in ("float32", "float") and not self.kv_dtype else dtype
         if dtype not in _DTYPES:
             raise InvalidArgument(f"KV dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-        chunk = int(self.connector.get("chunk_tokens", 256))
+        from kvpool.config import current_settings
+
+        settings = current_settings()  # the connector fills what its extra config leaves out from the same tree
+        chunk = int(self.connector.get("chunk_tokens", settings.pool.chunk_tokens))
         layout = KVLayout(num_layers=int(self.connector.get("num_layers", cfg["num_hidden_layers"])),
                           kv_heads=int(self.connector.get("kv_heads", cfg.get("num_key_value_heads", heads))),
                           head_dim=int(self.connector.get("head_dim", cfg.get("head_dim") or cfg["hidden_size"] // heads)),
                           dtype=_DTYPES[dtype], chunk_tokens=chunk,
-                          codec=str(self.connector.get("kv_codec", "none")))  # as the connector's settings
+                          codec=str(self.connector.get("kv_codec", settings.pool.kv_codec)))  # as the connector's
         ns = Namespace(str(self.connector.get("model_id", served_root)),
-                       str(self.connector.get("weights_fingerprint", "unversioned")), layout,
+                       str(self.connector.get("weights_fingerprint", settings.connector.weights_fingerprint)), layout,
                        tenant_salt=str(self.connector.get("tenant_salt", "")))
         return ns, chunk
 
@@ -120,17 +123,31 @@ class VLLMSettings:
 class VLLMBackend:
     """Registration, load polling and request execution against vLLM OpenAI servers."""
 
-    def __init__(self, settings: VLLMSettings):
+    engine = "vllm"
+    registers_itself = False  # a vLLM server never registers itself: the router keeps asking
+    tenant_header = False  # tenants go by cache_salt
+    kv_events = True  # where told (--kv-events), their KV events come by ZMQ (kv_events.py)
+
+    def __init__(self, settings: VLLMSettings, *, request_timeout_s: float = 600.0):
         self.settings = settings
+        self._request_timeout_s = request_timeout_s
+        self.http: aiohttp.ClientSession | None = None
         self._tokenizer: wire.TokenizerInfo | None = None
         self._itl: dict[str, tuple[float, float]] = {}  # url -> (sum, count) of vllm:inter_token_latency
 
+    async def start(self) -> None:
+        self.http = client_session({}, self._request_timeout_s)
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+
     # -- what the router learns at registration ---------------------------------------------------
-    async def info(self, http: aiohttp.ClientSession, url: str, role: str | None) -> wire.WorkerInfo:
+    async def describe(self, url: str, role: str | None) -> wire.WorkerInfo:
         role = role or "both"
         if role not in ROLES:
             raise InvalidArgument(f"worker role must be one of {ROLES}, got {role!r}")
-        models = await _get_json(http, url, "/v1/models")
+        models = await _get_json(self.http, url, "/v1/models")
         try:
             card = models["data"][0]
             served, root, context = str(card["id"]), str(card.get("root") or card["id"]), int(card.get("max_model_len") or 0)
@@ -148,21 +165,15 @@ class VLLMBackend:
                                kv_codec=ns.layout.codec, stored_bytes_per_token=stored_bytes_per_token(ns.layout),
                                namespace_doc=ns.canonical_json())
 
-    def tokenizer_info(self) -> wire.TokenizerInfo:
+    async def tokenizer(self, url: str) -> wire.TokenizerInfo:
+        """Read from the model folder (a vLLM server has no /v1/tokenizer)."""
         if self._tokenizer is None:
             raise Unavailable("no vLLM server has registered yet")
         return self._tokenizer
 
-    async def poll(self, http: aiohttp.ClientSession, state: "WorkerState", timeout: float) -> wire.LoadReport:
-        """Load from vLLM's Prometheus metrics (`/metrics`)."""
-        try:
-            async with http.get(state.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                body, status = await resp.text(), resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise Unavailable(f"worker {state.url} unreachable: {type(exc).__name__}: {exc}") from exc
-        if status != 200:
-            raise Unavailable(f"worker {state.url} answered {status} to /metrics")
-        m = parse_metrics(body)
+    async def poll(self, state: "WorkerState", timeout: float) -> tuple[wire.LoadReport, None]:
+        """Load from vLLM's Prometheus metrics (`/metrics`); its KV events, if any, come by kv_events.py."""
+        m = parse_metrics((await get(self.http, state.url, "/metrics", timeout)).decode(errors="replace"))
         capacity = int(m.get("cache_blocks", 0) * m.get("block_size", 0))
         itl_ms = 0.0
         total = (m.get("vllm:inter_token_latency_seconds_sum", 0.0), m.get("vllm:inter_token_latency_seconds_count", 0.0))
@@ -175,26 +186,25 @@ class VLLMBackend:
         return wire.LoadReport(role=state.role, queue_length=waiting, active_sequences=running,
                                kv_tokens=int(m.get("vllm:kv_cache_usage_perc", 0.0) * capacity), cache_tokens=0,
                                cache_capacity_tokens=capacity, max_batch=self.settings.max_batch,
-                               decode_token_ms=itl_ms / max(1, running))  # a step of the batch it ran
+                               decode_token_ms=itl_ms / max(1, running)), None  # a step of the batch it ran
 
     # -- execution ------------------------------------------------------------------------------
-    async def run(self, router: "Router", d: "Decision", ids: list[int], max_tokens: int,
-                  sampling: wire.SamplingParams, out: "Outcome", rid: str,
-                  tenant: "Tenant | None" = None) -> AsyncIterator["Piece"]:
+    async def run(self, host: Host, d: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
         """Prefill on `d.prefill` (if any), then stream the decode from `d.decode`; both carry
-        `tenant`'s cache_salt, if any."""
+        the tenant's cache_salt, if any."""
+        tenant, ids, sampling, rid, max_tokens = req.tenant, req.ids, req.sampling, req.request_id, req.max_tokens
         salt = {"cache_salt": tenant.cache_salt} if tenant is not None and tenant.cache_salt else {}
         kv_params = None
         if d.prefill is not None:
-            kv_params = await self._prefill(router, router.workers.by_name(d.prefill), ids, d, sampling, rid, salt)
-        decoder = router.workers.by_name(d.decode)
+            kv_params = await self._prefill(host, host.worker(d.prefill), ids, d, sampling, rid, salt)
+        decoder = host.worker(d.decode)
         local = d.prefill is None
         uncached = len(ids) - d.cached_tokens
         if local:  # the decode instance computes the uncached part itself
             decoder.prefill_sent(uncached)
         decoder.decode_sent()
         try:
-            async for piece in self._decode(router, decoder, ids, max_tokens, sampling, kv_params, out, rid, salt):
+            async for piece in self._decode(host, decoder, ids, max_tokens, sampling, kv_params, out, rid, salt):
                 yield piece
         finally:
             decoder.decode_done()
@@ -206,13 +216,13 @@ class VLLMBackend:
         return {"model": worker.info.model_id, "prompt": ids, "max_tokens": max_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, **extra}
 
-    async def _prefill(self, router: "Router", p: "WorkerState", ids: list[int], d: "Decision",
+    async def _prefill(self, host: Host, p: "WorkerState", ids: list[int], d: "Decision",
                        sampling: wire.SamplingParams, rid: str, salt: dict[str, str]) -> dict[str, Any] | None:
         uncached = len(ids) - d.cached_tokens
         p.prefill_sent(uncached)
         sent = time.perf_counter()
         try:
-            body = await self._post(router, p, self._body(p, ids, 1, sampling, stream=False,
+            body = await self._post(host, p, self._body(p, ids, 1, sampling, stream=False,
                                                           kv_transfer_params=dict(PREFILL_KV_PARAMS), **salt), rid)
         finally:
             p.prefill_done(uncached)
@@ -220,42 +230,38 @@ class VLLMBackend:
         elapsed = time.perf_counter() - sent
         usage = body.get("usage") or {}
         cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
-        router.cost.observe_prefill(len(ids) - cached, cached, elapsed, 0, 0.0)
-        router.metrics.prompt_tokens.labels(source="computed").inc(len(ids) - cached)
+        host.cost.observe_prefill(len(ids) - cached, cached, elapsed, 0, 0.0)
+        host.metrics.prompt_tokens.labels(source="computed").inc(len(ids) - cached)
         params = body.get("kv_transfer_params")
         log.debug("request %s: prefilled on %s in %.0f ms, kv_transfer_params %s", rid, p.name, elapsed * 1e3, params)
         return params if isinstance(params, dict) else None
 
-    async def _post(self, router: "Router", worker: "WorkerState", body: dict[str, Any], rid: str) -> dict[str, Any]:
-        from kvpool.router.service import _BeforeFirst
-
+    async def _post(self, host: Host, worker: "WorkerState", body: dict[str, Any], rid: str) -> dict[str, Any]:
         try:
-            async with router.http.post(worker.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
+            async with self.http.post(worker.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
                 raw, status = await resp.read(), resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            router._failed(worker, "/v1/completions", exc)
-            raise _BeforeFirst(worker.name, Unavailable(f"worker {worker.name} failed: {type(exc).__name__}")) from None
+            host.worker_failed(worker, "completions", f"/v1/completions: {type(exc).__name__}: {exc}")
+            raise BeforeFirst(worker.name, Unavailable(f"worker {worker.name} failed: {type(exc).__name__}")) from None
         if status >= 400:
-            raise self._error(router, worker, status, raw)
+            raise self._error(host, worker, status, raw)
         try:
             return json.loads(raw)
         except ValueError:
-            raise _BeforeFirst(worker.name, Unavailable(f"worker {worker.name} sent a body that is not JSON")) from None
+            raise BeforeFirst(worker.name, Unavailable(f"worker {worker.name} sent a body that is not JSON")) from None
 
-    async def _decode(self, router: "Router", worker: "WorkerState", ids: list[int], max_tokens: int,
-                      sampling: wire.SamplingParams, kv_params: dict[str, Any] | None, out: "Outcome",
-                      rid: str, salt: dict[str, str]) -> AsyncIterator["Piece"]:
-        from kvpool.router.service import Piece, _BeforeFirst
-
+    async def _decode(self, host: Host, worker: "WorkerState", ids: list[int], max_tokens: int,
+                      sampling: wire.SamplingParams, kv_params: dict[str, Any] | None, out: Outcome,
+                      rid: str, salt: dict[str, str]) -> AsyncIterator[Piece]:
         extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}, **salt}
         if kv_params:
             extra["kv_transfer_params"] = kv_params
         body = self._body(worker, ids, max_tokens, sampling, **extra)
         got_any, finish = False, None
         try:
-            async with router.http.post(worker.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
+            async with self.http.post(worker.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
                 if resp.status >= 400:
-                    raise self._error(router, worker, resp.status, await resp.read())
+                    raise self._error(host, worker, resp.status, await resp.read())
                 async for line in resp.content:  # server-sent events: "data: {...}" lines
                     if not line.startswith(b"data:"):
                         continue
@@ -266,7 +272,7 @@ class VLLMBackend:
                     if "error" in chunk or chunk.get("object") == "error":
                         err = Unavailable(f"worker {worker.name}: {_message(chunk)}")
                         if not got_any:
-                            raise _BeforeFirst(worker.name, err)
+                            raise BeforeFirst(worker.name, err)
                         raise err
                     if chunk.get("usage"):
                         _account(out, chunk["usage"])
@@ -277,28 +283,26 @@ class VLLMBackend:
                             got_any = True
                             yield Piece(text)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            router._failed(worker, "/v1/completions", exc)
+            host.worker_failed(worker, "completions", f"/v1/completions: {type(exc).__name__}: {exc}")
             err = Unavailable(f"worker {worker.name} failed mid-request: {type(exc).__name__}")
             if not got_any:
-                raise _BeforeFirst(worker.name, err) from None
+                raise BeforeFirst(worker.name, err) from None
             raise err from None
-        router.metrics.prompt_tokens.labels(source="cached").inc(out.cached_tokens)
+        host.metrics.prompt_tokens.labels(source="cached").inc(out.cached_tokens)
         yield Piece(finish=finish or "stop")
 
-    def _error(self, router: "Router", worker: "WorkerState", status: int, raw: bytes) -> Exception:
-        from kvpool.router.service import _BeforeFirst
-
+    def _error(self, host: Host, worker: "WorkerState", status: int, raw: bytes) -> Exception:
         try:
             message = _message(json.loads(raw))
         except ValueError:
             message = raw[:200].decode(errors="replace")
         if status < 500:  # the request itself is wrong (vLLM validated it): no retry elsewhere
             return InvalidArgument(f"{worker.name}: {message}")
-        router.metrics.worker_failures.labels(stage="completions").inc()
-        return _BeforeFirst(worker.name, Unavailable(f"worker {worker.name} answered {status}: {message}"))
+        host.metrics.worker_failures.labels(stage="completions").inc()
+        return BeforeFirst(worker.name, Unavailable(f"worker {worker.name} answered {status}: {message}"))
 
 
-def _account(out: "Outcome", usage: dict[str, Any]) -> None:
+def _account(out: Outcome, usage: dict[str, Any]) -> None:
     out.completion_tokens = int(usage.get("completion_tokens") or 0)
     out.cached_tokens = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
 
@@ -331,13 +335,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 async def _get_json(http: aiohttp.ClientSession, url: str, path: str) -> Any:
-    try:
-        async with http.get(url + path, timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
-            body, status = await resp.read(), resp.status
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        raise Unavailable(f"worker {url} unreachable: {type(exc).__name__}: {exc}") from exc
-    if status != 200:
-        raise Unavailable(f"worker {url} answered {status} to {path}")
+    body = await get(http, url, path, 10.0)
     try:
         return json.loads(body)
     except ValueError:
@@ -366,14 +364,4 @@ def _adds_bos(tokenizer_json: str, bos: str | None) -> bool:
     return bool(ids) and ids[0] == tok.token_to_id(bos)
 
 
-def make_backend(engine: str, settings: VLLMSettings | None) -> VLLMBackend | None:
-    if engine == "reference":
-        return None
-    if engine != "vllm":
-        raise InvalidArgument(f"unknown engine {engine!r}: 'reference' (the reference workers) or 'vllm'")
-    if settings is None or not settings.model_path:
-        raise InvalidArgument("--engine vllm needs --tokenizer (the model folder the vLLM servers load)")
-    return VLLMBackend(settings)
-
-
-__all__ = ["VLLMBackend", "VLLMSettings", "make_backend", "parse_metrics", "PREFILL_KV_PARAMS"]
+__all__ = ["VLLMBackend", "VLLMSettings", "parse_metrics", "PREFILL_KV_PARAMS"]

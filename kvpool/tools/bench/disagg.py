@@ -1,21 +1,23 @@
 """`kvpool bench disagg`: the seed article's table, colocated vs disaggregated, on real processes
 with equal workers and equal cores.
 
-Configs (the same number of workers in each, each pinned to `--cpus-per-worker` cores of its own;
+Configs (the same number of workers in each, each pinned to `cpus_per_worker` cores of its own;
 the router and the pool are not pinned and share the machine's cores, their CPU is reported):
 - `colocated`: every worker `--role both`: decode first, and prefill in chunks of at most
-  `--chunk-tokens` tokens mixed into the decode steps' forwards (Sarathi-Serve's way, the
+  `chunk_tokens` tokens mixed into the decode steps' forwards (Sarathi-Serve's way, the
   strongest colocated engine we have, not a strawman);
 - `disaggregated`: P prefill + D decode workers (`--split`), every request handed over through
   the pool;
 - `disagg+conditional`: the same split, short uncached prompts prefilled on the decode worker
   itself (the router's default).
 
-`--split P:D` sets the disaggregated configs' split; `--split plan` asks the simulator (`kvpool
-sim plan`'s sweep, with the `local` profile from `kvpool sim calibrate`) which split attains the
-most SLOs on this workload at the highest rate, as a user with 64 cores would size theirs.
+`--split P:D` sets the disaggregated configs' split (`--set workers=N` their number); `--split
+plan` asks the simulator (`kvpool sim plan`'s sweep, with the `local` profile from `kvpool sim
+calibrate`) which split attains the most SLOs on this workload at the highest rate, as a user
+with 64 cores would size theirs.
 
-The workload (`--workload`, a preset, see WORKLOADS) is cold: every prompt new text. Per config
+The workload (`--workload`: a preset, mixed by default, or a file of `DisaggWorkload`'s keys)
+is cold: every prompt new text. Per config
 and rate: TTFT mean and std, TPOT p99, ITL p99 (a decode stalled by a prefill shows there), E2E
 p99, output tokens/s, goodput under the SLOs, and each worker's busy fraction (seconds in its
 forward passes over the run's wall time: the seed's "GPU utilization" row), with the CPU time of
@@ -31,14 +33,16 @@ from __future__ import annotations
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
 import httpx
+from pydantic import Field, PositiveFloat, PositiveInt
 
 from kvpool.tools.bench.cluster import (busy_seconds, clear_caches, cpu_seconds, internal, router_decisions,
                                            row_of, run_workload, slos_of, start_cluster)
 from kvpool.tools.bench.report import Report, progress
+from kvpool.tools.workload_file import WorkloadFile, list_of, resolve, takes_workload
 
 # config -> (colocated?, router flags)
 CONFIGS = {
@@ -46,21 +50,44 @@ CONFIGS = {
     "disaggregated": (False, ["--local-prefill-tokens", "0"]),
     "disagg+conditional": (False, []),
 }
-# cold prompts, lengths in words (~ tokens); `range_ratio`: lengths vary by ± this
-WORKLOADS: dict[str, dict[str, float]] = {
-    "mixed": {"long_fraction": 0.3, "long_len": 1500, "short_len": 150, "output_len": 64, "range_ratio": 0.1},
-    "short": {"long_fraction": 0.0, "long_len": 0, "short_len": 150, "output_len": 64, "range_ratio": 0.5},
-    "long": {"long_fraction": 1.0, "long_len": 1500, "short_len": 0, "output_len": 64, "range_ratio": 0.1},
-    "smoke": {"long_fraction": 0.5, "long_len": 300, "short_len": 40, "output_len": 6, "range_ratio": 0.1},  # seconds
-}
+SHAPE = ("long_fraction", "long_len", "short_len", "output_len", "range_ratio")  # of the prompts (mixed_requests)
 
 
-def requests_of(workload: str, n: int, seed: int) -> list:
+class DisaggWorkload(WorkloadFile):
+    """`kvpool bench disagg`'s keys; the defaults are the seed's table (the `mixed` preset).
+    Cold prompts, lengths in words (~ tokens), each ± `range_ratio`."""
+
+    long_fraction: float = Field(0.3, ge=0, le=1, description="Fraction of the prompts that are long.")
+    long_len: int = Field(1500, ge=0, description="Words of a long prompt.")
+    short_len: int = Field(150, ge=0, description="Words of a short prompt.")
+    output_len: PositiveInt = Field(64, description="max_tokens per request.")
+    range_ratio: float = Field(0.1, ge=0, lt=1, description="Lengths vary by ± this fraction.")
+    num_requests: PositiveInt = Field(30, description="Requests per rate.")
+    rate: list_of(PositiveFloat) = Field([0.1, 0.2, 0.3, 0.4], description="Request rates (req/s).")
+    workers: int = Field(2, ge=2, description="Workers in every config.")
+    split: str = Field("half", description="Prefill:decode workers of the disaggregated configs (P:D, half, or "
+                       "plan: the simulator's choice, needs `kvpool sim calibrate`).")
+    cpus_per_worker: int = Field(1, ge=0, description="Cores pinned to each worker (0: none).")
+    chunk_tokens: PositiveInt = Field(256, description="Prefill tokens per step on colocated workers (vLLM: "
+                                      "--max-num-batched-tokens).")
+    goodput: list_of(str) = Field(["ttft:10000", "tpot:300"], description="SLOs a request must meet to count "
+                                  "in goodput (metric:ms).")
+    configs: list_of(Literal[tuple(CONFIGS)]) = Field([], description="Configs to run ([]: all).")
+
+    def shape(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in SHAPE}
+
+
+def shape_of(preset: str) -> dict[str, float]:
+    """The prompt shape of a `kvpool bench disagg` preset (also `kvpool bench overhead`'s workloads)."""
+    return resolve("bench disagg", DisaggWorkload, preset).shape()
+
+
+def requests_of(shape: dict[str, float], n: int, seed: int) -> list:
     from kvpool.tools.bench.workloads import mixed_requests
 
-    w = WORKLOADS[workload]
-    return mixed_requests(n, w["long_fraction"], int(w["long_len"]), int(w["short_len"]), int(w["output_len"]),
-                          w["range_ratio"], seed=seed)
+    return mixed_requests(n, shape["long_fraction"], int(shape["long_len"]), int(shape["short_len"]),
+                          int(shape["output_len"]), shape["range_ratio"], seed=seed)
 
 
 def roles_of(config: str, n_workers: int, split: tuple[int, int]) -> list[str]:
@@ -69,50 +96,48 @@ def roles_of(config: str, n_workers: int, split: tuple[int, int]) -> list[str]:
     return ["prefill"] * split[0] + ["decode"] * split[1]
 
 
+@takes_workload("bench disagg", DisaggWorkload)
 @click.command()
-@click.option("--workers", "n_workers", type=int, default=2, show_default=True, help="Workers in every config.")
-@click.option("--split", default="half", show_default=True, metavar="P:D|half|plan",
-              help="Prefill:decode workers of the disaggregated configs (P + D = --workers); 'plan': the "
-                   "simulator's choice for this workload (needs `kvpool sim calibrate`).")
-@click.option("--cpus-per-worker", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Cores pinned to each worker (0: none, the kernel shares every core).")
+@click.option("--num-requests", type=click.IntRange(min=1), help="Requests per rate (key num_requests).")
+@click.option("--rate", help="Request rates, comma-separated (key rate).")
+@click.option("--split", metavar="P:D|half|plan", help="Prefill:decode workers (key split).")
 @click.option("--config", "configs", multiple=True, type=click.Choice(sorted(CONFIGS)),
-              help="Configs to run (default: all).")
-@click.option("--workload", type=click.Choice(sorted(WORKLOADS)), default="mixed", show_default=True,
-              help="mixed: 30% cold ~1500-word prompts among ~150-word ones, 64-token answers (see WORKLOADS).")
-@click.option("--num-requests", type=int, default=30, show_default=True, help="Requests per rate.")
-@click.option("--rate", "rates", default="0.1,0.2,0.3,0.4", show_default=True, help="Request rates (req/s).")
-@click.option("--chunk-tokens", type=int, default=256, show_default=True,
-              help="Prefill tokens per step on colocated workers (vLLM: --max-num-batched-tokens).")
-@click.option("--goodput", multiple=True, default=("ttft:10000", "tpot:300"), show_default=True,
-              help="SLOs a request must meet to count in goodput (metric:ms).")
+              help="Configs to run (repeatable; key configs; default: all).")
 @click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True)
 @click.option("--vllm-python", type=click.Path(dir_okay=False), help="--engine vllm: its Python "
               "(default: .venv-vllm/bin/python).")
 @click.option("--workdir", type=click.Path(file_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the table as a PNG here.")
 @click.option("--json", "as_json", is_flag=True)
-def disagg(n_workers, split, cpus_per_worker, configs, workload, num_requests, rates, chunk_tokens, goodput, engine,
-           vllm_python, workdir, plot_path, as_json) -> None:
-    """Colocated vs disaggregated at equal workers and cores (the seed's table)."""
+def disagg(workload: DisaggWorkload, engine, vllm_python, workdir, plot_path, as_json) -> None:
+    """Colocated vs disaggregated at equal workers and cores (the seed's table).
+
+    \b
+    kvpool bench disagg --json --plot table.png       (the seed's table: the mixed preset)
+    kvpool bench disagg --workload smoke --config colocated --json
+    """
+    w = workload
+    n_workers, cpus_per_worker, num_requests = w.workers, w.cpus_per_worker, w.num_requests
+    chunk_tokens = w.chunk_tokens
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-bench-disagg-"))
-    slos = slos_of(goodput)
-    rate_list = [float(r) for r in rates.split(",")]
-    pd = _split(split, n_workers, workload, num_requests, rate_list, slos)
+    slos = slos_of(w.goodput)
+    rate_list = list(w.rate)
+    name_of = w.source or "default"
+    pd = _split(w.split, n_workers, w.shape(), num_requests, rate_list, slos)
     report = Report("disagg")
     report.setup = {"engine": engine, "workers": n_workers, "split": list(pd), "cpus_per_worker": cpus_per_worker,
-                    "workload": workload, **WORKLOADS[workload], "num_requests": num_requests, "rates": rate_list,
+                    "workload": name_of, **w.shape(), "num_requests": num_requests, "rates": rate_list,
                     "chunk_tokens": chunk_tokens, "slos_ms": slos}
     table: dict[str, list[dict[str, Any]]] = {}
-    for name in configs or CONFIGS:
+    for name in w.configs or CONFIGS:
         roles = roles_of(name, n_workers, pd)
         with _cluster(engine, workdir / name, roles, name, cpus_per_worker, chunk_tokens, vllm_python) as cluster:
             base = f"{cluster.router_url}/v1"
-            run_workload(base, requests_of("short", 2, seed=999), 10.0, slos, "warmup")
+            run_workload(base, requests_of(shape_of("short"), 2, seed=999), 10.0, slos, "warmup")
             bar, step = progress(len(rate_list), name)
             with bar:
                 for r_i, rate in enumerate(rate_list):
-                    table.setdefault(name, []).append(_one_rate(cluster, engine, base, workload, num_requests,
+                    table.setdefault(name, []).append(_one_rate(cluster, engine, base, w.shape(), num_requests,
                                                                 rate, r_i, slos, name))
                     step()
             if engine == "reference":
@@ -122,14 +147,14 @@ def disagg(n_workers, split, cpus_per_worker, configs, workload, num_requests, r
     _add_rows(report, table)
     report.notes.append(f"{engine} engine, {n_workers} workers per config ({pd[0]}P:{pd[1]}D disaggregated), "
                         f"{cpus_per_worker or 'unpinned'} core(s) pinned to each, router and pool unpinned; "
-                        f"workload {workload} {WORKLOADS[workload]}, {num_requests} requests per rate; "
+                        f"workload {name_of} {w.shape()}, {num_requests} requests per rate; "
                         f"colocated prefill chunk {chunk_tokens} tokens; goodput SLOs {slos}")
     if plot_path:
         report.notes.append(plot_table(report.document(), Path(plot_path)))
     report.emit(as_json)
 
 
-def _one_rate(cluster, engine: str, base: str, workload: str, n: int, rate: float, r_i: int, slos: dict,
+def _one_rate(cluster, engine: str, base: str, shape: dict[str, float], n: int, rate: float, r_i: int, slos: dict,
               name: str) -> dict[str, Any]:
     if engine == "reference":
         clear_caches(cluster)
@@ -137,7 +162,7 @@ def _one_rate(cluster, engine: str, base: str, workload: str, n: int, rate: floa
     cpu0 = {k: cpu_seconds(pid) for k, pid in procs.items()}
     fwd0 = {n_: busy_seconds(p.url) for n_, p in cluster.workers.items()} if engine == "reference" else {}
     decided = router_decisions(cluster)
-    res = run_workload(base, requests_of(workload, n, seed=r_i), rate, slos, name)
+    res = run_workload(base, requests_of(shape, n, seed=r_i), rate, slos, name)
     wall = res.metrics.duration_s
     cpu = {k: round((cpu_seconds(pid) - cpu0[k]) / wall, 3) for k, pid in procs.items()}
     busy = ({n_: (busy_seconds(p.url) - fwd0[n_]) / wall for n_, p in cluster.workers.items()}
@@ -191,21 +216,22 @@ class _cluster:
         self.cluster.stop()
 
 
-def _split(text: str, n_workers: int, workload: str, n: int, rates: list[float], slos: dict) -> tuple[int, int]:
+def _split(text: str, n_workers: int, shape: dict[str, float], n: int, rates: list[float],
+           slos: dict) -> tuple[int, int]:
     if text == "half":
         return n_workers // 2, n_workers - n_workers // 2
     if text == "plan":
-        return plan_split(n_workers, workload, n, max(rates), slos)
+        return plan_split(n_workers, shape, n, max(rates), slos)
     try:
         p, d = (int(x) for x in text.split(":"))
     except ValueError:
-        raise click.BadParameter(f"{text!r}: use P:D, half or plan", param_hint="--split") from None
+        raise click.BadParameter(f"{text!r}: use P:D, half or plan", param_hint="split") from None
     if p < 1 or d < 1 or p + d != n_workers:
-        raise click.BadParameter(f"{p}:{d} does not split {n_workers} workers", param_hint="--split")
+        raise click.BadParameter(f"{p}:{d} does not split {n_workers} workers", param_hint="split")
     return p, d
 
 
-def plan_split(n_workers: int, workload: str, n: int, rate: float, slos: dict) -> tuple[int, int]:
+def plan_split(n_workers: int, shape: dict[str, float], n: int, rate: float, slos: dict) -> tuple[int, int]:
     """The split the simulator (local profile) finds best for this workload at `rate`: the most
     requests within both SLOs, then the lower TTFT p99."""
     from transformers import AutoTokenizer
@@ -218,7 +244,7 @@ def plan_split(n_workers: int, workload: str, n: int, rate: float, slos: dict) -
     from kvpool.tools.sim.workload import from_token_lists
 
     tok = AutoTokenizer.from_pretrained(reference_model_path())
-    reqs = requests_of(workload, max(n, 60), seed=0)
+    reqs = requests_of(shape, max(n, 60), seed=0)
     prompts = [list(tok.apply_chat_template(r.chat_messages(), add_generation_prompt=True, tokenize=True)["input_ids"])
                for r in reqs]
     work = from_token_lists(prompts, [r.max_tokens for r in reqs], poisson_offsets(len(reqs), rate, seed=1), 256)

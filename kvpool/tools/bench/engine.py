@@ -1,8 +1,8 @@
 """`kvpool bench engine`: what batching buys the reference engine, against the same sequences run
 one after another at batch 1, in the same run.
 
-For each batch size B (`--batches`): B prompts of `--context` tokens are prefilled once (not
-timed); then, alternating, each repetition decodes `--new-tokens` tokens for every sequence
+For each batch size B (key `batches` of `--workload`/`--set`): B prompts of `context` tokens are
+prefilled once (not timed); then, alternating, each repetition decodes `new_tokens` for every sequence
 - as one batch: every step is one forward over the B sequences (`ModelRunner.step`, what the
   engine thread runs), and
 - one sequence after another, each alone in its steps (the baseline: the engine as it was, a
@@ -25,30 +25,38 @@ import random
 import time
 
 import click
+from pydantic import Field, PositiveInt
 
 from kvpool.tools.bench.report import Report, progress
+from kvpool.tools.workload_file import WorkloadFile, list_of, takes_workload
 
 
+class EngineWorkload(WorkloadFile):
+    """`kvpool bench engine`'s keys; the defaults are the `batching` preset (BENCHMARKS.md)."""
+
+    batches: list_of(PositiveInt) = Field([1, 4, 8, 16, 32], description="Batch sizes.")
+    context: PositiveInt = Field(800, description="Prompt tokens per sequence.")
+    new_tokens: PositiveInt = Field(8, description="Decode steps timed per repetition.")
+    reps: PositiveInt = Field(3, description="Measured repetitions (after 1 warm-up).")
+    threads: PositiveInt = Field(1, description="torch threads (one: what a worker pinned to one core runs with).")
+    pack: list_of(PositiveInt) = Field([16, 64, 256, 512], description="Prompt lengths of the packed-prefill "
+                                       "case ([]: none).")
+
+
+@takes_workload("bench engine", EngineWorkload)
 @click.command()
-@click.option("--batches", default="1,4,8,16,32", show_default=True, help="Batch sizes, comma-separated.")
-@click.option("--context", type=int, default=800, show_default=True, help="Prompt tokens per sequence.")
-@click.option("--new-tokens", type=int, default=8, show_default=True, help="Decode steps timed per repetition.")
-@click.option("--reps", type=int, default=3, show_default=True, help="Measured repetitions (after 1 warm-up).")
-@click.option("--threads", type=int, default=1, show_default=True,
-              help="torch threads (one: what a worker pinned to one core of this machine runs with).")
-@click.option("--pack", default="16,64,256,512", show_default=True,
-              help="Prompt lengths of the packed-prefill case ('' for none).")
+@click.option("--threads", type=click.IntRange(min=1), help="torch threads (key threads).")
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON line.")
-def engine(batches: str, context: int, new_tokens: int, reps: int, threads: int, pack: str, as_json: bool) -> None:
+def engine(workload: EngineWorkload, as_json: bool) -> None:
     """Decode tokens/s at each batch size vs batch-1 sequences one after another."""
     import torch
 
     from reference_worker.model import load_reference_model
     from reference_worker.model_runner import ModelRunner
 
+    context, new_tokens, reps, threads = workload.context, workload.new_tokens, workload.reps, workload.threads
     torch.set_num_threads(threads)
-    sizes = [int(b) for b in batches.split(",") if b.strip()]
-    packs = [int(n) for n in pack.split(",") if n.strip()]
+    sizes, packs = list(workload.batches), list(workload.pack)
     rm = load_reference_model()
     runner = ModelRunner(rm.model)
     rng = random.Random(7)

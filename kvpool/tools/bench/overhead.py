@@ -23,14 +23,16 @@ from pathlib import Path
 
 import click
 
-from kvpool.tools.bench.disagg import WORKLOADS, requests_of
+from kvpool.tools.bench.disagg import requests_of, shape_of
 from kvpool.tools.bench.report import Report, progress
+from kvpool.tools.workload_file import preset_names
 
 
 @click.command()
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["reference", "vllm"]),
               help="Engines to measure (default: reference; vllm needs .venv-vllm).")
-@click.option("--workload", type=click.Choice(sorted(WORKLOADS)), default="mixed", show_default=True)
+@click.option("--workload", type=click.Choice(preset_names("bench disagg")), default="mixed", show_default=True,
+              help="A `kvpool bench disagg` preset: its prompts' shape.")
 @click.option("--rounds", type=int, default=6, show_default=True, help="Measured rounds (after one warm-up).")
 @click.option("--requests", "n_requests", type=int, default=8, show_default=True, help="Requests per round.")
 @click.option("--concurrency", type=int, default=1, show_default=True,
@@ -46,12 +48,13 @@ def overhead(engines, workload, rounds, n_requests, concurrency, cpus, vllm_pyth
     cores = parse(cpus)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-bench-overhead-"))
     report = Report("overhead")
-    report.setup = {"workload": workload, **WORKLOADS[workload], "rounds": rounds, "requests": n_requests,
+    shape = shape_of(workload)
+    report.setup = {"workload": workload, **shape, "rounds": rounds, "requests": n_requests,
                     "concurrency": concurrency, "cpus": cpus}
     for engine in engines or ("reference",):
         with (_reference(workdir / "reference", cores) if engine == "reference"
               else _vllm(workdir / "vllm", cores, vllm_python)) as (pooled, plain):
-            samples = _alternate(pooled, plain, workload, rounds, n_requests, concurrency, engine)
+            samples = _alternate(pooled, plain, shape, rounds, n_requests, concurrency, engine)
         prefix = "" if engine == "reference" else "vllm_"
         failed = {"failed": samples["pool"]["failed"], "failed_no_pool": samples["no_pool"]["failed"]}
         for metric, unit, case in (("ttft_ms", "ms", "ttft_mean_ms"), ("out_tok_per_s", "tok/s", "out_tok_per_s")):
@@ -61,13 +64,13 @@ def overhead(engines, workload, rounds, n_requests, concurrency, cpus, vllm_pyth
             report.add(f"{prefix}{case}/pool", [sum(ours) / len(ours)], unit, baseline="no_pool",
                        baseline_values=[sum(theirs) / len(theirs)],
                        extra={**_paired(ours, theirs, unit == "ms"), **failed})
-    report.notes.append(f"cold {workload} workload {WORKLOADS[workload]}; {rounds} rounds of {n_requests} requests "
+    report.notes.append(f"cold {workload} workload {shape}; {rounds} rounds of {n_requests} requests "
                         f"(at most {concurrency} at once) per side, alternating; engines pinned to cores {cpus}; "
                         "goal: ratio >= 0.97 (reference), >= 0.95 (vllm)")
     report.emit(as_json)
 
 
-def _alternate(pooled: str, plain: str, workload: str, rounds: int, n: int, concurrency: int,
+def _alternate(pooled: str, plain: str, shape: dict[str, float], rounds: int, n: int, concurrency: int,
                label: str) -> dict[str, dict[str, list[float]]]:
     """Per side: every request's TTFT (ms, in the same order on both sides: the same prompts) and
     every round's output tokens/s."""
@@ -77,7 +80,7 @@ def _alternate(pooled: str, plain: str, workload: str, rounds: int, n: int, conc
     bar, step = progress(2 * (rounds + 1), f"overhead ({label})")
     with bar:
         for r in range(rounds + 1):  # round 0 warms both up
-            reqs = requests_of(workload, n, seed=1000 + r)
+            reqs = requests_of(shape, n, seed=1000 + r)
             order = (("pool", pooled), ("no_pool", plain)) if r % 2 else (("no_pool", plain), ("pool", pooled))
             for side, url in order:  # who goes first alternates too
                 res = run_serve_bench(url, reqs, math.inf, max_concurrency=concurrency, label=side)

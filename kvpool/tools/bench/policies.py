@@ -3,26 +3,28 @@ routers over the same workers, one per policy (round_robin, least_loaded, cache_
 has its own text (seeded), so no run reuses another's cache. The baseline of cache_aware is the
 better of the other two.
 
-Two scenarios (`--scenario`): `shared-pool`, a pool that holds every conversation (all policies
-get the same reuse from it), and `local-caches`, as in production: the pool's DRAM is smaller
-than the conversations' working set, each worker's own prefix cache holds its share of it, so
-reuse depends on where a conversation's requests land. Each run also reports, from the workers'
-own counters, how many prefills each worker did and where their prompt tokens came from (local
-cache, pool, computed), and how many local chunks the router knew of (its KV events) against
-what each worker held. Workers run one torch thread each.
+Two scenarios, the presets of `--workload`: `shared-pool` (the defaults), a pool that holds
+every conversation (all policies get the same reuse from it), and `local-caches`, as in
+production: the pool's DRAM is smaller than the conversations' working set, each worker's own
+prefix cache holds its share of it, so reuse depends on where a conversation's requests land.
+Each run also reports, from the workers' own counters, how many prefills each worker did and
+where their prompt tokens came from (local cache, pool, computed), and how many local chunks the
+router knew of (its KV events) against what each worker held. Workers run one torch thread each.
 """
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
+from pydantic import Field, PositiveFloat, PositiveInt
 
 from kvpool.tools.bench.cluster import (clear_caches, counter_delta, extra_router, local_knowledge, row_of,
                                            run_workload, slos_of, start_cluster, worker_counters)
 from kvpool.tools.bench.report import Report, progress
+from kvpool.tools.workload_file import Size, WorkloadFile, list_of, takes_workload
 
 
 def _setup_note(scenario: str, n_prefill: int, n_decode: int, local_cache: str | None, pool_dram: str | None,
@@ -36,72 +38,49 @@ def _setup_note(scenario: str, n_prefill: int, n_decode: int, local_cache: str |
             f"goodput SLOs {slos}")
 
 
-# Defaults of `kvpool bench policies --scenario`; an option given on the command line wins.
-# local-caches: 7 conversations, each with its own system prompt (~590 tokens at round 0), reuse 2
-# chunks (11.8 MB each in float32) per conversation: 14 chunks (165 MB) in all, more than the
-# pool's 128 MiB (10 chunks) keeps across a round, or than one worker's 128 MiB, while each of 2
-# prefill workers holds its half (3-4 conversations, 6-8 chunks). The number of conversations is
-# odd, so round robin over 2 prefill workers does not keep a conversation on one worker by
-# accident (with many users it would not either). The pool evicts least recently used first: it
-# still carries every prefill's KV to the decode worker. Under ARC (the default) a pool this small
-# evicted just-pushed KV before the decode worker read it (8-11 failed requests of 28 at 0.25 req/s)
-# while ARC counted a put as a reference; since it counts reads only, that of 1 request in 84
-# (BENCHMARKS.md).
-SCENARIOS: dict[str, dict[str, Any]] = {
-    "shared-pool": {"conversations": 6, "system_prompts": 2, "system_len": 600, "pool_dram": None,
-                    "pool_eviction": None, "local_cache": None},
-    "local-caches": {"conversations": 7, "system_prompts": 0, "system_len": 500, "pool_dram": "128MiB",
-                     "pool_eviction": "lru", "local_cache": "128MiB"},
-}
+class PoliciesWorkload(WorkloadFile):
+    """`kvpool bench policies`' keys; the defaults are the `shared-pool` scenario, and
+    kvpool/tools/presets/bench-policies/local-caches.toml says why its sizes are what they are."""
+
+    prefill: PositiveInt = Field(2, description="Prefill workers.")
+    decode: PositiveInt = Field(1, description="Decode workers.")
+    conversations: PositiveInt = Field(6, description="Multi-round chat conversations.")
+    rounds: PositiveInt = Field(4, description="User turns each.")
+    system_prompts: int = Field(2, ge=0, description="Distinct system prompts, conversation c uses c mod N; "
+                                "0: one per conversation.")
+    system_len: PositiveInt = Field(600, description="System prompt words.")
+    output_len: PositiveInt = Field(16, description="max_tokens per request.")
+    pool_dram: Size | None = Field(None, description="The pool's DRAM (`kvpool serve --dram-capacity`; "
+                                   "unset: its default, 1GiB).")
+    pool_eviction: Literal["lru", "s3fifo", "arc"] | None = Field(None, description="The pool's eviction "
+                                                                  "policy (unset: the pool's own, arc).")
+    local_cache: Size | None = Field(None, description="Every worker's own prefix cache (`kvpool worker "
+                                     "--local-cache`; unset: its default, 512MiB).")
+    rate: list_of(PositiveFloat) = Field([1.0], description="Request rates.")
+    goodput: list_of(str) = Field(["ttft:2000", "tpot:150"], description="SLOs for goodput (metric:ms).")
 
 
+@takes_workload("bench policies", PoliciesWorkload)
 @click.command()
-@click.option("--scenario", type=click.Choice(sorted(SCENARIOS)), default="shared-pool", show_default=True,
-              help="shared-pool: the pool holds every conversation; local-caches: the pool's DRAM is smaller "
-                   "than the working set, each worker's own prefix cache holds its share (see SCENARIOS).")
-@click.option("--prefill", "n_prefill", type=int, default=2, show_default=True)
-@click.option("--decode", "n_decode", type=int, default=1, show_default=True)
-@click.option("--conversations", type=int, help="Conversations (default: the scenario's, 6 or 7).")
-@click.option("--rounds", type=int, default=4, show_default=True)
-@click.option("--system-prompts", type=int,
-              help="Distinct system prompts, conversation c uses c mod N; 0: one per conversation "
-                   "(default: the scenario's, 2 or 0).")
-@click.option("--system-len", type=int, help="System prompt words (default: the scenario's, 600 or 500).")
-@click.option("--output-len", type=int, default=16, show_default=True)
-@click.option("--pool-dram", metavar="SIZE",
-              help="The pool's DRAM (`kvpool serve --dram-capacity`; default: the scenario's, 1GiB or 128MiB).")
-@click.option("--pool-eviction", type=click.Choice(["lru", "s3fifo", "arc"]),
-              help="The pool's eviction policy (default: the scenario's, the pool's own (arc) or lru).")
-@click.option("--local-cache", metavar="SIZE",
-              help="Every worker's own prefix cache (`kvpool worker --local-cache`; default: the scenario's, "
-                   "512MiB or 128MiB).")
-@click.option("--rate", "rates", default="1", show_default=True, help="Request rates (comma-separated).")
-@click.option("--goodput", multiple=True, default=("ttft:2000", "tpot:150"), show_default=True)
+@click.option("--rate", help="Request rates, comma-separated (key rate).")
 @click.option("--workdir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True)
-def policies(scenario, n_prefill, n_decode, conversations, rounds, system_prompts, system_len, output_len,
-             pool_dram, pool_eviction, local_cache, rates, goodput, workdir, as_json) -> None:
-    """cache_aware vs round_robin vs least_loaded on multi-round chat, same workers."""
-    from kvpool.tools.bench.workloads import chat_requests
-    from kvpool.config import parse_size
+def policies(workload: PoliciesWorkload, workdir, as_json) -> None:
+    """cache_aware vs round_robin vs least_loaded on multi-round chat, same workers.
 
-    preset = SCENARIOS[scenario]
-    conversations = preset["conversations"] if conversations is None else conversations
-    system_prompts = preset["system_prompts"] if system_prompts is None else system_prompts
-    system_len = preset["system_len"] if system_len is None else system_len
-    pool_dram = preset["pool_dram"] if pool_dram is None else pool_dram
-    local_cache = preset["local_cache"] if local_cache is None else local_cache
-    pool_eviction = preset["pool_eviction"] if pool_eviction is None else pool_eviction
-    for flag, size in (("--pool-dram", pool_dram), ("--local-cache", local_cache)):
-        if size is not None:
-            try:
-                parse_size(size)
-            except ValueError as exc:
-                raise click.BadParameter(str(exc), param_hint=flag) from None
-    if conversations < 1 or rounds < 1 or system_prompts < 0:
-        raise click.BadParameter("--conversations and --rounds must be >= 1, --system-prompts >= 0")
+    \b
+    kvpool bench policies --json                               (shared-pool)
+    kvpool bench policies --workload local-caches --rate 0.25 --json
+    """
+    from kvpool.tools.bench.workloads import chat_requests
+
+    w = workload
+    scenario = w.source or "shared-pool"
+    n_prefill, n_decode, conversations, rounds = w.prefill, w.decode, w.conversations, w.rounds
+    system_prompts, system_len, output_len = w.system_prompts, w.system_len, w.output_len
+    pool_dram, pool_eviction, local_cache = w.pool_dram, w.pool_eviction, w.local_cache
     workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-bench-policies-"))
-    slos = slos_of(goodput)
+    slos = slos_of(w.goodput)
     report = Report("policies")
     names = ("round_robin", "least_loaded", "cache_aware")
     worker_args = ["--threads", "1", *(["--local-cache", local_cache] if local_cache is not None else [])]
@@ -115,7 +94,7 @@ def policies(scenario, n_prefill, n_decode, conversations, rounds, system_prompt
             proc, url = extra_router(cluster, workdir, f"router-{name}", ["--policy", name])
             routers.append(proc)
             urls[name] = f"{url}/v1"
-        rate_list = [float(r) for r in rates.split(",")]
+        rate_list = list(w.rate)
         runs: dict[str, list[Any]] = {n: [] for n in names}
         bar, step = progress(len(rate_list) * len(names), "policies")
         with bar:

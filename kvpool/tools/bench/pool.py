@@ -19,8 +19,8 @@ of every system and compares it, and each timed repetition compares the last val
 Goals (issue): TCP get >= 1.3x Mooncake at >= 1 MiB and >= 1x at 64 KiB (single and batched);
 shm get >= 3x Mooncake's TCP; ahead of Redis at every size. They are printed as notes.
 
-`--auth` also runs a second `kvpool serve` with a keyring (issue 13) and a tenant client of it
-over TCP and same-host (`ours_tcp+auth`, `ours_shm+auth`) and, unless `--no-engine`, on the
+`--workload auth` (key `auth`) also runs a second `kvpool serve` with a keyring (issue 13) and a tenant client of it
+over TCP and same-host (`ours_tcp+auth`, `ours_shm+auth`) and, unless `engine = false`, on the
 transfer-engine path (`ours_tcp-engine+auth`: a grant per op, checked and counted per frame,
 issue 27), each compared with its counterpart
 without authentication in the same run (goal: under 5% cost), and a third pool without a
@@ -43,15 +43,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
 import click
 import numpy as np
+from pydantic import Field, PositiveInt
 
 from kvpool.tools.bench.pool_peers import MooncakePeer, RedisPeer, mooncake_available
 from kvpool.tools.bench.pool_process import PoolProcess, auth_pool
 from kvpool.tools.bench.report import Report, gbps, progress
-from kvpool.errors import InvalidArgument
+from kvpool.tools.workload_file import Size, WorkloadFile, list_of, takes_workload
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ SAME_HOST_PEERS = ("redis_unix",)  # compared with ours_shm only
 
 
 ENGINE = "ours_tcp-engine"
-AUTH = "+auth"  # suffix of the systems whose pool has a keyring (--auth)
-CONTROL = "+control"  # suffix of the system of a second pool without one (--auth): the A/A control
+AUTH = "+auth"  # suffix of the systems whose pool has a keyring (key auth)
+CONTROL = "+control"  # suffix of the system of a second pool without one (key auth): the A/A control
 TWINS = (AUTH, CONTROL)  # each compared with the system its name ends in, per turn (`_paired`)
 # clients of ours_tcp's pool (or of ours_tcp+auth's): nothing of their own to load or clean
 SHARES_POOL = ("ours_shm", ENGINE, "ours_shm" + AUTH, ENGINE + AUTH)
@@ -210,44 +211,56 @@ def _settle(servers: Any) -> None:
         server.settle()
 
 
-def _sizes(text: str) -> list[int]:
-    from kvpool.config import parse_size
+class PoolWorkload(WorkloadFile):
+    """`kvpool bench pool`'s keys; the defaults are the single-client table of BENCHMARKS.md."""
 
-    return [parse_size(p) for p in text.split(",") if p.strip()]
+    sizes: list_of(Size) = Field(["64KiB", "1MiB", "8MiB"], description="Value sizes.")
+    bytes_per_rep: Size = Field("8MiB", description="Bytes each system moves per repetition.")
+    min_ops: PositiveInt = Field(16, description="At least this many operations per repetition.")
+    # Many short turns rather than a few long ones: on a shared machine a burst of load then lands
+    # on every system alike instead of on whichever one held the CPU at that moment.
+    reps: int = Field(21, ge=1, le=200, description="Repetitions (turns) of every system.")
+    batch: int = Field(16, ge=1, le=1024, description="Keys per batch call.")
+    peers: list_of(Literal["redis", "mooncake"]) = Field(["redis", "mooncake"], description="Baselines to run.")
+    put: bool = Field(True, description="Measure puts too (false: gets only).")
+    engine: bool = Field(True, description="Also the transfer-engine data path (tcp-engine).")
+    clients: list_of(Annotated[int, Field(ge=1, le=256)]) = Field(
+        [], description="Many-clients mode: aggregate gets of this many client processes at once (e.g. [1, 4, 16, "
+        "64]), ours (TCP and same-host) vs the peers; sizes, reps and peers apply.")
+    duration: float = Field(2.0, ge=0.2, le=60, description="Many-clients mode: seconds each turn runs.")
+    auth: bool = Field(False, description="Also run a pool with a keyring and a tenant client (TCP and shm), "
+                       "compared with the pool without (authentication's cost).")
+    netns: bool = Field(False, description="Across a shaped link between two network namespaces (root): ours vs a "
+                        "raw socket store over the same link, and the link's rate (kvpool.tools.bench.pool_netns).")
+    rtt_ms: float = Field(1.0, ge=0, le=1000, description="netns: the link's round trip (0: no delay line).")
+    link_rate: str = Field("10gbit", description="netns: the link's rate (tc syntax; '' for none).")
+    loss_pct: float = Field(0.0, ge=0, le=100, description="netns: percent of packets lost each way.")
 
 
+@takes_workload("bench pool", PoolWorkload)
 @click.command("pool")
+@click.option("--sizes", help="Value sizes, comma-separated (key sizes).")
+@click.option("--reps", type=click.IntRange(1, 200), help="Repetitions (key reps).")
+@click.option("--peers", help="Baselines to run: redis, mooncake, comma-separated, '' for none (key peers).")
 @click.option("--json", "as_json", is_flag=True, help="End the output with one JSON line.")
-@click.option("--sizes", default="64KiB,1MiB,8MiB", show_default=True, help="Value sizes, comma-separated.")
-@click.option("--bytes-per-rep", default="8MiB", show_default=True, help="Bytes each system moves per repetition.")
-@click.option("--min-ops", default=16, show_default=True, help="At least this many operations per repetition.")
-# Many short turns rather than a few long ones: on a shared machine a burst of load then lands on
-# every system alike instead of on whichever one held the CPU at that moment.
-@click.option("--reps", default=21, show_default=True, type=click.IntRange(1, 200))
-@click.option("--batch", default=16, show_default=True, type=click.IntRange(1, 1024), help="Keys per batch call.")
-@click.option("--peers", default="redis,mooncake", show_default=True, help="Baselines to run (redis, mooncake).")
-@click.option("--no-put", is_flag=True, help="Measure gets only.")
-@click.option("--no-engine", is_flag=True, help="Leave out the transfer-engine data path (tcp-engine).")
-@click.option("--clients", default="", metavar="N,N,...",
-              help="Many-clients mode: aggregate gets of this many client processes at once (e.g. 1,4,16,64), "
-                   "ours (TCP and same-host) vs the peers with the same counts; --sizes, --reps and --peers apply.")
-@click.option("--duration", default=2.0, show_default=True, type=click.FloatRange(0.2, 60),
-              help="Many-clients mode: seconds each turn runs.")
-@click.option("--auth", is_flag=True, help="Also run a pool with a keyring and a tenant client (TCP and shm), "
-              "compared with the pool without (authentication's cost).")
-def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int, batch: int, peers: str,
-         no_put: bool, no_engine: bool, clients: str, duration: float, auth: bool) -> None:
+def pool(workload: PoolWorkload, as_json: bool) -> None:
     """SDK put/get GB/s and ops/s (TCP forced and same-host shm) vs Redis and Mooncake Store (TCP);
-    with --clients, aggregate gets of many client processes at once."""
+    with the many-clients preset (key clients), aggregate gets of many client processes at once."""
     from kvpool.config import parse_size
 
-    size_list = _sizes(sizes)
-    per_rep = parse_size(bytes_per_rep)
-    wanted = {p.strip() for p in peers.split(",") if p.strip()}
-    if wanted - {"redis", "mooncake"}:
-        raise InvalidArgument(f"unknown peer(s) {sorted(wanted - {'redis', 'mooncake'})}; known: redis, mooncake")
-    if clients:
-        return _many_clients(as_json, size_list, reps, wanted, _counts(clients), duration)
+    w = workload
+    reps, batch, no_put, no_engine, auth = w.reps, w.batch, not w.put, not w.engine, w.auth
+    size_list = [parse_size(s) for s in w.sizes]
+    per_rep = parse_size(w.bytes_per_rep)
+    wanted = set(w.peers)
+    if w.clients:
+        return _many_clients(as_json, size_list, reps, wanted, list(w.clients), w.duration)
+    min_ops = w.min_ops
+    if w.netns:
+        from kvpool.tools.bench.pool_netns import run_across
+
+        return run_across(as_json, size_list, per_rep, min_ops, reps, batch, no_put, no_engine, w.rtt_ms,
+                          w.link_rate or None, w.loss_pct)
     report = Report("pool")
     workloads = [Workload(s, max(min_ops, per_rep // s), batch) for s in size_list]
     working_set = sum(w.size * w.count for w in workloads)
@@ -309,19 +322,9 @@ def pool(as_json: bool, sizes: str, bytes_per_rep: str, min_ops: int, reps: int,
     report.emit(as_json)
 
 
-def _counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InvalidArgument(f"--clients takes counts like 1,4,16,64, got {text!r}") from None
-    if not counts or min(counts) < 1 or max(counts) > 256:
-        raise InvalidArgument(f"--clients takes counts between 1 and 256, got {text!r}")
-    return counts
-
-
 def _many_clients(as_json: bool, sizes: list[int], reps: int, wanted: set[str], counts: list[int],
                   duration: float) -> None:
-    """`--clients`: every system serves the same keys to 1..N client processes (pool_clients.py)."""
+    """Key `clients`: every system serves the same keys to 1..N client processes (pool_clients.py)."""
     from kvpool.tools.bench import pool_clients
     from kvpool.tools.bench.pool_peers import _mooncake_env
 

@@ -1,4 +1,4 @@
-"""`kvpool bench pool --clients 1,4,16,64`: aggregate get throughput and latency of many client
+"""`kvpool bench pool --workload many-clients`: aggregate get throughput and latency of many client
 processes at once, ours against Redis and Mooncake Store with the same client counts, one run.
 
 Each client is its own process (a Python client's own GIL must not be what limits the figure),

@@ -7,22 +7,24 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvpool.tools.launch.processes import KVPOOL, clean_env, stop
 
 
 class PoolProcess:
-    """`kvpool serve` on a free loopback port in a child process."""
+    """`kvpool serve` on a free loopback port in a child process (or on `host`, run through
+    `prefix`: inside a network namespace of `kvpool.tools.netns`)."""
 
-    def __init__(self, dram_capacity: int, auth_file: str | None = None, settings: dict[str, str] | None = None):
+    def __init__(self, dram_capacity: int, auth_file: str | None = None, settings: dict[str, str] | None = None,
+                 host: str = "127.0.0.1", prefix: Sequence[str] = ()):
         """`settings`: KVPOOL_* variables for the pool (none of this process's are passed on)."""
         env = clean_env(**(settings or {}))
         if auth_file:
             env["KVPOOL_AUTH_FILE"] = auth_file
         self.proc = subprocess.Popen(
-            KVPOOL + ["--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", "0", "--admin-port", "0",
-                   "--dram-capacity", str(dram_capacity)],
+            [*prefix, *KVPOOL, "--log-level", "WARNING", "serve", "--host", host, "--port", "0", "--admin-port", "0",
+             "--dram-capacity", str(dram_capacity)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         line = self.proc.stdout.readline().strip()
         if not line.startswith("kvpool serving at "):
@@ -70,9 +72,10 @@ def _cpu_clock(pid: int) -> Callable[[], float]:
 
 
 def auth_pool(dram_capacity: int, settings: dict[str, str] | None = None,
-               principal: str = "bench") -> tuple[PoolProcess, Any, Callable[[], None]]:
+              principal: str = "bench", **where: Any) -> tuple[PoolProcess, Any, Callable[[], None]]:
     """A pool with a keyring of a node ("node") and one tenant ("bench"; a file 0600 in a private
-    temp directory), the credential of `principal`, and how to stop it and delete the keyring."""
+    temp directory), the credential of `principal`, and how to stop it and delete the keyring.
+    `where`: `host` and `prefix` of `PoolProcess`."""
     import secrets
     import shutil
     import tempfile
@@ -87,7 +90,7 @@ def auth_pool(dram_capacity: int, settings: dict[str, str] | None = None,
         f.write(f'[principals.node]\nrole = "node"\nsecret = "{node}"\n'
                 f'[principals.bench]\nrole = "tenant:bench"\nsecret = "{tenant}"\n')
     try:
-        server = PoolProcess(dram_capacity, auth_file=path, settings=settings)
+        server = PoolProcess(dram_capacity, auth_file=path, settings=settings, **where)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise

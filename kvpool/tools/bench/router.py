@@ -87,8 +87,8 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
         router = Router(RouterConfig(pool=address))
         router.pool = await PrefixMatcher(address).connect()
         router.tokenizer, router.chunk_tokens, router.max_positions = tok, 256, 8192
-        router._namespace, router.bytes_per_token = ns.digest(), ns.layout.bytes_per_token
-        router.workers = Workers(http=None)
+        router.namespace, router.bytes_per_token = ns.digest(), ns.layout.bytes_per_token
+        router.workers = Workers(router.backend)
         system = _sentences(rng, 7000)
         sys_keys = chunk_keys_hex(ns.digest(), tok.encode_chat([{"role": "system", "content": system}]), 256)
         sync.put_batch([(k, b"x") for k in sys_keys])  # the shared prefix is in the pool

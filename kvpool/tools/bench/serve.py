@@ -18,16 +18,18 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import click
+from pydantic import Field, PositiveInt, field_validator
 
 from kvpool.tools.bench.report import Report, Result, progress, ratio
 from kvpool.tools.bench.serve_client import ServeResult, first_model, rate_json, run_serve_bench
 from kvpool.tools.bench.serve_metrics import parse_slo
 from kvpool.tools.bench.workloads import Request, chat_requests, docqa_requests, random_requests, trace_requests
+from kvpool.tools.workload_file import WorkloadFile, list_of, takes_workload
 
-__all__ = ["serve", "run_serve_bench", "ServeResult", "build_workload"]
+__all__ = ["serve", "run_serve_bench", "ServeResult", "ServeWorkload", "build_workload"]
 
 STATS = ("mean", "median", "p90", "p99")
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
@@ -50,36 +52,73 @@ class Target:
     model: str
 
 
-def build_workload(workload: str, opts: dict[str, Any], seed: int) -> list[Request]:
-    """The request list for `workload` from the CLI's options (cut to `num_requests` when set)."""
-    n = opts.get("num_requests")
-    if workload == "random":
-        reqs = random_requests(n or 100, opts["input_len"], opts["output_len"], opts["range_ratio"], seed)
-    elif workload == "chat":
-        conversations = opts["conversations"] or (math.ceil(n / opts["rounds"]) if n else 8)
-        reqs = chat_requests(conversations, opts["rounds"], opts["system_prompts"], opts["system_len"],
-                             opts["turn_len"], opts["output_len"], seed)
-    elif workload == "docqa":
-        documents = opts["documents"] or (math.ceil(n / opts["questions"]) if n else 4)
-        reqs = docqa_requests(documents, opts["doc_len"], opts["questions"], opts["output_len"], seed)
-    elif workload == "trace":
-        if not opts.get("trace"):
-            raise click.UsageError("--workload trace needs --trace PATH")
-        reqs = trace_requests(opts["trace"], limit=opts["trace_limit"] or n, block_words=opts["block_words"],
-                              output_scale=opts["output_scale"], max_output=opts["max_output"], seed=seed)
+class ServeWorkload(WorkloadFile):
+    """`kvpool bench serve`'s workload keys; the defaults are a run without `--workload`."""
+
+    PATH_KEYS = ("trace",)
+
+    kind: Literal["random", "chat", "docqa", "trace"] = Field("random", description="Which request list.")
+    num_requests: PositiveInt | None = Field(None, description="Requests per run (random: 100; chat/docqa: "
+                                             "every conversation/document, their count derived from this).")
+    seed: int = 0
+    input_len: PositiveInt = Field(256, description="random: prompt words.")
+    output_len: PositiveInt = Field(64, description="random/chat/docqa: max_tokens per request.")
+    range_ratio: float = Field(0.0, ge=0, lt=1, description="random: lengths uniform in len*(1±ratio).")
+    conversations: PositiveInt | None = Field(None, description="chat: conversations (8, or from num_requests).")
+    rounds: PositiveInt = Field(3, description="chat: user turns each.")
+    system_prompts: PositiveInt = Field(2, description="chat: shared system prompts.")
+    system_len: PositiveInt = Field(512, description="chat: system prompt words.")
+    turn_len: PositiveInt = Field(48, description="chat: user turn words.")
+    documents: PositiveInt | None = Field(None, description="docqa: documents (4, or from num_requests).")
+    doc_len: PositiveInt = Field(1024, description="docqa: document words.")
+    questions: PositiveInt = Field(4, description="docqa: questions each.")
+    trace: str | None = Field(None, description="trace: a Mooncake JSONL trace.")
+    trace_limit: PositiveInt | None = Field(None, description="trace: its first N requests.")
+    block_words: PositiveInt = Field(32, description="trace: words per 512-token hash block.")
+    output_scale: float | None = Field(None, gt=0, description="trace: output length factor (default: "
+                                       "block_words/512, the input's scale).")
+    max_output: PositiveInt = Field(64, description="trace: output cap.")
+    rate: list_of(float) = Field([math.inf], description="Poisson arrivals per second; inf: all at once; "
+                                 "several sweep.")
+    arrival: Literal["poisson", "trace"] = Field("poisson", description="trace: the trace's timestamps "
+                                                 "(times time_scale) instead of rate.")
+    time_scale: float = Field(1.0, ge=0, description="trace arrival: multiply the gaps (0.5: twice as fast).")
+    max_concurrency: PositiveInt | None = Field(None, description="Bound on requests in flight.")
+    warmup: int = Field(2, ge=0, description="Requests sent to each endpoint first (other text; not counted).")
+    goodput: list_of(str) = Field([], description="SLOs for goodput, e.g. [\"ttft:2000\", \"tpot:100\"] "
+                                  "(ttft, tpot or e2e, ms).")
+    temperature: float = 0.0
+    extra_body: dict[str, Any] | None = Field(None, description="Merged into every request body, e.g. "
+                                              "{ignore_eos = true}.")
+    request_timeout: float = Field(600.0, ge=1, description="Seconds before a silent request fails.")
+    salt: bool = Field(True, description="Tag each run's prompts so a run does not reuse the cache of the run "
+                       "before.")
+
+    @field_validator("rate")
+    @classmethod
+    def _positive_rates(cls, rates: list[float]) -> list[float]:
+        if not rates or any(r <= 0 or math.isnan(r) for r in rates):
+            raise ValueError("rates must be positive numbers or inf")
+        return rates
+
+
+def build_workload(w: ServeWorkload, seed: int, num_requests: int | None = None) -> list[Request]:
+    """The request list of `w` (cut to `num_requests`, by default the workload's, when set)."""
+    n = w.num_requests if num_requests is None else num_requests
+    if w.kind == "random":
+        reqs = random_requests(n or 100, w.input_len, w.output_len, w.range_ratio, seed)
+    elif w.kind == "chat":
+        conversations = w.conversations or (math.ceil(n / w.rounds) if n else 8)
+        reqs = chat_requests(conversations, w.rounds, w.system_prompts, w.system_len, w.turn_len, w.output_len, seed)
+    elif w.kind == "docqa":
+        documents = w.documents or (math.ceil(n / w.questions) if n else 4)
+        reqs = docqa_requests(documents, w.doc_len, w.questions, w.output_len, seed)
     else:
-        raise click.BadParameter(f"unknown workload {workload!r}")
+        if not w.trace:
+            raise click.UsageError("a trace workload needs its file: --trace PATH")
+        reqs = trace_requests(w.trace, limit=w.trace_limit or n, block_words=w.block_words,
+                              output_scale=w.output_scale, max_output=w.max_output, seed=seed)
     return reqs[:n] if n else reqs
-
-
-def _rates(spec: str) -> list[float]:
-    try:
-        rates = [float(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{spec!r}: expected numbers or inf, comma-separated", param_hint="--rate") from None
-    if not rates or any(r <= 0 or math.isnan(r) for r in rates):
-        raise click.BadParameter("rates must be positive", param_hint="--rate")
-    return rates
 
 
 def _discover(base_url: str, api_key: str | None) -> str:
@@ -93,8 +132,9 @@ def _discover(base_url: str, api_key: str | None) -> str:
     return asyncio.run(go())
 
 
+@takes_workload("bench serve", ServeWorkload)
 @click.command()
-@click.option("--base-url", required=True, help="The endpoint under test, e.g. http://127.0.0.1:8000/v1.")
+@click.option("--base-url", help="The endpoint under test, e.g. http://127.0.0.1:8000/v1 (required).")
 @click.option("--model", help="Model name (default: the first of GET /v1/models).")
 @click.option("--label", default="ours", show_default=True, help="Name of this endpoint in the JSON and the plot.")
 @click.option("--baseline-url", help="A second endpoint measured in the same run (ours, baseline per rate).")
@@ -102,70 +142,37 @@ def _discover(base_url: str, api_key: str | None) -> str:
 @click.option("--baseline-label", default="baseline", show_default=True)
 @click.option("--api-key", envvar="OPENAI_API_KEY", help="Bearer token for both endpoints (env OPENAI_API_KEY).")
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True)
-@click.option("--workload", type=click.Choice(["random", "chat", "docqa", "trace"]), default="random", show_default=True)
-@click.option("--num-requests", type=click.IntRange(min=1), help="Requests per run (random: 100; chat/docqa: all "
-              "conversations/documents, their count derived from this when not given).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--input-len", type=click.IntRange(min=1), default=256, show_default=True, help="random: prompt words.")
-@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True,
-              help="random/chat/docqa: max_tokens per request.")
-@click.option("--range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
-              help="random: lengths uniform in len*(1±ratio).")
-@click.option("--conversations", type=click.IntRange(min=1), help="chat: conversations (default 8, or from --num-requests).")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="chat: user turns each.")
-@click.option("--system-prompts", type=click.IntRange(min=1), default=2, show_default=True,
-              help="chat: shared system prompts.")
-@click.option("--system-len", type=click.IntRange(min=1), default=512, show_default=True, help="chat: system prompt words.")
-@click.option("--turn-len", type=click.IntRange(min=1), default=48, show_default=True, help="chat: user turn words.")
-@click.option("--documents", type=click.IntRange(min=1), help="docqa: documents (default 4, or from --num-requests).")
-@click.option("--doc-len", type=click.IntRange(min=1), default=1024, show_default=True, help="docqa: document words.")
-@click.option("--questions", type=click.IntRange(min=1), default=4, show_default=True, help="docqa: questions each.")
-@click.option("--trace", type=click.Path(dir_okay=False, exists=True), help="trace: a Mooncake JSONL trace.")
-@click.option("--trace-limit", type=click.IntRange(min=1), help="trace: its first N requests.")
-@click.option("--block-words", type=click.IntRange(min=1), default=32, show_default=True,
-              help="trace: words per 512-token hash block.")
-@click.option("--output-scale", type=click.FloatRange(min=0, min_open=True),
-              help="trace: output length factor (default: block-words/512, the input's scale).")
-@click.option("--max-output", type=click.IntRange(min=1), default=64, show_default=True, help="trace: output cap.")
-@click.option("--rate", "rate_spec", default="inf", show_default=True,
-              help="Poisson arrivals per second; inf: all at once; a list (0.5,1,2) sweeps.")
-@click.option("--arrival", type=click.Choice(["poisson", "trace"]), default="poisson", show_default=True,
-              help="trace: the trace's timestamps (times --time-scale) instead of --rate.")
-@click.option("--time-scale", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="trace arrival: multiply the gaps (0.5: twice as fast).")
-@click.option("--max-concurrency", type=click.IntRange(min=1), help="Bound on requests in flight.")
-@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
-              help="Requests sent to each endpoint first (other text; not counted).")
-@click.option("--goodput", "goodput_specs", multiple=True, metavar="NAME:MS",
-              help="An SLO for goodput: ttft:MS, tpot:MS or e2e:MS (repeatable).")
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--extra-body", help='JSON merged into every request body, e.g. \'{"ignore_eos": true}\'.')
-@click.option("--request-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
-              help="Seconds before a silent request fails.")
-@click.option("--salt/--no-salt", default=True, show_default=True,
-              help="Tag each run's prompts so a run does not reuse the cache of the run before.")
+@click.option("--num-requests", type=click.IntRange(min=1), help="Requests per run (key num_requests).")
+@click.option("--rate", help="Arrivals per second, inf: all at once; a list (0.5,1,2) sweeps (key rate).")
+@click.option("--seed", type=int, help="Seed of the request list and the arrivals (key seed).")
+@click.option("--trace", type=click.Path(dir_okay=False, exists=True), help="A Mooncake JSONL trace (key trace).")
 @click.option("--per-request", is_flag=True, help="Put every request's record in the JSON runs.")
 @click.option("--output-dir", type=click.Path(file_okay=False), help="Write serve-LABEL.json and serve-LABEL.png here.")
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON line.")
 @click.pass_context
-def serve(ctx: click.Context, **opts: Any) -> None:
-    """Load an OpenAI-compatible endpoint; TTFT/TPOT/ITL/E2E, throughput and goodput per rate."""
+def serve(ctx: click.Context, workload: ServeWorkload, **opts: Any) -> None:
+    """Load an OpenAI-compatible endpoint; TTFT/TPOT/ITL/E2E, throughput and goodput per rate.
+
+    \b
+    kvpool bench serve --base-url http://127.0.0.1:8000/v1 --workload chat --rate 0.5,1,2
+    kvpool bench serve --base-url URL --workload chat-trace --trace conversation_trace.jsonl
+    kvpool bench serve --base-url URL --workload my-load.toml --set output_len=16 --json
+    """
+    w = workload
     for noisy in ("httpx", "matplotlib"):  # a line per request / per font is noise here
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    rates: list[float | str] = ["trace"] if opts["arrival"] == "trace" else list(_rates(opts["rate_spec"]))
-    if opts["arrival"] == "trace" and opts["workload"] != "trace":
-        raise click.UsageError("--arrival trace needs --workload trace")
+    if not opts["base_url"]:
+        raise click.UsageError("Missing option '--base-url'.")
+    rates: list[float | str] = ["trace"] if w.arrival == "trace" else list(w.rate)
+    if w.arrival == "trace" and w.kind != "trace":
+        raise click.UsageError("arrival = \"trace\" needs kind = \"trace\"")
     try:
-        slos = dict(parse_slo(s) for s in opts["goodput_specs"])
-        extra = json.loads(opts["extra_body"]) if opts["extra_body"] else None
+        slos = dict(parse_slo(s) for s in w.goodput)
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    if extra is not None and not isinstance(extra, dict):
-        raise click.UsageError("--extra-body must be a JSON object")
+        raise click.UsageError(f"goodput: {exc}") from None
     try:
-        requests = build_workload(opts["workload"], opts, opts["seed"])
-        warmup = build_workload(opts["workload"], {**opts, "num_requests": opts["warmup"]},
-                                opts["seed"] + 1) if opts["warmup"] else []
+        requests = build_workload(w, w.seed)
+        warmup = build_workload(w, w.seed + 1, num_requests=w.warmup) if w.warmup else []
     except (OSError, ValueError) as exc:
         raise click.UsageError(f"workload: {exc}") from None
 
@@ -173,9 +180,9 @@ def serve(ctx: click.Context, **opts: Any) -> None:
     if opts["baseline_url"]:
         targets.append(Target(opts["baseline_label"], opts["baseline_url"],
                               opts["baseline_model"] or _discover(opts["baseline_url"], opts["api_key"])))
-    common = dict(endpoint=opts["endpoint"], max_concurrency=opts["max_concurrency"], time_scale=opts["time_scale"],
-                  seed=opts["seed"], temperature=opts["temperature"], slos_ms=slos, extra_body=extra,
-                  api_key=opts["api_key"], timeout_s=opts["request_timeout"])
+    common = dict(endpoint=opts["endpoint"], max_concurrency=w.max_concurrency, time_scale=w.time_scale,
+                  seed=w.seed, temperature=w.temperature, slos_ms=slos, extra_body=w.extra_body,
+                  api_key=opts["api_key"], timeout_s=w.request_timeout)
 
     def run(target: Target, reqs: list[Request], rate: float | str, what: str) -> ServeResult:
         bar, advance = progress(len(reqs), f"{what} {target.label} @ {rate_json(rate)}")
@@ -188,13 +195,14 @@ def serve(ctx: click.Context, **opts: Any) -> None:
             run(target, [r.salted("Warmup. ") for r in warmup], math.inf, "warm-up")
     runs: list[ServeResult] = []
     for i, rate in enumerate(rates):
-        reqs = [r.salted(f"Run {i}. ") for r in requests] if opts["salt"] else requests
+        reqs = [r.salted(f"Run {i}. ") for r in requests] if w.salt else requests
         for target in targets:
             runs.append(run(target, reqs, rate, "serve"))
 
-    config = {k: v for k, v in opts.items() if k not in ("api_key", "rate_spec", "goodput_specs", "as_json")}
-    config.update(rates=[rate_json(r) for r in rates], goodput=slos, extra_body=extra, num_requests=len(requests),
-                  models={t.label: t.model for t in targets})
+    config = {k: v for k, v in opts.items() if k not in ("api_key", "as_json")}
+    config.update({k: v for k, v in w.settings().items() if k != "rate"}, workload=w.source or w.kind,
+                  rates=[rate_json(r) for r in rates], goodput=slos,
+                  num_requests=len(requests), models={t.label: t.model for t in targets})
     report = build_report(runs, targets)
     doc = {**report.document(), "label": opts["label"], "config": config,
            "runs": [r.to_json(opts["per_request"]) for r in runs]}
@@ -205,7 +213,7 @@ def serve(ctx: click.Context, **opts: Any) -> None:
         stem = out / f"serve-{_safe(opts['label'])}"
         stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
         report.notes.append(f"wrote {stem.with_suffix('.json')}")
-        report.notes.append(plot(runs, stem.with_suffix(".png"), f"kvpool bench serve: {opts['workload']}"))
+        report.notes.append(plot(runs, stem.with_suffix(".png"), f"kvpool bench serve: {w.source or w.kind}"))
     emit(report, runs, targets, doc, opts["as_json"])
 
 

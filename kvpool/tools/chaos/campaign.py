@@ -5,10 +5,18 @@
     report["violations"]   # [] when every promise in kvpool.tools.chaos.checker held
 
 A log line every `progress_s` says how far it is (time, faults, operations, load average).
+
+Across namespaces (`netns=True`, root only): this process builds a `kvpool.tools.netns.Fabric`
+(a namespace for etcd, each master, each node, each load client, and one for the campaign's
+own probes and checks, "observer"), runs the campaign in a child process inside "observer"
+(`python -m kvpool.tools.chaos.campaign`), and tears the fabric down after, whatever happened
+in it; every fault is then a partition (`kvpool.tools.chaos.faults`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 import statistics
@@ -20,18 +28,51 @@ from pathlib import Path
 
 import kvpool
 from kvpool.tools.chaos.checker import RECOVER_BOUND_S, SERVE_BOUND_S, check, read_ops
-from kvpool.tools.chaos.cluster import ChaosCluster
+from kvpool.tools.chaos.cluster import ChaosCluster, netns_members
 from kvpool.tools.chaos.faults import lanes
 from kvpool.tools.chaos.values import value_of
+from kvpool.tools.launch.processes import follow, spawn
+from kvpool.tools.netns import Fabric
 from kvpool.errors import KVPoolError
 
 log = logging.getLogger(__name__)
 
 
 def run_campaign(workdir: Path, seed: int = 1, duration_s: float = 600.0, min_faults: int = 100,
-                 clients: int = 4, rate: float = 25.0, progress_s: float = 15.0) -> dict:
+                 clients: int = 4, rate: float = 25.0, progress_s: float = 15.0, netns: bool = False) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
-    cluster = ChaosCluster(workdir)
+    if netns:
+        return _across_namespaces(workdir, seed, duration_s, min_faults, clients, rate, progress_s)
+    return _run(workdir, seed, duration_s, min_faults, clients, rate, progress_s, None)
+
+
+def _across_namespaces(workdir: Path, seed: int, duration_s: float, min_faults: int, clients: int, rate: float,
+                       progress_s: float) -> dict:
+    """Build the fabric, run the campaign inside its "observer" member, tear the fabric down."""
+    report_path = workdir / "report-inside.json"
+    log_path = workdir / "campaign.log"
+    with Fabric(netns_members(clients=clients), log_dir=workdir).start() as net:
+        log.info("namespace fabric %s: %s", net.tag, {m.name: m.ip for m in net.members.values()})
+        argv = [sys.executable, "-m", "kvpool.tools.chaos.campaign", "--workdir", str(workdir), "--seed", str(seed),
+                "--duration", str(duration_s), "--min-faults", str(min_faults), "--clients", str(clients),
+                "--rate", str(rate), "--progress", str(progress_s), "--fabric", net.describe(),
+                "--report", str(report_path)]
+        inside = net.spawn("observer", argv, log_path)
+        follow(inside, log_path)
+        members = {m.name: m.ip for m in net.members.values()}
+    if inside.returncode != 0 or not report_path.exists():
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"the campaign inside the namespaces failed (exit {inside.returncode}): ...{tail}")
+    report = json.loads(report_path.read_text())
+    report["netns"] = {"members": members, "links": "veth pairs into one bridge, nft cuts in each namespace"}
+    return report
+
+
+def _run(workdir: Path, seed: int, duration_s: float, min_faults: int, clients: int, rate: float,
+         progress_s: float, fabric: Fabric | None) -> dict:
+    cluster = ChaosCluster(workdir, fabric=fabric)
+    if fabric is not None:  # this process speaks to the pool as the keyring's `chaos` admin
+        os.environ.update(cluster.client_env)
     loads: list[subprocess.Popen] = []
     load_avg: list[float] = []
     counters: list[tuple[str, dict]] = []  # (leader address, its counters), one per progress line
@@ -42,12 +83,15 @@ def run_campaign(workdir: Path, seed: int = 1, duration_s: float = 600.0, min_fa
                  [m.address for m in cluster.masters], [n.address for n in cluster.nodes], cluster.disk_note)
         paths = [workdir / f"ops-{i}.jsonl" for i in range(clients)]
         for i, path in enumerate(paths):
-            # Half the clients find the leader in etcd, half go through the leader proxy by address.
-            address = f"etcd://{cluster.client_etcd.address}" if i % 2 == 0 else cluster.leader_proxy.address
-            loads.append(subprocess.Popen(
-                [sys.executable, "-m", "kvpool.tools.chaos.load", "--address", address, "--client", str(i),
-                 "--seed", str(seed * 1000 + i), "--out", str(path), "--rate", str(rate)],
-                stdout=open(workdir / f"client-{i}.log", "ab"), stderr=subprocess.STDOUT))
+            argv = [sys.executable, "-m", "kvpool.tools.chaos.load", "--client", str(i), "--seed", str(seed * 1000 + i),
+                    "--out", str(path), "--rate", str(rate)]
+            if fabric is None:
+                # Half the clients find the leader in etcd, half go through the leader proxy by address.
+                address = f"etcd://{cluster.client_etcd.address}" if i % 2 == 0 else cluster.leader_proxy.address
+                loads.append(spawn([*argv, "--address", address], workdir / f"client-{i}.log", append=True))
+            else:  # each client in its own namespace, finding the leader in etcd
+                loads.append(fabric.spawn(f"c{i}", [*argv, "--address", cluster.meta], workdir / f"client-{i}.log",
+                                          env={**os.environ, **cluster.client_env}, append=True))
         time.sleep(5)  # let the working set build before the first fault
         t_start = time.time()
         fault_lanes = lanes(cluster, seed)
@@ -174,3 +218,26 @@ def _fault_summary(faults: list[dict]) -> dict:
                           "never": len(fs) - len(xs)}
         out[kind] = row
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The campaign inside a fabric's "observer" namespace (what `run_campaign(netns=True)` starts)."""
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--workdir", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--duration", type=float, default=600.0)
+    p.add_argument("--min-faults", type=int, default=100)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--rate", type=float, default=25.0)
+    p.add_argument("--progress", type=float, default=15.0)
+    p.add_argument("--fabric", required=True, help="Fabric.describe() of the fabric this runs in")
+    p.add_argument("--report", type=Path, required=True)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    report = _run(a.workdir, a.seed, a.duration, a.min_faults, a.clients, a.rate, a.progress,
+                  Fabric.attach(a.fabric))
+    a.report.write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -31,12 +31,14 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable
 
-from kvpool.tools.chaos.faults import NODE_KINDS, NODE_LOSS
+from kvpool.tools.chaos.faults import NODE_LOSS, NODE_TARGETED
 
 # Control-plane faults that change or pause the leader: the only ones that may explain a miss
 # (a new leader rebuilds its index from the nodes' reports). A slow or cut client link, or a
-# standby's death, must cost errors and time, never a miss.
-FAILOVER = ("kill_leader", "pause_leader", "master_etcd_cut", "etcd_restart")
+# standby's death, must cost errors and time, never a miss. Across namespaces: the leader cut
+# from etcd (either way) or from everyone, and etcd cut from everyone, end the leader's term.
+FAILOVER = ("kill_leader", "pause_leader", "master_etcd_cut", "etcd_restart",
+            "leader_etcd_partition", "leader_etcd_oneway", "leader_isolated", "etcd_isolated")
 
 SERVE_BOUND_S = 30.0
 RECOVER_BOUND_S = 30.0
@@ -65,12 +67,14 @@ class Windows:
         for f in faults:
             end = (f["t_whole"] or f["t_heal"] + RECOVER_BOUND_S) + GRACE_S
             span = (f["t_inject"], end)
-            if f["kind"] in NODE_KINDS:
+            if f["kind"] in NODE_TARGETED:
                 self.node_any[f["target"]].append(span)
                 if f["kind"] in NODE_LOSS:
                     self.node_loss[f["target"]].append(span)
             elif f["kind"] in FAILOVER:
                 self.control.append(span)
+            for node in f.get("nodes") or ():  # a control-lane cut that took nodes off (no loss: a cut)
+                self.node_any[node].append(span)
         for c in crashes:
             span = (c["t_last_ok"], c["t_seen"] + RECOVER_BOUND_S)
             target = self.node_any if c["name"].startswith("n") else None

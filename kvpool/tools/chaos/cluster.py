@@ -8,12 +8,20 @@
 
 One node's SSD directory sits on a tmpfs of its own (`ssd_mount_bytes`), so "disk full" fills a
 real filesystem under a real lmdb; where mounting is not allowed (not root), that fault is off.
+
+Across namespaces (`fabric`, a `kvpool.tools.netns.Fabric` with the members `NETNS_MEMBERS`):
+etcd, each master and each node in a namespace of its own, listening on its member's address;
+no proxies (links are cut with nft rules, `faults` partition kinds), so no disk-full fault
+either. Listening off loopback needs authentication (protected mode): the cluster writes a
+keyring (`keyring.toml`: the node principal and `chaos`, an admin the load clients and the
+campaign speak as) and every process gets it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import subprocess
 import threading
 import time
@@ -23,46 +31,77 @@ from typing import Callable
 import kvpool
 from kvpool.tools.chaos.procs import Etcd, Service, start_all
 from kvpool.tools.chaos.proxy import FaultProxy
+from kvpool.tools.netns import Fabric
 from kvpool.cluster import LEADER_KEY, EtcdClient
 from kvpool.errors import KVPoolError
 
 log = logging.getLogger(__name__)
 
 
+def netns_members(masters: int = 3, nodes: int = 4, clients: int = 4) -> list[str]:
+    """The fabric members a namespaced campaign needs: one per process, and the campaign's own."""
+    return ["etcd", *(f"master{i}" for i in range(masters)), *(f"n{j}" for j in range(nodes)),
+            *(f"c{k}" for k in range(clients)), "observer"]
+
+
 class ChaosCluster:
     def __init__(self, workdir: Path, masters: int = 3, nodes: int = 4, heartbeat_s: float = 1.0,
-                 dram: str = "4MiB", ssd: str = "40MiB", ssd_mount_bytes: int = 64 << 20):
+                 dram: str = "4MiB", ssd: str = "40MiB", ssd_mount_bytes: int = 64 << 20,
+                 fabric: Fabric | None = None):
         self.workdir = workdir
         self.heartbeat_s = heartbeat_s
-        self.etcd = Etcd(workdir)
+        self.fabric = fabric
         self.master_proxies: list[FaultProxy] = []
         self.node_proxies: list[FaultProxy] = []
         self.masters: list[Service] = []
         self.nodes: list[Service] = []
-        self.client_etcd = FaultProxy(self.etcd.address, "clients-etcd")
+        self.client_env: dict[str, str] = {}  # what a load client needs besides its address
         self.leader_proxy: FaultProxy | None = None
         self.full_disk: Path | None = None  # the tmpfs under the last node's SSD directory
         self.disk_note = ""
-        self.memory_cgroup = _own_memory_cgroup()  # None: no memory-pressure faults
+        self.memory_cgroup = _own_memory_cgroup() if fabric is None else None  # None: no memory-pressure faults
         self._stop = threading.Event()
         self._mounted = False
         hb = ["--heartbeat-s", str(heartbeat_s)]
+        env: dict[str, str] = {}
+        place = {}  # name -> Service/Etcd keyword arguments that put it in its namespace
+        if fabric is not None:
+            env = {"KVPOOL_AUTH_FILE": str(self._write_keyring())}
+            self.client_env = {**env, "KVPOOL_PRINCIPAL": "chaos"}
+            place = {m: {"host": fabric.ip(m), "prefix": fabric.exec_prefix(m)} for m in fabric.members}
+            self.disk_note = "no disk-full faults across namespaces"
+        self.etcd = Etcd(workdir, **place.get("etcd", {}))
+        self.client_etcd = FaultProxy(self.etcd.address, "clients-etcd") if fabric is None else None
         for i in range(masters):
-            proxy = FaultProxy(self.etcd.address, f"m{i}-etcd")
-            self.master_proxies.append(proxy)
-            self.masters.append(Service(f"master{i}", workdir, ["master", "--meta", f"etcd://{proxy.address}", *hb,
-                                                                "--admin-port", "0"]))
+            meta = self.etcd.address
+            if fabric is None:
+                self.master_proxies.append(FaultProxy(self.etcd.address, f"m{i}-etcd"))
+                meta = self.master_proxies[-1].address
+            self.masters.append(Service(f"master{i}", workdir, ["master", "--meta", f"etcd://{meta}", *hb,
+                                                                "--admin-port", "0"], env=env,
+                                        **place.get(f"master{i}", {})))
         for j in range(nodes):
-            proxy = FaultProxy(self.etcd.address, f"n{j}-etcd")
-            self.node_proxies.append(proxy)
+            meta = self.etcd.address
+            if fabric is None:
+                self.node_proxies.append(FaultProxy(self.etcd.address, f"n{j}-etcd"))
+                meta = self.node_proxies[-1].address
             ssd_dir = workdir / f"ssd-n{j}"
             ssd_dir.mkdir(parents=True, exist_ok=True)
-            if j == nodes - 1:
+            if j == nodes - 1 and fabric is None:
                 self._mount_tmpfs(ssd_dir, ssd_mount_bytes)
-            self.nodes.append(Service(f"n{j}", workdir, ["node", "--meta", f"etcd://{proxy.address}", *hb,
+            self.nodes.append(Service(f"n{j}", workdir, ["node", "--meta", f"etcd://{meta}", *hb,
                                                          "--node-id", f"n{j}", "--dram-capacity", dram,
                                                          "--ssd-path", str(ssd_dir / "lmdb"),
-                                                         "--ssd-capacity", ssd, "--admin-port", "0"]))
+                                                         "--ssd-capacity", ssd, "--admin-port", "0"], env=env,
+                                      **place.get(f"n{j}", {})))
+
+    def _write_keyring(self) -> Path:
+        path = self.workdir / "keyring.toml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'[principals.node]\nrole = "node"\nsecret = "{secrets.token_hex(24)}"\n'
+                    f'[principals.chaos]\nrole = "admin"\nsecret = "{secrets.token_hex(24)}"\n')
+        return path
 
     def _mount_tmpfs(self, path: Path, size: int) -> None:
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
@@ -78,17 +117,20 @@ class ChaosCluster:
 
     @property
     def meta(self) -> str:
-        """etcd:// straight to etcd (no proxy): the campaign's own observer clients."""
+        """etcd:// straight to etcd (no proxy): the campaign's own observer clients (and, across
+        namespaces, every client)."""
         return f"etcd://{self.etcd.address}"
 
     def start(self) -> None:
         self.etcd.start()
         for p in [*self.master_proxies, *self.node_proxies, self.client_etcd]:
-            p.start()
+            if p is not None:
+                p.start()
         start_all(self.masters)
         leader = self.wait_leader(30)
-        self.leader_proxy = FaultProxy(leader, "leader").start()
-        threading.Thread(target=self._follow_leader, name="leader-follower", daemon=True).start()
+        if self.fabric is None:
+            self.leader_proxy = FaultProxy(leader, "leader").start()
+            threading.Thread(target=self._follow_leader, name="leader-follower", daemon=True).start()
         start_all(self.nodes)
         if not self.wait_nodes([n.name for n in self.nodes], 60):
             raise RuntimeError(f"the nodes did not all register; logs in {self.workdir}")

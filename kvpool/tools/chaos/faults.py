@@ -8,6 +8,18 @@
   static-address clients to the leader is delayed, blackholed or cut, the clients' etcd link is
   cut, a standby master is SIGKILLed and restarted.
 
+Across namespaces (a cluster on a `kvpool.tools.netns.Fabric`) every fault is a partition, made
+of nft cuts between members' namespaces (a cut drops packets on arrival; the sender sees a lossy
+link, not a refusal) and healed by removing them:
+
+- node lane: a node from every master, both ways or one way (`node_master_oneway`: its
+  requests arrive and the answers do not, or the reverse), but not from etcd or the clients; a
+  node from etcd (both ways or one way); from the clients only; from everyone.
+- control lane: the leader from etcd, both ways or one way; the leader from everyone; the leader
+  from every node (it keeps etcd and the clients); the clients from the leader (they keep etcd
+  and the nodes); the clients from etcd; etcd from everyone.
+The campaign's own process (probes, the final read-back) is never cut.
+
 A fault record: kind, target, t_inject, t_heal (wall clock), serve_s (injection to the first
 probe put+get that succeeded: how long the pool stopped serving, 0 when it never did),
 recover_s (heal to the faulted part being back: the node registered again, the masters all up
@@ -40,6 +52,12 @@ MEMORY_LIMIT = 3 << 20  # bytes a squeezed node may charge beyond what it held a
 CONTROL_KINDS = {"kill_leader": 3, "pause_leader": 2, "etcd_restart": 2, "master_etcd_cut": 2,
                  "client_master_delay": 1, "client_master_blackhole": 1, "client_master_cut": 1,
                  "clients_etcd_cut": 1, "kill_standby": 1}
+NETNS_NODE_KINDS = {"node_master_partition": 3, "node_master_oneway": 3, "node_etcd_partition": 2,
+                    "node_etcd_oneway": 1, "node_clients_partition": 2, "node_isolated": 2}
+NETNS_CONTROL_KINDS = {"leader_etcd_partition": 3, "leader_etcd_oneway": 3, "leader_isolated": 2,
+                       "leader_nodes_partition": 2, "clients_leader_partition": 2, "clients_etcd_partition": 1,
+                       "etcd_isolated": 1}
+NODE_TARGETED = (*NODE_KINDS, *NETNS_NODE_KINDS)  # faults on one node, named by `target`
 
 
 @dataclass
@@ -54,6 +72,7 @@ class Fault:
     serve_s: float | None = None
     recover_s: float | None = None
     note: str = ""
+    nodes: list[str] = field(default_factory=list)  # nodes cut off by a control-lane fault
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -104,6 +123,9 @@ class Lane:
         node = r.choice(c.nodes)
         if kind == "disk_full":
             node = c.nodes[-1]
+        if kind in NETNS_NODE_KINDS or kind in NETNS_CONTROL_KINDS:
+            target = node.name if kind in NETNS_NODE_KINDS else "etcd" if kind == "etcd_isolated" else "leader"
+            return Fault(self.name, kind, target, round(r.uniform(3, 7), 2))
         duration = {"kill_node": r.uniform(0.5, 3), "pause_node": r.uniform(4, 6), "node_etcd_cut": r.uniform(3, 6),
                     "disk_full": r.uniform(4, 8), "memory_pressure": r.uniform(4, 8),
                     "kill_leader": r.uniform(0.5, 3), "pause_leader": r.uniform(4, 6),
@@ -132,6 +154,9 @@ class Lane:
 
     def _inject(self, f: Fault) -> Callable[[], None]:
         c = self.cluster
+        if f.kind in NETNS_NODE_KINDS or f.kind in NETNS_CONTROL_KINDS:
+            pairs = self._partition(f)
+            return lambda: c.fabric.heal(pairs)
         if f.kind in NODE_KINDS:
             node = next(n for n in c.nodes if n.name == f.target)
             proxy = c.node_proxies[c.nodes.index(node)]
@@ -186,6 +211,48 @@ class Lane:
             lp.cut()
         return lp.heal
 
+    def _partition(self, f: Fault) -> list[tuple[str, str]]:
+        """Cut the links of partition fault `f` (nft rules in the fabric); returns the cuts."""
+        c, net = self.cluster, self.cluster.fabric
+        masters = [m.name for m in c.masters]
+        nodes = [n.name for n in c.nodes]
+        clients = [m for m in net.members if m.startswith("c")]
+        everyone = [m for m in net.members if m != "observer"]  # the campaign's own view stays whole
+        one_way = self.rng.random() < 0.5  # which direction a one-way cut drops
+        if f.kind in NETNS_NODE_KINDS:
+            node = f.target
+            if f.kind == "node_master_partition":
+                return net.partition([node], masters)
+            if f.kind in ("node_master_oneway", "node_etcd_oneway"):
+                far = masters if f.kind == "node_master_oneway" else ["etcd"]
+                f.note = f"{node} -> {'masters' if far == masters else 'etcd'} dropped" if one_way else \
+                    f"{'masters' if far == masters else 'etcd'} -> {node} dropped"
+                return net.partition([node], far, both=False) if one_way else net.partition(far, [node], both=False)
+            if f.kind == "node_etcd_partition":
+                return net.partition([node], ["etcd"])
+            if f.kind == "node_clients_partition":
+                return net.partition([node], clients)
+            return net.partition([node], everyone)  # node_isolated
+        if f.kind == "etcd_isolated":
+            f.nodes = nodes
+            return net.partition(["etcd"], everyone)
+        if f.kind == "clients_etcd_partition":
+            f.target = "clients"
+            return net.partition(clients, ["etcd"])
+        leader = c.leader() or c.masters[0]
+        f.target = leader.name
+        if f.kind == "leader_etcd_partition":
+            return net.partition([leader.name], ["etcd"])
+        if f.kind == "leader_etcd_oneway":
+            f.note = "leader -> etcd dropped" if one_way else "etcd -> leader dropped"
+            return net.cut_many([(leader.name, "etcd")] if one_way else [("etcd", leader.name)])
+        if f.kind == "leader_isolated":
+            return net.partition([leader.name], everyone)
+        if f.kind == "leader_nodes_partition":
+            f.nodes = nodes
+            return net.partition([leader.name], nodes)
+        return net.partition(clients, [leader.name])  # clients_leader_partition
+
     # ------------------------------------------------------------------ is it serving, is it whole
 
     def probe(self, timeout: float = 3.0) -> bool:
@@ -211,13 +278,16 @@ class Lane:
     def _whole(self, f: Fault, deadline: float) -> bool:
         c = self.cluster
         while time.monotonic() < deadline:
-            if f.kind in NODE_KINDS:
+            if f.kind in NODE_TARGETED:
                 # Back: registered again since a kill, heartbeating since a pause or a cut.
                 doc = (c.node_docs() or {}).get(f.target)
                 ok = doc is not None and doc["heartbeat_age_s"] < 2 * c.heartbeat_s and (
                     f.kind != "kill_node" or doc["registered_at"] > f.t_inject)
             else:
                 ok = c.etcd.alive and all(m.alive for m in c.masters) and c.leader() is not None
+                if ok and f.nodes:  # and every node it cut off heartbeating again
+                    docs = c.node_docs() or {}
+                    ok = all(n in docs and docs[n]["heartbeat_age_s"] < 2 * c.heartbeat_s for n in f.nodes)
             if ok and self.probe():
                 return True
             time.sleep(0.2)
@@ -238,8 +308,9 @@ class Lane:
 
 
 def lanes(cluster: ChaosCluster, seed: int) -> list[Lane]:
-    return [Lane("node", cluster, random.Random(seed * 2 + 1), NODE_KINDS),
-            Lane("control", cluster, random.Random(seed * 2 + 2), CONTROL_KINDS)]
+    netns = cluster.fabric is not None
+    return [Lane("node", cluster, random.Random(seed * 2 + 1), NETNS_NODE_KINDS if netns else NODE_KINDS),
+            Lane("control", cluster, random.Random(seed * 2 + 2), NETNS_CONTROL_KINDS if netns else CONTROL_KINDS)]
 
 
 def _r(x: float | None) -> str:

@@ -5,6 +5,9 @@ cannot import (tests/ is not installed); what chaos adds is restart on the same 
 directory and node id, so a restarted process is the same member coming back, and signals
 (SIGKILL, SIGSTOP/SIGCONT) sent by the fault schedule.
 
+In a namespace fabric (`kvpool.tools.netns`) a process runs inside its member's namespace
+(`prefix`, `ip netns exec ...`) and listens on the member's address at a fixed port.
+
 Invariant: every process started here is stopped by `stop()`; a paused process is resumed first.
 """
 
@@ -36,9 +39,10 @@ def etcd_binary() -> str | None:
 class Managed:
     """A restartable child process: `start()`, `kill()` (SIGKILL), `pause()`/`resume()`, `stop()`."""
 
-    def __init__(self, name: str, workdir: Path):
+    def __init__(self, name: str, workdir: Path, prefix: Sequence[str] = ()):
         self.name = name
         self.workdir = workdir
+        self.prefix = list(prefix)  # runs the command elsewhere (a network namespace), or nothing
         self.proc: subprocess.Popen | None = None
         self.paused = False
         self.starts = 0
@@ -60,7 +64,7 @@ class Managed:
         log_path = self.workdir / f"{self.name}.log"
         with open(log_path, "ab") as logfile:
             logfile.write(f"==== start {self.starts} at {time.time():.3f}\n".encode())
-        self.proc = spawn(self.command(), log_path, env=self.env(), append=True)
+        self.proc = spawn([*self.prefix, *self.command()], log_path, env=self.env(), append=True)
         self.starts += 1
         self.paused = False
         self.wait_ready(timeout)
@@ -94,21 +98,24 @@ class Managed:
 
 
 class Etcd(Managed):
-    """A single-member etcd on fixed loopback ports; a restart keeps its data directory."""
+    """A single-member etcd on fixed ports (loopback, or `host` in a namespace: etcd's own
+    2379/2380 there); a restart keeps its data directory."""
 
-    def __init__(self, workdir: Path, binary: str | None = None):
-        super().__init__("etcd", workdir)
+    def __init__(self, workdir: Path, binary: str | None = None, host: str = "127.0.0.1",
+                 prefix: Sequence[str] = ()):
+        super().__init__("etcd", workdir, prefix)
         self.binary = binary or etcd_binary()
         if not self.binary:
             raise RuntimeError("etcd is not installed (apt-get install etcd-server, or set KVPOOL_ETCD)")
-        self.client_port, self.peer_port = free_port(), free_port()
+        self.host = host
+        self.client_port, self.peer_port = (free_port(), free_port()) if not prefix else (2379, 2380)
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     def command(self) -> list[str]:
-        client, peer = f"http://{self.address}", f"http://127.0.0.1:{self.peer_port}"
+        client, peer = f"http://{self.address}", f"http://{self.host}:{self.peer_port}"
         return [self.binary, "--name", "chaos", "--data-dir", str(self.workdir / "etcd-data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
                 "--initial-advertise-peer-urls", peer, "--initial-cluster", f"chaos={peer}",
@@ -137,19 +144,21 @@ class Service(Managed):
     The port is fixed so that a restarted node or master comes back at the same address (as a
     machine with a static address would)."""
 
-    def __init__(self, name: str, workdir: Path, args: Sequence[str], env: dict[str, str] | None = None):
-        super().__init__(name, workdir)
-        self.port = free_port()
+    def __init__(self, name: str, workdir: Path, args: Sequence[str], env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1", prefix: Sequence[str] = ()):
+        super().__init__(name, workdir, prefix)
+        self.host = host
+        self.port = free_port() if not prefix else 7000  # a namespace of its own: any port is free
         self.args = list(args)
         self.extra_env = env or {}
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def command(self) -> list[str]:
         return [*KVPOOL, "--log-level", "INFO", *self.args,
-                "--port", str(self.port)]
+                "--host", self.host, "--port", str(self.port)]
 
     def env(self) -> dict[str, str]:
         return clean_env(**self.extra_env)
@@ -161,7 +170,7 @@ class Service(Managed):
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; "
                                    f"see {self.workdir}/{self.name}.log")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                with socket.create_connection((self.host, self.port), timeout=0.5):
                     return
             except OSError:
                 time.sleep(0.1)

@@ -30,7 +30,8 @@ import httpx
 from kvpool.errors import Unavailable
 from kvpool.tools.launch.processes import KVPOOL, reap, spawn, terminate
 from kvpool.security.http_guard import internal_headers
-from kvpool.security.keyring import AUTH_FILE_ENV, load_keyring
+from kvpool.config import read_env
+from kvpool.security.keyring import load_keyring
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +200,7 @@ class LocalCluster:
         while time.monotonic() < deadline:
             try:
                 listed = httpx.get(f"{self.router_url}/admin/workers", timeout=5,
-                                   headers=internal_headers(load_keyring(self.env.get(AUTH_FILE_ENV)))
-                                   ).json()["workers"]
+                                   headers=internal_headers(load_keyring(self.auth_file()))).json()["workers"]
                 if want <= {w["url"] for w in listed if w["status"] == "up"}:
                     say(f"router has {len(want)} workers")
                     return
@@ -235,6 +235,10 @@ class LocalCluster:
             self._check_alive(proc)
             time.sleep(0.1)
         raise Unavailable(f"{proc.name} did not become healthy within {self.timeout_s:.0f} s:\n{proc.log_tail()}")
+
+    def auth_file(self) -> str | None:
+        """The keyring the cluster's processes get (their environment's), if any."""
+        return read_env(self.env)[0].get("security", {}).get("auth_file")
 
     @staticmethod
     def _check_alive(proc: Proc) -> None:

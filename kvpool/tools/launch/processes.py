@@ -5,6 +5,12 @@ tests start `kvpool` subcommands (and etcd, vLLM, redis) through here.
 SIGTERM if the parent dies (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans; `stop`
 sends SIGTERM, waits `grace_s`, then SIGKILL. `free_port` is a free loopback TCP port (bound and
 released: another process may take it first, which callers that can bind port 0 avoid).
+
+PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process: a child
+started from a short-lived thread (the chaos cluster starts its services in parallel, one thread
+each) got SIGTERM as soon as that thread returned. So a child spawned off the main thread is
+forked by one long-lived spawner thread, which ends only with the process.
+
 `clean_env` is the environment of a child that must not inherit our `KVPOOL_*` settings.
 """
 
@@ -13,14 +19,20 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from kvpool.security.local import ENV_VARS
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +63,47 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_requests: "queue.SimpleQueue[tuple[Callable[[], object], Future]]" = queue.SimpleQueue()
+_spawner: threading.Thread | None = None
+_spawner_lock = threading.Lock()
+
+
+def _serve_requests() -> None:
+    while True:
+        fn, future = _requests.get()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to the caller
+            future.set_exception(exc)
+
+
+def _on_lasting_thread(fn: Callable[[], T]) -> T:
+    """Run `fn` (a fork) on a thread that lives as long as the process (see the module doc)."""
+    global _spawner
+    if threading.current_thread() is threading.main_thread():
+        return fn()
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = threading.Thread(target=_serve_requests, name="kvpool-spawner", daemon=True)
+            _spawner.start()
+    future: Future = Future()
+    _requests.put((fn, future))
+    return future.result()
+
+
 def spawn(cmd: Sequence[str], log_path: str | Path | None = None, env: dict[str, str] | None = None,
           cwd: str | Path | None = None, die_with_parent: bool = True, append: bool = False) -> subprocess.Popen:
     """Start `cmd` in a new session, stdout and stderr into `log_path` (discarded when None)."""
     out = open(log_path, "ab" if append else "wb") if log_path is not None else subprocess.DEVNULL
-    try:
+    tie = die_with_parent and _PRCTL is not None
+
+    def popen() -> subprocess.Popen:
         return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, cwd=cwd, start_new_session=True,
-                                preexec_fn=_die_with_parent if die_with_parent and _PRCTL is not None else None)
+                                preexec_fn=_die_with_parent if tie else None)
+
+    try:
+        return _on_lasting_thread(popen) if tie else popen()
     finally:
         if log_path is not None:
             out.close()
@@ -88,3 +133,20 @@ def reap(popen: subprocess.Popen | None, grace_s: float = 10.0) -> None:
 def stop(popen: subprocess.Popen | None, grace_s: float = 10.0) -> None:
     terminate(popen)
     reap(popen, grace_s)
+
+
+def follow(popen: subprocess.Popen, log_path: str | Path, poll_s: float = 0.5) -> int:
+    """Copy what `popen` writes to its log onto this process's stderr until it exits; its status."""
+    offset = 0
+    while True:
+        done = popen.poll() is not None
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        offset += len(data)
+        if data:
+            sys.stderr.write(data.decode(errors="replace"))
+            sys.stderr.flush()
+        if done:
+            return popen.returncode
+        time.sleep(poll_s)

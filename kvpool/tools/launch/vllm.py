@@ -32,6 +32,7 @@ from typing import Callable
 
 import httpx
 
+from kvpool.config import default
 from kvpool.errors import InvalidArgument, Unavailable
 from reference_worker.cpus import format_list
 from kvpool.tools.launch.local import LocalCluster, PoolSpec, Proc, RouterSpec
@@ -51,9 +52,9 @@ class VLLMSpec:
     model_id: str  # the served model name, and the connector's model_id (part of the key namespace)
     weights_fingerprint: str
     python: str = sys.executable  # an interpreter that imports vllm and this package
-    dtype: str = "bfloat16"
+    dtype: str = default("up.vllm_dtype")
     block_size: int = 32  # vLLM's CPU backend takes multiples of 32
-    chunk_tokens: int = 256
+    chunk_tokens: int = default("pool.chunk_tokens")
     max_model_len: int = 4096
     kv_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: KV cache of each server (CPU build)
     extra_args: list[str] = field(default_factory=list)  # more vLLM flags for every server
@@ -109,7 +110,8 @@ def check_python(python: str) -> None:
                            capture_output=True, text=True)
     if probe.returncode != 0:
         raise InvalidArgument(f"{python} cannot import vllm and kvpool's engine_adapters: run in the vLLM "
-                              "environment (`make vllm-env`, then .venv-vllm/bin/kvpool) or pass --vllm-python")
+                              "environment (`make vllm-env`, then .venv-vllm/bin/kvpool) or give `kvpool up` one: "
+                              "--set up.vllm_python=PATH")
 
 
 class VLLMCluster:
@@ -172,7 +174,7 @@ class VLLMCluster:
         (the router then knows only what the pool holds)."""
         workers = [f"{name.split('-')[1]}={proc.url}" for name, proc in self.servers.items()]
         events = self.events if kv_events else {}
-        return ["--engine", "vllm", "--tokenizer", self.spec.model_path, "--kv-dtype", self.spec.dtype,
+        return ["--engine", "vllm", "--tokenizer", self.spec.model_path, "--set", f"router.kv_dtype={self.spec.dtype}",
                 "--kv-connector-config", json.dumps(self.spec.connector(self.pool_address)),
                 *[a for w in workers for a in ("--worker", w)],
                 *[a for name, ev in events.items() for a in ("--kv-events", f"{self.servers[name].url}={ev}")]]

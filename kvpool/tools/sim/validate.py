@@ -52,7 +52,7 @@ def cases(doc: dict[str, Any], tokenize: Tokenize, profile: Profile, chunk_token
         if not m:
             raise InvalidArgument("policies document without its setup note")
         if "scenario local-caches" in notes:  # per-worker cache sizes and a small pool: not modelled here
-            raise InvalidArgument("a `bench policies --scenario local-caches` run is not rebuilt by sim validate "
+            raise InvalidArgument("a `bench policies --workload local-caches` run is not rebuilt by sim validate "
                                   "(it replays the shared-pool scenario only)")
         n_p, n_d, convs, rounds, system_len = (int(x) for x in m.groups())
         rates = sorted({float(c.split("@")[1]) for c in by_case if c.startswith("ttft_mean/")})

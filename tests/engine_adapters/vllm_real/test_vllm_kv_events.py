@@ -110,7 +110,7 @@ def two_servers(tmp_path_factory, kvpool_up_vllm):
     """`kvpool up --engine vllm --colocated 2` (float32), its servers in dev mode (/reset_prefix_cache)."""
     workdir = tmp_path_factory.mktemp("up-kv-events")
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    with kvpool_up_vllm(["--colocated", "2", "--dtype", "float32", "--port", "0",
+    with kvpool_up_vllm(["--colocated", "2", "--set", "up.vllm_dtype=float32", "--port", "0",
                          "--vllm-arg=--max-model-len=1024"], workdir, env) as url:
         yield url
 

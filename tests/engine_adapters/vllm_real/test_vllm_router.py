@@ -63,7 +63,7 @@ def plain(model_path):
 def router_url(plain, tmp_path_factory, kvpool_up_vllm):
     """`kvpool up --engine vllm --prefill 1 --decode 1` (after the plain engine is gone)."""
     workdir = tmp_path_factory.mktemp("up-vllm")
-    with kvpool_up_vllm(["--prefill", "1", "--decode", "1", "--dtype", "float32", "--port", "0",
+    with kvpool_up_vllm(["--prefill", "1", "--decode", "1", "--set", "up.vllm_dtype=float32", "--port", "0",
                          f"--vllm-arg=--max-model-len={MAX_MODEL_LEN}"], workdir) as url:
         yield url
 

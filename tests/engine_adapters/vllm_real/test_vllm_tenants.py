@@ -41,7 +41,7 @@ def router_url(model_path, tmp_path_factory, kvpool_up_vllm):
         **{t: {"role": f"tenant:{t}", "secret": t[0] * 40, "api_keys": [key]} for t, key in API_KEYS.items()}}}))
     os.chmod(keyring, 0o600)
     env = clean_env()
-    with kvpool_up_vllm(["--colocated", "1", "--dtype", "float32", "--port", "0", "--auth-file", str(keyring),
+    with kvpool_up_vllm(["--colocated", "1", "--set", "up.vllm_dtype=float32", "--port", "0", "--auth-file", str(keyring),
                          "--vllm-arg=--max-model-len=1024", "--vllm-arg=--no-enable-prefix-caching"],
                         workdir, env) as url:
         yield url

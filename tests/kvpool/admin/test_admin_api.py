@@ -185,7 +185,7 @@ def test_config_get_and_patch(master, admin, auth):
     assert cfg["lease_s"] == 10.0 and "admin_token" not in cfg or cfg.get("admin_token") in (None, "***")
     r = c.patch("/v1/config", json={"lease_s": 4.5, "replicas": 2}, headers=auth)
     assert r.status_code == 200 and r.json()["config"]["lease_s"] == 4.5
-    assert master.state.lease_s == 4.5 and master.replicas == 2
+    assert master.state.tunables.lease_s == 4.5 and master.replicas == 2
 
 
 @pytest.mark.parametrize("body", [
@@ -196,11 +196,11 @@ def test_config_patch_bad_input(master, admin, auth, body):
     _, c = admin
     r = c.patch("/v1/config", content=body, headers={**auth, "Content-Type": "application/json"})
     _error(r, 400, "invalid_argument")
-    assert master.state.lease_s == 10.0 and master.replicas == 1
+    assert master.state.tunables.lease_s == 10.0 and master.replicas == 1
 
 
 def test_secret_never_returned(master, admin):
-    master.state.settings.admin_token = "leak-me"  # even if the master forgot to drop it
+    master.state.settings.security.admin_token = "leak-me"  # even if the master forgot to drop it
     _, c = admin
     assert "leak-me" not in c.get("/v1/config").text
 

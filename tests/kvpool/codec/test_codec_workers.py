@@ -80,6 +80,7 @@ def test_workers_of_two_codecs_never_read_each_others_chunks(workers):
     assert len(list(d8.decode(head.handle, head.first_token, 2))) >= 2  # its own codec's worker reads it
 
 
+@pytest.mark.slow  # ~2 min of decoding; `kvpool bench codec` measures the same agreement
 def test_int8_handoff_agrees_with_the_uncompressed_one(workers):
     p8, d8, p0, d0 = (workers[n] for n in ("p8", "d8", "p0", "d0"))
     texts = SHORT[:7] + [long_prompts()[5]]

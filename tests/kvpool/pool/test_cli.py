@@ -44,7 +44,7 @@ def test_file_env_and_flags_compose(tmp_path, monkeypatch):
     try:
         with kvpool.connect(proc.address) as c:
             assert c.admin("nodes")[0]["capacity"]["dram"] == 12 << 20
-            assert c.admin("config")["admin_port"] == 0  # from the file
+            assert c.admin("config")["pool"]["admin_port"] == 0  # from the file
     finally:
         proc.stop()
     proc = spawn(["serve", "--config", str(config), "--port", "0", "--dram-capacity", "16MiB"])  # flag beats env

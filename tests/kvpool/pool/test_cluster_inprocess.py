@@ -288,7 +288,11 @@ def test_ssd_copies_survive_a_node_restart_after_tombstones_were_forgotten(tmp_p
             assert c.remove("s15") is True  # a tombstone, forgotten 0.5 s later
             del values["s15"]
             assert wait_for(lambda: master.service.admin.stats()["removal_horizon"] > 0, timeout=5)
-            time.sleep(2.5)  # the node saves its mark at most every 2 s
+            time.sleep(0.6)  # a few heartbeats: the node holds the mark of the moved horizon
+            # it saves its mark at most every 2 s (a newer one at a later heartbeat): wait for the file
+            # to hold it (a fixed sleep was too short on a loaded machine, and a throttled save was lost)
+            mark_file = tmp_path / "ssd" / MARK_FILE
+            assert wait_for(lambda: mark_file.exists() and mark_file.read_text() == str(node.writes.mark), timeout=20)
             on_ssd = {k for k, _, tier in node.store.keys() if tier == "ssd"}
             assert on_ssd and on_ssd < set(values)
             for restart in ("with its mark", "without"):

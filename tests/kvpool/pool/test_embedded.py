@@ -116,7 +116,7 @@ def test_match_prefix_is_the_longest_present_run(client):
 
 def test_bad_input_gets_typed_errors_and_server_keeps_serving(client, pool):
     with pytest.raises(ObjectTooLarge):
-        client.put("huge", bytearray(pool.settings.dram_capacity + 1))
+        client.put("huge", bytearray(pool.settings.node.dram_capacity + 1))
     for bad in ["", "x" * 513, "nul\x00key", 42, b"bytes-key"]:
         with pytest.raises(InvalidArgument):
             client.put(bad, b"v")

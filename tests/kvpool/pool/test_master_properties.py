@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvpool.config import Settings
 from kvpool.errors import KVPoolError
+from kvpool.master.quotas import QuotaTable
 from kvpool.master.service import MasterService
 from kvpool.master.tables import COMPLETE
 from kvpool.messages import Held, NodeInfo, Placed
@@ -27,7 +28,7 @@ class MasterMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.m = MasterService(Settings(replicas=1, put_timeout_s=1000))
-        self.m.state.quotas = {"acme": (6000, 3)}  # pool-wide (kvpool.master.quotas): some puts are refused
+        self.m.state.quotas = QuotaTable({"acme": (6000, 3)})  # pool-wide (kvpool.master.quotas): some puts are refused
         self.puts: dict[str, tuple[int, list[str]]] = {}  # key -> (put_id, target nodes) of open puts
         self.leases: list[int] = []
         for n in ("a", "b"):
@@ -115,7 +116,7 @@ class MasterMachine(RuleBasedStateMachine):
             assert node.used == sum(o.size for o in holding), node.node_id
             assert node.objects == sum(o.state == COMPLETE for o in holding), node.node_id
         for obj in m.state.objects.values():
-            assert set(obj.replicas) <= set(m.state.nodes)
+            assert set(obj.replicas) <= set(m.state.nodes.ids())
             if obj.state == COMPLETE:
                 assert obj.replicas, obj.key
         usage: dict[str, list[int]] = {}
@@ -126,8 +127,9 @@ class MasterMachine(RuleBasedStateMachine):
         assert m.state.objects.usage == usage
         # the housekeeping tick looks only at its candidates: they must cover every open put and
         # every remove waiting for a lease, or a put would never be reclaimed, a remove never end
-        assert {k for k, o in m.state.objects.items() if o.state != COMPLETE} <= m.state.pending
-        assert {k for k, o in m.state.objects.items() if o.removing} <= m.state.removing
+        pending, removing = m.state.objects.candidates()
+        assert {k for k, o in m.state.objects.items() if o.state != COMPLETE} <= pending
+        assert {k for k, o in m.state.objects.items() if o.removing} <= removing
         visible = {k for k, o in m.state.objects.items() if o.visible()}
         assert {k for k, v in zip(sorted(visible), m.exists(sorted(visible))) if v} == visible
 
@@ -150,14 +152,14 @@ def test_tick_reclaims_timed_out_puts_and_ends_removes_whose_leases_expired():
     open_put = m.put_start("open", 10, 1, "")
     plan = m.put_start("leased", 10, 1, "")
     m.put_end("leased", plan.put_id, [Placed("a", "dram", "", 0)])
-    m.state.lease_s = 0.05
+    m.state.tunables.lease_s = 0.05
     m.lookup(["leased"])
     assert m.remove(["leased"]) == [True]
-    assert m.state.objects["leased"].removing
+    assert m.state.objects.get("leased").removing
     m.housekeeping.tick()  # nothing is due yet
-    assert m.state.objects["open"].put_id == open_put.put_id and "leased" in m.state.objects
+    assert m.state.objects.get("open").put_id == open_put.put_id and "leased" in m.state.objects
     time.sleep(0.1)
     m.housekeeping.tick()
     assert "open" not in m.state.objects and "leased" not in m.state.objects
-    assert m.state.pending == set() and m.state.removing == set()
-    assert m.state.nodes["a"].used == 1000 * 10 and len(m.state.objects) == 1000
+    assert m.state.objects.candidates() == (set(), set())
+    assert m.state.nodes.get("a").used == 1000 * 10 and len(m.state.objects) == 1000

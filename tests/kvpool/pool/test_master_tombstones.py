@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from kvpool.config import Settings
+from kvpool.master.outbox import RemoveCopies
 from kvpool.master.service import MasterService
 from kvpool.messages import Held, NodeInfo, Placed
 
@@ -23,21 +24,20 @@ def put(m: MasterService, key: str, nodes: tuple[str, ...] = ("n0",)) -> int:
     return plan.put_id
 
 
-def drain_outbox(m: MasterService) -> list[tuple]:
+def drain_outbox(m: MasterService) -> list[RemoveCopies]:
     """Play the outbox thread whose removals all succeed."""
     st, done = m.state, []
-    while not st.outbox.empty():
-        item = st.outbox.get()
-        if item[0] not in ("__close__", "__copy__"):
+    while (job := st.outbox.get_nowait()) is not None:
+        if isinstance(job, RemoveCopies):
             with st.lock:
-                st.done_locked(item[0], item[3])
-            done.append(item)
+                st.done_locked(job)
+            done.append(job)
     return done
 
 
 def forget_tombstones(m: MasterService) -> None:
     with m.state.lock:
-        m.state.expire_removals_locked(time.monotonic() + m.state.removal_memory_s + 1)
+        m.state.tombstones.expire(time.monotonic() + m.state.tombstones.memory_s + 1)
 
 
 def leader() -> MasterService:
@@ -52,12 +52,12 @@ def test_a_nodes_mark_waits_for_its_removals_and_readers():
     put(m, "k")
     lease, _ = m.lookup(["k"])
     assert m.remove(["k"]) == [True]  # deferred: a reader holds a lease
-    tomb = m.state.removed["k"]
+    tomb = m.state.tombstones.get("k")
     known, mark = m.heartbeat("n0")
     assert known and mark < tomb  # the node still holds the copy
     m.release([lease])  # the removal is queued for the node
     assert m.heartbeat("n0")[1] < tomb
-    assert [(i[0], i[1]) for i in drain_outbox(m)] == [("n0", ["k"])]
+    assert [(job.node_id, job.keys) for job in drain_outbox(m)] == [("n0", ["k"])]
     assert m.heartbeat("n0")[1] >= tomb
 
 
@@ -79,7 +79,7 @@ def test_a_node_whose_mark_is_below_the_horizon_keeps_only_copies_it_can_vouch_f
     assert m.remove(["gone", "never-written"]) == [True, False]
     drain_outbox(m)
     forget_tombstones(m)
-    assert not m.state.removed and m.state.horizon > gone
+    assert not len(m.state.tombstones) and m.state.tombstones.horizon > gone
     newer = put(m, "newer")  # after the horizon
     m.drop_node("n0")  # paused past its lease: its copies are forgotten
 
@@ -89,8 +89,8 @@ def test_a_node_whose_mark_is_below_the_horizon_keeps_only_copies_it_can_vouch_f
                                   Held("newer", 10, "dram", newer)], mark=old_mark)
     assert m.exists(["live", "dropped", "gone", "never-written", "newer"]) == [True, False, False, False, True]
     assert len(m.admin.key_info("live")["replicas"]) == 2
-    refused = [i for i in drain_outbox(m) if i[0] == "n0"]
-    assert sorted(refused[0][1]) == ["dropped", "gone", "never-written"]
+    refused = [job for job in drain_outbox(m) if job.node_id == "n0"]
+    assert sorted(refused[0].keys) == ["dropped", "gone", "never-written"]
 
 
 def test_a_node_with_a_recent_mark_is_trusted_past_the_horizon():
@@ -101,7 +101,7 @@ def test_a_node_with_a_recent_mark_is_trusted_past_the_horizon():
     drain_outbox(m)
     mark = m.heartbeat("n0")[1]
     forget_tombstones(m)
-    assert mark >= m.state.horizon > gone
+    assert mark >= m.state.tombstones.horizon > gone
     m.drop_node("n0")  # e.g. a failover: the master knows nothing of n0's copies
     m.register_node(info("n0"), [Held("kept", 10, "dram", kept)], mark=mark)
     assert m.exists(["kept", "gone"]) == [True, False]
@@ -116,4 +116,4 @@ def test_a_remove_answered_not_found_still_refuses_older_copies():
     m.register_node(info("n0"), [Held("k", 10, "dram", p)], mark=m.state.ids.last)
     assert m.exists(["k"]) == [False]
     newer = m.put_start("k", 10, 1)  # a put after the remove is not covered by it
-    assert newer.put_id > m.state.removed["k"]
+    assert newer.put_id > m.state.tombstones.get("k")

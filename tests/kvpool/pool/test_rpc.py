@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from kvpool.config import RpcSettings
+from kvpool.config import Settings, load_settings
 from kvpool.errors import InvalidArgument, KeyNotFound, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Bools, Exists, Hello, NodeData, NodeGet, Ok, Release, Remove
 from kvpool.rpc import RpcClient, RpcServer, parse_address
@@ -16,8 +16,10 @@ from kvpool.rpc.frame import HEADER
 from kvpool.rpc.server import UNIX_SUPPORTED
 
 
-@pytest.fixture
-def server():
+@pytest.fixture(params=["threads", "loop"])
+def server(request):
+    """threads: a thread per connection; loop: every handler answered on the serve loop
+    (`kvpool.rpc.loop`) whenever its whole frame has arrived, else on the connection's thread."""
     seen: list = []
 
     def exists(msg, payload, conn):
@@ -35,7 +37,9 @@ def server():
     def release(msg, payload, conn):
         seen.append(msg.lease_ids)
 
-    srv = RpcServer({Exists: exists, NodeGet: get, Remove: remove, Release: release}, name="test").start()
+    handlers = {Exists: exists, NodeGet: get, Remove: remove, Release: release}
+    srv = RpcServer(handlers, name="test", inline=dict.fromkeys(handlers) if request.param == "loop" else None).start()
+    assert (srv._loop is not None) == (request.param == "loop")
     srv.seen = seen
     yield srv
     srv.stop()
@@ -144,7 +148,7 @@ def test_frames_sent_back_to_back_and_large_messages_stay_in_frame(server):
 def test_a_client_of_a_server_in_this_process_does_not_poll(server, monkeypatch):
     from kvpool.rpc.spin import local
 
-    spinning = RpcSettings(rpc_spin=64)
+    spinning = Settings(rpc_spin=64)
     c = RpcClient(server.address, settings=spinning)
     assert c.call(Exists(["yes"])).values == [True]
     assert c._spin.cap == 0  # the server needs this process's GIL to answer: block, do not poll
@@ -160,7 +164,7 @@ def test_a_client_of_a_server_in_this_process_does_not_poll(server, monkeypatch)
 def test_the_spin_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVPOOL_RPC_SPIN", "0")
     monkeypatch.setenv("KVPOOL_SERVER_SPIN", "7")
-    assert RpcSettings().rpc_spin == 0
+    assert load_settings().rpc.rpc_spin == 0
     srv = RpcServer({}, name="env")
     try:
         assert srv.spin.polls == 7
@@ -195,7 +199,7 @@ def test_a_spinning_server_answers_a_burst_and_a_slow_client(monkeypatch):
     import textwrap
 
     srv = RpcServer({Exists: lambda m, p, c: Bools([k == "yes" for k in m.keys])}, name="spin",
-                    settings=RpcSettings(server_spin=64, spin_max_cpu_pressure=100)).start()
+                    settings=Settings(server_spin=64, spin_max_cpu_pressure=100)).start()
     code = textwrap.dedent(f"""
         import time
         from kvpool.messages import Exists
@@ -256,7 +260,7 @@ def test_nobody_spins_while_the_cpus_are_contended(tmp_path):
     hinted = {}
     for avg10 in (0.0, 90.0):
         srv = RpcServer({Exists: lambda m, p, c: Bools([k == "yes" for k in m.keys])}, name="spin",
-                        settings=RpcSettings(server_spin=64)).start()
+                        settings=Settings(server_spin=64)).start()
         srv.spin.pressure = CpuPressure(10, _psi(tmp_path, avg10))
         srv.spin.calm()
         try:
@@ -380,7 +384,7 @@ def test_an_idle_connection_whose_spin_ran_out_does_not_count_as_spinning():
     import time
 
     srv = RpcServer({Exists: lambda m, p, c: Bools([k == "yes" for k in m.keys])}, name="spin",
-                    settings=RpcSettings(server_spin=64, spin_max_cpu_pressure=100)).start()
+                    settings=Settings(server_spin=64, spin_max_cpu_pressure=100)).start()
     code = textwrap.dedent(f"""
         import sys
         from kvpool.messages import Exists

@@ -249,7 +249,7 @@ def test_the_router_sends_a_prompt_to_the_server_whose_events_hold_it():
             await asyncio.to_thread(pubs[1].wait_subscribed)
             pubs[1].publish([stored(prompt, block, 0, n)])
             await until(lambda: len(second.local_keys) == len(prompt) // router.chunk_tokens, "the events")
-            assert second.local_keys == set(chunk_keys_hex(router._namespace, prompt, router.chunk_tokens))
+            assert second.local_keys == set(chunk_keys_hex(router.namespace, prompt, router.chunk_tokens))
             decision, req, _ = await router.route(prompt + [7, 8, 9], 4)
             assert decision.decode == second.name, "to the server that holds the prompt"
             assert decision.cached_tokens == 512

@@ -160,8 +160,8 @@ def test_route_from_u32_decides_as_from_ids(hf, chat_ids, rt, pool_address):
     async def run():
         router = Router(RouterConfig(pool=pool_address))
         router.pool = await PrefixMatcher(pool_address).connect()
-        router.tokenizer, router.chunk_tokens, router._namespace, router.bytes_per_token = rt, 16, NS, 1000
-        router.workers = Workers(http=None)
+        router.tokenizer, router.chunk_tokens, router.namespace, router.bytes_per_token = rt, 16, NS, 1000
+        router.workers = Workers(router.backend)
         for i in range(6):
             role = "prefill" if i < 3 else "decode"
             info = wire.WorkerInfo(role=role, model_id="m", namespace=NS.hex(), chunk_tokens=16, dtype="float32",

@@ -10,7 +10,8 @@ import pytest
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace
 from kvpool.chunk_format import KVLayout
-from kvpool.router.backends.vllm import VLLMSettings, make_backend, parse_metrics
+from kvpool.router.backends import ReferenceBackend, VLLMBackend, make_backend
+from kvpool.router.backends.vllm import VLLMSettings, parse_metrics
 
 # The shape of vLLM 0.32's /metrics (abridged from a CPU server).
 METRICS = """\
@@ -57,8 +58,9 @@ def test_tokenizer_info_needs_the_tokenizer(folder):
         VLLMSettings(str(folder)).tokenizer_info("m")
 
 
-def test_make_backend():
-    assert make_backend("reference", None) is None
+def test_make_backend(folder):
+    assert isinstance(make_backend("reference", None), ReferenceBackend)
+    assert isinstance(make_backend("vllm", VLLMSettings(str(folder))), VLLMBackend)
     with pytest.raises(InvalidArgument, match="--tokenizer"):
         make_backend("vllm", None)
     with pytest.raises(InvalidArgument, match="unknown engine"):

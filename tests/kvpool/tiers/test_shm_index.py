@@ -124,9 +124,19 @@ def test_store_publishes_what_dram_holds(make_store):
 
 
 def test_index_can_be_turned_off(make_store, monkeypatch):
+    from kvpool.config import load_settings
+
     assert make_store(index_slots=0).dram.index is None
-    monkeypatch.setenv("KVPOOL_SHM_INDEX", "0")
-    assert make_store().dram.index is None
+    stores = []
+    try:
+        stores.append(TieredStore.from_settings(load_settings(dram_capacity="1MiB")))
+        assert stores[-1].dram.index is not None
+        monkeypatch.setenv("KVPOOL_SHM_INDEX", "0")  # [rpc] shm_index: false
+        stores.append(TieredStore.from_settings(load_settings(dram_capacity="1MiB")))
+        assert stores[-1].dram.index is None
+    finally:
+        for store in stores:
+            store.close()
 
 
 # ---- a writer churning in another process while this one reads optimistically ----------------

@@ -164,6 +164,18 @@ def test_bad_input_is_typed(make_store):
     with pytest.raises(InvalidArgument):
         store.get_into("k", b"read-only buffer")
     assert store.stats()["total"]["pinned"] == 0  # failed reads leave no pin behind
+    # a pin validates its key only when it finds none (nothing invalid is stored): a bad key is
+    # still told as such, not as a miss; a well-formed absent one (scoped too) is a miss
+    for bad in ("", 42, None, ["k"], "a\x00b\x00c", "x" * 513, "-bad tenant\x00k"):
+        with pytest.raises(InvalidArgument):
+            store.pin(bad)
+    for absent in ("nope", "bench\x00nope"):
+        with pytest.raises(KeyNotFound):
+            store.pin(absent)
+    store.put("bench\x00k", b"scoped")
+    with store.pinned("bench\x00k") as loc:
+        assert bytes(store.arena.buffer[loc.offset:loc.offset + loc.length]) == b"scoped"
+    assert store.stats()["total"]["pinned"] == 0
     with pytest.raises(InvalidArgument):
         TieredStore(1 << 20, policy="random")
     with pytest.raises(InvalidArgument):

@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 from kvpool.tools.launch.processes import clean_env
 
+import pytest
+
 
 def test_bench_pool_smoke():
     env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--reps", "1", "--sizes", "64KiB",
-         "--bytes-per-rep", "512KiB", "--min-ops", "4", "--batch", "4", "--peers", "redis"],
+         "--set", "bytes_per_rep=512KiB", "--set", "min_ops=4", "--set", "batch=4", "--peers", "redis"],
         capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
@@ -48,8 +50,9 @@ def test_twins_run_side_by_side_in_alternating_order():
 def test_bench_pool_auth_is_paired_with_a_control_and_cpu_per_op():
     env = clean_env()
     r = subprocess.run(
-        [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--reps", "2", "--sizes", "64KiB",
-         "--bytes-per-rep", "512KiB", "--min-ops", "4", "--batch", "4", "--peers", "redis", "--no-engine", "--auth"],
+        [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--workload", "auth", "--json", "--reps", "2",
+         "--sizes", "64KiB", "--set", "bytes_per_rep=512KiB", "--set", "min_ops=4", "--set", "batch=4",
+         "--peers", "redis", "--set", "engine=false"],
         capture_output=True, text=True, timeout=400, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
@@ -66,13 +69,15 @@ def test_bench_pool_auth_is_paired_with_a_control_and_cpu_per_op():
     assert any(n.startswith("control put_tcp+control") for n in doc["notes"])
 
 
+@pytest.mark.slow  # the RPC pairing is in the default suite (test_bench_pool_auth_is_paired...)
 def test_bench_pool_auth_covers_the_engine_path_with_grants():
-    """`--auth` without `--no-engine`: the engine path of the pool with a keyring (a grant per op,
+    """The auth preset with the engine path: the engine path of the pool with a keyring (a grant per op,
     each frame counted under its grant) is compared with the engine path without."""
     env = clean_env()
     r = subprocess.run(
-        [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--reps", "1", "--sizes", "64KiB",
-         "--bytes-per-rep", "256KiB", "--min-ops", "4", "--batch", "4", "--peers", "", "--no-put", "--auth"],
+        [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--workload", "auth", "--json", "--reps", "1",
+         "--sizes", "64KiB", "--set", "bytes_per_rep=256KiB", "--set", "min_ops=4", "--set", "batch=4", "--peers", "",
+         "--set", "put=false"],
         capture_output=True, text=True, timeout=400, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
@@ -83,12 +88,12 @@ def test_bench_pool_auth_covers_the_engine_path_with_grants():
 
 
 def test_bench_pool_many_clients_measures_every_system_at_every_count():
-    """`--clients`: each count of client processes reads checked values from ours (TCP and
+    """Key `clients`: each count of client processes reads checked values from ours (TCP and
     same-host) and Redis; a wrong value would fail the run (each get is checked in the client)."""
     env = clean_env()
     r = subprocess.run(
-        [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--json", "--clients", "1,3", "--reps", "1",
-         "--sizes", "64KiB", "--duration", "0.3", "--peers", "redis"],
+        [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--workload", "many-clients", "--json",
+         "--set", "clients=1,3", "--reps", "1", "--sizes", "64KiB", "--set", "duration=0.3", "--peers", "redis"],
         capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout.strip().splitlines()[-1])
@@ -103,6 +108,6 @@ def test_bench_pool_many_clients_measures_every_system_at_every_count():
 
 
 def test_bench_pool_refuses_bad_client_counts():
-    r = subprocess.run([str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--clients", "0,x"],
+    r = subprocess.run([str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--set", "clients=0,x"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "--clients" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "'clients'" in r.stderr and "Traceback" not in r.stderr

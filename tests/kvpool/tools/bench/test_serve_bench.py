@@ -402,17 +402,19 @@ def test_report_ratios_point_the_right_way(tmp_path):
     assert plot(runs, tmp_path / "p.png", "t").startswith("wrote") and (tmp_path / "p.png").stat().st_size > 1000
 
 
-def test_cli_fails_requests_cleanly_and_ends_with_json():
+def test_cli_fails_requests_cleanly_and_ends_with_json(tmp_path):
     """No server on the port: every request fails with its message; the JSON line still comes."""
     env = clean_env()
+    (tmp_path / "w.toml").write_text('kind = "docqa"\ndoc_len = 20\nwarmup = 0\n')
     r = subprocess.run([str(Path(sys.executable).with_name("kvpool")), "bench", "serve", "--base-url",
-                        "http://127.0.0.1:9/v1", "--model", "m", "--workload", "docqa", "--num-requests", "4",
-                        "--doc-len", "20", "--warmup", "0", "--rate", "50,inf", "--json"],
+                        "http://127.0.0.1:9/v1", "--model", "m", "--workload", str(tmp_path / "w.toml"),
+                        "--num-requests", "4", "--rate", "50,inf", "--json"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     assert doc["bench"] == "serve" and doc["label"] == "ours" and doc["config"]["rates"] == [50.0, "inf"]
+    assert doc["config"]["kind"] == "docqa" and doc["config"]["doc_len"] == 20 and doc["config"]["num_requests"] == 4
     assert [run["rate"] for run in doc["runs"]] == [50.0, "inf"]
     assert all(run["failed"] == 4 and run["completed"] == 0 and "ConnectError" in run["errors"][0]
                for run in doc["runs"])

@@ -19,8 +19,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_sim_json_last_line_has_the_issue_keys(trace_path, tmp_path):
     png = tmp_path / "run.png"
-    res = _run("--trace", str(trace_path), "--limit", "400", "--prefill", "2", "--decode", "2", "--dram", "64GiB",
-               "--goodput-steps", "3", "--plot", str(png), "--json")
+    res = _run("--trace", str(trace_path), "--set", "limit=400", "--prefill", "2", "--decode", "2", "--dram", "64GiB",
+               "--set", "goodput_steps=3", "--plot", str(png), "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout.strip().splitlines()[-1])
     for key in ("requests", "hit_ratio", "token_hit_ratio", "ttft_ms", "tbt_ms", "slo_attainment", "goodput_rps"):
@@ -34,8 +34,8 @@ def test_sim_json_last_line_has_the_issue_keys(trace_path, tmp_path):
 
 def test_plan_picks_the_cheapest_passing_config_and_draws_it(tmp_path):
     png = tmp_path / "plan.png"
-    res = _run("plan", "--synthetic", "300", "--synthetic-rate", "3", "--mix", "1P/1D,2P/2D,4P/4D",
-               "--dram", "16GiB,unlimited", "--slo-ttft-ms", "5000", "--slo-tbt-ms", "200", "--plot", str(png),
+    res = _run("plan", "--set", "synthetic=300", "--set", "synthetic_rate=3", "--mix", "1P/1D,2P/2D,4P/4D",
+               "--dram", "16GiB,unlimited", "--set", "slo_ttft_ms=5000", "--set", "slo_tbt_ms=200", "--plot", str(png),
                "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout.strip().splitlines()[-1])
@@ -48,9 +48,10 @@ def test_plan_picks_the_cheapest_passing_config_and_draws_it(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("--trace", "/no/such/trace.jsonl", "--prefill", "1", "--decode", "1"), "trace file not found"),
-    (("--synthetic", "10", "--colocated", "2", "--prefill", "1"), "not both"),
-    (("--synthetic", "10", "--prefill", "1", "--decode", "1", "--profile", "tpu-v9"), "unknown profile"),
-    (("--synthetic", "10", "--prefill", "1", "--decode", "1", "--dram", "lots"), "not a size"),
+    (("--set", "synthetic=10", "--colocated", "2", "--prefill", "1"), "not both"),
+    (("--set", "synthetic=10", "--prefill", "1", "--decode", "1", "--profile", "tpu-v9"), "unknown profile"),
+    (("--set", "synthetic=10", "--prefill", "1", "--decode", "1", "--dram", "lots"), "not a size"),
+    (("--set", "synthetic=10", "--prefill", "1", "--set", "polcy=round_robin"), "unknown key 'polcy'"),
     (("--prefill", "1", "--decode", "1"), "give a workload"),
 ])
 def test_bad_input_is_a_clear_error_not_a_traceback(args, message):

@@ -1,4 +1,4 @@
-"""`kvpool sim --kv-codec`: a codec's bytes ratio shrinks every pool block, so the same DRAM holds
+"""`kvpool sim --set kv_codec=CODEC`: a codec's bytes ratio shrinks every pool block, so the same DRAM holds
 more of the trace and the prefix hit ratio can only rise (LRU on a fixed trace)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ KVPOOL = [sys.executable, "-c", "from kvpool.cli import main; main()"]
 
 
 def _sim(trace_path, codec: str) -> dict:
-    res = subprocess.run([*KVPOOL, "sim", "--trace", str(trace_path), "--limit", "600", "--colocated", "4",
-                          "--dram", "16GiB", "--goodput-steps", "0", "--kv-codec", codec, "--json"],
+    res = subprocess.run([*KVPOOL, "sim", "--trace", str(trace_path), "--set", "limit=600", "--colocated", "4",
+                          "--dram", "16GiB", "--set", "goodput_steps=0", "--set", f"kv_codec={codec}", "--json"],
                          capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -27,6 +27,6 @@ def test_int8_raises_the_hit_ratio_at_a_fixed_dram_size(trace_path):
 
 
 def test_an_unknown_codec_is_a_clear_error(trace_path):
-    res = subprocess.run([*KVPOOL, "sim", "--trace", str(trace_path), "--limit", "10", "--colocated", "1",
-                          "--kv-codec", "zip9"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([*KVPOOL, "sim", "--trace", str(trace_path), "--set", "limit=10", "--colocated", "1",
+                          "--set", "kv_codec=zip9"], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "unknown KV codec 'zip9'" in res.stderr and "Traceback" not in res.stderr

@@ -1,0 +1,517 @@
+"""Instructions executed per pool operation, client and server, counted by valgrind (callgrind):
+a measure of CPU work that does not move with the machine's load, for comparing authentication
+on and off (issue 27) or two trees, where CPU seconds on this shared machine spread by +-15%.
+
+    python kvpool/tools/scripts/instr_per_op.py [--cases rpc,engine] [--auth off,on] [--ops 200]
+        [--pairs 2] [--tree PATH] [--native] [--out FILE]
+
+    # the RPC path, auth off and on, 64 KiB and 1 MiB, put and get, TCP and same-host (~25 min here):
+    python kvpool/tools/scripts/instr_per_op.py --cases rpc --out benchmarks/instr-rpc-<date>.json
+    # 8 MiB gets on the transfer-engine path (grants), of another tree (a `git worktree` of an
+    # older commit): that tree's kvpool is imported by the server and the client
+    python kvpool/tools/scripts/instr_per_op.py --cases engine --auth on --tree /work/wt-old --out ...
+
+Needs valgrind (`apt-get install valgrind`, its headers in /usr/include/valgrind) and a C
+compiler: a 5-line library (compiled into the output folder) issues callgrind's client requests
+(zero the counts, dump them under a label) from Python through ctypes.
+
+How: `kvpool serve` runs under `valgrind --tool=callgrind` (wrapped by `--serve`: SIGUSR1 zeroes
+its counts, SIGUSR2 dumps them under the label the client wrote), and for each case a client
+process runs under callgrind too (`--client`). The client connects, writes the keys its gets read,
+warms up, then runs windows of N, 2N, N, 2N ... operations; around each window it zeroes its
+counts and the server's, and dumps both after it. A window's count is its operations plus a fixed
+part (the first op after a pause checks its connection, the zero/dump requests themselves), so
+the instructions per op are (count(2N) - count(N)) / N of neighbouring windows, one figure per
+pair; their spread shows how repeatable the count is. Both processes run with PYTHONHASHSEED=0 and
+with RPC spinning off (a poll loop counts instructions that depend on timing, not on the work).
+Puts write fresh keys (removed after each window, outside it); gets cycle through 16 keys.
+
+What is counted: user-space instructions of every thread of each process (callgrind counts no
+kernel work: the socket copies are not in it, and they are the same with and without
+authentication). Instructions are a proxy for CPU time: cache misses and other stalls are not
+counted, so a change that adds memory traffic (a copy of the payload) costs more time than its
+instruction count says. Background threads (the master's 0.5 s tick, the serve loop's 0.5 s
+wake-up, receive ticks) count in a window by its duration, not by its ops: `--idle` measures
+that rate on each server (a window with no ops) so it can be compared with the figures.
+
+`--native`: the same windows without valgrind, reporting CPU seconds per op instead (the client
+thread's `thread_time` and the whole server process's CPU clock), for relating the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import glob
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+KIB, MIB = 1 << 10, 1 << 20
+ENV = {"PYTHONHASHSEED": "0", "KVPOOL_RPC_SPIN": "0", "KVPOOL_SERVER_SPIN": "0",
+       # valgrind runs Python ~30x slower: a handshake or a header must not time out
+       "KVPOOL_HANDSHAKE_TIMEOUT_S": "300", "KVPOOL_HEADER_TIMEOUT_S": "300", "KVPOOL_MIN_BODY_RATE": "1"}
+GET_KEYS = 16
+# the server's threads that are not counted: they wake on a clock (or serve no connection's
+# requests), so what they execute in a window depends on how long it lasts, not on its ops
+UNCOUNTED = re.compile(r"MainThread|master-tick|node-heartbeat|kvpool-populate|.*-accept|metrics-http|admin-http-.*"
+                       r"|etcd-.*")
+LIB_C = r"""
+#include <valgrind/valgrind.h>
+#include <valgrind/callgrind.h>
+int kv_running(void) { return RUNNING_ON_VALGRIND; }
+void kv_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void kv_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
+"""
+# (path, op, size): the cases of each group
+CASES = {
+    "rpc": [(path, op, size) for size in (64 * KIB, MIB) for path in ("tcp", "shm") for op in ("put", "get")],
+    "engine": [("engine", "get", 8 * MIB)],
+}
+
+
+def _size_text(size: int) -> str:
+    return f"{size // MIB}MiB" if size >= MIB else f"{size // KIB}KiB"
+
+
+def _ops_for(size: int, base: int) -> int:
+    """N for a size: `base` at 64 KiB, half of it at 1 MiB, a quarter from 8 MiB (at least 25)."""
+    return max(25, base if size <= 64 * KIB else base // 2 if size <= MIB else base // 4)
+
+
+# ---------------------------------------------------------------------------- callgrind requests
+
+def _compile_lib(folder: str) -> str:
+    src, lib = os.path.join(folder, "cgreq.c"), os.path.join(folder, "cgreq.so")
+    with open(src, "w") as f:
+        f.write(LIB_C)
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", lib, src], check=True)
+    return lib
+
+
+def _ack(folder: str) -> int:
+    try:
+        with open(os.path.join(folder, "ack")) as f:
+            return int(f.read() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _serve(folder: str, lib_path: str, serve_args: list[str]) -> None:
+    """`--serve`: `kvpool serve` whose callgrind counts the client zeroes (SIGUSR1) and dumps
+    (SIGUSR2, under the label in `folder`/label); each request is acknowledged in `folder`/ack."""
+    lib = ctypes.CDLL(lib_path)
+    seq = [_ack(folder)]
+
+    def ack() -> None:
+        seq[0] += 1
+        tmp = os.path.join(folder, f"ack.{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(str(seq[0]))
+        os.replace(tmp, os.path.join(folder, "ack"))
+
+    def zero(*_: object) -> None:
+        # a dump, not CALLGRIND_ZERO_STATS: that zeroes only the calling thread's counts (this
+        # one's, which count nothing), while a dump resets every thread's
+        lib.kv_dump(b"discard")
+        ack()
+
+    def dump(*_: object) -> None:
+        with open(os.path.join(folder, "label")) as f:
+            label = f.read().strip()
+        lib.kv_dump(label.encode())
+        import threading
+
+        with open(os.path.join(folder, "threads.json"), "w") as f:  # which threads counted
+            json.dump({"alive": {t.name: not UNCOUNTED.fullmatch(t.name) for t in threading.enumerate()},
+                       "started": STARTED, "gc": gc.get_stats()}, f)
+        ack()
+
+    _count_threads(lib, lambda name: not UNCOUNTED.fullmatch(name))
+    if os.environ.get("KVPOOL_INSTR_GC") == "off":
+        gc.disable()
+    signal.signal(signal.SIGUSR1, zero)
+    signal.signal(signal.SIGUSR2, dump)
+    import importlib
+
+    sys.argv = ["kvpool", "--log-level", "WARNING", *serve_args]
+    importlib.import_module("kvpool.cli").main()  # `kvpool serve` in this process, as its command line runs it
+
+
+STARTED: dict[str, int] = {}  # thread name -> how many started (the server's, for threads.json)
+
+
+def _count_threads(lib: ctypes.CDLL, counted) -> None:
+    """Threads whose name `counted` accepts turn callgrind's collection on for themselves when
+    they start, and off when they end (valgrind runs with --collect-atstart=no; the collect state
+    is per thread, and a new thread that reuses an ended one's valgrind id inherits its state, so
+    a thread must leave it off)."""
+    import threading
+
+    run = threading.Thread.run
+
+    def collecting(self: threading.Thread) -> None:
+        on = counted(self.name)
+        STARTED[self.name] = STARTED.get(self.name, 0) + 1
+        if on:
+            lib.kv_toggle()
+        try:
+            run(self)
+        finally:
+            if on:
+                lib.kv_toggle()
+
+    threading.Thread.run = collecting
+
+
+class _Server:
+    """The client's handle on the server's counts (a no-op without valgrind)."""
+
+    def __init__(self, pid: int, folder: str, counting: bool):
+        self.pid, self.folder, self.counting = pid, folder, counting
+
+    def _request(self, sig: int, label: str = "") -> None:
+        if not self.counting:
+            return
+        if label:
+            with open(os.path.join(self.folder, "label"), "w") as f:
+                f.write(label)
+        before = _ack(self.folder)
+        os.kill(self.pid, sig)
+        deadline = time.monotonic() + 600
+        while _ack(self.folder) <= before:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not acknowledge a callgrind request")
+            time.sleep(0.02)
+
+    def zero(self) -> None:
+        self._request(signal.SIGUSR1)
+
+    def dump(self, label: str) -> None:
+        self._request(signal.SIGUSR2, label)
+
+
+def _cpu_clock(pid: int):
+    clock = ctypes.c_int()
+    if ctypes.CDLL(None).clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
+        raise OSError(f"no CPU clock for process {pid}")
+    return lambda: time.clock_gettime(clock.value)
+
+
+# ---------------------------------------------------------------------------- the client
+
+def _settle(cpu, period: float = 0.5, quiet: float = 0.02, timeout: float = 300.0) -> None:
+    """Wait until the server is idle: under 2% of a core in each of two periods in a row (work a
+    request left to a background thread, such as a removal's, must not land in the next window)."""
+    deadline, calm, last = time.monotonic() + timeout, 0, cpu()
+    while calm < 2 and time.monotonic() < deadline:
+        time.sleep(period)
+        now = cpu()
+        calm = calm + 1 if now - last < quiet * period else 0
+        last = now
+
+
+def _client(a: argparse.Namespace) -> None:
+    """`--client`: one case's windows against the server at `a.address`."""
+    import numpy as np
+
+    import kvpool
+
+    lib = ctypes.CDLL(a.lib)
+    counting = bool(lib.kv_running())
+    if counting:  # every thread of the client counts: this one, and any the SDK starts
+        lib.kv_toggle()
+        _count_threads(lib, lambda name: True)
+    server = _Server(a.server_pid, a.folder, counting)
+    server_cpu = _cpu_clock(a.server_pid)
+    credential = None
+    if a.secret:
+        from kvpool.security.keyring import Credential
+
+        credential = Credential(a.principal, a.secret.encode())
+    kwargs = {"use_shm": a.path == "shm", "credential": credential}
+    if a.path == "engine":
+        kwargs.update(data_path="engine", transports=("tcp",))
+    else:
+        kwargs.update(data_path="rpc")
+    client = kvpool.connect(a.address, **kwargs)
+    size, case = a.size, a.case
+    rng = np.random.default_rng(size)
+    base = rng.integers(0, 256, size, dtype=np.uint8)
+    value, out = base.copy(), np.zeros(size, np.uint8)
+
+    def fill(i: int) -> np.ndarray:
+        value[:8] = np.frombuffer(int(i).to_bytes(8, "little"), np.uint8)
+        return value
+
+    def check(i: int) -> None:
+        if int.from_bytes(out[:8].tobytes(), "little") != i or not np.array_equal(out[8:], base[8:]):
+            raise RuntimeError(f"{case}: wrong bytes for value {i}")
+
+    get_keys = [f"ipo/{case}/get/{i}" for i in range(GET_KEYS)]
+    if a.op == "get":
+        for i, key in enumerate(get_keys):
+            client.put_from(key, fill(i))
+        for _ in range(3):  # warm: every key read and checked
+            for i, key in enumerate(get_keys):
+                client.get_into(key, out)
+                check(i)
+    else:
+        warm = [f"ipo/{case}/warm/{i}" for i in range(GET_KEYS)]
+        for i, key in enumerate(warm):
+            client.put_from(key, fill(i))
+        client.get_into(warm[-1], out)
+        check(GET_KEYS - 1)
+        client.remove_batch(warm)
+    if os.environ.get("KVPOOL_INSTR_GC") == "off":
+        gc.collect()
+        gc.disable()
+    windows = []
+    for w, n in enumerate(a.windows):
+        label = f"{case}/w{w}/n{n}"
+        keys = get_keys if a.op == "get" else [f"ipo/{case}/put/{w}/{i}" for i in range(n)]
+        _settle(server_cpu)  # the last window's removals are finished (the master's outbox) before this one
+        server.zero()
+        if counting:
+            lib.kv_dump(b"discard")
+        t0, s0, c0 = time.perf_counter(), server_cpu(), time.thread_time()
+        if a.op == "get":
+            for i in range(n):
+                client.get_into(keys[i % GET_KEYS], out)
+        else:
+            for i in range(n):
+                client.put_from(keys[i], fill(i))
+        c1, s1, t1 = time.thread_time(), server_cpu(), time.perf_counter()
+        if counting:
+            lib.kv_dump(("client:" + label).encode())
+        server.dump("server:" + label)
+        if a.op == "get":
+            check((n - 1) % GET_KEYS)
+        else:
+            client.get_into(keys[-1], out)
+            check(n - 1)
+            client.remove_batch(keys)
+        windows.append({"label": label, "ops": n, "wall_s": t1 - t0, "client_cpu_s": c1 - c0,
+                        "server_cpu_s": s1 - s0})
+    if a.op == "get":
+        client.remove_batch(get_keys)
+    client.close()
+    with open(os.path.join(a.folder, f"client-{case.replace('/', '_')}.json"), "w") as f:
+        json.dump({"case": case, "counting": counting, "windows": windows}, f)
+
+
+# ---------------------------------------------------------------------------- the driver
+
+def _keyring(folder: str) -> tuple[str, str]:
+    """A keyring file (0600) of a node and one tenant ("bench"); returns (path, tenant secret)."""
+    path = os.path.join(folder, "keyring.toml")
+    node, tenant = secrets.token_hex(24), secrets.token_hex(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f'[principals.node]\nrole = "node"\nsecret = "{node}"\n'
+                f'[principals.bench]\nrole = "tenant:bench"\nsecret = "{tenant}"\n')
+    return path, tenant
+
+
+def _valgrind(out_pattern: str) -> list[str]:
+    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_pattern}", "--dump-line=no",
+            "--collect-atstart=no"]
+
+
+def _read_dumps(pattern: str) -> dict[str, int]:
+    """label -> instructions, from the callgrind dumps matching `pattern`."""
+    found = {}
+    for path in glob.glob(pattern):
+        label = ir = None
+        with open(path, errors="replace") as f:
+            for line in f:
+                if line.startswith("desc: Trigger: Client Request: "):
+                    label = line.split(": ", 3)[3].strip()
+                elif line.startswith("summary:"):
+                    ir = int(line.split()[1])
+                    break
+        if label is not None and ir is not None:
+            found[label] = ir
+    return found
+
+
+def _per_op(windows: list[dict], key: str) -> dict:
+    """Instructions (or CPU s) per op from neighbouring N / 2N windows: median, each pair, and
+    the per-window naive figure (count / ops)."""
+    pairs = []
+    for first, second in zip(windows, windows[1:]):
+        if second["ops"] != first["ops"]:
+            small, big = sorted((first, second), key=lambda w: w["ops"])
+            pairs.append((big[key] - small[key]) / (big["ops"] - small["ops"]))
+    med = statistics.median(pairs)
+    return {"per_op": med, "pairs": pairs,
+            "rel_spread": (max(pairs) - min(pairs)) / med if med else None,
+            "naive": [w[key] / w["ops"] for w in windows]}
+
+
+def _group(a: argparse.Namespace, folder: str, lib: str, auth: bool) -> dict:
+    """One server (with a keyring or not) and a client process per case."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | ENV
+    if a.tree:
+        env["PYTHONPATH"] = os.path.abspath(a.tree)
+    env["KVPOOL_INSTR_GC"] = a.gc
+    secret = ""
+    if auth:
+        env["KVPOOL_AUTH_FILE"], secret = _keyring(folder)
+    tag = "on" if auth else "off"
+    counting = not a.native
+    script = os.path.abspath(__file__)
+    cases = [c for g in a.cases.split(",") for c in CASES[g]
+             if not a.only or any(o in f"{c[1]}_{c[0]}_{_size_text(c[2])}" for o in a.only.split(","))]
+    capacity = max(512 * MIB, max(4 * _ops_for(s, a.ops) * s if op == "put" else 2 * GET_KEYS * s
+                                  for _, op, s in cases))
+    cmd = [sys.executable, script, "--serve", folder, "--lib", lib, "--", "serve", "--host", "127.0.0.1",
+           "--port", "0", "--admin-port", "0", "--dram-capacity", str(capacity)]
+    if counting:
+        cmd = _valgrind(os.path.join(folder, f"server-{tag}.%p")) + cmd
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(os.path.join(folder, f"server-{tag}.log"), "w"),
+                            text=True, env=env)
+    results: dict[str, dict] = {}
+    try:
+        line = proc.stdout.readline().strip()
+        if not line.startswith("kvpool serving at "):
+            raise RuntimeError(f"kvpool serve did not start (said {line!r}); see {folder}")
+        address = line.rsplit(" ", 1)[1]
+        time.sleep(2 if not counting else 10)  # the arena's pages mapped (a background thread)
+        if a.idle and counting:
+            srv = _Server(proc.pid, folder, True)
+            for seconds in (5, 10):
+                srv.zero()
+                time.sleep(seconds)
+                srv.dump(f"server:idle-{tag}/{seconds}s")
+        for path, op, size in cases:
+            n = _ops_for(size, a.ops)
+            case = f"{op}_{path}_{_size_text(size)}_auth-{tag}"
+            windows = [n, 2 * n] * a.pairs
+            ccmd = [sys.executable, script, "--client", "--folder", folder, "--lib", lib, "--address", address,
+                    "--server-pid", str(proc.pid), "--case", case, "--path", path, "--op", op, "--size", str(size),
+                    "--windows", ",".join(map(str, windows)), "--secret", secret, "--principal", "bench"]
+            if counting:
+                ccmd = _valgrind(os.path.join(folder, f"client-{case}.%p")) + ccmd
+            t0 = time.monotonic()
+            done = subprocess.run(ccmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"client {case} failed:\n{done.stdout[-3000:]}")
+            with open(os.path.join(folder, f"client-{case}.json")) as f:
+                doc = json.load(f)
+            results[case] = {"path": path, "op": op, "size": size, "auth": auth, "windows": doc["windows"],
+                             "took_s": round(time.monotonic() - t0, 1)}
+            print(f"  {case}: {results[case]['took_s']} s", file=sys.stderr, flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if counting:
+        dumps = _read_dumps(os.path.join(folder, f"server-{tag}.*")) | _read_dumps(os.path.join(folder, "client-*.[0-9]*"))
+        for case, r in results.items():
+            for w in r["windows"]:
+                w["client_ir"] = dumps[f"client:{w['label']}"]
+                w["server_ir"] = dumps[f"server:{w['label']}"]
+                w["both_ir"] = w["client_ir"] + w["server_ir"]
+            for side in ("client", "server", "both"):
+                r[f"{side}_ir"] = _per_op(r["windows"], f"{side}_ir")
+        for label, ir in dumps.items():
+            if label.startswith("server:idle-"):
+                results.setdefault("idle", {})[label.split(":", 1)[1]] = ir
+    for case, r in results.items():
+        if case != "idle":
+            for side in ("client", "server"):
+                r[f"{side}_cpu_us"] = round(statistics.median(w[f"{side}_cpu_s"] / w["ops"] for w in r["windows"]) * 1e6, 1)
+    return results
+
+
+def _table(results: dict) -> list[str]:
+    lines = []
+    offs = {k: v for k, v in results.items() if k.endswith("_auth-off")}
+    for case, off in offs.items():
+        on = results.get(case[:-len("off")] + "on")
+        row = f"{case[:-len('_auth-off')]:22s}"
+        for side in ("client", "server", "both"):
+            if f"{side}_ir" in off:
+                o = off[f"{side}_ir"]["per_op"]
+                row += f" {side} {o:12,.0f}"
+                if on is not None:
+                    row += f" -> {on[f'{side}_ir']['per_op']:12,.0f} ({on[f'{side}_ir']['per_op'] / o - 1:+.2%})"
+        lines.append(row)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="rpc", help="groups of cases: rpc, engine (comma-separated)")
+    ap.add_argument("--auth", default="off,on", help="which pools: off (no keyring), on (keyring, tenant client)")
+    ap.add_argument("--ops", type=int, default=200, help="N at 64 KiB (N/2 at 1 MiB, N/4 at 8 MiB)")
+    ap.add_argument("--pairs", type=int, default=2, help="N / 2N window pairs per case")
+    ap.add_argument("--tree", help="import kvpool from this tree (a worktree of another commit)")
+    ap.add_argument("--native", action="store_true", help="no valgrind: CPU seconds per op only")
+    ap.add_argument("--idle", action="store_true", help="also count each server's instructions while idle")
+    ap.add_argument("--gc", choices=("off", "on"), default="off",
+                    help="Python's cyclic garbage collector in both processes (off: see the docstring)")
+    ap.add_argument("--only", help="only the cases whose name (e.g. get_tcp_64KiB) holds one of these (comma-separated)")
+    ap.add_argument("--keep", action="store_true", help="keep the callgrind files (for callgrind_annotate)")
+    ap.add_argument("--out", help="write the results here (JSON)")
+    # internal: the server wrapper and the client process
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--folder", "--lib", "--address", "--case", "--path", "--op", "--secret", "--principal"):
+        ap.add_argument(name, help=argparse.SUPPRESS)
+    ap.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--windows", type=lambda s: [int(x) for x in s.split(",")], help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args()
+    if args.serve:
+        _serve(args.serve, args.lib, [r for r in rest if r != "--"])
+        return
+    if args.client:
+        _client(args)
+        return
+    if not args.native and shutil.which("valgrind") is None:
+        sys.exit("valgrind is not installed (apt-get install valgrind), or use --native")
+    folder = tempfile.mkdtemp(prefix="kvpool-instr-")
+    try:
+        lib = _compile_lib(folder)
+        results: dict[str, dict] = {}
+        for tag in args.auth.split(","):
+            print(f"auth {tag} ...", file=sys.stderr, flush=True)
+            for case, r in _group(args, folder, lib, tag == "on").items():
+                if case == "idle":
+                    results.setdefault("idle", {}).update(r)
+                else:
+                    results[case] = r
+        head = subprocess.run(["git", "-C", args.tree or os.path.dirname(os.path.abspath(__file__)), "rev-parse",
+                               "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        doc = {"script": "kvpool/tools/scripts/instr_per_op.py", "argv": sys.argv[1:], "commit": head,
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%MZ"),
+               "measure": "cpu" if args.native else "callgrind instructions", "results": results}
+        for line in _table(results):
+            print(line)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(doc, f, indent=1)
+    finally:
+        if args.keep:
+            print(f"callgrind files kept in {folder}", file=sys.stderr)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
