@@ -16,6 +16,7 @@ import pytest
 from e2e_support import reference
 from kvpool.handle import KVHandle
 from kvpool.errors import InvalidArgument, KeyNotFound, LayoutMismatch
+from kvpool.tools.launch.processes import clean_env
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
@@ -130,7 +131,7 @@ def test_kvpool_up_and_kvpool_node_read_the_same_file(tmp_path):
 
     cfg = tmp_path / "cluster.toml"
     cfg.write_text(TREE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     proc = subprocess.Popen([*KVPOOL, "up", "--config", str(cfg), "--port", "0", "--workdir", str(tmp_path / "up"),
                              "--set", "worker.threads=1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

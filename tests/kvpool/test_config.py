@@ -31,9 +31,9 @@ def clean_env(monkeypatch):
 
 
 def _clean_env() -> dict[str, str]:
-    import os
+    from kvpool.tools.launch.processes import clean_env
 
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    return clean_env()
 
 
 def test_defaults():

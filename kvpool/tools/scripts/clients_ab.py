@@ -128,12 +128,13 @@ def main() -> None:
              for t in a.trees]
     if names[0] == names[1]:
         names = [n + f"#{i}" for i, n in enumerate(names)]
+    from kvpool.tools.launch.processes import clean_env  # this tree's; each side imports its own tree
+
     sides = []  # (name, env, server proc, address, server cpu clock)
     for name, t in zip(names, a.trees):
         tree, _, settings = t.partition("@")
         extra = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | extra | {
-            "PYTHONPATH": os.path.abspath(tree), "AB_DIR": tmp}
+        env = clean_env(**extra, PYTHONPATH=os.path.abspath(tree), AB_DIR=tmp)
         proc, address = serve(tree, env)
         sides.append((name, env, proc, address, cpu_clock(proc.pid)))
         loader = subprocess.run([sys.executable, "-c", f"""
@@ -159,8 +160,7 @@ for i in range(KEYS):
         for i in range(KEYS):
             rc.set(f"ab/{a.size}/{i}", memoryview(_value(a.size, i)))
         rc.close()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | {
-            "PYTHONPATH": os.path.abspath(a.trees[0].partition("@")[0]), "AB_DIR": tmp}
+        env = clean_env(PYTHONPATH=os.path.abspath(a.trees[0].partition("@")[0]), AB_DIR=tmp)
         systems.append(("redis", env, rproc, str(rport), cpu_clock(rproc.pid)))
     kind = a.kind or ("shm" if a.shm else "tcp")
     result = {"bench": "clients_ab", "sides": names, "size": a.size, "kind": kind, "reps": a.reps,

@@ -361,7 +361,9 @@ def _per_op(windows: list[dict], key: str) -> dict:
 
 def _group(a: argparse.Namespace, folder: str, lib: str, auth: bool) -> dict:
     """One server (with a keyring or not) and a client process per case."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | ENV
+    from kvpool.tools.launch.processes import clean_env
+
+    env = clean_env(**ENV)
     if a.tree:
         env["PYTHONPATH"] = os.path.abspath(a.tree)
     env["KVPOOL_INSTR_GC"] = a.gc

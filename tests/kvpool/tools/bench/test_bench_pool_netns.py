@@ -7,7 +7,6 @@ it reads) and nothing of the fabric is left behind. Needs root and iproute2/nfta
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.tools.netns import unavailable
+from kvpool.tools.launch.processes import clean_env
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(unavailable() is not None, reason=f"no namespace fabric here: {unavailable()}")]
@@ -27,7 +27,7 @@ def _namespaces(prefix: str) -> list[str]:
 
 @pytest.mark.timeout(900)
 def test_bench_pool_across_a_1ms_10gbit_link():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env = clean_env()
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--workload", "netns",
          "--json", "--reps", "3", "--sizes", "64KiB,1MiB", "--set", "bytes_per_rep=2MiB", "--set", "batch=8"],
