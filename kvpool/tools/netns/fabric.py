@@ -354,13 +354,9 @@ def reap_stale() -> list[str]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    from transfer.descriptor import pid_alive
+
+    return pid_alive(pid)
 
 
 __all__ = ["Fabric", "Member", "unavailable", "reap_stale", "rate_bits", "SUBNET"]

@@ -21,6 +21,7 @@ from kvpool.embedded import EmbeddedPool
 from kvpool.errors import AlreadyExists, KeyNotFound, KVPoolError
 from kvpool.messages import Bools, Exists, NodeGet
 from kvpool.rpc import RpcClient, RpcServer
+from test_rpc import _psi
 
 WORD = 16  # a stamped value is one 16-byte word repeated: (key index, version)
 
@@ -208,13 +209,6 @@ def test_a_tenants_get_on_the_loop_is_scoped_to_its_own_keys(tmp_path):
         acme.close()
         beta.close()
         pool.stop()
-
-
-def _psi(tmp_path, avg10: float) -> str:
-    path = tmp_path / f"cpu-{avg10}"
-    path.write_text(f"some avg10={avg10:.2f} avg60=1.00 avg300=1.00 total=123\n"
-                    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
-    return str(path)
 
 
 def test_the_loop_spins_for_a_sole_client_only_while_the_cpus_are_calm(tmp_path):
