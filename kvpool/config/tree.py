@@ -215,6 +215,9 @@ class SecuritySection(Section):
     tenant_salt: str | None = None
     tenant_salt_file: str | None = None
     http_max_body: Size = 1 << 20  # request bodies of the HTTP APIs (a 100k-token prompt is ~400 KB of JSON)
+    # Without auth_file: this user's own keyring and tokens, made on first use (kvpool.security.local); false: none
+    local_auth: bool = True
+    local_dir: str | None = None  # where they live (default $XDG_CONFIG_HOME/kvpool, else ~/.config/kvpool)
 
     _size = _sizes("http_max_body")
 

@@ -21,7 +21,7 @@ and racy); a shared secret the filesystem protects works the same on every trans
 same mechanism as a configured keyring, so there is one code path. (Jupyter's token in a 0600
 runtime file is the same idea.)
 
-`KVPOOL_LOCAL_AUTH=off` turns it off: no keyring, every loopback connection served, as before
+`KVPOOL_LOCAL_AUTH=off` (`[security] local_auth = false`) turns it off: no keyring, every loopback connection served, as before
 (for a host with one user, or a benchmark of the unauthenticated path).
 Invariants: files are created atomically (a temporary file linked into place: two processes
 starting at once agree on one secret) and never overwritten; a directory or file another user
@@ -35,24 +35,27 @@ import secrets
 import stat
 from pathlib import Path
 
+from kvpool.config import current_settings
 from kvpool.errors import InvalidArgument
 from kvpool.security.keyring import Keyring
 
+# `[security] local_auth` and `local_dir` by their variables: what a child process must share with
+# its parent to find the same keyring
 LOCAL_ENV = "KVPOOL_LOCAL_AUTH"
 DIR_ENV = "KVPOOL_LOCAL_DIR"
-ENV_VARS = (LOCAL_ENV, DIR_ENV)  # what a child process must share with its parent to find the same keyring
-_OFF = {"0", "off", "false", "no"}
+ENV_VARS = (LOCAL_ENV, DIR_ENV)
 _cache: dict[str, tuple[float, Keyring]] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get(LOCAL_ENV, "").strip().lower() not in _OFF
+    return current_settings().security.local_auth
 
 
 def local_dir() -> Path:
-    where = os.environ.get(DIR_ENV)
+    where = current_settings().security.local_dir
     if where:
         return Path(where)
+    # the XDG base directory convention (like HOME, the platform's, not one of kvpool's settings)
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "kvpool"
 

@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    """No KVPOOL_* setting from the calling shell leaks into these tests (where the user's keyring
-    lives is not a setting: tests/conftest.py chose it for the session)."""
+    """No KVPOOL_* setting from the calling shell leaks into these tests (but where the user's
+    keyring lives: tests/conftest.py chose it for the session)."""
     import os
 
     from kvpool.security.local import ENV_VARS
@@ -312,3 +312,23 @@ def test_the_sdk_finds_the_pool_where_the_tree_says(monkeypatch):
         with kvpool.connect() as client:
             client.put("k", b"v")
             assert client.get("k") == b"v"
+
+
+def test_the_per_user_keyring_is_configured_by_the_tree(tmp_path, monkeypatch):
+    """`[security] local_auth` and `local_dir` from a file reach kvpool.security.local as its
+    variables (KVPOOL_LOCAL_AUTH, KVPOOL_LOCAL_DIR) do."""
+    from kvpool.config import use_settings
+    from kvpool.security import local
+
+    for name in local.ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[security]\nlocal_dir = "{tmp_path / "mine"}"\n')
+    use_settings(load_settings(cfg))
+    assert local.local_dir() == tmp_path / "mine" and local.local_keyring() is not None
+    assert (tmp_path / "mine" / "keyring.toml").stat().st_mode & 0o777 == 0o600
+    use_settings(load_settings(cfg, sets=["security.local_auth=false"]))
+    assert local.local_keyring() is None and local.local_token("admin") is None
+    use_settings(None)
+    monkeypatch.setenv("KVPOOL_LOCAL_AUTH", "off")
+    assert not local.enabled()
