@@ -60,6 +60,13 @@ def local_dir() -> Path:
     return Path(base) / "kvpool"
 
 
+def child_env() -> dict[str, str]:
+    """The variables that make a child process use the keyring this one uses (or none), however
+    this one was configured (environment, `KVPOOL_CONFIG`, `--set`): for launchers that clear the
+    other `KVPOOL_*` settings of their children (`kvpool.tools.launch.processes.clean_env`)."""
+    return {DIR_ENV: str(local_dir())} if enabled() else {LOCAL_ENV: "off"}
+
+
 def _private_dir() -> Path:
     """The directory, made 0700 if missing; refused when another user owns it or others may enter."""
     path = local_dir()

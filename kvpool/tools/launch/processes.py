@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
-from kvpool.security.local import ENV_VARS
+from kvpool.security.local import child_env
 
 T = TypeVar("T")
 
@@ -51,10 +51,11 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def clean_env(**settings: str) -> dict[str, str]:
-    """This process's environment without its `KVPOOL_*` settings, plus `settings`; it keeps where
-    this user's own keyring lives and whether it is on (`kvpool.security.local`), because a child
-    that found another keyring than ours (or none) could not talk to us, nor we to it."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_") or k in ENV_VARS} | settings
+    """This process's environment without its `KVPOOL_*` settings, plus `settings`; but it says
+    where this user's own keyring is and whether it is on, as this process sees it
+    (`kvpool.security.local.child_env`), because a child that found another keyring than ours (or
+    none) could not talk to us, nor we to it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | child_env() | settings
 
 
 def free_port(host: str = "127.0.0.1") -> int:
