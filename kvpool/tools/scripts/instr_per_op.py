@@ -85,8 +85,11 @@ def _size_text(size: int) -> str:
 
 
 def _ops_for(size: int, base: int) -> int:
-    """N for a size: `base` at 64 KiB, half of it at 1 MiB, a quarter from 8 MiB (at least 25)."""
-    return max(25, base if size <= 64 * KIB else base // 2 if size <= MIB else base // 4)
+    """N for a size: `base` at 64 KiB, half of it at 1 MiB, a quarter from 8 MiB, rounded to a
+    multiple of 64 (at least 64): a same-host reader reports its index reads to the node every 64
+    gets (`kvpool.client.nodes.MAX_PENDING_TOUCHES`), so each window then holds as many reports."""
+    n = base if size <= 64 * KIB else base // 2 if size <= MIB else base // 4
+    return max(64, round(n / 64) * 64)
 
 
 # ---------------------------------------------------------------------------- callgrind requests
