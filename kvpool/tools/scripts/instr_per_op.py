@@ -57,7 +57,6 @@ import glob
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import statistics
@@ -326,13 +325,9 @@ def _client(a: argparse.Namespace) -> None:
 
 def _keyring(folder: str) -> tuple[str, str]:
     """A keyring file (0600) of a node and one tenant ("bench"); returns (path, tenant secret)."""
-    path = os.path.join(folder, "keyring.toml")
-    node, tenant = secrets.token_hex(24), secrets.token_hex(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f'[principals.node]\nrole = "node"\nsecret = "{node}"\n'
-                f'[principals.bench]\nrole = "tenant:bench"\nsecret = "{tenant}"\n')
-    return path, tenant
+    from kvpool.tools.bench.pool_process import write_bench_keyring
+
+    return write_bench_keyring(folder)
 
 
 def _valgrind(out_pattern: str) -> list[str]:
