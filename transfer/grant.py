@@ -144,7 +144,9 @@ class Grants:
             expires = _EXPIRES.unpack_from(grant, _EXPIRES_AT)[0]
             revoked[signed] = max(expires, int(now) + 1)  # kept until the sweep even if expired: `admit` reads it
             # After the mark: a frame admitted from now on is refused, and one admitted before is in `_moving`.
-            if any(f.signed == signed for f in list(self._moving)):
+            # (`_moving` tested first: it is empty unless a frame is in flight, and the scan costs
+            # ~1,500 instructions per revoke, a pin's release, ~0.4% of an 8 MiB get's)
+            if self._moving and any(f.signed == signed for f in list(self._moving)):
                 self._awaited += 1
                 try:
                     self._stop_frames(signed)

@@ -5,6 +5,7 @@ keyring (a node and one tenant) for measuring authentication's cost."""
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import time
 from typing import Any, Callable, Sequence
@@ -76,19 +77,13 @@ def auth_pool(dram_capacity: int, settings: dict[str, str] | None = None,
     """A pool with a keyring of a node ("node") and one tenant ("bench"; a file 0600 in a private
     temp directory), the credential of `principal`, and how to stop it and delete the keyring.
     `where`: `host` and `prefix` of `PoolProcess`."""
-    import secrets
     import shutil
     import tempfile
 
     from kvpool.security.keyring import Credential
 
     folder = tempfile.mkdtemp(prefix="kvpool-bench-auth-")
-    path = os.path.join(folder, "keyring.toml")
-    node, tenant = secrets.token_hex(24), secrets.token_hex(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f'[principals.node]\nrole = "node"\nsecret = "{node}"\n'
-                f'[principals.bench]\nrole = "tenant:bench"\nsecret = "{tenant}"\n')
+    path, tenant = write_bench_keyring(folder)
     try:
         server = PoolProcess(dram_capacity, auth_file=path, settings=settings, **where)
     except BaseException:
@@ -100,3 +95,14 @@ def auth_pool(dram_capacity: int, settings: dict[str, str] | None = None,
         shutil.rmtree(folder, ignore_errors=True)
 
     return server, Credential(principal, (node if principal == "node" else tenant).encode()), cleanup
+
+
+def write_bench_keyring(folder: str) -> tuple[str, str]:
+    """A keyring file (0600) in `folder` of a node and one tenant ("bench"): (its path, the tenant's secret)."""
+    path = os.path.join(folder, "keyring.toml")
+    node, tenant = secrets.token_hex(24), secrets.token_hex(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f'[principals.node]\nrole = "node"\nsecret = "{node}"\n'
+                f'[principals.bench]\nrole = "tenant:bench"\nsecret = "{tenant}"\n')
+    return path, tenant

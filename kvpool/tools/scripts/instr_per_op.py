@@ -3,36 +3,45 @@ a measure of CPU work that does not move with the machine's load, for comparing 
 on and off (issue 27) or two trees, where CPU seconds on this shared machine spread by +-15%.
 
     python kvpool/tools/scripts/instr_per_op.py [--cases rpc,engine] [--auth off,on] [--ops 200]
-        [--pairs 2] [--tree PATH] [--native] [--out FILE]
+        [--pairs 2] [--only get_tcp_64KiB,...] [--tree PATH] [--idle] [--native] [--out FILE]
 
-    # the RPC path, auth off and on, 64 KiB and 1 MiB, put and get, TCP and same-host (~25 min here):
+    # the RPC path, auth off and on, 64 KiB and 1 MiB, put and get, TCP and same-host
+    # (~4 min per case and auth mode at load 15 here; two invocations, --auth off / on, may run at once):
     python kvpool/tools/scripts/instr_per_op.py --cases rpc --out benchmarks/instr-rpc-<date>.json
     # 8 MiB gets on the transfer-engine path (grants), of another tree (a `git worktree` of an
     # older commit): that tree's kvpool is imported by the server and the client
     python kvpool/tools/scripts/instr_per_op.py --cases engine --auth on --tree /work/wt-old --out ...
 
 Needs valgrind (`apt-get install valgrind`, its headers in /usr/include/valgrind) and a C
-compiler: a 5-line library (compiled into the output folder) issues callgrind's client requests
-(zero the counts, dump them under a label) from Python through ctypes.
+compiler: a 5-line library (compiled into a temporary folder) issues callgrind's client requests
+(dump the counts under a label, toggle a thread's collection) from Python through ctypes.
 
-How: `kvpool serve` runs under `valgrind --tool=callgrind` (wrapped by `--serve`: SIGUSR1 zeroes
-its counts, SIGUSR2 dumps them under the label the client wrote), and for each case a client
-process runs under callgrind too (`--client`). The client connects, writes the keys its gets read,
-warms up, then runs windows of N, 2N, N, 2N ... operations; around each window it zeroes its
-counts and the server's, and dumps both after it. A window's count is its operations plus a fixed
-part (the first op after a pause checks its connection, the zero/dump requests themselves), so
-the instructions per op are (count(2N) - count(N)) / N of neighbouring windows, one figure per
-pair; their spread shows how repeatable the count is. Both processes run with PYTHONHASHSEED=0 and
-with RPC spinning off (a poll loop counts instructions that depend on timing, not on the work).
-Puts write fresh keys (removed after each window, outside it); gets cycle through 16 keys.
+How: `kvpool serve` runs under `valgrind --tool=callgrind --collect-atstart=no` (wrapped by
+`--serve`: SIGUSR1 starts a window, SIGUSR2 ends it, dumping the counts under the label the client
+wrote), and for each case a client process runs under callgrind too (`--client`). The client
+connects, writes the keys its gets read, warms up, then runs windows of N, 2N, N, 2N ...
+operations, starting and ending each window on both sides. A window's count is its operations
+plus a small fixed part (the first op after a pause checks its connection), so the instructions
+per op are (count(2N) - count(N)) / N of neighbouring windows, one figure per pair; their spread
+shows how repeatable the count is (0.1-0.5% here; 1-1.7% on the engine path, whose revocation
+table grows through the run). N is a multiple of 64: a same-host reader reports its index reads
+to the node every 64 gets. Both processes run with PYTHONHASHSEED=0, RPC spinning off (a poll
+loop counts instructions that depend on timing, not on the work) and Python's cyclic GC off
+(`--gc on` keeps it: a collection lands in whichever window, by heap history). Puts write fresh
+keys, removed after each window; the client waits for the server to be idle before the next
+window (a removal's work in the master's outbox thread would land in it). Gets cycle through 16
+keys.
 
-What is counted: user-space instructions of every thread of each process (callgrind counts no
-kernel work: the socket copies are not in it, and they are the same with and without
-authentication). Instructions are a proxy for CPU time: cache misses and other stalls are not
-counted, so a change that adds memory traffic (a copy of the payload) costs more time than its
-instruction count says. Background threads (the master's 0.5 s tick, the serve loop's 0.5 s
-wake-up, receive ticks) count in a window by its duration, not by its ops: `--idle` measures
-that rate on each server (a window with no ops) so it can be compared with the figures.
+What is counted: user-space instructions of the client process (all threads) and of the server
+threads that serve requests (RPC and transfer connections, the master's outbox), not those that
+wake on a clock (the serve loop, the master's tick, the node's heartbeat, the accept loops),
+whose count depends on how long a window lasts (`--idle`: the server's count in idle windows,
+0 here). callgrind counts no kernel work: the socket copies are not in it, and they are the same
+with and without authentication. Instructions are a proxy for CPU time: cache misses and other
+stalls are not counted, so a change that adds memory traffic costs more time than its count
+says, and a `rep movsb` (glibc's memcpy of large blocks) counts one instruction per byte or
+word moved though it runs far faster (a same-host 1 MiB get reads ~1.1 M instructions, mostly
+that copy).
 
 `--native`: the same windows without valgrind, reporting CPU seconds per op instead (the client
 thread's `thread_time` and the whole server process's CPU clock), for relating the two.
@@ -48,7 +57,6 @@ import glob
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import statistics
@@ -85,8 +93,11 @@ def _size_text(size: int) -> str:
 
 
 def _ops_for(size: int, base: int) -> int:
-    """N for a size: `base` at 64 KiB, half of it at 1 MiB, a quarter from 8 MiB (at least 25)."""
-    return max(25, base if size <= 64 * KIB else base // 2 if size <= MIB else base // 4)
+    """N for a size: `base` at 64 KiB, half of it at 1 MiB, a quarter from 8 MiB, rounded to a
+    multiple of 64 (at least 64): a same-host reader reports its index reads to the node every 64
+    gets (`kvpool.client.nodes.MAX_PENDING_TOUCHES`), so each window then holds as many reports."""
+    n = base if size <= 64 * KIB else base // 2 if size <= MIB else base // 4
+    return max(64, round(n / 64) * 64)
 
 
 # ---------------------------------------------------------------------------- callgrind requests
@@ -314,13 +325,9 @@ def _client(a: argparse.Namespace) -> None:
 
 def _keyring(folder: str) -> tuple[str, str]:
     """A keyring file (0600) of a node and one tenant ("bench"); returns (path, tenant secret)."""
-    path = os.path.join(folder, "keyring.toml")
-    node, tenant = secrets.token_hex(24), secrets.token_hex(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f'[principals.node]\nrole = "node"\nsecret = "{node}"\n'
-                f'[principals.bench]\nrole = "tenant:bench"\nsecret = "{tenant}"\n')
-    return path, tenant
+    from kvpool.tools.bench.pool_process import write_bench_keyring
+
+    return write_bench_keyring(folder)
 
 
 def _valgrind(out_pattern: str) -> list[str]:
@@ -441,17 +448,26 @@ def _group(a: argparse.Namespace, folder: str, lib: str, auth: bool) -> dict:
 
 
 def _table(results: dict) -> list[str]:
+    """One line per case: per op, instructions (or CPU us with --native) of each side, and with
+    both auth modes run, auth off -> on and the change."""
     lines = []
-    offs = {k: v for k, v in results.items() if k.endswith("_auth-off")}
-    for case, off in offs.items():
-        on = results.get(case[:-len("off")] + "on")
-        row = f"{case[:-len('_auth-off')]:22s}"
+    for case, r in results.items():
+        if case == "idle" or (r["auth"] and case.replace("_auth-on", "_auth-off") in results):
+            continue
+        on = results.get(case.replace("_auth-off", "_auth-on")) if not r["auth"] else None
+        row = f"{case:28s}"
         for side in ("client", "server", "both"):
-            if f"{side}_ir" in off:
-                o = off[f"{side}_ir"]["per_op"]
-                row += f" {side} {o:12,.0f}"
-                if on is not None:
-                    row += f" -> {on[f'{side}_ir']['per_op']:12,.0f} ({on[f'{side}_ir']['per_op'] / o - 1:+.2%})"
+            def value(x: dict) -> float | None:
+                if f"{side}_ir" in x:
+                    return x[f"{side}_ir"]["per_op"]
+                cpu = [x.get(f"{s}_cpu_us") for s in (("client", "server") if side == "both" else (side,))]
+                return sum(cpu) if None not in cpu else None
+            o = value(r)
+            if o is None:
+                continue
+            row += f" {side} {o:12,.0f}"
+            if on is not None and o:
+                row += f" -> {value(on):12,.0f} ({value(on) / o - 1:+.2%})"
         lines.append(row)
     return lines
 
@@ -488,6 +504,7 @@ def main() -> None:
     if not args.native and shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed (apt-get install valgrind), or use --native")
     folder = tempfile.mkdtemp(prefix="kvpool-instr-")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the server and clean up when told to stop
     try:
         lib = _compile_lib(folder)
         results: dict[str, dict] = {}
