@@ -22,7 +22,7 @@ import array
 import json
 import sys
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 import xxhash
@@ -154,12 +154,3 @@ def parse_namespace_hex(text: str) -> bytes:
         raise InvalidArgument(f"namespace must be {2 * KEY_BYTES} hex characters, got {len(text)}")
     return raw
 
-
-def match_prefix_local(keys: Iterable[str], present) -> int:
-    """Length of the longest run of `keys` from the start for which `present(key)` holds."""
-    n = 0
-    for key in keys:
-        if not present(key):
-            break
-        n += 1
-    return n

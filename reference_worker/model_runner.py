@@ -125,7 +125,3 @@ class ModelRunner:
                 o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, scale=self.scaling, enable_gqa=True)
             outs.append(o)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-    @staticmethod
-    def greedy(logits: torch.Tensor) -> int:
-        return int(torch.argmax(logits))

@@ -1,7 +1,8 @@
 """The `kvpool` command line. Thin: parse, call the library, format.
 
-Each command lives in its own module here and is imported only when used, so `kvpool keys`
-starts in milliseconds and does not load torch.
+Each command lives in its own module and is imported only when used, so `kvpool keys` starts in
+milliseconds and does not load torch. The tools' commands (bench, sim, chaos, soak) live with
+their tools in `kvpool.tools`, named below by import path.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ COMMANDS: dict[str, str] = {
     "admin": "kvpool.cli.admin:admin",
     "auth": "kvpool.cli.auth:auth",
     "keys": "kvpool.cli.keys:keys",
-    "bench": "kvpool.cli.bench:bench",
+    "bench": "kvpool.tools.bench.command:bench",
     "serve": "kvpool.cli.serve:serve",
     "master": "kvpool.cli.master:master",
     "node": "kvpool.cli.node:node",
@@ -27,9 +28,9 @@ COMMANDS: dict[str, str] = {
     "generate": "kvpool.cli.generate:generate",
     "up": "kvpool.cli.up:up",
     "router": "kvpool.cli.router:router",
-    "sim": "kvpool.cli.sim:sim",
-    "chaos": "kvpool.cli.chaos:chaos",
-    "soak": "kvpool.cli.soak:soak",
+    "sim": "kvpool.tools.sim.command:sim",
+    "chaos": "kvpool.tools.chaos.command:chaos",
+    "soak": "kvpool.tools.chaos.soak_command:soak",
     "config": "kvpool.cli.config:config",
 }
 

@@ -189,10 +189,6 @@ class EtcdClient:
     def delete(self, key: str) -> None:
         self._post("/v3/kv/deleterange", {"key": _b64(key)})
 
-    def delete_range(self, start: str, end: str) -> None:
-        """Delete every key in [start, end)."""
-        self._post("/v3/kv/deleterange", {"key": _b64(start), "range_end": _b64(end)})
-
     def put_many(self, items: dict[str, str | bytes], lease: int = 0,
                  compare: list[dict[str, Any]] | None = None) -> bool:
         """Put every item, in transactions of at most `TXN_OPS` (etcd's default limit is 128).

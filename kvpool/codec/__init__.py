@@ -50,7 +50,6 @@ CODECS: dict[str, tuple[int, str]] = {
     "int8+zstd": (4, "kvpool.codec.zstd:int8_zstd"),
     "fp8+zstd": (5, "kvpool.codec.zstd:fp8_zstd"),
 }
-DEFAULT_CODEC = "none"
 
 
 @runtime_checkable
@@ -177,5 +176,5 @@ def decode(codec: Codec, layout: KVLayout, payload: Any, tokens: int) -> Any:
     return out
 
 
-__all__ = ["CODECS", "DEFAULT_CODEC", "Codec", "codec_name", "decode", "encode", "encode_object", "encode_raw_object",
+__all__ = ["CODECS", "Codec", "codec_name", "decode", "encode", "encode_object", "encode_raw_object",
            "get_codec", "stored_bytes_per_token"]

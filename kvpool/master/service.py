@@ -257,14 +257,6 @@ class MasterService:
             obj = self.state.objects.get(key)
             return obj is not None and obj.state == PENDING and obj.put_id == put_id and node_id in obj.replicas
 
-    def put_abort(self, key: str, put_id: int) -> None:
-        st = self.state
-        st.role.check_leader()
-        with st.lock:
-            obj = st.objects.get(key)
-            if obj is not None and obj.state == PENDING and obj.put_id == put_id:
-                st.reclaim_locked(obj)
-
     def lookup(self, keys: Sequence[str], lease: bool = True,
                release: Sequence[int] = ()) -> tuple[int, list[Entry | None]]:
         """Replicas of each complete key (None: a miss) and one lease id covering the hits."""

@@ -1,4 +1,4 @@
-"""Every `kvpool bench <name>` (listed in `kvpool.cli.bench`): each measures our figure and its
+"""Every `kvpool bench <name>` (listed in `command.py`): each measures our figure and its
 baseline in the same run; `report.py` is the shared shape (alternating repetitions, median,
 spread, JSON last line).
 
@@ -10,5 +10,5 @@ spread, JSON last line).
     engine                    the reference engine's batched decode against batch-1 sequences
     overhead                  a worker with the pool vs without, on a workload with no reuse
     codec                     KV codecs: size, speed and greedy-token agreement
-    gpu_check                 `make gpu-check`: HBM tier conformance and host<->device copies
+    gpu_check                 `make gpu-check`: host<->device copies of the arena, the `cuda` suites
 """

@@ -4,4 +4,5 @@ benches and the tests use it.
     processes  spawn a `kvpool` subcommand, a free loopback port, stop and reap
     local      LocalCluster: pool, router and reference workers on free loopback ports
     vllm       VLLMCluster: the same with real vLLM servers (.venv-vllm) behind the router
+    up         `kvpool up`: one of those clusters, serving until Ctrl-C, or the demo
 """

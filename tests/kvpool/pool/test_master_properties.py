@@ -54,13 +54,6 @@ class MasterMachine(RuleBasedStateMachine):
         except KVPoolError:
             return
 
-    @precondition(lambda self: self.puts)
-    @rule(data=st.data())
-    def put_abort(self, data):
-        key = data.draw(st.sampled_from(sorted(self.puts)))
-        put_id, _ = self.puts.pop(key)
-        self.m.put_abort(key, put_id)
-
     @rule(keys=st.lists(KEYS, max_size=4))
     def lookup(self, keys):
         lease_id, entries = self.m.lookup(keys)

@@ -32,8 +32,8 @@ def fails(*args: str) -> str:
 
 
 def schemas() -> dict[str, list[type[WorkloadFile]]]:
-    from kvpool.cli.chaos import ChaosWorkload
-    from kvpool.cli.sim import PlanWorkload, RunWorkload, StudyWorkload
+    from kvpool.tools.chaos.command import ChaosWorkload
+    from kvpool.tools.sim.command import PlanWorkload, RunWorkload, StudyWorkload
     from kvpool.tools.bench.disagg import DisaggWorkload
     from kvpool.tools.bench.engine import EngineWorkload
     from kvpool.tools.bench.policies import PoliciesWorkload

@@ -15,7 +15,7 @@ import pytest
 
 from kvpool.tools.chaos.campaign import run_campaign
 from kvpool.tools.chaos.procs import etcd_binary
-from kvpool.cli.chaos import summary
+from kvpool.tools.chaos.command import summary
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from kvpool.cli.chaos import summary
+from kvpool.tools.chaos.command import summary
 from kvpool.tools.chaos.campaign import run_campaign
 from kvpool.tools.chaos.faults import NETNS_CONTROL_KINDS, NETNS_NODE_KINDS
 from kvpool.tools.chaos.procs import etcd_binary

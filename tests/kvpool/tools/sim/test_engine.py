@@ -9,14 +9,19 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvpool.router.policy import CacheAware, RoundRobin
-from kvpool.tools.sim import SimConfig, Simulation, simulate
+from kvpool.tools.sim.engine import SimConfig, Simulation
 from kvpool.tools.sim.profile import Profile
+from kvpool.tools.sim.results import summarize
 from kvpool.tools.sim.workload import SimRequest, Workload, load_trace, reuse_upper_bound, synthetic
 
 # A toy profile with round numbers: prefill 1 ms/token + 10 ms, decode 5 ms per sequence per step.
 TOY = Profile("toy", p0=0.01, p_tok=1e-3, p_attn=0.0, d0=0.0, d_seq=0.005, d_kv=0.0, bytes_per_token=100,
               link_bytes_per_s=1e6, dram_read_bytes_per_s=1e9, push_bytes_per_s=1e6, rpc_s=0.001,
               prefill_chunk_tokens=512, max_batch=8)
+
+
+def simulate(workload: Workload, config: SimConfig, slo_ttft_s: float, slo_tbt_s: float) -> dict:
+    return summarize(Simulation(workload, config).run(), slo_ttft_s, slo_tbt_s)
 
 
 def _one(req: SimRequest, **cfg) -> Simulation:

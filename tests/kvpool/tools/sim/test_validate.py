@@ -10,8 +10,9 @@ import pytest
 
 from kvpool.tools.bench.serve_client import poisson_offsets
 from kvpool.errors import InvalidArgument
-from kvpool.tools.sim import Simulation, summarize
+from kvpool.tools.sim.engine import Simulation
 from kvpool.tools.sim.profile import Profile
+from kvpool.tools.sim.results import summarize
 from kvpool.tools.sim.validate import cases, compare
 
 BENCH = Path(__file__).resolve().parents[4] / "benchmarks"
