@@ -5,9 +5,14 @@
     ...
     pool.stop()
 
-The node's handlers consult the in-process master, so a put or a get is one round trip, and the
-master removes bytes through the node object directly (no socket). `admin=True` also serves the
-REST admin API on `settings.pool.admin_port`.
+A put runs the cluster's protocol (`PutStart`, a write under the granted put id, `PutEnd`), all
+answered here in process: over the RPC paths the three ride in one `Put` frame (one round trip),
+which `_on_put` answers with the master's `put_start` and `put_end` (what the `PutStart` and
+`PutEnd` handlers call) around the node's write of a `NodeWrite`. The engine path's put is
+`PutReserve` (PutStart + NodeReserve), the one-sided WRITE, `PutCommit` (NodeCommit + PutEnd):
+three round trips, as before put ids were granted to embedded puts, where the cluster takes five. A get is one round trip (or none on the
+same host), and the master removes bytes through the node object directly (no socket).
+`admin=True` also serves the REST admin API on `settings.pool.admin_port`.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ import logging
 from typing import Any
 
 from kvpool.config import Settings, load_settings
-from kvpool.master.handlers import master_handlers
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.master.handlers import master_handlers, master_inline
 from kvpool.master.service import MasterService
+from kvpool.messages import Err, Placed, Put, PutCommit, PutReserve, Slot, Slots, WriteReply, per_item
 from kvpool.node.store_node import StoreNode
-from kvpool.rpc import RpcServer
+from kvpool.rpc import Payload, RpcServer, ServerConn
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,8 @@ class EmbeddedPool:
         self.master.unix_address = self.rpc.unix_address
         self.node = StoreNode(s, master=self.master, rpc=self.rpc, engine=self.transfer_engine)
         self.rpc.handlers.update(master_handlers(self.master, self.node))
+        self.rpc.handlers.update({Put: self._on_put, PutReserve: self._on_put_reserve, PutCommit: self._on_put_commit})
+        self.rpc.inline.update(master_inline())
         self.master.start()
         try:
             self.node.start()  # adds its handlers to our server
@@ -61,6 +70,113 @@ class EmbeddedPool:
             raise
         log.info("embedded pool serving at %s", self.address)
         return self
+
+    def _on_put(self, msg: Put, payload: Payload, conn: ServerConn) -> WriteReply:
+        """Each key as the cluster puts it, in one round trip: started at the master (as by
+        `PutStart`, under the writer's token), written into the node under the granted put id
+        (as by `NodeWrite`), ended at the master (as by `PutEnd`; nothing landed: aborted)."""
+        node, keys, sizes = self.node, msg.keys, msg.sizes
+        total = 0
+        for size in sizes:  # a loop, not any() + sum(): a single put is the common case
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                total = -1
+                break
+            total += size
+        if len(sizes) != len(keys) or total != payload.length:
+            raise InvalidArgument(f"Put: one positive size per key, adding up to the payload ({payload.length})")
+        writes = node.writes
+        if node.store is None or writes is None:
+            raise Unavailable(f"node {node.node_id} is stopping")
+        replicas, token, checked = msg.replicas or None, msg.token, bool(conn.scope)  # checked: scoped at dispatch
+        if len(keys) == 1:
+            return WriteReply([self._put_one(writes, keys[0], sizes[0], replicas, token, payload, checked)])
+        results, seen = [], set()
+        for key, size in zip(keys, sizes):  # a key twice in one batch is two puts: only the first is the retry
+            results.append(self._put_one(writes, key, size, replicas, 0 if key in seen else token, payload, checked))
+            seen.add(key)
+        return WriteReply(results)
+
+    def _put_one(self, writes: Any, key: str, size: int, replicas: int | None, token: int, payload: Payload,
+                 checked: bool) -> Placed | Err:
+        master, node_id = self.master, self.node.node_id
+        try:
+            plan = master.put_start(key, size, replicas, node_id, token)
+        except KVPoolError as exc:
+            payload.skip(size)
+            return Err(exc.code, str(exc))
+        if plan.exists:
+            payload.skip(size)
+            return Placed(node_id, "", "", -1)  # complete already: nothing written
+        put_id, landed = plan.put_id, None
+        try:
+            if len(plan.targets) != 1 or plan.targets[0].node_id != node_id:  # another node registered here
+                payload.skip(size)
+                raise InvalidArgument(f"put of {key!r} was placed on other nodes; an embedded pool's puts go to "
+                                      "its own node")
+            landed = writes.write(key, size, put_id, payload, checked)
+            master.put_end(key, put_id, [landed])
+            return landed
+        except KVPoolError as exc:
+            if landed is None:
+                self._abort(key, put_id)
+            return Err(exc.code, str(exc))
+        except BaseException:  # the connection broke mid-payload
+            self._abort(key, put_id)
+            raise
+
+    def _on_put_reserve(self, msg: PutReserve, payload: Payload, conn: ServerConn) -> Slots:
+        """The engine path's first round trip: each key started at the master (as by `PutStart`)
+        and reserved in the node under the granted put id (as by `NodeReserve`)."""
+        node = self.node
+        writes, pins = node.writes, node.pins
+        if node.store is None or writes is None or pins is None:
+            raise Unavailable(f"node {node.node_id} is stopping")
+        if msg.unpin:
+            pins.release(msg.unpin, conn)
+        if node.transfer_segment is None:
+            raise Unavailable(f"node {node.node_id} has no transfer engine; write over the pool RPC")
+        master, node_id, replicas, seen = self.master, node.node_id, msg.replicas or None, set()
+
+        def reserve(key: str, size: int) -> Slot:
+            token = 0 if key in seen else msg.token  # a key twice in one batch is two puts
+            seen.add(key)
+            plan = master.put_start(key, size, replicas, node_id, token)
+            if plan.exists:
+                return Slot(0, -1)
+            try:
+                if len(plan.targets) != 1 or plan.targets[0].node_id != node_id:
+                    raise InvalidArgument(f"put of {key!r} was placed on other nodes; an embedded pool's puts go "
+                                          "to its own node")
+                return writes.open(key, size, plan.put_id, conn)
+            except BaseException:
+                self._abort(key, plan.put_id)
+                raise
+
+        return Slots(per_item(reserve, msg.keys, msg.sizes), node.transfer_segment)
+
+    def _on_put_commit(self, msg: PutCommit, payload: Payload, conn: ServerConn) -> WriteReply:
+        """The engine path's last round trip: each reservation committed (as by `NodeCommit`)
+        and its put ended (as by `PutEnd`); a failed or aborted one ends its put with nothing."""
+        writes, master = self.node.writes, self.master
+        if writes is None:
+            raise Unavailable(f"node {self.node.node_id} is stopping")
+
+        def commit(key: str, put_id: int, ok: bool) -> Placed | Err:
+            res = writes.commit(key, put_id, ok, conn)
+            if not isinstance(res, Placed):
+                self._abort(key, put_id)
+                return res
+            master.put_end(key, put_id, [res])
+            return res
+
+        return WriteReply(per_item(commit, msg.keys, msg.put_ids, msg.ok))
+
+    def _abort(self, key: str, put_id: int) -> None:
+        """End a started put with nothing landed (as a `PutEnd` with no replica)."""
+        try:
+            self.master.put_end(key, put_id, [])
+        except KVPoolError:  # "no replica was written": the expected answer
+            pass
 
     def stop(self) -> None:
         if self.admin_handle is not None:

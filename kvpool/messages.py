@@ -79,6 +79,7 @@ class NodeInfo(Msg):
     transfer_segment: Union[bytes, None] = None  # transfer engine SegmentDescriptor.to_bytes()
     index_path: Union[str, None] = None  # the DRAM index same-host readers map (kvpool.shm.index)
     unix: Union[str, None] = None  # the node RPC's unix socket, for same-host clients (kvpool.rpc)
+    host_id: str = ""  # the node's host (`transfer.route.local_host_id`): who is on the same host
 
 
 class Held(Msg):
@@ -137,9 +138,10 @@ class HelloReply(Msg):
     node: Union[NodeInfo, None]  # set when the server is (also) a node
     max_object_bytes: int
     replicas: int  # default replica count
-    hostname: str = ""  # the server's machine: same-host clients may move to `unix`
-    unix: Union[str, None] = None  # the server's unix socket (kvpool.rpc)
+    hostname: str = ""  # the server's machine, for people (same host is `host_id`)
+    unix: Union[str, None] = None  # the server's unix socket (kvpool.rpc), for same-host clients
     scope: str = ""  # how the pool stores this client's keys: "<tenant>\x00" + key ("": unscoped; kvpool.security.authz)
+    host_id: str = ""  # the server's host (`transfer.route.local_host_id`): who is on the same host
 
 
 class PutStart(Msg):
@@ -265,9 +267,9 @@ class NodeUnpin(Msg):
 
 
 class NodeWrite(Msg):
-    """Payload = the values back to back. put_ids[i] == 0: the server's own master plans the
-    put (embedded mode: one round trip). `tickets[i]`: the plan's ticket for this node (a cluster
-    node with a keyring takes no write without one). Reply: `WriteReply`."""
+    """Payload = the values back to back, each written under the put the master granted
+    (`PutStart`; a node refuses put id 0). `tickets[i]`: the plan's ticket for this node (a
+    cluster node with a keyring takes no write without one). Reply: `WriteReply`."""
 
     keys: list[str]
     sizes: list[int]
@@ -277,9 +279,9 @@ class NodeWrite(Msg):
 
 
 class NodeReserve(Msg):
-    """Engine data path, phase 1 at a node: reserve arena space for each object; the writer then
-    moves the bytes with the transfer engine and ends with `NodeCommit`. put_ids[i] == 0: the
-    node's own master plans the put (embedded mode). Reply: `Slots`."""
+    """Engine data path, phase 1 at a node: reserve arena space for each object under its
+    granted put; the writer then moves the bytes with the transfer engine and ends with
+    `NodeCommit`. Reply: `Slots`."""
 
     keys: list[str]
     sizes: list[int]
@@ -316,6 +318,40 @@ class WriteReply(Msg):
     results: list[Union[Placed, Err]]
 
 
+class Put(Msg):
+    """`PutStart`, `NodeWrite` and `PutEnd` in one frame, to a server that is the master and the
+    node at once (embedded, `kvpool.embedded`): it starts the puts at its master, writes the
+    payload (the values back to back) into its node under the granted put ids, and ends them,
+    as the three messages would. Reply: `WriteReply` (an already complete key: a `Placed` with
+    offset -1 and no tier)."""
+
+    keys: list[str]
+    sizes: list[int]
+    replicas: int = 0
+    token: int = 0  # as `PutStart.token`
+
+
+class PutReserve(Msg):
+    """`PutStart` and `NodeReserve` in one frame, to an embedded pool (as `Put`): the engine
+    path's put starts at the master and reserves the node's arena under the granted put ids.
+    Reply: `Slots` (`Slot.put_id`: the granted put; offset -1: complete already, nothing to do)."""
+
+    keys: list[str]
+    sizes: list[int]
+    replicas: int = 0
+    token: int = 0  # as `PutStart.token`
+    unpin: list[int] = []
+
+
+class PutCommit(Msg):
+    """`NodeCommit` and `PutEnd` in one frame, to an embedded pool: ok[i] -> commit the bytes of
+    put_ids[i] and end that put (published); not ok -> abort both. Reply: `WriteReply`."""
+
+    keys: list[str]
+    put_ids: list[int]
+    ok: list[bool]
+
+
 class NodeRemove(Msg):
     """Remove objects, each only if it is still the copy written by `put_ids[i]` (0: any)."""
 
@@ -338,7 +374,8 @@ class NodeStats(Msg):
 
 Request = Union[
     Hello, PutStart, PutEnd, Lookup, Release, Exists, MatchPrefix, Remove, RegisterNode, Heartbeat,
-    Admin, NodeGet, NodePin, NodeUnpin, NodeWrite, NodeRemove, NodeCopy, NodeStats, NodeReserve, NodeCommit,
+    Admin, NodeGet, NodePin, NodeUnpin, NodeWrite, NodeRemove, NodeCopy, NodeStats, NodeReserve, NodeCommit, Put,
+    PutReserve, PutCommit,
 ]
 Reply = Union[
     Ok, Err, Bools, Count, Info, HelloReply, PutPlans, BatchResult, LookupReply, HeartbeatReply,

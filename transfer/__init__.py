@@ -15,11 +15,13 @@ from transfer.errors import (AccessDenied, InvalidOp, LimitReached, PeerUnavaila
                              TransferError, TransferTimeout, TransportUnavailable)
 from transfer.framing import Limits
 from transfer.grant import Grants
+from transfer.route import ROUTES, local_host_id, route, same_host
 from transfer.shm import create_shm_buffer
 
 __all__ = [
     "PREFERENCE",
     "READ",
+    "ROUTES",
     "WRITE",
     "AccessDenied",
     "Batch",
@@ -28,9 +30,12 @@ __all__ = [
     "InvalidOp",
     "LimitReached",
     "Limits",
+    "local_host_id",
     "Op",
     "PeerUnavailable",
     "ProtocolError",
+    "route",
+    "same_host",
     "RdmaEndpoint",
     "SegmentDescriptor",
     "SegmentNotFound",

@@ -5,15 +5,14 @@ master. Invariants:
 - `(engine, name)` names one segment while it is registered; `seg_id` names that one
   registration (never reused by the engine), and `size` never changes.
 - `transports` lists what the owner offers for this segment; "shm" is offered only when the
-  buffer IS a mapping of `shm_path`, and is usable only by a process with the same `host_id`.
+  buffer IS a mapping of `shm_path`, and is usable only by a process on the same host
+  (`host_id`, compared by `transfer.route.same_host`).
 - `rdma` is set only when the owner registered the buffer with an RDMA device.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import socket
 
 import msgspec
 
@@ -60,21 +59,6 @@ class SegmentDescriptor(msgspec.Struct, frozen=True):
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(SegmentDescriptor)
-
-
-@functools.cache
-def local_host_id() -> str:
-    """Identity of this kernel instance: processes with equal ids can share /dev/shm files."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return f"{socket.gethostname()}:{boot}"
-
-
-def same_host(desc: SegmentDescriptor) -> bool:
-    return bool(desc.host_id) and desc.host_id == local_host_id()
 
 
 def pid_alive(pid: int) -> bool:

@@ -2,8 +2,9 @@
 
 The engine owns one TCP data server (the passive side: peers READ/WRITE our segments through
 it, and it carries the RDMA connection set-up) and one instance of each transport it offers.
-For each op it picks the best transport both sides share, in the order of `PREFERENCE`
-(shm when the segment's file is on this host, then rdma, then tcp), unless the caller names one.
+For each op it takes the route `transfer.route.route` decides from the segment's descriptor (its
+host id and transports: shm on the same host, then rdma, then tcp) among the transports usable
+here for that segment, unless the caller names one.
 
 Invariants:
 - the ops of one batch run concurrently, in no particular order: a batch that reads and
@@ -40,17 +41,18 @@ from typing import Any, Sequence
 from transfer.batch import READ, WRITE, Batch, Op
 from transfer import staging
 from transfer.buffers import byte_view, is_cuda_tensor
-from transfer.descriptor import DESCRIPTOR_VERSION, SegmentDescriptor, local_host_id
+from transfer.descriptor import DESCRIPTOR_VERSION, SegmentDescriptor
 from transfer.errors import InvalidOp, SegmentNotFound, TransferError, TransportUnavailable
 from transfer.framing import Limits
 from transfer.grant import Grants
+from transfer.route import ROUTES, local_host_id, route
 from transfer.shm import ShmTransport
 from transfer.tcp import TcpTransport
 from transfer.tcp_server import DataServer
 
 log = logging.getLogger("transfer.engine")
 
-PREFERENCE = ("shm", "rdma", "tcp")
+PREFERENCE = ROUTES  # the order transports are tried in (`transfer.route`)
 KNOWN_TRANSPORTS = frozenset(PREFERENCE)
 
 
@@ -223,10 +225,9 @@ class TransferEngine:
                     f"transport {transport!r} not usable for segment {desc.name!r} of {desc.engine} "
                     f"(we offer {list(self.transports)}, it offers {list(desc.transports)})")
             return transport
-        for name in PREFERENCE:
-            impl = self._transports.get(name)
-            if impl is not None and impl.usable(desc):
-                return name
+        name = route(desc.host_id, desc.transports, [t for t, impl in self._transports.items() if impl.usable(desc)])
+        if name is not None:
+            return name
         raise TransportUnavailable(f"no shared transport with segment {desc.name!r} of {desc.engine} "
                                    f"(we offer {list(self.transports)}, it offers {list(desc.transports)})")
 

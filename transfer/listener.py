@@ -123,17 +123,6 @@ class Listener:
             if t.is_alive():
                 t.join(timeout=5)
 
-    # -- counts ---------------------------------------------------------------------------------
-    @property
-    def pending(self) -> int:
-        """Connections accepted and not yet authenticated."""
-        return len(self._pending)
-
-    @property
-    def established(self) -> int:
-        """Connections counted against `max_connections`."""
-        return len(self._principal_of) if self.handshake else len(self._conns)
-
     def authenticated(self, sock: socket.socket, key: Any = None) -> str | None:
         """`sock` proved who it is (`key`: its principal, None: not capped per principal). Moves it
         from the unauthenticated budget to the authenticated one; returns why it is refused

@@ -19,7 +19,8 @@ import threading
 import time
 
 from transfer.batch import READ, Batch, Op
-from transfer.descriptor import SegmentDescriptor, pid_alive, same_host
+from transfer.descriptor import SegmentDescriptor, pid_alive
+from transfer.route import same_host
 from transfer.errors import InvalidOp, PeerUnavailable, TransferError
 
 log = logging.getLogger("transfer.shm")
@@ -71,7 +72,7 @@ class ShmTransport:
     def usable(self, desc: SegmentDescriptor) -> bool:
         """Offered, on this host, and a file we may open: segments are 0600, so a process of
         another uid on the same host goes over tcp (where the owner's grants are checked)."""
-        if not ("shm" in desc.transports and desc.shm_path and same_host(desc)):
+        if not ("shm" in desc.transports and desc.shm_path and same_host(desc.host_id)):
             return False
         ok = self._openable.get(desc.shm_path)
         if ok is None:

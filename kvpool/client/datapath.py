@@ -1,21 +1,26 @@
-"""How bytes move between this client and a store node: the one place that chooses.
+"""How bytes move between this client and a store node: the client's paths for the routes.
 
 The client asks *where* first (`kvpool.client.where`), then hands each node's share of a call to
-that node's path, chosen by `DataPaths.choose` from what the node offers and `data_path`:
+that node's path. `DataPaths.choose` does not decide the route: `transfer.route.route` does, from
+the node's published host id and what it offers (its arena mapped here: shm; its transfer
+segment with rdma: rdma; its RPC: tcp), and the client maps the answer to a path:
 - `shm` (node on this host, its arena mapped read-only): a read looks each key up in the node's
   shm DRAM index and copies it out of the mapping, validated after the copy: no round trip.
   Index misses (SSD, just changed, no slot) cost one `NodePin` + a copy + an unpin riding on the
   next request (up to 32 KiB, and unpinnable SSD reads, come inline). Writes as `rpc`, over the
   node's unix socket.
-- `rpc` (another host, or `use_shm=False`): one `NodeGet` whose payload is received straight into
-  the caller's buffer; one `NodeWrite` the node receives straight into its arena.
-- `engine` (`data_path="engine"`, or "auto" with rdma at both ends): `kvpool.client.engine_path`.
+- `rpc` (tcp: another host, or `use_shm=False`): one `NodeGet` whose payload is received straight
+  into the caller's buffer; one `NodeWrite` the node receives straight into its arena (to an
+  embedded pool: one `Put`, its master's `PutStart` and `PutEnd` in the same frame).
+- `engine` (rdma, in "auto" mode; any route with `data_path="engine"`, whose engine then takes
+  the route itself per op): `kvpool.client.engine_path`.
 
 Why each stays (kvpool bench pool, 2026-11-29 run on this 2-core machine): `shm` puts same-host
-gets 12-51x ahead of Redis over its unix socket; `rpc` is one round trip where the engine needs
-two (pin, READ) or three (reserve, WRITE, commit), and over TCP the engine path moved 0.25-0.79x
-of `rpc`'s GB/s for gets and 0.23-0.67x for puts (even only for batches of 1 MiB values, 1.09x),
-so "auto" keeps TCP peers on `rpc`; `engine` is the only one-sided path, the one RDMA takes.
+gets 12-51x ahead of Redis over its unix socket (and comes before rdma on the route); `rpc` is
+one round trip where the engine needs two (pin, READ) or three (reserve, WRITE, commit), and
+over TCP the engine path moved 0.25-0.79x of `rpc`'s GB/s for gets and 0.23-0.67x for puts (even
+only for batches of 1 MiB values, 1.09x), so "auto" keeps TCP peers on `rpc`; `engine` is the
+only one-sided path, the one RDMA takes.
 
 A path's `read(work, keys, views, out, tiers=None)` fills out[i] for each (node, indexes) of
 `work` (bytes when `views` is None, else the size copied into views[i], or `TOO_SMALL`; misses
@@ -33,8 +38,9 @@ from typing import Any, Sequence
 from kvpool.client.engine_path import EnginePath
 from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, node_tickets
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable, error_from_code
-from kvpool.messages import Err, NodeGet, NodePin, NodeWrite
+from kvpool.messages import Err, NodeGet, NodePin, NodeWrite, Put
 from kvpool.rpc import RpcClient
+from transfer.route import route
 
 DATA_PATHS = ("auto", "rpc", "engine")
 BATCH_SLURP_MAX = 256 * 1024  # a batch reply up to this size is received in one piece
@@ -90,11 +96,28 @@ class RpcPath:
                 result.update(((conn.address, i), reply) for i in idx)
                 continue
             for i, res in zip(idx, reply.results):
-                if isinstance(res, Err):
-                    result[(conn.address, i)] = error_from_code(res.code, res.message)
-                else:  # the node planned the put itself (embedded) and found it complete: offset -1
-                    result[(conn.address, i)] = EXISTS if res.offset < 0 and not res.tier else res
+                result[(conn.address, i)] = _written(res)
         return result
+
+    def put(self, conn: NodeConn, keys: list[str], views: list[memoryview], replicas: int,
+            token: int) -> list[Any]:
+        """To an embedded pool (the node is the master's own server): `Put`, its master's
+        `PutStart`, the write and `PutEnd` in one round trip. One entry per key: `Placed` (and
+        published) | `EXISTS` | a `KVPoolError`."""
+        msg = Put(keys, [v.nbytes for v in views], replicas, token)
+        try:
+            conn.rpc.send_request(msg, views)
+            reply = conn.rpc.recv_reply()
+        except KVPoolError as exc:
+            return [exc] * len(keys)
+        return [_written(res) for res in reply.results]
+
+
+def _written(res: Any) -> Any:
+    """A write's result as the client keeps it: `Placed`, `EXISTS` or a `KVPoolError`."""
+    if isinstance(res, Err):
+        return error_from_code(res.code, res.message)
+    return EXISTS if res.offset < 0 and not res.tier else res  # already complete: nothing written
 
 
 class ShmPath(RpcPath):
@@ -189,17 +212,19 @@ class DataPaths:
 
     def choose(self, conn: NodeConn) -> RpcPath | EnginePath:
         """The node's path, kept on it (`conn.path`) until what it offers changes."""
-        if self.mode != "rpc" and self._engine_for(conn):
+        desc = None if self.mode == "rpc" else conn.transfer_segment()
+        if desc is not None and self.mode == "engine":
             conn.path = self.engine
-        else:
-            conn.path = self.shm if conn.shm else self.rpc
+            return conn.path
+        offers = ["tcp"]
+        if conn.shm:
+            offers.append("shm")
+        if desc is not None and "rdma" in desc.transports:
+            offers.append("rdma")
+        ours = ("shm", "tcp", "rdma") if "rdma" in offers and self.engine.has_rdma() else ("shm", "tcp")
+        way = route(conn.host_id, offers, ours)
+        conn.path = self.shm if way == "shm" else self.engine if way == "rdma" else self.rpc
         return conn.path
-
-    def _engine_for(self, conn: NodeConn) -> bool:
-        desc = conn.transfer_segment()
-        if desc is None:
-            return False
-        return self.mode == "engine" or ("rdma" in desc.transports and self.engine.has_rdma())
 
     def close(self) -> None:
         self.engine.close()

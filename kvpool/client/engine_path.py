@@ -1,7 +1,8 @@
 """The `engine` data path (chosen by `kvpool.client.datapath`): bytes move one-sided between the
 caller's buffers and the nodes' arena segments through a `transfer.TransferEngine`; the node RPC
 carries only control messages. For all nodes of a call at once: write = `NodeReserve`, one
-engine batch of WRITEs, `NodeCommit`; read = `NodePin(inline=False)`, one batch of READs, the
+engine batch of WRITEs, `NodeCommit` (to an embedded pool `PutReserve` and `PutCommit`, which
+also start and end the puts at its master); read = `NodePin(inline=False)`, one batch of READs, the
 pin released with the next request (a pinned object is never freed, so a read never returns
 another object's bytes). A failed node or transfer is reported to the caller (another replica,
 or that replica fails); the node aborts a reservation whose writer's connection closed or whose
@@ -19,7 +20,7 @@ from typing import Any, Sequence
 
 from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, node_tickets
 from kvpool.errors import KVPoolError, Unavailable, error_from_code
-from kvpool.messages import Err, NodeCommit, NodePin, NodeReserve, Placed, Slot
+from kvpool.messages import Err, NodeCommit, NodePin, NodeReserve, Placed, PutCommit, PutReserve, Slot
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +170,12 @@ class EnginePath:
 
     def write(self, work: Sequence[tuple[NodeConn, list[int]]], keys: Sequence[str], put_ids: Sequence[int],
               views: Sequence[memoryview], replicas: int = 0,
-              tickets: Sequence[dict[str, bytes] | None] | None = None) -> dict[tuple[str, int], Any]:
-        """Write views[i] to each (node, indexes); put_ids[i] == 0: the node plans the put
-        (embedded); tickets[i]: the master's put tickets of key i by node address (or None).
+              tickets: Sequence[dict[str, bytes] | None] | None = None,
+              token: int | None = None) -> dict[tuple[str, int], Any]:
+        """Write views[i] to each (node, indexes) under put put_ids[i]; tickets[i]: the master's
+        put tickets of key i by node address (or None). `token` (an embedded pool, whose server
+        is the master: no put started yet): `PutReserve` / `PutCommit` start and end the puts
+        with the reservation and the commit instead (`kvpool.embedded`).
         Returns {(address, i): Placed | EXISTS | a KVPoolError}."""
         from transfer import WRITE, Op
 
@@ -180,9 +184,14 @@ class EnginePath:
         reserved = []
         ops: list[Op] = []
         owners: list[tuple[int, int]] = []  # op -> (reserved entry, position)
-        for conn, idx, slots in fan_out(work, lambda conn, idx: (
-                NodeReserve([keys[i] for i in idx], [views[i].nbytes for i in idx], [put_ids[i] for i in idx],
-                            replicas, conn.take_unpins(), node_tickets(tickets, conn, idx)), ())):
+        def reserve(conn: NodeConn, idx: list[int]) -> tuple[NodeReserve | PutReserve, tuple]:
+            sizes = [views[i].nbytes for i in idx]
+            if token is not None:
+                return PutReserve([keys[i] for i in idx], sizes, replicas, token, conn.take_unpins()), ()
+            return NodeReserve([keys[i] for i in idx], sizes, [put_ids[i] for i in idx], replicas, conn.take_unpins(),
+                               node_tickets(tickets, conn, idx)), ()
+
+        for conn, idx, slots in fan_out(work, reserve):
             if isinstance(slots, KVPoolError):
                 result.update(((conn.address, i), slots) for i in idx)
                 continue
@@ -206,9 +215,10 @@ class EnginePath:
                 conn, idx = reserved[r][0], reserved[r][1]
                 result[(conn.address, idx[pos])] = Unavailable(f"transfer to {conn.address} failed: {failures[j]}")
 
-        def commit(conn: NodeConn, ctx: tuple) -> tuple[NodeCommit, tuple]:
+        def commit(conn: NodeConn, ctx: tuple) -> tuple[NodeCommit | PutCommit, tuple]:
             idx, todo, slots, ok = ctx
-            return NodeCommit([keys[idx[p]] for p in todo], [slots[p].put_id for p in todo], [ok[p] for p in todo]), ()
+            end = NodeCommit if token is None else PutCommit
+            return end([keys[idx[p]] for p in todo], [slots[p].put_id for p in todo], [ok[p] for p in todo]), ()
 
         to_commit = [(conn, (idx, todo, slots, ok)) for conn, idx, slots, ok in reserved
                      if (todo := [p for p, s in enumerate(slots) if isinstance(s, Slot) and s.offset >= 0])]

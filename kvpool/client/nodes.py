@@ -1,5 +1,6 @@
-"""A client's connection to one store node: its RPC connection and, on the same host, its
-arena and DRAM index mapped read-only (`kvpool.shm.index`).
+"""A client's connection to one store node: its RPC connection and, on the same host (the
+node's published host id, `transfer.route.same_host`), its arena and DRAM index mapped
+read-only (`kvpool.shm.index`) and its RPC over its unix socket.
 
 What the connection keeps between calls: pins to release (`unpin_later`: they ride on the next
 request to that node, or a one-way `NodeUnpin` from `flush`, so an unpin costs no round trip),
@@ -15,20 +16,19 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import socket
 from typing import Any, Callable, Sequence
 
 from kvpool.security.keyring import Credential
 from kvpool.config import Settings, current_settings
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import NodePin, NodeStats, NodeUnpin
-from kvpool.rpc import RpcClient, parse_address
+from kvpool.rpc import RpcClient
 from kvpool.shm import index as shm_index
 from kvpool.shm.arena import populate
+from transfer.route import same_host
 
 log = logging.getLogger(__name__)
 
-_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MAX_PENDING_UNPINS = 256
 MAX_PENDING_TOUCHES = 64  # index reads reported to the node per one-way message
 POPULATE_MAX = 16 << 30  # map a node's arena into our page tables up front up to this size
@@ -46,12 +46,14 @@ def node_tickets(tickets: Sequence[dict[str, bytes] | None] | None, conn: "NodeC
 
 class NodeConn:
     def __init__(self, address: str, rpc: RpcClient | None = None, *, timeout: float = 10.0, use_shm: bool = True,
-                 shm_path: str | None = None, hostname: str | None = None, arena_size: int | None = None,
+                 shm_path: str | None = None, host_id: str = "", arena_size: int | None = None,
                  segment: bytes | None = None, index_path: str | None = None, settings: Settings | None = None,
                  credential: Credential | None = None, scope: str = ""):
         """`scope`: the prefix the pool stores our keys under (a tenant's), for reads from the shm
-        index; the node scopes the keys of our requests itself."""
+        index; the node scopes the keys of our requests itself. `host_id`: the node's host, as
+        it published it (learned from `NodeStats` when `shm_path` is not given)."""
         self.address = address
+        self.host_id = host_id
         self.scope = scope
         self.rpc = rpc or RpcClient(address, timeout=timeout, settings=settings, credential=credential)
         self.unpins: list[int] = []
@@ -66,12 +68,12 @@ class NodeConn:
         if use_shm:
             if shm_path is None:
                 info = self.rpc.call(NodeStats()).doc
-                shm_path, hostname, arena_size = info.get("shm_path"), info.get("hostname"), info.get("arena_size")
-                index_path = info.get("index_path")
+                shm_path, arena_size = info.get("shm_path"), info.get("arena_size")
+                self.host_id, index_path = info.get("host_id") or "", info.get("index_path")
                 self.remember_segment(info.get("transfer_segment"))
-                if hostname == socket.gethostname():
-                    self.rpc.use_unix(info.get("unix"))  # same host: the node's unix socket
-            self._map(shm_path, hostname, arena_size)
+                if same_host(self.host_id):
+                    self.rpc.use_unix(info.get("unix"))  # the node's unix socket
+            self._map(shm_path, arena_size)
             use_index = shm_index.supported() and (settings or current_settings()).rpc.shm_index
             if self.arena is not None and index_path and use_index:
                 try:
@@ -98,15 +100,13 @@ class NodeConn:
             log.warning("node %s published an unreadable transfer segment (%s); using its RPC", self.address, exc)
             self._segment = None
 
-    def _map(self, shm_path: str | None, hostname: str | None, size: int | None) -> None:
-        host, _ = parse_address(self.address)
-        same_host = hostname == socket.gethostname() and (host in _LOOPBACK or host == socket.gethostbyname(hostname))
-        if not (same_host and shm_path and size):
+    def _map(self, shm_path: str | None, size: int | None) -> None:
+        if not (shm_path and size and same_host(self.host_id)):
             return
         try:
             fd = os.open(shm_path, os.O_RDONLY)
         except OSError:
-            return  # another host with the same name, or the node moved: TCP it is
+            return  # not ours to read (another uid), or the node moved: TCP it is
         try:
             if os.fstat(fd).st_size != size:
                 return
@@ -120,6 +120,7 @@ class NodeConn:
 
     @property
     def shm(self) -> bool:
+        """Whether the node's arena is mapped here (so it is on this host)."""
         return self.arena is not None
 
     def take_unpins(self) -> list[int]:

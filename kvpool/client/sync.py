@@ -4,12 +4,14 @@ Every read and write goes the same way: ask *where* (`kvpool.client.where`: the 
 an embedded pool a local answer), group the keys by node, and hand each node's share to that
 node's data path (`kvpool.client.datapath`: shm copy, node RPC, or the transfer engine).
 
-Round trips, embedded pool: a get 0 on the same host when the node's shm index has the key,
-else 1 (`NodePin` + copy, or `NodeGet` from another host); a put 1 (`NodeWrite`, put id 0).
-Cluster mode: a get is `Lookup` at the master (replicas + a lease; the previous leases are
-released on the same message) then one read from a node (the next replica if that node is
-gone); a put is `PutStart`, one write per replica node (all sent before any reply is awaited),
-`PutEnd`. Batch forms cost one master round trip for all keys plus one per node.
+Round trips, embedded pool: a get 0 on the same host when the node's shm index has the key, else
+1 (`NodePin` + copy, or `NodeGet` from another host); a put 1 (`Put`: the cluster's `PutStart`,
+write and `PutEnd` in one frame, answered in the pool's process); on the engine path a put is
+the cluster's, message by message. Cluster mode: a get is `Lookup` at the master (replicas + a
+lease; the previous leases are released on the same message) then one read from a node (the next
+replica if that node is gone); a put is `PutStart`, one write per replica node (all sent before
+any reply is awaited), `PutEnd`. Batch forms cost one master round trip for all keys plus one
+per node.
 
 Misses: `get` returns None, `get_into` raises `KeyNotFound`. Errors are `kvpool.errors` types.
 Master failover (address `etcd://...`): calls that fail with `Unavailable` / `NotLeader` find
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import socket
 import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
@@ -38,6 +39,7 @@ from kvpool.messages import PROTOCOL_VERSION, Admin, Exists, Hello, MatchPrefix,
 from kvpool.rpc import RpcClient
 from kvpool.rpc.client import credential_from
 from kvpool.shm.views import readable_view, writable_view
+from transfer.route import same_host
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,8 +105,8 @@ class Client:
         except BaseException:
             rpc.close()
             raise
-        if self.use_shm and hello.hostname == socket.gethostname():
-            rpc.use_unix(hello.unix)  # same host: the server's unix socket (falls back to TCP)
+        if self.use_shm and same_host(hello.host_id):
+            rpc.use_unix(hello.unix)  # the server's unix socket (falls back to TCP)
         self.embedded = "node" in hello.roles and hello.node is not None
         self.max_object_bytes = hello.max_object_bytes
         self.scope = hello.scope
@@ -113,7 +115,7 @@ class Client:
             n = hello.node
             self._drop_node(n.address)
             self._nodes[n.address] = NodeConn(n.address, rpc, use_shm=self.use_shm, shm_path=n.shm_path,
-                                              hostname=n.hostname, arena_size=n.capacity.get("dram"),
+                                              host_id=n.host_id, arena_size=n.capacity.get("dram"),
                                               segment=n.transfer_segment, index_path=n.index_path,
                                               scope=self.scope)
             self._where = EmbeddedWhere(n.address, hello.max_object_bytes)
@@ -382,8 +384,14 @@ class Client:
 
     def _write_once(self, master: RpcClient, keys: list[str], views: list[memoryview],
                     want: int, token: int) -> list[Exception | None]:
-        """Plan, write every replica (all nodes' requests in flight together), publish."""
-        plans = self._where.plan(master, keys, [v.nbytes for v in views], want, token)
+        """Plan (`PutStart`), write every replica (all nodes' requests in flight together),
+        publish (`PutEnd`); to an embedded pool over its RPC, the three in one `Put`."""
+        if self.embedded:
+            done = self._put_here(master, keys, views, want, token)
+            if done is not None:
+                return done
+        where = self._cluster
+        plans = where.plan(master, keys, [v.nbytes for v in views], want, token)
         errors: list[Exception | None] = [p.error for p in plans]
         written: list[list[Placed]] = [[] for _ in keys]
         groups = self._by_path([(i, address) for i, p in enumerate(plans) if p.to_write for address in p.targets])
@@ -402,7 +410,33 @@ class Client:
                 errors[i] = errors[i] or res
             elif res is not EXISTS:
                 errors[i] = errors[i] or res
-        return self._where.publish(master, keys, plans, written, errors)
+        return where.publish(master, keys, plans, written, errors)
+
+    def _put_here(self, master: RpcClient, keys: list[str], views: list[memoryview], want: int,
+                  token: int) -> list[Exception | None] | None:
+        """An embedded pool's put: one `Put` (the cluster's three steps in one frame), or on the
+        engine path `PutReserve`, the WRITE, `PutCommit`; None when this is no embedded pool."""
+        conn = self._nodes.get(master.address)
+        if conn is None or conn.rpc is not master or not isinstance(self._where, EmbeddedWhere):
+            return None
+        path = conn.path or self._paths.choose(conn)
+        errors = self._where.too_large([v.nbytes for v in views])
+        todo = [i for i, err in enumerate(errors) if err is None]
+        if len(todo) < len(keys):
+            keys, views = [keys[i] for i in todo], [views[i] for i in todo]
+        if not todo:
+            return errors
+        if path is self._paths.engine:
+            done = path.write([(conn, list(range(len(keys))))], keys, [0] * len(keys), views, want, None, token)
+            results = [done.get((conn.address, j), Unavailable("no answer")) for j in range(len(keys))]
+        else:
+            results = path.put(conn, keys, views, want, token)
+        for i, res in zip(todo, results):
+            if isinstance(res, Unavailable):
+                self._node_gone(master.address, res)  # the master's own server: raises, so the put is retried
+            if isinstance(res, KVPoolError):
+                errors[i] = res
+        return errors
 
     def remove(self, key: str) -> bool:
         check_key(key)

@@ -3,7 +3,9 @@
 - `MasterWhere`: `Lookup` gives each key's replicas and a lease over the hits (released with the
   next lookup), `PutStart` places a put, `PutEnd` publishes the replicas that landed.
 - `EmbeddedWhere` (master and its only node share one server): every key is at that node, which
-  checks visibility and plans and publishes puts itself (put id 0): a local answer, no round trip.
+  checks visibility itself: a local answer, no round trip. Puts take the master's protocol all
+  the same (`MasterWhere.plan` / `publish`, answered by that server; over the RPC paths both ride
+  with the write in one `Put` frame, `kvpool.embedded`).
 """
 
 from __future__ import annotations
@@ -40,17 +42,12 @@ class EmbeddedWhere:
     def find(self, master: RpcClient, keys: Sequence[str]) -> list[list[str]]:
         return [self._here] * len(keys)
 
-    def plan(self, master: RpcClient, keys: Sequence[str], sizes: Sequence[int], replicas: int,
-             token: int = 0) -> list[Plan]:
-        # The bytes travel in the first message: refuse a hopeless put before sending it.
+    def too_large(self, sizes: Sequence[int]) -> list[Exception | None]:
+        """Per value: the error of one larger than the pool's largest object, else None. The bytes
+        travel in the first message (`Put`): a hopeless put is refused before sending them."""
         limit = self.max_object_bytes
-        return [Plan(error=ObjectTooLarge(f"value of {n} bytes is larger than the pool's largest object "
-                                          f"({limit} bytes)")) if limit and n > limit else Plan(0, self._here)
-                for n in sizes]
-
-    def publish(self, master: RpcClient, keys: Sequence[str], plans: Sequence[Plan], written: list[list[Placed]],
-                errors: list[Exception | None]) -> list[Exception | None]:
-        return errors  # the node published what it wrote
+        return [ObjectTooLarge(f"value of {n} bytes is larger than the pool's largest object ({limit} bytes)")
+                if limit and n > limit else None for n in sizes]
 
 
 class MasterWhere:

@@ -38,6 +38,7 @@ from kvpool.rpc import Payload, RpcServer, ServerConn
 from kvpool.rpc.client import node_credential
 from kvpool.security.keyring import ticket_key
 from kvpool.security.tickets import Tickets
+from transfer.route import local_host_id
 
 log = logging.getLogger("kvpool.node")
 
@@ -209,7 +210,7 @@ class StoreNode:
         return NodeInfo(node_id=self.node_id, address=self.rpc.address, hostname=socket.gethostname(),
                         segments=[self.segment], shm_path=self.store.arena.path, capacity=capacity,
                         transfer_segment=self.transfer_segment, index_path=self._index_path(),
-                        unix=self.rpc.unix_address)
+                        unix=self.rpc.unix_address, host_id=local_host_id())
 
     def _index_path(self) -> str | None:
         index = getattr(getattr(self.store, "dram", None), "index", None)
@@ -362,8 +363,7 @@ class StoreNode:
             raise InvalidArgument(f"NodeWrite: sizes must be positive and add up to the payload ({payload.length})")
         write, checked = self.writes.write, bool(conn.scope)  # a tenant's keys were validated at dispatch
         tickets = msg.tickets or [b""] * len(msg.keys)
-        return WriteReply(per_item(lambda key, size, put_id, ticket: write(key, size, put_id, msg.replicas, payload,
-                                                                           checked, ticket),
+        return WriteReply(per_item(lambda key, size, put_id, ticket: write(key, size, put_id, payload, checked, ticket),
                                    msg.keys, msg.sizes, msg.put_ids, tickets))
 
     def _on_reserve(self, msg: NodeReserve, payload: Payload, conn: ServerConn) -> Slots:
@@ -372,8 +372,7 @@ class StoreNode:
         if self.transfer_segment is None:
             raise Unavailable(f"node {self.node_id} has no transfer engine; write over the pool RPC")
         tickets = msg.tickets or [b""] * len(msg.keys)
-        return Slots(per_item(lambda key, size, put_id, ticket: self.writes.open(key, size, put_id, msg.replicas, conn,
-                                                                                 ticket),
+        return Slots(per_item(lambda key, size, put_id, ticket: self.writes.open(key, size, put_id, conn, ticket),
                               msg.keys, msg.sizes, msg.put_ids, tickets), self.transfer_segment)
 
     def _on_commit(self, msg: NodeCommit, payload: Payload, conn: ServerConn) -> WriteReply:
@@ -395,7 +394,7 @@ class StoreNode:
         arena = self.store.arena
         doc = {"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
                "shm_path": arena.path, "arena_size": arena.size, "transfer_segment": self.transfer_segment,
-               "index_path": self._index_path(), "unix": self.rpc.unix_address}
+               "index_path": self._index_path(), "unix": self.rpc.unix_address, "host_id": local_host_id()}
         if conn is None or not conn.scope:  # a tenant learns how to reach the node, not the pool's traffic
             doc.update(self.store.stats())
         return Info(doc)

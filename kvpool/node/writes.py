@@ -3,10 +3,10 @@
 Every write reserves arena space (`TieredStore.reserve`), fills it, then commits it: a reserved
 object is invisible, so readers never see a half-written one. The bytes arrive in a `NodeWrite`
 payload (`write`), from another node's `NodeGet` reply (`copy`, the master's drain), or one-sided
-through `transfer` between `NodeReserve` and `NodeCommit` (`open`, `commit`). Put id 0 with a
-master in this process (embedded) means the node plans and publishes the put itself. Each copy
-remembers the put that wrote it (`put_id_of`) and a removal names the put it means, so a late
-removal never deletes a newer object.
+through `transfer` between `NodeReserve` and `NodeCommit` (`open`, `commit`). A client's write
+is always under a put the master granted (`PutStart`; embedded mode too, `kvpool.embedded`):
+put id 0 is refused. Each copy remembers the put that wrote it (`put_id_of`) and a removal
+names the put it means, so a late removal never deletes a newer object.
 
 Invariant: an open reservation lives in `_open` until exactly one of commit, abort, a removal
 naming its put, the close of its writer's connection, or its deadline (`put_timeout_s`); whoever
@@ -54,7 +54,6 @@ class _Open:
     put_id: int
     offset: int
     deadline: float
-    local: bool  # planned by the in-process master: publish / abort there too
     conn: object = None
     grant: bytes = b""  # the WRITE grant handed out with it (revoked when it ends)
 
@@ -138,27 +137,18 @@ class Writes:
 
     # ------------------------------------------------------------------ plan, reserve, publish
 
-    def plan(self, key: str, size: int, put_id: int, replicas: int, ticket: bytes = b"") -> tuple[int, bool] | None:
-        """(put id, local) of a write of `key` to this node; None when the object already exists.
+    def plan(self, key: str, size: int, put_id: int, ticket: bytes = b"") -> None:
+        """Check that a write of `key` under `put_id` is one the master expects on this node.
 
-        put_id 0 is a one-round-trip put: planned here at the in-process master, which must place
-        it on this node alone (local: the caller publishes or aborts it there). Any other put id
-        must be a put the master expects on this node: the in-process master is asked; a node
-        whose master is elsewhere checks the master's `ticket` (with a keyring: `tickets`), used
-        once, and refuses (`Forbidden`) a write without a valid one, so no write lands here that
-        the master did not admit under its tenant's pool-wide quota."""
+        Put id 0 names no put: refused (`InvalidArgument`), embedded mode too, whose client
+        starts and ends its puts at the master like any other (`kvpool.embedded`). A node whose
+        master is in this process asks it; a node whose master is elsewhere checks the master's
+        `ticket` (with a keyring: `tickets`), used once, and refuses (`Forbidden`) a write
+        without a valid one, so no write lands here that the master did not admit under its
+        tenant's pool-wide quota."""
         master = self.master
         if put_id == 0:
-            if master is None:
-                raise InvalidArgument("this node has no master in process; start the put at the master")
-            plan = master.put_start(key, size, replicas or None, writer_node=self.node_id)
-            if plan.exists:
-                return None
-            targets = plan.targets
-            if len(targets) != 1 or targets[0].node_id != self.node_id:
-                master.put_abort(key, plan.put_id)
-                raise InvalidArgument("a one-round-trip put needs a single-node plan; use put_start")
-            return plan.put_id, True
+            raise InvalidArgument(f"write of {key!r} under no put (put id 0): start the put at the master first")
         if master is not None:
             if not master.expects_write(key, put_id, self.node_id):
                 raise InvalidArgument(f"no pending put {put_id} of {key!r} on this node")
@@ -171,7 +161,6 @@ class Writes:
                 raise Forbidden(f"write of {key!r} under put {put_id} refused: {why}")
         if self.stale(put_id):
             raise Unavailable(f"put {put_id} of {key!r} was reclaimed by the master; start the put again")
-        return put_id, False
 
     def reserve(self, key: str, size: int, put_id: int):
         if self.store.contains(key) and self._put_ids.get(key) != put_id:
@@ -179,12 +168,12 @@ class Writes:
             self.store.remove(key)
         return self.store.reserve(key, size)
 
-    def publish(self, key: str, put_id: int, offset: int, local: bool, copy: bool = False) -> Placed:
-        """Make the filled reservation of `key` visible (and, for a local put, end it at the master).
-        A client's write (not a drain `copy`, which the master tracks itself) whose put the master
-        gave up on meanwhile is refused: it would be a copy nobody knows of."""
+    def publish(self, key: str, put_id: int, offset: int, copy: bool = False) -> Placed:
+        """Make the filled reservation of `key` visible (the writer's `PutEnd` publishes it at the
+        master). A client's write (not a drain `copy`, which the master tracks itself) whose put
+        the master gave up on meanwhile is refused: it would be a copy nobody knows of."""
         with self._lock:
-            if not (local or copy) and (put_id <= self.mark or put_id in self._aborted):
+            if not copy and (put_id <= self.mark or put_id in self._aborted):
                 stale = True
             else:
                 stale = False
@@ -193,32 +182,22 @@ class Writes:
             self.store.abort(key)
             raise Unavailable(f"put {put_id} of {key!r} was reclaimed by the master; start the put again")
         self.store.commit(key)
-        placed = Placed(self.node_id, "dram", self.segment, offset)
-        if local:
-            self.master.put_end(key, put_id, [placed])  # raises if reclaimed meanwhile
-        return placed
+        return Placed(self.node_id, "dram", self.segment, offset)
 
     # ------------------------------------------------------------------ bytes in the request / from a peer
 
-    def write(self, key: str, size: int, put_id: int, replicas: int, payload: Payload, checked: bool = False,
+    def write(self, key: str, size: int, put_id: int, payload: Payload, checked: bool = False,
               ticket: bytes = b"") -> Placed:
         """One object of a `NodeWrite`: its `size` bytes are next in `payload`. `checked`: the
         key was validated already (a tenant's, scoped at dispatch by `kvpool.security.authz`);
         `ticket`: the master's put ticket for this node (`plan`)."""
-        local = False
         try:
             if not checked:
                 check_key(key)
-            planned = self.plan(key, size, put_id, replicas, ticket)
-            if planned is None:
-                payload.skip(size)
-                return Placed(self.node_id, "", "", -1)
-            put_id, local = planned
+            self.plan(key, size, put_id, ticket)
             res = self.reserve(key, size, put_id)
         except BaseException:
             payload.skip(size)
-            if local:
-                self.master.put_abort(key, put_id)
             raise
         token = id(payload)
         # No lock: one dict store / pop is atomic under the GIL, and `expire` snapshots the dict in one C call.
@@ -227,12 +206,10 @@ class Writes:
             payload.read_into(self.store.arena.buffer[res.offset:res.offset + size])
         except BaseException:
             self.store.abort(key)  # a half-written object is never visible
-            if local:
-                self.master.put_abort(key, put_id)
             raise
         finally:
             self._filling.pop(token, None)
-        return self.publish(key, put_id, res.offset, local)
+        return self.publish(key, put_id, res.offset)
 
     def copy(self, keys: list[str], put_ids: list[int], source: str) -> list[Placed | Err]:
         """Pull `keys` from the node at `source` (one `NodeGet`) into this one."""
@@ -255,32 +232,23 @@ class Writes:
                 except BaseException:
                     self.store.abort(key)
                     raise
-                results.append(self.publish(key, put_id, res.offset, local=False, copy=True))
+                results.append(self.publish(key, put_id, res.offset, copy=True))
             return results
         finally:
             peer.close()
 
     # ------------------------------------------------------------------ the writer moves the bytes (transfer engine)
 
-    def open(self, key: str, size: int, put_id: int, replicas: int, conn: Any, ticket: bytes = b"") -> Slot:
-        """Reserve `key` for a writer that fills it through the transfer engine; `Slot(0, -1)`
-        when it already exists. `ticket`: as `write`."""
+    def open(self, key: str, size: int, put_id: int, conn: Any, ticket: bytes = b"") -> Slot:
+        """Reserve `key` for a writer that fills it through the transfer engine. `ticket`: as `write`."""
         check_key(key)
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise InvalidArgument(f"NodeReserve: size must be a positive integer, got {size!r}")
-        planned = self.plan(key, size, put_id, replicas, ticket)
-        if planned is None:
-            return Slot(0, -1)
-        put_id, local = planned
-        try:
-            res = self.reserve(key, size, put_id)
-        except BaseException:
-            if local:
-                self.master.put_abort(key, put_id)
-            raise
+        self.plan(key, size, put_id, ticket)
+        res = self.reserve(key, size, put_id)
         grant = b"" if self.sign is None else self.sign(WRITE, res.offset, size, self.put_timeout_s, _principal(conn))
         with self._lock:
-            self._open[key] = _Open(put_id, res.offset, time.monotonic() + self.put_timeout_s, local, conn, grant)
+            self._open[key] = _Open(put_id, res.offset, time.monotonic() + self.put_timeout_s, conn, grant)
         if conn is not None:
             conn.state.setdefault("writing", set()).add((key, put_id))
         return Slot(put_id, res.offset, grant)
@@ -297,7 +265,7 @@ class Writes:
             self._abort(key, write)
             return Err(Unavailable.code, f"put {put_id} of {key!r} aborted by its writer")
         try:
-            return self.publish(key, write.put_id, write.offset, write.local)
+            return self.publish(key, write.put_id, write.offset)
         except KVPoolError as exc:
             return Err(exc.code, str(exc))
 
@@ -316,8 +284,6 @@ class Writes:
             self.store.abort(key)
         except KVPoolError:
             log.debug("abort of %r: no reservation", key)
-        if write.local and self.master is not None:
-            self.master.put_abort(key, write.put_id)
 
     def abort(self, key: str, put_id: int) -> bool:
         """Abort the open reservation of put `put_id` of `key`, if there is one."""

@@ -111,11 +111,14 @@ def test_auto_uses_rpc_without_rdma_and_engine_over_rdma():
     node_eng = TransferEngine(transports=("tcp", "rdma"), rdma_device=fv.FakeDevice(fabric, "fake-node")).start()
     client_eng = TransferEngine(transports=("tcp", "rdma"), rdma_device=fv.FakeDevice(fabric, "fake-client")).start()
     try:
+        # use_shm=False: a client as on another host (on this one, shm comes before rdma: transfer.route)
         with EmbeddedPool(settings(), transfer_engine=node_eng) as pool, \
-                kvpool.connect(pool.address, transfer_engine=client_eng) as c, \
-                kvpool.connect(pool.address, use_shm=False) as plain:
+                kvpool.connect(pool.address, transfer_engine=client_eng, use_shm=False) as c, \
+                kvpool.connect(pool.address, use_shm=False) as plain, \
+                kvpool.connect(pool.address, transfer_engine=client_eng) as local:
             assert c.data_paths() == {pool.address: "engine"}  # auto: both ends have rdma
             assert plain.data_paths() == {pool.address: "rpc"}  # auto: no rdma device in this client
+            assert local.data_paths() == {pool.address: "shm"}  # same host: shm before rdma
             values = {f"rd{i}": os.urandom(1000 + 70_000 * i) for i in range(8)}
             assert c.put_batch(list(values.items())) == [None] * 8
             posted = sum(fabric.posts.values())
@@ -217,7 +220,8 @@ def test_rdma_across_nodes_with_replicas_one_batch_for_every_node():
                        engine=engines[i]).start() for i in range(2)]
     try:
         assert wait_for(lambda: len(master.service.admin.nodes()) == 2)
-        with kvpool.connect(master.address, replicas=2, transfer_engine=engines[2]) as c:
+        with kvpool.connect(master.address, replicas=2, transfer_engine=engines[2],
+                            use_shm=False) as c:  # as from another host
             values = {f"rr{i}": os.urandom(50_000 + 1000 * i) for i in range(10)}
             assert c.put_batch(list(values.items())) == [None] * 10
             assert set(c.data_paths().values()) == {"engine"} and len(c.data_paths()) == 2
