@@ -164,8 +164,8 @@ class RpcSection(Section):
     # nobody spins while some task waited for a CPU more than this % of the last 10 s (Linux PSI; 100: no check)
     spin_max_cpu_pressure: float = Field(10.0, ge=0, le=100)
     rpc_unix: bool = True  # same-host clients move to the server's abstract unix socket (Linux)
-    # a node serves its connections from one epoll loop thread, answering gets there (kvpool.rpc.loop);
-    # False: a thread per connection
+    # a node or master serves its connections from one epoll loop thread, answering gets and lookups
+    # there (kvpool.rpc.loop); False: a thread per connection
     rpc_loop: bool = True
     shm_index: bool = True  # same-host readers read a node's DRAM through its seqlock index (x86-64)
     rdma_device: str | None = None  # the RDMA device to open (default: the first)

@@ -18,10 +18,19 @@ from kvpool.messages import (PROTOCOL_VERSION, Admin, BatchResult, Bools, Count,
                              PutPlans, PutStart, RegisterNode, Release, Remove, per_item)
 from kvpool.contract import check_key
 from kvpool.security.authz import unscope
+from transfer.route import local_host_id
 
 # Read-only on purpose: the RPC port has no token; changes go through the REST admin API.
 _ADMIN_METHODS = {"nodes", "node", "stats", "key_info", "keys", "config"}
 _TENANT_METHODS = {"key_info", "keys"}  # scoped to the tenant's own keys
+
+
+def master_inline() -> dict[type, Any]:
+    """The requests an RPC server may answer on its loop thread (`kvpool.rpc.loop`): reads of
+    the tables (a lookup, its release) that hold the master's lock only briefly, and that lock
+    never waits on the network (`kvpool.master.state`). The rest may (a put's room-making, a
+    node's registration) and keeps a thread of its connection's own."""
+    return dict.fromkeys((Lookup, Release, Exists, MatchPrefix))
 
 
 def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
@@ -31,7 +40,8 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
         return HelloReply(version=PROTOCOL_VERSION, roles=["master", "node"] if node is not None else ["master"],
                           leader=service.leader, node=node.info() if node is not None else None,
                           max_object_bytes=service.max_object_bytes(), replicas=service.replicas,
-                          hostname=socket.gethostname(), unix=service.unix_address, scope=conn.scope)
+                          hostname=socket.gethostname(), unix=service.unix_address, scope=conn.scope,
+                          host_id=local_host_id())
 
     def put_start(msg: PutStart, payload, conn) -> PutPlans:
         replicas, writer, token = msg.replicas or None, msg.writer_node, msg.token

@@ -14,7 +14,7 @@ import threading
 
 from kvpool.config import Settings
 from kvpool.errors import KVPoolError
-from kvpool.master.handlers import master_handlers
+from kvpool.master.handlers import master_handlers, master_inline
 from kvpool.master.service import MasterService
 from kvpool.rpc import RpcServer
 
@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 class MasterServer:
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.rpc = RpcServer({}, settings.pool.host, settings.pool.port, name="master", settings=settings)
+        self.rpc = RpcServer({}, settings.pool.host, settings.pool.port, name="master", settings=settings,
+                             inline=master_inline())
         self.service = MasterService(settings, address=self.rpc.address)
         self.service.unix_address = self.rpc.unix_address
         self.rpc.handlers.update(master_handlers(self.service))

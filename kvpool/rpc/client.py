@@ -37,6 +37,7 @@ from transfer.framing import DONTWAIT, peer_closed, peer_pid, recv_exact_into, r
 log = logging.getLogger("kvpool.rpc")
 
 BIG_MESSAGE = 1 << 20  # a reply message longer than this is read as it arrives, not allocated up front
+READ_AHEAD = 8 << 10  # a connection's receive buffer for a reply's header and message
 STALE_CHECK_S = 1.0  # a connection quiet this long is checked for a close by the server before reuse
 
 
@@ -62,7 +63,13 @@ class RpcClient:
         self._polls = settings.rpc.rpc_spin
         self._unix_ok = settings.rpc.rpc_unix and UNIX_SUPPORTED
         self._sock: socket.socket | None = None
-        self._header = bytearray(HEADER.size)
+        # A reply's header and message arrive with one recv into `_buf` (`recv_reply`); bytes past
+        # its message (a payload's head) wait in `_buf[_start:_end]` for the payload reads.
+        self._buf = bytearray(READ_AHEAD)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._expect: dict[type, int] = {}  # request type -> its last reply's message length, if a payload followed
+        self._sent: type = type(None)  # the type of the request in flight
         self.max_reply = settings.rpc.max_reply_bytes or MAX_PAYLOAD  # a reply announcing more is refused
         self._used = 0.0  # when this connection last sent (`_open_sock`)
         self.payload_left = 0
@@ -172,6 +179,7 @@ class RpcClient:
             finally:
                 self._sock = None
                 self.payload_left = 0
+                self._start = self._end = 0
                 self._hinted = False
                 if self._local is not None:
                     local.clients.discard(self._local)
@@ -216,43 +224,36 @@ class RpcClient:
         self._used = time.monotonic()
         if self.payload_left:
             self.skip_payload()
+        self._sent = type(msg)
         try:
             send_frame(sock, msg, buffers)
         except OSError as exc:
             raise self._broken(exc) from None
 
     def recv_reply(self) -> Any:
-        """Second half of `call`: the reply to the request sent last."""
+        """Second half of `call`: the reply to the request sent last. Its header and message come
+        with one recv: as much as has arrived when the last reply to this request type had no
+        payload, else exactly that reply's header and message (so the payload goes from the socket
+        straight where the caller reads it, e.g. a get's `bytes`, not through `_buf`)."""
         sock = self._sock
         if sock is None:
             raise Unavailable(f"connection to {self.address} is closed")
+        view, hsize = self._view, HEADER.size
         try:
-            header = memoryview(self._header)
-            got, spin, hinted = -1, self._spin, self._hinted
-            polls = spin.polls if hinted else 0  # spin only when the server said we are its only client
-            spun = polls > 0
-            while polls:  # a quick reply is read without sleeping
-                try:
-                    got = sock.recv_into(header, 0, DONTWAIT)
-                    spin.won()
-                    break
-                except BlockingIOError:
-                    polls -= 1
-                    sched_yield()
-            if got == 0:
-                raise ConnectionError("peer closed the connection")
-            if got < 0:
-                if hinted and spin.cap and not spun:  # spinning is off for now: time the wait
-                    t0 = time.monotonic_ns()
-                    recv_exact_into(sock, header)
-                    spin.waited(time.monotonic_ns() - t0)
-                else:
-                    if spun:
-                        spin.lost()
-                    recv_exact_into(sock, header)
-            elif got < len(header):
-                recv_exact_into(sock, header[got:])
-            version, flags, msg_len, payload_len = HEADER.unpack(self._header)
+            end = self._compact() if self._end != self._start else 0
+            want = self._expect.get(self._sent, 0)
+            limit = hsize + want if want else READ_AHEAD
+            if end < hsize:  # (a Python line costs about what a syscall does here: the common path is short)
+                k = self._first_recv(sock, end, limit) if self._hinted or end else sock.recv_into(view, limit)
+                if not k:
+                    raise ConnectionError("peer closed the connection")
+                end += k
+                while end < hsize:
+                    k = sock.recv_into(view[end:limit])
+                    if not k:
+                        raise ConnectionError("peer closed the connection")
+                    end += k
+            version, flags, msg_len, payload_len = HEADER.unpack_from(view)
             self._hinted = bool(flags & FLAG_SPIN)
             if version != PROTOCOL_VERSION:
                 raise ConnectionError(f"server speaks protocol {version}, this client {PROTOCOL_VERSION}")
@@ -262,19 +263,21 @@ class RpcClient:
                 self.close()  # the stream cannot be kept in frame without reading it all
                 raise LimitExceeded(f"reply from {self.address} announces {msg_len} + {payload_len} bytes, over "
                                     f"this client's max_reply_bytes ({self.max_reply}); connection closed")
-            if msg_len <= BIG_MESSAGE:
-                body = sock.recv(msg_len, socket.MSG_WAITALL) if msg_len else b""
-                if len(body) != msg_len:  # interrupted part-way: finish into one buffer
-                    got = len(body)
-                    body = bytearray(body) + bytearray(msg_len - got)
-                    recv_exact_into(sock, memoryview(body)[got:])
-            else:  # grown as its bytes arrive: a lying header alone allocates nothing
-                body = bytearray()
-                while len(body) < msg_len:
-                    part = sock.recv(min(msg_len - len(body), BIG_MESSAGE))
-                    if not part:
-                        raise ConnectionError("peer closed the connection mid-reply")
-                    body += part
+            msg_end = hsize + msg_len
+            if msg_end <= READ_AHEAD:
+                if end < msg_end:
+                    recv_exact_into(sock, view[end:msg_end])
+                    end = msg_end
+                body: Any = view[hsize:msg_end]
+                self._start, self._end = msg_end, end
+                if payload_len:
+                    if want != msg_len:
+                        self._expect[self._sent] = msg_len
+                elif want:
+                    self._expect[self._sent] = 0
+            else:
+                body = self._big_body(sock, msg_len, view[hsize:end])
+                self._start = self._end = 0
         except (OSError, ConnectionError) as exc:
             raise self._broken(exc) from None
         self.payload_left = payload_len
@@ -288,12 +291,73 @@ class RpcClient:
             raise error_from_code(reply.code, reply.message)
         return reply
 
+    def _compact(self) -> int:
+        """Move the bytes buffered past the last reply (the next one's start) to the front."""
+        n = self._end - self._start
+        self._buf[:n] = bytes(self._view[self._start:self._end])
+        self._start, self._end = 0, n
+        return n
+
+    def _first_recv(self, sock: socket.socket, end: int, limit: int) -> int:
+        """The first bytes of a reply into `_buf[end:limit]` (0: the server closed): polled for
+        when the server said we are its only client (`FLAG_SPIN`), else waited for."""
+        into = self._view[end:limit]
+        got, spin, hinted = -1, self._spin, self._hinted
+        polls = spin.polls if hinted else 0  # spin only when the server said we are its only client
+        spun = polls > 0
+        while polls:  # a quick reply is read without sleeping
+            try:
+                got = sock.recv_into(into, 0, DONTWAIT)
+                spin.won()
+                break
+            except BlockingIOError:
+                polls -= 1
+                sched_yield()
+        if got < 0:
+            if hinted and spin.cap and not spun:  # spinning is off for now: time the wait
+                t0 = time.monotonic_ns()
+                got = sock.recv_into(into)
+                spin.waited(time.monotonic_ns() - t0)
+            else:
+                if spun:
+                    spin.lost()
+                got = sock.recv_into(into)
+        return got
+
+    @staticmethod
+    def _big_body(sock: socket.socket, msg_len: int, head: memoryview) -> bytearray:
+        """A message longer than `_buf` whose first bytes are `head`."""
+        if msg_len <= BIG_MESSAGE:
+            body = bytearray(msg_len)
+            body[:len(head)] = head
+            recv_exact_into(sock, memoryview(body)[len(head):])
+            return body
+        body = bytearray(head)  # grown as its bytes arrive: a lying header alone allocates nothing
+        while len(body) < msg_len:
+            part = sock.recv(min(msg_len - len(body), BIG_MESSAGE))
+            if not part:
+                raise ConnectionError("peer closed the connection mid-reply")
+            body += part
+        return body
+
+    def _take(self, view: memoryview) -> int:
+        """Copy what `_buf` holds of the payload into `view`; how many bytes."""
+        k = min(self._end - self._start, len(view))
+        if k:
+            view[:k] = self._view[self._start:self._start + k]
+            self._start += k
+        return k
+
     def read_payload_into(self, view: memoryview) -> None:
         n = len(view)
         if n > self.payload_left:
             raise InvalidArgument(f"reply payload has {self.payload_left} bytes left, asked for {n}")
         try:
-            if self._hinted and n >= STREAM_SPIN_MIN_CLIENT and self._spin.cap:
+            if self._end != self._start:  # its head came with the message
+                k = self._take(view)
+                if k < n:
+                    recv_exact_into(self._sock, view[k:])
+            elif self._hinted and n >= STREAM_SPIN_MIN_CLIENT and self._spin.cap:
                 recv_polling(self._sock, view, STREAM_POLLS)
             else:
                 recv_exact_into(self._sock, view)
@@ -302,28 +366,42 @@ class RpcClient:
         self.payload_left -= n
 
     def read_payload(self, n: int) -> bytes:
-        """The next n payload bytes as one `bytes` (one allocation, no extra copy)."""
+        """The next n payload bytes as one `bytes` (one allocation, no extra copy, unless the
+        payload's head came with the message: `recv_reply`)."""
         if n > self.payload_left:
             raise InvalidArgument(f"reply payload has {self.payload_left} bytes left, asked for {n}")
         try:
-            data = self._sock.recv(n, socket.MSG_WAITALL)
-            if len(data) != n:  # interrupted or timed out part-way: finish into one buffer
-                if not data:
-                    raise ConnectionError("peer closed the connection")
-                buf = bytearray(n)
-                buf[: len(data)] = data
-                recv_exact_into(self._sock, memoryview(buf)[len(data):])
-                data = bytes(buf)
+            k = min(self._end - self._start, n) if self._end != self._start else 0
+            if k:
+                head = bytes(self._view[self._start:self._start + k])
+                self._start += k
+                data = head + self._recv_bytes(n - k) if k < n else head
+            else:
+                data = self._recv_bytes(n)
         except (OSError, ConnectionError) as exc:
             raise self._broken(exc) from None
         self.payload_left -= n
+        return data
+
+    def _recv_bytes(self, n: int) -> bytes:
+        data = self._sock.recv(n, socket.MSG_WAITALL)
+        if len(data) != n:  # interrupted or timed out part-way: finish into one buffer
+            if not data:
+                raise ConnectionError("peer closed the connection")
+            buf = bytearray(n)
+            buf[: len(data)] = data
+            recv_exact_into(self._sock, memoryview(buf)[len(data):])
+            data = bytes(buf)
         return data
 
     def skip_payload(self, n: int | None = None) -> None:
         """Discard the next n payload bytes (all that is left by default)."""
         n = self.payload_left if n is None else min(n, self.payload_left)
         try:
-            Payload(self._sock, n).drain()
+            k = min(self._end - self._start, n)
+            self._start += k
+            if n > k:
+                Payload(self._sock, n - k).drain()
         except (OSError, ConnectionError) as exc:
             raise self._broken(exc) from None
         self.payload_left -= n

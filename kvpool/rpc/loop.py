@@ -16,7 +16,9 @@ buffer, a bad frame) is handed to the connection's own thread, which is parked w
 connection is in the loop: it serves that one request exactly as a thread-per-connection server
 does (`RpcServer._one`), then gives the connection back. So handlers that block keep blocking
 only their own connection, and authentication, limits and caps (`transfer.listener`) are
-unchanged: the parked thread holds its connection's place until the connection ends.
+unchanged: the parked thread holds its connection's place until the connection ends. A reply
+of `BIG_REPLY` bytes or more is also written by the connection's thread (its handler ran here):
+while one client's megabytes are copied into the kernel, every other client is still served.
 
 Invariants:
 - A connection is in exactly one place: registered in the loop, or handed to its thread (not
@@ -42,21 +44,31 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+import msgspec
+
+from kvpool.messages import PROTOCOL_VERSION
+from kvpool.rpc.frame import FLAG_ONEWAY, FLAG_SPIN, HEADER, Payload, Reader, request_decoder
 from kvpool.rpc.spin import Spin, SpinPolicy
-from transfer.framing import DONTWAIT, IOV_MAX, sched_yield
+from transfer.framing import DONTWAIT, IOV_MAX, sched_yield, send_all
 
 log = logging.getLogger("kvpool.rpc")
 
 READ = select.EPOLLIN | select.EPOLLRDHUP
 WRITE = select.EPOLLOUT
 SWEEP_S = 0.5  # how often the loop looks for connections past a timeout
+BIG_REPLY = 1 << 20  # a reply this long is written by its connection's thread, not the loop
+
+# May a request of this type be answered on the loop thread? None: always; else asked per
+# request with (message, the connection's key scope, `ServerConn.scope`).
+Inline = Callable[[Any, str], bool] | None
+_NOT_INLINE = object()
 
 
 class Link:
     """One connection as the loop sees it (`RpcServer._serve` makes it; see the module doc)."""
 
     __slots__ = ("loop", "sock", "fd", "conn", "reader", "peer", "gate", "closed", "out", "release", "since",
-                 "partial", "why", "spin", "replied")
+                 "partial", "why", "spin", "replied", "msg", "big")
 
     def __init__(self, loop: "ServeLoop", sock: socket.socket, conn: Any, reader: Any, peer: str, spin: Spin):
         self.loop = loop
@@ -75,6 +87,8 @@ class Link:
         self.since = time.monotonic()  # last progress: a request, a reply byte, the adoption
         self.partial = 0.0  # when the buffered part of an unfinished frame began (0: none)
         self.why = ""  # why the loop ended the connection (logged by nobody: the thread reads it)
+        self.msg: Any = None  # the request handed over, as the loop decoded it (None: not decoded)
+        self.big: tuple[list, Callable[[], None] | None] | None = None  # a reply its thread is to write
 
 
 class ServeLoop:
@@ -94,6 +108,7 @@ class ServeLoop:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ep.register(self._wake_r, select.EPOLLIN)
         self.closed = False
+        self.big_reply = BIG_REPLY
         self.now = time.monotonic()  # when the loop last woke (its clock for timeouts)
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
 
@@ -130,9 +145,11 @@ class ServeLoop:
             pass  # already awake (full pipe), or closing
 
     # -- the loop thread ------------------------------------------------------------------------
-    def hand_over(self, link: Link) -> None:
-        """Give `link` to its parked thread for the request at the head of its buffer."""
+    def hand_over(self, link: Link, msg: Any = None) -> None:
+        """Give `link` to its parked thread for the request at the head of its buffer (`msg`:
+        its message, when decoded already: the thread does not decode it again)."""
         self._forget(link)
+        link.msg = msg
         link.gate.release()
 
     def end(self, link: Link, why: str) -> None:
@@ -144,7 +161,12 @@ class ServeLoop:
         """Send one reply (`parts`: header+message, then payload buffers; `total` bytes) without
         blocking. What the kernel does not take now is sent as the client reads (`release` after
         the last byte; without `release` the rest is copied first, as the caller may reuse its
-        buffers at once). False: the connection broke (and is ended)."""
+        buffers at once). False: the connection broke (and is ended). A reply of `big_reply`
+        bytes or more is left for the connection's thread (`Link.big`), which blocks on it while
+        the loop serves everyone else: one copy of megabytes here would stall them all."""
+        if total >= self.big_reply:
+            link.big = (parts, release)
+            return True
         sock = link.sock
         try:
             sent = sock.sendmsg(parts, (), DONTWAIT) if len(parts) <= IOV_MAX else 0
@@ -342,6 +364,8 @@ class ServeLoop:
     @staticmethod
     def _end(link: Link, why: str) -> None:
         release, link.release, link.out = link.release, None, []
+        if link.big is not None:
+            release, link.big = link.big[1], None
         if release is not None:
             try:
                 release()
@@ -350,6 +374,94 @@ class ServeLoop:
         link.why = why
         link.closed = True
         link.gate.release()
+
+
+class LoopServing:
+    """The `RpcServer` side of its loop (mixed into it): a connection's thread parked between
+    requests (`_serve_looped`), and what the loop does with a connection's buffered frames
+    (`_frames`). Uses the server's `_loop`, `spin`, `limits`, `inline`, `_one` and `_dispatch`."""
+
+    def _serve_looped(self, conn: Any, reader: Reader, in_process: bool) -> None:
+        """Between requests the connection waits in the loop, which answers the inline ones; this
+        thread, parked meanwhile, serves each request the loop hands over (`kvpool.rpc.loop`)."""
+        loop, policy = self._loop, self.spin
+        link = Link(loop, conn.sock, conn, reader, conn.peer, policy.connection(in_process))
+        conn.link = link
+        loop.adopt(link)
+        pace = self.limits.min_per_tick
+        busy, me = policy.busy, threading.get_ident()
+        while True:
+            link.gate.acquire()  # parked until the loop hands a request over or ends the connection
+            if link.closed:
+                if link.why.startswith(("frame not finished", "the client read nothing", "idle")):
+                    log.info("%s: closing %s: %s", self.name, conn.peer, link.why)
+                else:
+                    log.debug("%s: connection from %s ended: %s", self.name, conn.peer, link.why)
+                return
+            conn.link = None
+            msg, link.msg = link.msg, None
+            big, link.big = link.big, None
+            busy.add(me)  # the loop spins for nobody meanwhile
+            try:
+                if big is not None:  # a big reply the loop left to us: blocking, as on a thread of its own
+                    try:
+                        send_all(conn.sock, big[0])
+                    finally:
+                        if big[1] is not None:
+                            big[1]()
+                else:
+                    now = policy.request_from(link.fd)
+                    flags = FLAG_SPIN if link.spin.cap and policy.sole_client(now) else 0
+                    if not self._one(conn, reader, flags, bool(flags), pace, msg):
+                        return
+            finally:
+                busy.discard(me)
+            conn.link = link
+            loop.adopt(link)
+
+    def _frames(self, link: Link) -> bool:
+        """On the loop thread: answer the complete inline frames buffered on `link`; hand the
+        first other one to the connection's thread. False: the link left the loop (handed over,
+        or ended)."""
+        reader, conn, loop, policy = link.reader, link.conn, link.loop, self.spin
+        buf, view = reader.buf, reader.view
+        hsize, unpack_from, decode, inline = HEADER.size, HEADER.unpack_from, request_decoder.decode, self.inline
+        spins = link.spin.cap
+        while True:
+            start = reader.start
+            avail = reader.end - start
+            if avail < hsize:
+                return True
+            version, flags, msg_len, payload_len = unpack_from(buf, start)
+            need = hsize + msg_len + payload_len
+            if version != PROTOCOL_VERSION or need > len(buf):  # bad, or too big to wait for here
+                loop.hand_over(link)
+                return False
+            if avail < need:
+                if start + need > len(buf):  # make room for the rest of it
+                    buf[:avail] = bytes(view[start:reader.end])
+                    reader.start, reader.end = 0, avail
+                return True
+            try:
+                msg = decode(view[start + hsize:start + hsize + msg_len])
+            except msgspec.DecodeError:
+                loop.hand_over(link)  # its thread answers the error
+                return False
+            check = inline.get(type(msg), _NOT_INLINE)
+            if check is _NOT_INLINE or (check is not None and not check(msg, conn.scope)):
+                loop.hand_over(link, msg)  # decoded once: its thread serves it as it is
+                return False
+            reader.start = start + hsize + msg_len
+            conn.oneway = bool(flags & FLAG_ONEWAY)
+            conn.replied = False
+            conn.flags = FLAG_SPIN if spins and policy.loop_sole_client(policy.request_from(link.fd)) else 0
+            self._dispatch(msg, Payload(link.sock, payload_len, reader), conn)
+            if link.big is not None:  # its thread writes the reply
+                loop.hand_over(link)
+                return False
+            if link.closed or link.out:  # ended, or its reply is still being sent
+                return not link.closed
+
 
 
 def _after(parts: list, sent: int) -> list[memoryview]:

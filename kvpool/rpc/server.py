@@ -54,7 +54,7 @@ from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
                               request_decoder, send_frame, unix_name)
 from kvpool.security.authz import NODE_ONLY, ROLE_NAMES, RULES, rank, scope_of
-from kvpool.rpc.loop import Link, ServeLoop
+from kvpool.rpc.loop import Inline, Link, LoopServing, ServeLoop
 from kvpool.rpc.spin import CpuPressure, SpinPolicy, local
 from transfer.auth import MAGIC, AuthError, AuthLimited, looks_like_hello, peer_uid, serve_handshake
 from transfer.framing import Stalled, peer_pid, refuse_after
@@ -119,13 +119,9 @@ def _nbytes(buffers: Sequence[Any]) -> int:
 
 
 Handler = Callable[[Any, Payload, ServerConn], Any]
-# May a request of this type be answered on the loop thread (`kvpool.rpc.loop`)? None: always;
-# else asked per request with (message, the connection's key scope, `ServerConn.scope`).
-Inline = Callable[[Any, str], bool] | None
-_NOT_INLINE = object()
 
 
-class RpcServer:
+class RpcServer(LoopServing):
     """Serve `handlers` (message type -> handler) on host:port (0: a free port).
 
     `handlers` may be filled in after construction, before `start` (the embedded pool's node
@@ -346,84 +342,23 @@ class RpcServer:
                 except Exception:
                     log.exception("%s: on_close failed", self.name)
 
-    def _serve_looped(self, conn: ServerConn, reader: Reader, in_process: bool) -> None:
-        """Between requests the connection waits in the loop, which answers the inline ones; this
-        thread, parked meanwhile, serves each request the loop hands over (`kvpool.rpc.loop`)."""
-        loop, policy = self._loop, self.spin
-        link = Link(loop, conn.sock, conn, reader, conn.peer, policy.connection(in_process))
-        conn.link = link
-        loop.adopt(link)
-        pace = self.limits.min_per_tick
-        busy, me = policy.busy, threading.get_ident()
-        while True:
-            link.gate.acquire()  # parked until the loop hands a request over or ends the connection
-            if link.closed:
-                if link.why.startswith(("frame not finished", "the client read nothing", "idle")):
-                    log.info("%s: closing %s: %s", self.name, conn.peer, link.why)
-                else:
-                    log.debug("%s: connection from %s ended: %s", self.name, conn.peer, link.why)
-                return
-            conn.link = None
-            busy.add(me)  # the loop spins for nobody meanwhile
-            try:
-                now = policy.request_from(link.fd)
-                flags = FLAG_SPIN if link.spin.cap and policy.sole_client(now) else 0
-                if not self._one(conn, reader, flags, bool(flags), pace):
-                    return
-            finally:
-                busy.discard(me)
-            conn.link = link
-            loop.adopt(link)
-
-    def _frames(self, link: Link) -> bool:
-        """On the loop thread: answer the complete inline frames buffered on `link`; hand the
-        first other one to the connection's thread. False: the link left the loop (handed over,
-        or ended)."""
-        reader, conn, loop, policy = link.reader, link.conn, link.loop, self.spin
-        buf, view = reader.buf, reader.view
-        hsize, unpack_from, decode, inline = HEADER.size, HEADER.unpack_from, request_decoder.decode, self.inline
-        spins = link.spin.cap
-        while True:
-            start = reader.start
-            avail = reader.end - start
-            if avail < hsize:
-                return True
-            version, flags, msg_len, payload_len = unpack_from(buf, start)
-            need = hsize + msg_len + payload_len
-            if version != PROTOCOL_VERSION or need > len(buf):  # bad, or too big to wait for here
-                loop.hand_over(link)
-                return False
-            if avail < need:
-                if start + need > len(buf):  # make room for the rest of it
-                    buf[:avail] = bytes(view[start:reader.end])
-                    reader.start, reader.end = 0, avail
-                return True
-            try:
-                msg = decode(view[start + hsize:start + hsize + msg_len])
-            except msgspec.DecodeError:
-                loop.hand_over(link)  # its thread answers the error
-                return False
-            check = inline.get(type(msg), _NOT_INLINE)
-            if check is _NOT_INLINE or (check is not None and not check(msg, conn.scope)):
-                loop.hand_over(link)
-                return False
-            reader.start = start + hsize + msg_len
-            conn.oneway = bool(flags & FLAG_ONEWAY)
-            conn.replied = False
-            conn.flags = FLAG_SPIN if spins and policy.loop_sole_client(policy.request_from(link.fd)) else 0
-            self._dispatch(msg, Payload(link.sock, payload_len, reader), conn)
-            if link.closed or link.out:  # ended, or its reply is still being sent
-                return not link.closed
-
-    def _one(self, conn: ServerConn, reader: Reader, flags: int, spin: bool, pace: int) -> bool:
+    def _one(self, conn: ServerConn, reader: Reader, flags: int, spin: bool, pace: int, msg: Any = None) -> bool:
         """Serve the request whose header is buffered in `reader`, blocking as it needs; False
-        when the connection must close (a frame that cannot be trusted). `flags`: the reply's."""
+        when the connection must close (a frame that cannot be trusted). `flags`: the reply's.
+        `msg`: the request's message, when the loop already decoded it (its frame is checked
+        and its message buffered: only its payload is left to read)."""
         sock = conn.sock
         hsize = HEADER.size
         reader.fill(hsize)
         conn.flags = flags
         version, flags, msg_len, payload_len = HEADER.unpack_from(reader.buf, reader.start)
         reader.start += hsize
+        if msg is not None:
+            reader.start += msg_len
+            conn.oneway = bool(flags & FLAG_ONEWAY)
+            conn.replied = False
+            self._dispatch(msg, Payload(sock, payload_len, reader, spin=spin, pace=pace), conn)
+            return True
         if version != PROTOCOL_VERSION or msg_len > MAX_MESSAGE or payload_len > MAX_PAYLOAD:
             conn.oneway = False
             conn.reply(Err("invalid_argument", f"bad frame: protocol version {version} (this server speaks "

@@ -406,3 +406,59 @@ def test_an_idle_connection_whose_spin_ran_out_does_not_count_as_spinning():
     finally:
         client.communicate("go\n", timeout=30)
         srv.stop()
+
+
+class CountingSocket:
+    """A client's socket that counts the receive calls made on it."""
+
+    def __init__(self, sock):
+        self.sock, self.recvs = sock, 0
+
+    def recv_into(self, *args):
+        self.recvs += 1
+        return self.sock.recv_into(*args)
+
+    def recv(self, *args):
+        self.recvs += 1
+        return self.sock.recv(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_a_replys_header_and_message_come_with_one_recv(server):
+    """A reply without payload is read with one recv; one with a payload with one for its header
+    and message, then the payload straight into the caller's buffer (nothing of it copied
+    through the client's own buffer once the client knows that reply's message length). Replies
+    whose message is shorter than the last one's bring the payload's head along: every read of
+    a payload (into a buffer, as bytes, skipped) still gets exactly its bytes."""
+    c = RpcClient(server.address)
+    assert c.call(Exists(["yes"])).values == [True]
+    counting = CountingSocket(c._sock)
+    c._sock = counting
+    try:
+        for _ in range(5):
+            before = counting.recvs
+            assert c.call(Exists(["yes", "no"])).values == [True, False]
+            assert counting.recvs - before == 1
+        blob = bytes(range(256)) * 256  # 64 KiB
+        assert c.call(NodeGet([]), [blob]).sizes == [len(blob)] and c.read_payload(len(blob)) == blob
+        out = bytearray(len(blob))
+        for _ in range(5):
+            before = counting.recvs
+            assert c.call(NodeGet([]), [blob]).sizes == [len(blob)]
+            assert c._start == c._end  # the payload waits in the socket
+            c.read_payload_into(memoryview(out))
+            assert out == blob and counting.recvs - before == 2
+        for data in (b"x" * 70000, b"hi", b"", bytes(300), b"y" * 100000, b"z" * 5, b"w" * 70000, b"v" * 9):
+            assert c.call(NodeGet([]), [data]).sizes == [len(data)]
+            assert c.read_payload(len(data)) == data
+            c.call(NodeGet([]), [b"q" * 70000])
+            c.call(NodeGet([]), [data])  # its payload skipped by the next call, from the buffer too
+            assert c.call(NodeGet([]), [data]).sizes == [len(data)]
+            got = bytearray(len(data))
+            c.read_payload_into(memoryview(got))
+            assert got == data
+        assert c.call(Exists(["yes"])).values == [True]
+    finally:
+        c.close()

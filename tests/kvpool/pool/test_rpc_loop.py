@@ -19,7 +19,7 @@ import kvpool
 from kvpool.config import Settings, load_settings
 from kvpool.embedded import EmbeddedPool
 from kvpool.errors import AlreadyExists, KeyNotFound, KVPoolError
-from kvpool.messages import Bools, Exists, NodeGet
+from kvpool.messages import Bools, Exists, Lookup, MatchPrefix, NodeGet, PutStart, Release, Remove
 from kvpool.rpc import RpcClient, RpcServer
 from test_rpc import _psi
 
@@ -243,3 +243,125 @@ def test_the_loop_spins_for_a_sole_client_only_while_the_cpus_are_calm(tmp_path)
         finally:
             srv.stop()
     assert hinted == {0.0: "True", 90.0: "False"}
+
+
+class CountingDecoder:
+    """Wraps the RPC's request decoder and counts the messages it decodes."""
+
+    def __init__(self, inner):
+        self.inner, self.count = inner, 0
+
+    def decode(self, body):
+        self.count += 1
+        return self.inner.decode(body)
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "threads"])
+def test_a_request_handed_to_its_thread_is_decoded_once(loop, monkeypatch):
+    """A request the loop cannot answer (here Remove: not inline) goes to its connection's
+    thread with the message the loop decoded: one decode per request, on the loop or not,
+    and the handler runs on the connection's thread, not the loop's."""
+    import kvpool.rpc.loop as rpc_loop
+    import kvpool.rpc.server as rpc_server
+
+    counting = CountingDecoder(rpc_server.request_decoder)
+    for mod in (rpc_server, rpc_loop):
+        if hasattr(mod, "request_decoder"):
+            monkeypatch.setattr(mod, "request_decoder", counting)
+    where: list[str] = []
+
+    def remove(msg, payload, conn):
+        where.append(threading.current_thread().name)
+        return Bools([True] * len(msg.keys))
+
+    srv = RpcServer({Exists: lambda m, p, c: Bools([k == "yes" for k in m.keys]), Remove: remove}, name="once",
+                    settings=Settings(rpc_loop=loop), inline={Exists: None}).start()
+    c = RpcClient(srv.address)
+    try:
+        for i in range(10):
+            assert c.call(Exists(["yes"])).values == [True]
+            assert c.call(Remove([f"k{i}", "x"])).values == [True, True]
+        assert counting.count == 20
+        assert len(where) == 10 and "once-loop" not in where
+    finally:
+        c.close()
+        srv.stop()
+
+
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "standalone"])
+def test_the_master_answers_lookups_on_its_loop(embedded):
+    """Lookup, Release, Exists and MatchPrefix (short reads under the master's lock) are
+    answered on the serve loop, in the embedded pool and in a standalone master; a put's start
+    (it may make room) on its connection's thread."""
+    from kvpool.master.server import MasterServer
+
+    if embedded:
+        server, loop_name = pool_with(True, dram_capacity="16MiB"), "pool-loop"
+    else:
+        server, loop_name = MasterServer(load_settings(port=0, admin_port=0, heartbeat_s=0.2)).start(), "master-loop"
+    rpc = server.rpc
+    assert rpc._loop is not None
+    where: dict[str, set[str]] = {}
+    for kind in (Lookup, Release, Exists, MatchPrefix, PutStart):
+        def recording(msg, payload, conn, handler=rpc.handlers[kind], name=kind.__name__):
+            where.setdefault(name, set()).add(threading.current_thread().name)
+            return handler(msg, payload, conn)
+
+        rpc.handlers[kind] = recording
+    c = RpcClient(server.address)
+    try:
+        for _ in range(3):
+            reply = c.call(Lookup(["a", "b"]))
+            assert reply.entries == [None, None]
+            c.send_oneway(Release([reply.lease_id]))
+            assert c.call(Exists(["a"])).values == [False]
+            assert c.call(MatchPrefix(["a", "b"])).n == 0
+        c.call(PutStart(["k"], [100]))
+    finally:
+        c.close()
+        server.stop()
+    assert {k: v for k, v in where.items() if k != "PutStart"} == {
+        "Lookup": {loop_name}, "Release": {loop_name}, "Exists": {loop_name}, "MatchPrefix": {loop_name}}
+    assert loop_name not in where["PutStart"]
+
+
+def test_a_big_reply_is_written_by_its_thread_while_the_loop_serves_the_others():
+    """A reply of a megabyte or more is handed to its connection's thread (its handler ran on
+    the loop): while a client leaves a 32 MiB reply unread (more than the kernel buffers hold,
+    so its writer blocks), other connections' small gets are answered on the loop, and the big
+    reply's release (its unpin) runs on the thread that wrote it, once the client read it all.
+    A small reply is sent, and released, by the loop."""
+    from kvpool.messages import NodeData
+
+    blobs = {"small": bytes(range(256)) * 256, "big": bytes(range(256)) * (128 << 10)}
+    released: list[tuple[str, str]] = []
+
+    def get(msg, payload, conn):
+        key = msg.keys[0]
+        return NodeData([len(blobs[key])]), [memoryview(blobs[key])], lambda: released.append(
+            (key, threading.current_thread().name))
+
+    srv = RpcServer({NodeGet: get}, name="big", inline={NodeGet: None}).start()
+    assert srv._loop is not None and srv._loop.big_reply <= len(blobs["big"])
+    slow, fast = RpcClient(srv.address, timeout=30), RpcClient(srv.address, timeout=5)
+    try:
+        slow.send_request(NodeGet(["big"]))
+        assert slow.recv_reply().sizes == [len(blobs["big"])]  # its header: the rest waits
+        out = bytearray(len(blobs["small"]))
+        for _ in range(20):
+            assert fast.call(NodeGet(["small"])).sizes == [len(out)]
+            fast.read_payload_into(memoryview(out))
+            assert out == blobs["small"]
+        assert ("big", "big-loop") not in released and not [r for r in released if r[0] == "big"]
+        assert slow.read_payload(len(blobs["big"])) == blobs["big"]
+        assert fast.call(NodeGet(["small"])).sizes == [len(out)]  # the loop took the big one's connection back
+        fast.read_payload_into(memoryview(out))
+        assert slow.call(NodeGet(["small"])).sizes == [len(out)]
+        slow.read_payload_into(memoryview(out))
+    finally:
+        slow.close()
+        fast.close()
+        srv.stop()
+    big = [name for key, name in released if key == "big"]
+    assert len(big) == 1 and big[0] != "big-loop"
+    assert {name for key, name in released if key == "small"} == {"big-loop"}
