@@ -31,13 +31,14 @@ def rank(principal: Principal) -> int:
 
 
 def _keys(msg: Any, prefix: str) -> None:
+    """Scope `msg.keys` in place: the message is this request's own, decoded from the wire."""
     keys = msg.keys
-    if len(keys) == 1:  # a single-key request, the common case: no comprehension (a call of its own)
+    if len(keys) == 1:  # a single-key request, the common case: no comprehension (a call of its own), no new list
         key = keys[0]
         # `check_key`'s fast path inline (a call costs ~600 instructions, a fifth of this function)
         if type(key) is not str or not key.isascii() or not 0 < len(key) <= MAX_KEY_BYTES or "\x00" in key:
             check_key(key)
-        msg.keys = [prefix + key]
+        keys[0] = prefix + key
     else:
         msg.keys = [prefix + check_key(k) for k in keys]
 
@@ -63,6 +64,9 @@ RULES: dict[type, tuple[int, Scoper | None]] = {
     m.NodeWrite: (TENANT, _keys),
     m.NodeReserve: (TENANT, _keys),
     m.NodeCommit: (TENANT, _keys),
+    m.Put: (TENANT, _keys),  # PutStart + NodeWrite + PutEnd to an embedded pool
+    m.PutReserve: (TENANT, _keys),  # PutStart + NodeReserve, likewise
+    m.PutCommit: (TENANT, _keys),  # NodeCommit + PutEnd, likewise
     m.NodeStats: (TENANT, None),
     # Node-only, listed for the reader (unlisted types are node-only anyway): membership and the
     # master's housekeeping (removals naming a put, drain copies between nodes).

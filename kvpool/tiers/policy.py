@@ -275,6 +275,19 @@ class ARCPolicy:
         return len(self._t1) + len(self._t2)
 
 
+class _Share:
+    """One tenant's part of a tier: its inner policy and the bytes of its tracked keys."""
+
+    __slots__ = ("tenant", "policy", "bytes")
+
+    def __init__(self, tenant: str, policy: EvictionPolicy):
+        self.tenant, self.policy, self.bytes = tenant, policy, 0
+
+
+def _bytes(share: _Share) -> int:
+    return share.bytes
+
+
 class FairPolicy:
     """Eviction fair across tenants: one inner policy per tenant (`tenant_of`), and a victim is
     taken first from the tenant holding the most bytes of the tier, that is the one most over
@@ -283,60 +296,66 @@ class FairPolicy:
     the inner policy (LRU, S3-FIFO, ARC) decides. With one tenant (authentication off, unscoped
     keys) it is exactly the inner policy.
 
+    A key's tenant is derived once, when it is first inserted: each tracked key maps to its
+    tenant's share, so an access (every get) or a removal costs one lookup by the key, not a
+    `tenant_of` (a slice of the key and a hash of the new string, for every scoped key).
+
     Invariants (besides the Protocol's): `bytes_of(t)` is the sum of the sizes of t's tracked
-    keys; a victim comes from a tenant with at least as many bytes as every tenant that had an
-    evictable key."""
+    keys; a tracked key's share is that of `tenant_of(key)`; a victim comes from a tenant with at
+    least as many bytes as every tenant that had an evictable key."""
 
     def __init__(self, make: Callable[[], EvictionPolicy]):
         self._make = make
         first = make()
         self.name = first.name
-        self._tenants: dict[str, EvictionPolicy] = {"": first}
-        self._bytes: dict[str, int] = {"": 0}
-        self._sizes: dict[str, int] = {}
+        self._shares: dict[str, _Share] = {"": _Share("", first)}
+        self._held: dict[str, tuple[_Share, int]] = {}  # tracked key -> (its tenant's share, its size)
 
     def bytes_of(self, tenant: str) -> int:
-        return self._bytes.get(tenant, 0)
+        share = self._shares.get(tenant)
+        return share.bytes if share is not None else 0
 
     def insert(self, key: str, size: int) -> None:
-        tenant = tenant_of(key)
-        policy = self._tenants.get(tenant)
-        if policy is None:
-            policy = self._tenants[tenant] = self._make()
-            self._bytes[tenant] = 0
-        policy.insert(key, size)
-        if key not in self._sizes:
-            self._sizes[key] = size
-            self._bytes[tenant] += size
-
-    def access(self, key: str) -> None:
-        policy = self._tenants.get(tenant_of(key))
-        if policy is not None:
-            policy.access(key)
-
-    def remove(self, key: str) -> None:
-        size = self._sizes.pop(key, None)
-        if size is None:
+        held = self._held.get(key)
+        if held is not None:
+            held[0].policy.insert(key, size)
             return
         tenant = tenant_of(key)
-        self._tenants[tenant].remove(key)
-        self._bytes[tenant] -= size
+        share = self._shares.get(tenant)
+        if share is None:
+            share = self._shares[tenant] = _Share(tenant, self._make())
+        share.policy.insert(key, size)
+        self._held[key] = (share, size)
+        share.bytes += size
+
+    def access(self, key: str) -> None:
+        held = self._held.get(key)
+        if held is not None:
+            held[0].policy.access(key)
+
+    def remove(self, key: str) -> None:
+        held = self._held.pop(key, None)
+        if held is None:
+            return
+        share, size = held
+        share.policy.remove(key)
+        share.bytes -= size
 
     def evict(self, evictable: Evictable) -> str | None:
-        tenants = self._tenants
-        order = tenants if len(tenants) == 1 else sorted(tenants, key=self._bytes.__getitem__, reverse=True)
-        for tenant in order:
-            victim = tenants[tenant].evict(evictable)
+        shares = self._shares
+        order = shares.values() if len(shares) == 1 else sorted(shares.values(), key=_bytes, reverse=True)
+        for share in order:
+            victim = share.policy.evict(evictable)
             if victim is not None:
-                self._bytes[tenant] -= self._sizes.pop(victim)
+                share.bytes -= self._held.pop(victim)[1]
                 return victim
         return None
 
     def __contains__(self, key: object) -> bool:
-        return key in self._sizes
+        return key in self._held
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return len(self._held)
 
 
 POLICIES: dict[str, type] = {"lru": LRUPolicy, "s3fifo": S3FIFOPolicy, "arc": ARCPolicy}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvpool import messages as m
 from kvpool.security.keyring import Credential
 from kvpool.tools.launch.processes import clean_env
 
@@ -28,3 +29,11 @@ def cred(name: str, secret: str | None = None) -> Credential:
     return Credential(name, (secret or SECRETS[name]).encode())
 
 
+
+
+def reserve(rpc, key: str, size: int):
+    """Start a put at the (embedded) pool and reserve it for a one-sided write: the `Slot`, or
+    the `Err` of the reservation (a node takes no write under no put)."""
+    plan = rpc.call(m.PutStart([key], [size])).plans[0]
+    assert isinstance(plan, m.PutPlan), plan
+    return rpc.call(m.NodeReserve([key], [size], [plan.put_id])).results[0]

@@ -18,9 +18,9 @@ import pytest
 import kvpool
 from kvpool.security.keyring import grant_key
 from kvpool import messages as m
-from kvpool.messages import NodePin, NodeReserve
+from kvpool.messages import NodePin
 from kvpool.rpc import RpcClient
-from pool_auth_support import SECRETS, cred, write_keyring
+from pool_auth_support import SECRETS, cred, reserve, write_keyring
 from served_support import Serve
 from transfer import READ, WRITE, Op, TransferEngine, TransferError, wire
 from transfer.errors import AccessDenied, InvalidOp
@@ -105,7 +105,7 @@ def test_the_node_hands_out_grants_for_exactly_what_it_pins_and_reserves(pool):
     assert 0 < expires / 1000 - time.time() <= 2.5  # the pin's lease (KVPOOL_LEASE_S=2)
     rpc = RpcClient(pool.address, credential=cred("acme"))
     try:
-        slot = rpc.call(NodeReserve(["reserved"], [4096], [0])).results[0]
+        slot = reserve(rpc, "reserved", 4096)
         op, _, g_off, g_len, _ = fields(slot.grant)
         assert (op, g_off, g_len) == (WRITE, slot.offset, 4096)
     finally:
@@ -222,7 +222,7 @@ def test_a_grant_works_only_on_a_connection_of_the_principal_it_was_issued_to(po
     rpc = RpcClient(pool.address, credential=cred("acme"))
     thief, owner = engine("beta"), engine("acme")
     try:
-        slot = rpc.call(NodeReserve(["bound-w"], [4096], [0])).results[0]
+        slot = reserve(rpc, "bound-w", 4096)
         for opcode, off, n, stolen in ((READ, offset, size, grant), (WRITE, slot.offset, 4096, slot.grant)):
             err = attempt(thief, opcode, seg, off, n, stolen)
             assert "signature is not valid for principal 'beta'" in str(err)
@@ -267,7 +267,7 @@ def test_a_grant_is_revoked_when_its_pin_is_released_or_its_reservation_ends(poo
         eng.read(seg, offset, buf, 0, size, None, again.grants[0])
         assert bytes(buf) == VALUE
         # a reservation's WRITE grant ends with its commit: no writing into a published object
-        slot = rpc.call(NodeReserve(["revoked-w"], [4096], [0])).results[0]
+        slot = reserve(rpc, "revoked-w", 4096)
         eng.write(seg, slot.offset, bytearray(b"w" * 4096), 0, 4096, None, slot.grant)
         assert isinstance(rpc.call(m.NodeCommit(["revoked-w"], [slot.put_id], [True])).results[0], m.Placed)
         assert "revoked" in str(attempt(eng, WRITE, seg, slot.offset, 4096, slot.grant))

@@ -24,9 +24,9 @@ import time
 import pytest
 
 import kvpool
-from kvpool.messages import Err, NodeCommit, NodePin, NodeReserve, Slot
+from kvpool.messages import Err, NodeCommit, NodePin, Slot
 from kvpool.rpc import RpcClient
-from pool_auth_support import SECRETS, cred, write_keyring
+from pool_auth_support import SECRETS, cred, reserve, write_keyring
 from served_support import Serve
 from transfer import wire
 from transfer.auth import client_handshake
@@ -106,7 +106,7 @@ def test_a_write_frame_cannot_land_in_a_range_reused_after_its_abort(pool):
     sock = transfer_conn(pool, "beta")
     view = arena(pool)
     try:
-        slot = rpc.call(NodeReserve(["mine"], [size], [0])).results[0]
+        slot = reserve(rpc, "mine", size)
         assert isinstance(slot, Slot) and slot.grant, slot
         sock.sendall(frame(wire.OP_WRITE, seg.seg_id, slot.offset, size, slot.grant) + theirs[:head])
         # the frame was admitted: its first bytes are in the reserved range

@@ -126,9 +126,12 @@ def test_stalled_connections_announcing_64_MiB_cost_no_memory(slow_tick):
 # ---------------------------------------------------------------- reservations
 
 def test_a_stalled_NodeWrite_is_cut_at_the_put_deadline_and_its_space_reclaimed(slow_tick):
+    starter = RpcClient(slow_tick.address)  # the put is granted; its writer then stalls
+    put_id = starter.call(m.PutStart(["hog"], [56 * MiB])).plans[0].put_id
+    starter.close()
     attacker = socket.create_connection((slow_tick.host, slow_tick.port))
     try:
-        attacker.sendall(rpc_frame(m.NodeWrite(["hog"], [56 * MiB], [0]), 56 * MiB) + b"\0" * MiB)
+        attacker.sendall(rpc_frame(m.NodeWrite(["hog"], [56 * MiB], [put_id]), 56 * MiB) + b"\0" * MiB)
         time.sleep(0.3)
         with kvpool.connect(slow_tick.address, data_path="rpc") as client:
             with pytest.raises(KVPoolError):  # 56 of 64 MiB held by the stalled write: no room now

@@ -6,7 +6,6 @@ else, on the master's admin API and the router too. `kvpool auth init` writes it
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -14,19 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvpool.tools.launch.processes import clean_env
+from kvpool.tools.launch.processes import clean_env, free_port
 
 KVPOOL = str(Path(sys.executable).with_name("kvpool"))
 
 
 def _env(**extra: str) -> dict[str, str]:
     return clean_env(**extra)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +62,7 @@ def test_auth_init_writes_a_private_metrics_token(secrets_dir):
 
 @pytest.mark.parametrize("service", ["serve", "master"])
 def test_an_admin_api_with_a_keyring_but_no_token_is_refused(service, secrets_dir, tmp_path):
-    proc = Proc([service, "--port", "0", "--admin-port", str(_free_port())],
+    proc = Proc([service, "--port", "0", "--admin-port", str(free_port())],
                 {"KVPOOL_AUTH_FILE": str(secrets_dir / "keyring.toml")}, tmp_path / "out.log")
     try:
         assert not proc.line, f"it started: {proc.line!r}"
@@ -91,7 +84,7 @@ def master(secrets_dir, tmp_path_factory):
 
 def test_a_node_with_a_keyring_serves_metrics_only_with_the_metrics_token(master, secrets_dir, tmp_path):
     ring = {"KVPOOL_AUTH_FILE": str(secrets_dir / "keyring.toml")}
-    port = _free_port()
+    port = free_port()
     refused = Proc(["node", "--port", "0", "--master", master, "--admin-port", str(port), "--dram-capacity", "16MiB"],
                    ring, tmp_path / "refused.log")
     try:
@@ -119,7 +112,7 @@ def test_a_node_with_a_keyring_serves_metrics_only_with_the_metrics_token(master
 
 @pytest.fixture(scope="module")
 def serve(secrets_dir, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     proc = Proc(["serve", "--port", "0", "--admin-port", str(port), "--dram-capacity", "16MiB"],
                 {"KVPOOL_AUTH_FILE": str(secrets_dir / "keyring.toml"),
                  "KVPOOL_ADMIN_TOKEN_FILE": str(secrets_dir / "admin.token"),

@@ -82,6 +82,31 @@ def test_raw_messages_cannot_escape_the_scope(pool):
         rpc.close()
 
 
+def test_a_tenants_keys_are_scoped_in_place_and_keep_their_tenant():
+    """The dispatch's scoping (`kvpool.security.authz`): a single key is rewritten in the decoded
+    request's own list, several into a new one, each validated; the stored key's tenant is the
+    principal's whatever the user key holds (a NUL in it is refused, never a second scope)."""
+    from kvpool.errors import InvalidArgument
+    from kvpool.security.authz import RULES
+    from kvpool.security.tenancy import tenant_of
+
+    scope = RULES[m.NodeGet][1]
+    one = m.NodeGet(["acme/k"])
+    keys = one.keys
+    scope(one, "acme\x00")
+    assert one.keys is keys and keys == ["acme\x00acme/k"] and tenant_of(keys[0]) == "acme"
+    many = m.Exists(["k", "beta\x00"[:-1] + "/k"])
+    scope(many, "acme\x00")
+    assert many.keys == ["acme\x00k", "acme\x00beta/k"] and {tenant_of(k) for k in many.keys} == {"acme"}
+    for bad in ("beta\x00k", "\x00k", "", "k" * 513):
+        for msg in (m.NodeGet([bad]), m.Exists(["k", bad])):
+            with pytest.raises(InvalidArgument):
+                scope(msg, "acme\x00")
+    unicode = m.NodeGet(["clé"])  # not ASCII: the slow check, which takes it
+    scope(unicode, "acme\x00")
+    assert unicode.keys == ["acme\x00clé"] and tenant_of(unicode.keys[0]) == "acme"
+
+
 def _counters(pool) -> tuple[dict, dict]:
     rpc = RpcClient(pool.address, credential=cred("node"))
     try:

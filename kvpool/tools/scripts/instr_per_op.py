@@ -20,7 +20,10 @@ How: `kvpool serve` runs under `valgrind --tool=callgrind --collect-atstart=no` 
 `--serve`: SIGUSR1 starts a window, SIGUSR2 ends it, dumping the counts under the label the client
 wrote), and for each case a client process runs under callgrind too (`--client`). The client
 connects, writes the keys its gets read, warms up, then runs windows of N, 2N, N, 2N ...
-operations, starting and ending each window on both sides. A window's count is its operations
+operations, starting and ending each window on both sides. Auth on: a keyring of a node and a
+tenant (KVPOOL_AUTH_FILE), the client that tenant; auth off: no keyring anywhere, the per-user
+one (on by default) off too (KVPOOL_LOCAL_AUTH=off), checked on both sides before a window runs
+(`_keyring_in_use`; the JSON keeps what each side said). A window's count is its operations
 plus a small fixed part (the first op after a pause checks its connection), so the instructions
 per op are (count(2N) - count(N)) / N of neighbouring windows, one figure per pair; their spread
 shows how repeatable the count is (0.1-0.5% here; 1-1.7% on the engine path, whose revocation
@@ -118,6 +121,21 @@ def _ack(folder: str) -> int:
         return 0
 
 
+def _keyring_in_use() -> str:
+    """The keyring this process's servers and clients take, as its tree resolves it: "configured"
+    (KVPOOL_AUTH_FILE), "per-user" (this user's own, made by default: kvpool.security.local) or
+    "none". An auth-off run must say "none" on both sides."""
+    from kvpool.security.keyring import load_keyring
+
+    if load_keyring(None) is not None:
+        return "configured"
+    try:
+        from kvpool.security.local import local_keyring
+    except ImportError:  # a tree from before the per-user keyring
+        return "none"
+    return "per-user" if local_keyring() is not None else "none"
+
+
 def _serve(folder: str, lib_path: str, serve_args: list[str]) -> None:
     """`--serve`: `kvpool serve` whose callgrind counts the client zeroes (SIGUSR1) and dumps
     (SIGUSR2, under the label in `folder`/label); each request is acknowledged in `folder`/ack."""
@@ -148,6 +166,8 @@ def _serve(folder: str, lib_path: str, serve_args: list[str]) -> None:
                        "started": STARTED, "gc": gc.get_stats()}, f)
         ack()
 
+    with open(os.path.join(folder, "keyring"), "w") as f:
+        f.write(_keyring_in_use())
     _count_threads(lib, lambda name: not UNCOUNTED.fullmatch(name))
     if os.environ.get("KVPOOL_INSTR_GC") == "off":
         gc.disable()
@@ -245,11 +265,13 @@ def _client(a: argparse.Namespace) -> None:
         _count_threads(lib, lambda name: True)
     server = _Server(a.server_pid, a.folder, counting)
     server_cpu = _cpu_clock(a.server_pid)
-    credential = None
+    credential, keyring = None, _keyring_in_use()
     if a.secret:
         from kvpool.security.keyring import Credential
 
         credential = Credential(a.principal, a.secret.encode())
+    elif keyring != "none":  # then a connection that works shows the server asks for no proof either
+        raise RuntimeError(f"auth off, but this client has a keyring ({keyring})")
     kwargs = {"use_shm": a.path == "shm", "credential": credential}
     if a.path == "engine":
         kwargs.update(data_path="engine", transports=("tcp",))
@@ -318,7 +340,7 @@ def _client(a: argparse.Namespace) -> None:
         client.remove_batch(get_keys)
     client.close()
     with open(os.path.join(a.folder, f"client-{case.replace('/', '_')}.json"), "w") as f:
-        json.dump({"case": case, "counting": counting, "windows": windows}, f)
+        json.dump({"case": case, "counting": counting, "keyring": keyring, "windows": windows}, f)
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -366,17 +388,29 @@ def _per_op(windows: list[dict], key: str) -> dict:
             "naive": [w[key] / w["ops"] for w in windows]}
 
 
-def _group(a: argparse.Namespace, folder: str, lib: str, auth: bool) -> dict:
-    """One server (with a keyring or not) and a client process per case."""
+def _child_env(folder: str, auth: bool, tree: str | None = None, gc_mode: str = "off") -> tuple[dict[str, str], str]:
+    """The server's and the clients' environment, and the tenant's secret ("" with auth off):
+    auth on, a keyring in `folder`; auth off, no keyring at all, neither a configured one nor
+    this user's own (on by default, and `clean_env` passes on where it is)."""
+    from kvpool.security.local import DIR_ENV, LOCAL_ENV
     from kvpool.tools.launch.processes import clean_env
 
     env = clean_env(**ENV)
-    if a.tree:
-        env["PYTHONPATH"] = os.path.abspath(a.tree)
-    env["KVPOOL_INSTR_GC"] = a.gc
+    if tree:
+        env["PYTHONPATH"] = os.path.abspath(tree)
+    env["KVPOOL_INSTR_GC"] = gc_mode
     secret = ""
     if auth:
         env["KVPOOL_AUTH_FILE"], secret = _keyring(folder)
+    else:
+        env.pop(DIR_ENV, None)
+        env[LOCAL_ENV] = "off"
+    return env, secret
+
+
+def _group(a: argparse.Namespace, folder: str, lib: str, auth: bool) -> dict:
+    """One server (with a keyring or not) and a client process per case."""
+    env, secret = _child_env(folder, auth, a.tree, a.gc)
     tag = "on" if auth else "off"
     counting = not a.native
     script = os.path.abspath(__file__)
@@ -396,6 +430,11 @@ def _group(a: argparse.Namespace, folder: str, lib: str, auth: bool) -> dict:
         if not line.startswith("kvpool serving at "):
             raise RuntimeError(f"kvpool serve did not start (said {line!r}); see {folder}")
         address = line.rsplit(" ", 1)[1]
+        with open(os.path.join(folder, "keyring")) as f:
+            server_keyring = f.read()
+        if server_keyring != ("configured" if auth else "none"):
+            raise RuntimeError(f"auth {tag}, but the server's keyring is {server_keyring!r}")
+        print(f"auth {tag}: server keyring {server_keyring}", file=sys.stderr, flush=True)
         time.sleep(2 if not counting else 10)  # the arena's pages mapped (a background thread)
         if a.idle and counting:
             srv = _Server(proc.pid, folder, True)
@@ -418,7 +457,8 @@ def _group(a: argparse.Namespace, folder: str, lib: str, auth: bool) -> dict:
                 raise RuntimeError(f"client {case} failed:\n{done.stdout[-3000:]}")
             with open(os.path.join(folder, f"client-{case}.json")) as f:
                 doc = json.load(f)
-            results[case] = {"path": path, "op": op, "size": size, "auth": auth, "windows": doc["windows"],
+            results[case] = {"path": path, "op": op, "size": size, "auth": auth,
+                             "keyring": {"server": server_keyring, "client": doc["keyring"]}, "windows": doc["windows"],
                              "took_s": round(time.monotonic() - t0, 1)}
             print(f"  {case}: {results[case]['took_s']} s", file=sys.stderr, flush=True)
     finally:
@@ -475,7 +515,8 @@ def _table(results: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="rpc", help="groups of cases: rpc, engine (comma-separated)")
-    ap.add_argument("--auth", default="off,on", help="which pools: off (no keyring), on (keyring, tenant client)")
+    ap.add_argument("--auth", default="off,on",
+                    help="which pools: off (no keyring, the per-user one off too), on (keyring, tenant client)")
     ap.add_argument("--ops", type=int, default=200, help="N at 64 KiB (N/2 at 1 MiB, N/4 at 8 MiB)")
     ap.add_argument("--pairs", type=int, default=2, help="N / 2N window pairs per case")
     ap.add_argument("--tree", help="import kvpool from this tree (a worktree of another commit)")

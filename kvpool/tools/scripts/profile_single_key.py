@@ -23,6 +23,10 @@ costs, two rounds side by side do not. `--control`: the second pool has no keyri
 the ratio shows what the method reads when there is no difference (its floor). `--principal
 node`: the keyring pool's client proves the node principal (authorized, keys not scoped), to
 tell the tenant's key scoping from the rest of authentication.
+
+"Without a keyring" holds only with this user's own keyring off too (it is on by default): run
+with KVPOOL_LOCAL_AUTH=off, or the plain pool and its client authenticate with it.
+`instr_per_op.py` turns it off by itself and is what BENCHMARKS.md quotes.
 """
 
 from __future__ import annotations

@@ -80,3 +80,25 @@ def test_scoped_keys_of_the_longest_kind_in_dram_ssd_and_after_a_restart(tmp_pat
     with TieredStore(1 << 20, ssd_path=path, ssd_capacity=8 << 20) as store:
         assert sum(store.get(k) is not None for k in keys) >= 2  # what was on SSD survived, still scoped
         assert store.usage(tenant)[1] >= 2 and store.usage("")[1] == 0
+
+
+def test_a_keys_tenant_is_what_precedes_its_first_nul_derived_once():
+    """Each key counts for `tenant_of(key)`, derived when it is inserted and kept for its
+    accesses, removal and eviction: the part before the first NUL (a later NUL does not move
+    it), and tenant "" for a key with no NUL or one that starts with NUL."""
+    policy = FairPolicy(lambda: make_policy("lru", 1000))
+    sizes = {"a\x00k": 1, "a\x00k\x00more": 2, "a\x00": 4, "\x00a\x00k": 8, "plain": 16, "ab\x00k": 32,
+             "b\x00a\x00k": 64}
+    for key, size in sizes.items():
+        policy.insert(key, size)
+    tenants = {"a": 7, "": 24, "ab": 32, "b": 64, "a\x00k": 0, "plain": 0}
+    assert {t: policy.bytes_of(t) for t in tenants} == tenants
+    policy.insert("a\x00k", 999)  # tracked already: its size and tenant stay (LRU: now after "a\x00")
+    policy.access("a\x00k\x00more")  # and this one after both
+    policy.access("untracked\x00k")  # neither tracked nor a tenant made for it
+    assert policy.bytes_of("untracked") == 0 and "untracked\x00k" not in policy
+    policy.remove("\x00a\x00k")
+    assert policy.bytes_of("") == 16 and policy.bytes_of("a") == 7 and len(policy) == 6
+    victims = [policy.evict(lambda k: True) for _ in range(7)]
+    assert victims == ["b\x00a\x00k", "ab\x00k", "plain", "a\x00", "a\x00k", "a\x00k\x00more", None]
+    assert all(policy.bytes_of(t) == 0 for t in tenants) and len(policy) == 0
