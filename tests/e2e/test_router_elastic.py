@@ -8,6 +8,7 @@ import concurrent.futures
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,10 +87,15 @@ def test_added_worker_takes_requests_within_seconds(elastic):
 def test_killed_decode_worker_fails_only_its_requests(elastic):
     victim, _ = _add(elastic, "decode-victim")
     client = _client(elastic)
+    streaming = threading.Semaphore(0)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(_stream, client, 48) for _ in range(6)]
+        # Long enough that no stream ends before all six have text: the victim is killed mid-stream,
+        # after its tokens reached the client (a decode killed before its first token is recomputed
+        # elsewhere, test_kv_lost_before_decode_is_recomputed_not_failed, and would not fail).
+        futures = [pool.submit(_stream, client, 160, streaming.release) for _ in range(6)]
         _wait(lambda: _workers(elastic)[victim.url]["inflight_decodes"] > 0, 60, "a stream on the victim")
-        time.sleep(0.3)
+        for _ in range(6):
+            assert streaming.acquire(timeout=120), "a stream sent no text"
         victim.popen.send_signal(signal.SIGKILL)
         ok, failed = 0, 0
         for f in futures:

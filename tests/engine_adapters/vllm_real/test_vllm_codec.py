@@ -14,7 +14,8 @@ from kvpool.keys import Namespace, chunk_keys_hex
 
 from test_vllm_real import CHUNK, MODEL_ID, connector, engine, loadable, run
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
+# slow: three fresh engines (~1.5 min): the codec's own agreement is in the default suite and `kvpool bench codec`.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vLLM is not installed here: `make test` runs this suite in .venv-vllm")]
 

@@ -129,6 +129,9 @@ def _wait(cond, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+# slow: two vLLM servers of their own (~1.5 min); the events index itself is checked above with
+# vLLM's own publisher, and routing by events in tests/kvpool/router/test_kv_events.py.
+@pytest.mark.slow
 def test_a_repeated_prefix_goes_to_the_vllm_instance_that_caches_it(two_servers):
     import httpx
     from openai import OpenAI

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 from kvpool.tools.launch.processes import clean_env
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900),
+# slow: a `kvpool up --engine vllm` of its own (~2.5 min); the router salting each tenant's
+# requests is checked in the default suite (tests/kvpool/router/test_router_vllm_tenants.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vLLM is not installed here: `make test` runs this suite in .venv-vllm")]
 
