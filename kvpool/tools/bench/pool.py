@@ -50,7 +50,7 @@ import numpy as np
 from pydantic import Field, PositiveInt
 
 from kvpool.tools.bench.pool_peers import MooncakePeer, RedisPeer, mooncake_available
-from kvpool.tools.bench.pool_process import PoolProcess, auth_pool
+from kvpool.tools.bench.pool_process import PoolProcess, auth_pool, cpu_clock
 from kvpool.tools.bench.report import Report, gbps, progress
 from kvpool.tools.workload_file import Size, WorkloadFile, list_of, takes_workload
 
@@ -338,12 +338,14 @@ def _many_clients(as_json: bool, sizes: list[int], reps: int, wanted: set[str], 
         loader = Ours(server.address, False, "loader")
         closers.append(loader.close)
         specs: dict[str, dict] = {"ours_tcp": {"address": server.address}, "ours_shm": {"address": server.address}}
+        server_cpu = {"ours_tcp": [server.cpu_seconds], "ours_shm": [server.cpu_seconds]}
         load: list[Callable[[str, np.ndarray], None]] = [loader.put]
         if "redis" in wanted:
             try:
                 redis = RedisPeer()
                 closers.append(redis.close)
                 specs["redis"] = {"port": redis.port}
+                server_cpu["redis"] = [cpu_clock(redis.proc.pid)]
                 load.append(redis.put)
             except RuntimeError as exc:
                 report.notes.append(f"Redis skipped: {exc}")
@@ -355,6 +357,7 @@ def _many_clients(as_json: bool, sizes: list[int], reps: int, wanted: set[str], 
                 specs["mooncake"] = {"metadata_url": mc.metadata_url, "master": mc.master_address,
                                      "env": {k: v for k, v in _mooncake_env().items() if k.startswith(("MC_", "GLOG_"))}}
                 load.append(lambda key, value, mc=mc: _mooncake_put(mc, key, value))
+                server_cpu["mooncake"] = [cpu_clock(mc.master.pid), cpu_clock(mc.owner.pid)]  # metadata, data
             else:
                 report.notes.append(f"Mooncake skipped: {why}")
         for size in sizes:
@@ -362,7 +365,7 @@ def _many_clients(as_json: bool, sizes: list[int], reps: int, wanted: set[str], 
                 value = pool_clients._value(size, i)
                 for put in load:
                     put(pool_clients._key(size, i), value)
-        pool_clients.run(report, specs, counts, sizes, reps, duration)
+        pool_clients.run(report, specs, counts, sizes, reps, duration, server_cpu)
     finally:
         for close in reversed(closers):
             try:

@@ -19,7 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -130,8 +130,16 @@ def _client_main(conn: Any, index: int, specs: dict[str, dict], sizes: list[int]
 
 
 def run(report: Report, specs: dict[str, dict], client_counts: list[int], sizes: list[int], reps: int,
-        duration: float) -> None:
-    """Every (client count, size) x system, `reps` alternating turns each; rows into `report`."""
+        duration: float, server_cpu: dict[str, list[Callable[[], float]]] | None = None) -> None:
+    """Every (client count, size) x system, `reps` alternating turns each; rows into `report`.
+    `server_cpu`: per system, the CPU clocks of its server processes; the CPU they use over a turn
+    gives each row the servers' CPU per get and the cores they had, which separates a server that
+    costs more per get with more clients from one that gets less of a machine the clients share."""
+    server_cpu = server_cpu or {}
+
+    def cpu(name: str) -> float:
+        return sum(clock() for clock in server_cpu.get(name, ()))
+
     ctx = mp.get_context("spawn")
     names = list(specs)
     bar, advance = progress(len(client_counts) * len(sizes) * reps * len(names), "pool, many clients")
@@ -153,14 +161,17 @@ def run(report: Report, specs: dict[str, dict], client_counts: list[int], sizes:
                             start_at = time.time() + (5.0 if rep == 0 else 0.5) + 0.02 * count
                             for pipe in pipes:
                                 pipe.send(("run", name, size, start_at, duration))
+                            cpu_before = cpu(name)
                             answers = [pipe.recv() for pipe in pipes]
+                            cpu_used = cpu(name) - cpu_before
                             bad = [a[1] for a in answers if a[0] != "ok"]
                             if bad:
                                 raise RuntimeError(f"{name} with {count} clients: {bad[0]}")
                             total = sum(a[1] for a in answers)
-                            figures[name].append((total / duration, np.concatenate([a[2] for a in answers])))
+                            figures[name].append((total / duration, np.concatenate([a[2] for a in answers]),
+                                                  cpu_used / max(total, 1) * 1e6, cpu_used / duration))
                             advance()
-                    _add(report, count, size, figures)
+                    _add(report, count, size, figures, set(server_cpu))
             finally:
                 for pipe in pipes:
                     try:
@@ -173,17 +184,26 @@ def run(report: Report, specs: dict[str, dict], client_counts: list[int], sizes:
                         p.kill()
 
 
-def _add(report: Report, count: int, size: int, figures: dict[str, list[tuple[float, np.ndarray]]]) -> None:
+def _add(report: Report, count: int, size: int, figures: dict[str, list[tuple[float, np.ndarray, float, float]]],
+         measured_cpu: set[str] = frozenset()) -> None:
     def lat(name: str, q: float) -> float:
         return round(float(np.percentile(np.concatenate([f[1] for f in figures[name]]), q)) * 1e6, 1)
+
+    def server(name: str, prefix: str, extra: dict[str, Any]) -> None:
+        """The median over turns of the servers' CPU per get (µs) and the cores they used."""
+        if name in measured_cpu:
+            extra[f"{prefix}server_cpu_us_per_get"] = round(float(np.median([f[2] for f in figures[name]])), 1)
+            extra[f"{prefix}server_cores"] = round(float(np.median([f[3] for f in figures[name]])), 2)
 
     ours = [n for n in figures if n.startswith("ours")]
     peers = [n for n in figures if not n.startswith("ours")]
     for name in ours:
         values = [f[0] for f in figures[name]]
         extra = {"clients": count, "p50_us": lat(name, 50), "p99_us": lat(name, 99)}
+        server(name, "", extra)
         for peer in peers:
             extra[f"{peer}_p50_us"], extra[f"{peer}_p99_us"] = lat(peer, 50), lat(peer, 99)
+            server(peer, f"{peer}_", extra)
         case = f"get_{name.removeprefix('ours_')}_clients_{count}"
         if not peers:
             report.add(case, values, "ops/s", size=size, extra=extra)

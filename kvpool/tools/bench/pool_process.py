@@ -32,7 +32,7 @@ class PoolProcess:
             stop(self.proc, 5.0)
             raise RuntimeError(f"kvpool serve did not start (said {line!r})")
         self.address = line.rsplit(" ", 1)[1]
-        self.cpu_seconds = _cpu_clock(self.proc.pid)
+        self.cpu_seconds = cpu_clock(self.proc.pid)
 
     def settle(self, timeout: float = 120.0) -> None:
         """Wait until the pool is idle: a new pool maps its whole DRAM arena in a background thread
@@ -50,7 +50,7 @@ class PoolProcess:
         stop(self.proc, 10)
 
 
-def _cpu_clock(pid: int) -> Callable[[], float]:
+def cpu_clock(pid: int) -> Callable[[], float]:
     """The CPU seconds (user + system, all threads) process `pid` has used so far: its POSIX CPU
     clock (ns resolution) where libc gives it, else /proc/<pid>/stat (clock ticks)."""
     import ctypes

@@ -232,13 +232,6 @@ class _Server:
         self._request(signal.SIGUSR2, label)
 
 
-def _cpu_clock(pid: int):
-    clock = ctypes.c_int()
-    if ctypes.CDLL(None).clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
-        raise OSError(f"no CPU clock for process {pid}")
-    return lambda: time.clock_gettime(clock.value)
-
-
 # ---------------------------------------------------------------------------- the client
 
 def _settle(cpu, period: float = 0.5, quiet: float = 0.02, timeout: float = 300.0) -> None:
@@ -264,7 +257,9 @@ def _client(a: argparse.Namespace) -> None:
         lib.kv_toggle()
         _count_threads(lib, lambda name: True)
     server = _Server(a.server_pid, a.folder, counting)
-    server_cpu = _cpu_clock(a.server_pid)
+    from kvpool.tools.bench.pool_process import cpu_clock
+
+    server_cpu = cpu_clock(a.server_pid)
     credential, keyring = None, _keyring_in_use()
     if a.secret:
         from kvpool.security.keyring import Credential

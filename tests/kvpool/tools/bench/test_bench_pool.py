@@ -4,6 +4,7 @@ Speed is not asserted here; only that every system was measured and correctness 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,9 @@ def test_bench_pool_many_clients_measures_every_system_at_every_count():
             assert x["extra"]["clients"] == count
             assert 0 < x["extra"]["p50_us"] <= x["extra"]["p99_us"]
             assert 0 < x["extra"]["redis_p50_us"] <= x["extra"]["redis_p99_us"]
+            # the servers' own CPU over the turn: every get costs the server some, and it had some core
+            assert x["extra"]["server_cpu_us_per_get"] > 0 and x["extra"]["redis_server_cpu_us_per_get"] > 0
+            assert 0 < x["extra"]["server_cores"] <= (os.cpu_count() or 1)
 
 
 def test_bench_pool_refuses_bad_client_counts():
