@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import ChecksumMismatch, CorruptObject, FormatError, InvalidArgument, LayoutMismatch, UntrustedChunk
-from kvpool.chunk_format import (HEADER_SIZE, ChunkAuth, KVLayout, decode_chunk, encode_chunk, encode_into, key_digest,
+from kvpool.chunk_format import (FLAG_MAC, HEADER_SIZE, ChunkAuth, KVLayout, decode_chunk, encode_chunk, encode_into, key_digest,
                                  read_header)
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "vectors.json").read_text())["layout"]
@@ -97,8 +97,10 @@ def test_corrupt_byte_never_decodes_to_wrong_data(pos, flip, keyed):
         if pos >= HEADER_SIZE:  # payload damage is caught by the MAC, or by the checksum without one
             assert isinstance(exc, UntrustedChunk if keyed else ChecksumMismatch)
         return
-    # With a MAC every byte is load-bearing; without one, only the reserved bytes and the tag are not.
-    assert not keyed and 72 <= pos < HEADER_SIZE
+    # With a MAC every byte is load-bearing. Without one, the reserved bytes and the tag are not, nor
+    # the flag saying the tag is a MAC (bit 8, byte 21): a reader without the key checks the binding
+    # and the checksum alone, so a chunk flagged as MAC'd reads the same to it (and the data is right).
+    assert not keyed and (72 <= pos < HEADER_SIZE or (pos == 21 and flip == FLAG_MAC >> 8))
     np.testing.assert_array_equal(view.as_numpy(), kv)
 
 
