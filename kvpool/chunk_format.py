@@ -206,7 +206,7 @@ def _as_bytes_view(kv: Any) -> memoryview:
 def _torch_dtype(layout: KVLayout) -> Any:
     import torch  # local: torch is optional for the core package
 
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[layout.dtype]
+    return getattr(torch, layout.dtype)  # every DTYPES name is torch's name too
 
 
 def payload_tensor(buf: Any, layout: KVLayout, tokens: int) -> Any:
@@ -278,7 +278,7 @@ def encode_chunk(layout: KVLayout, kv: Any, tokens: int | None = None, *, key: s
     if src.nbytes != nbytes:
         raise InvalidArgument(f"kv has {src.nbytes} bytes, layout {layout.dtype} expects {nbytes}")
     out = bytearray(HEADER_SIZE + nbytes)
-    out[HEADER_SIZE:] = src
+    memoryview(out)[HEADER_SIZE:] = src  # one memcpy (a bytearray slice assignment copies src first)
     seal_into(out, layout, tokens, key=key, auth=auth)
     return out
 
