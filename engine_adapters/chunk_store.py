@@ -18,8 +18,7 @@ import numpy as np
 
 from engine_adapters.base import KVEvent, SaveResult
 from engine_adapters.chunk_reader import ChunkReader
-from kvpool.chunk_format import ChunkAuth, ChunkView, decode_chunk, seal_into
-from kvpool.codec import encode_raw_object
+from kvpool.chunk_format import ChunkAuth, ChunkView, decode_chunk, encode_chunk, payload_tensor, seal_into
 from kvpool.security.keyring import chunk_mac_key, load_keyring, tenant_salt
 from kvpool.config import current_settings, read_secret_file
 from kvpool.contract import PoolClient
@@ -223,7 +222,8 @@ class ChunkStore:
             if codec is None:
                 seal_into(obj.buffer, self.layout, obj.tokens, key=obj.key, auth=self.auth)
             else:
-                obj.buffer = encode_raw_object(codec, self.layout, obj.buffer, obj.tokens, key=obj.key, auth=self.auth)
+                kv = payload_tensor(obj.buffer, self.layout, obj.tokens)
+                obj.buffer = encode_chunk(self.layout, kv, obj.tokens, key=obj.key, auth=self.auth, codec=codec)
         if any(obj.is_tail for obj in planned):
             self._flush_releases()
             for obj in planned:

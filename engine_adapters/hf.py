@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 from engine_adapters.base import KVEvent, LoadResult, SaveResult
 from engine_adapters.chunk_store import ChunkStore, ChunkStoreAdapter, PlannedObject
 from engine_adapters.layerwise import BackgroundLayerwiseLoad, PlannedLayerwiseSave
-from kvpool.chunk_format import HEADER_SIZE, ChunkView, KVLayout
+from kvpool.chunk_format import ChunkView, KVLayout, payload_tensor
 from kvpool.contract import PoolClient
 from kvpool.errors import InvalidArgument
 from kvpool.handle import KVHandle
@@ -48,12 +48,6 @@ def layout_for_model(model: Any, chunk_tokens: int, codec: str = "none") -> KVLa
     if dtype is None:
         raise InvalidArgument(f"model dtype {model.dtype} has no KV layout (use float32, bfloat16 or float16)")
     return KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype, chunk_tokens, codec)
-
-
-def _payload_tensor(obj: PlannedObject, layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
-    """A writable `[layers, 2, kv_heads, tokens, head_dim]` view of a planned object's payload."""
-    raw = torch.frombuffer(obj.buffer, dtype=torch.uint8)[HEADER_SIZE:HEADER_SIZE + layout.payload_nbytes(obj.tokens)]
-    return raw.view(dtype).view(layout.shape(obj.tokens))
 
 
 def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,7 +87,7 @@ class HFLayerwiseSave(PlannedLayerwiseSave):
         super().__init__(adapter.store, token_ids, request_id, start_token)
 
     def _payload(self, obj: PlannedObject) -> torch.Tensor:
-        return _payload_tensor(obj, self._adapter.layout, self._adapter.torch_dtype)
+        return payload_tensor(obj.buffer, self._adapter.layout, obj.tokens)
 
     def _copy_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = self._adapter.check_layer_kv(k, self.num_tokens), self._adapter.check_layer_kv(v, self.num_tokens)

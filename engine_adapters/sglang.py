@@ -41,8 +41,8 @@ import torch
 from engine_adapters.chunk_reader import ChunkReader
 from engine_adapters.compat import require
 from engine_adapters.chunk_store import plugin_mac_key, plugin_tenant_salt
-from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, encode_into
-from kvpool.codec import encode_object, get_codec
+from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, encode_chunk, payload_tensor, seal_into
+from kvpool.codec import get_codec
 from kvpool.config import current_settings
 from kvpool.contract import PoolClient
 from kvpool.errors import InvalidArgument, KVPoolError
@@ -169,12 +169,13 @@ class KVPoolHiCacheStorage(HiCacheStorage):
 
     def _encode(self, page: torch.Tensor, key: str) -> bytearray:
         """Page (5-d view in the host layout) -> chunk object bound to the pool key of `key`."""
-        lay = self.layout
-        chunk = page.permute(self._perm).contiguous()  # the one copy into layer-major order
+        lay, pool_key = self.layout, self.pool_key(key)
+        chunk = page.permute(self._perm)  # layer-major view of the page
         if lay.codec != "none":  # encoded on save; the reader decodes on load
-            return encode_object(self._codec, lay, chunk, key=self.pool_key(key), auth=self._auth)
+            return encode_chunk(lay, chunk, key=pool_key, auth=self._auth, codec=self._codec)
         out = bytearray(lay.object_nbytes())
-        encode_into(out, lay, chunk, lay.chunk_tokens, key=self.pool_key(key), auth=self._auth)
+        payload_tensor(out, lay, lay.chunk_tokens).copy_(chunk)  # the one copy, into layer-major order
+        seal_into(out, lay, lay.chunk_tokens, key=pool_key, auth=self._auth)
         return out
 
     def _read_pages(self, keys: List[str]) -> list[ChunkView | None]:

@@ -38,7 +38,8 @@ Format version 1 (64-byte header, no binding) is not read: it is a `FormatError`
 A layout whose `codec` is not "none" (`kvpool.codec`: int8, fp8, ...) stores the payload that
 codec writes (also layer-major) and its id in the flags; the codec is part of the layout hash and
 so of the namespace, and `decode_chunk` refuses a chunk of another codec (`LayoutMismatch`). A
-reader of such a layout passes the codec object; the view then holds the decoded KV.
+writer (`encode_chunk`) and a reader of such a layout pass the codec object; the view then holds
+the decoded KV.
 
 Invariant: `decode_chunk` either returns views whose bytes hash to the header's checksum (and,
 given a MAC key, carry a valid MAC; given a key and namespace, name them), or raises
@@ -202,43 +203,33 @@ def _as_bytes_view(kv: Any) -> memoryview:
     return memoryview(arr).cast("B")
 
 
-def encode_into(out: Any, layout: KVLayout, kv: Any, tokens: int, *, key: str | None = None,
-                auth: ChunkAuth | None = None) -> int:
-    """Write a chunk object holding `kv` (shape `layout.shape(tokens)`) into `out`.
+def _torch_dtype(layout: KVLayout) -> Any:
+    import torch  # local: torch is optional for the core package
 
-    `out` is any writable buffer of at least `layout.object_nbytes(tokens)` bytes. Returns the
-    number of bytes written. The payload is copied once, straight into `out`. `key` and `auth`
-    bind the chunk (see `seal_into`).
-    """
-    if not 0 < tokens <= layout.chunk_tokens:
-        raise InvalidArgument(f"tokens must be in 1..{layout.chunk_tokens}, got {tokens}")
-    if layout.codec != "none":
-        raise InvalidArgument(f"a {layout.codec} layout's chunks are written by kvpool.codec.encode_object")
-    shape = tuple(getattr(kv, "shape", ()))
-    if shape != layout.shape(tokens):
-        raise InvalidArgument(f"kv has shape {shape}, layout expects {layout.shape(tokens)}")
-    src = _as_bytes_view(kv)
-    nbytes = layout.payload_nbytes(tokens)
-    if src.nbytes != nbytes:
-        raise InvalidArgument(f"kv has {src.nbytes} bytes, layout {layout.dtype} expects {nbytes}")
-    dst = memoryview(out).cast("B")
-    total = HEADER_SIZE + nbytes
-    if dst.nbytes < total:
-        raise InvalidArgument(f"output buffer holds {dst.nbytes} bytes, need {total}")
-    dst[HEADER_SIZE:total] = src
-    return seal_into(dst, layout, tokens, key=key, auth=auth)
+    return getattr(torch, layout.dtype)  # every DTYPES name is torch's name too
+
+
+def payload_tensor(buf: Any, layout: KVLayout, tokens: int) -> Any:
+    """A writable torch view `layout.shape(tokens)` of the payload of the chunk object buffer `buf`
+    (`layout.object_nbytes(tokens)` bytes or more), no copy: where in-place writers put the KV
+    (layer by layer, straight from a paged cache) before `seal_into` writes the header."""
+    import torch
+
+    count = layout.payload_nbytes(tokens) // layout.itemsize
+    return torch.frombuffer(buf, dtype=_torch_dtype(layout), count=count, offset=HEADER_SIZE).view(layout.shape(tokens))
 
 
 def seal_into(buf: Any, layout: KVLayout, tokens: int, *, key: str | None = None, auth: ChunkAuth | None = None,
               payload_nbytes: int | None = None, codec_id: int = 0) -> int:
-    """Write the header of a chunk object whose payload is already in `buf[HEADER_SIZE:]`.
+    """Write the header of a chunk object whose payload is already in `buf[HEADER_SIZE:]`: the one
+    place a chunk's header, checksum and MAC are laid out.
 
-    For writers that fill the payload in place (layer by layer, or straight from a paged cache),
-    so the payload is never copied a second time. Returns the object's size. An encoded payload
-    (a layout with a codec) gives its length and its codec's id (`kvpool.codec.encode_object`).
-    `key` (the pool key it is stored under) and `auth` (namespace, MAC key) bind the chunk to its
-    place; the adapters always give both. Left out, the header names no key / no namespace, and a
-    reader that checks them refuses the chunk.
+    In-place writers fill the payload (`payload_tensor`), so it is never copied a second time;
+    `encode_chunk` is this after one copy or encode into a new buffer. Returns the object's size.
+    An encoded payload (a layout with a codec) gives its length and its codec's id. `key` (the
+    pool key it is stored under) and `auth` (namespace, MAC key) bind the chunk to its place; the
+    adapters always give both. Left out, the header names no key / no namespace, and a reader
+    that checks them refuses the chunk.
     """
     dst = memoryview(buf).cast("B")
     if (layout.codec != "none") != (payload_nbytes is not None) or not 0 <= codec_id <= 0xFF:
@@ -260,13 +251,35 @@ def seal_into(buf: Any, layout: KVLayout, tokens: int, *, key: str | None = None
 
 
 def encode_chunk(layout: KVLayout, kv: Any, tokens: int | None = None, *, key: str | None = None,
-                 auth: ChunkAuth | None = None) -> bytearray:
-    """Encode `kv` (`[layers, 2, kv_heads, tokens, head_dim]`) as a new chunk object, bound to
-    `key` and `auth` when given (see `seal_into`)."""
+                 auth: ChunkAuth | None = None, codec: Any = None) -> bytearray:
+    """A new chunk object holding `kv` (`[layers, 2, kv_heads, tokens, head_dim]`, numpy or CPU
+    torch), bound to `key` and `auth` when given (see `seal_into`). The payload is copied once,
+    straight after the header; for a layout with a codec, `codec` (`kvpool.codec.get_codec(
+    layout.codec)`, the one `decode_chunk` takes) encodes the torch tensor `kv` there instead."""
     if tokens is None:
         tokens = int(getattr(kv, "shape")[3])
-    out = bytearray(layout.object_nbytes(tokens))
-    encode_into(out, layout, kv, tokens, key=key, auth=auth)
+    if not 0 < tokens <= layout.chunk_tokens:
+        raise InvalidArgument(f"tokens must be in 1..{layout.chunk_tokens}, got {tokens}")
+    encoded = codec is not None and codec.name != "none"
+    if (layout.codec != "none") != encoded or (codec is not None and codec.name != layout.codec):
+        raise InvalidArgument(f"encode_chunk: layout codec {layout.codec!r}, codec given {getattr(codec, 'name', None)!r}")
+    shape = tuple(getattr(kv, "shape", ()))
+    if shape != layout.shape(tokens):
+        raise InvalidArgument(f"kv has shape {shape}, layout expects {layout.shape(tokens)}")
+    if encoded:
+        out = bytearray(HEADER_SIZE + codec.max_encoded_nbytes(layout, tokens))
+        n = codec.encode_into(layout, kv, memoryview(out)[HEADER_SIZE:])
+        if HEADER_SIZE + n < len(out):  # a variable-rate codec: keep what it wrote
+            del out[HEADER_SIZE + n:]
+        seal_into(out, layout, tokens, key=key, auth=auth, payload_nbytes=n, codec_id=codec.codec_id)
+        return out
+    src = _as_bytes_view(kv)
+    nbytes = layout.payload_nbytes(tokens)
+    if src.nbytes != nbytes:
+        raise InvalidArgument(f"kv has {src.nbytes} bytes, layout {layout.dtype} expects {nbytes}")
+    out = bytearray(HEADER_SIZE + nbytes)
+    memoryview(out)[HEADER_SIZE:] = src  # one memcpy (a bytearray slice assignment copies src first)
+    seal_into(out, layout, tokens, key=key, auth=auth)
     return out
 
 
@@ -369,10 +382,9 @@ class ChunkView:
 
         import torch
 
-        dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.layout.dtype]
         with warnings.catch_warnings():  # read-only buffers warn; callers copy before writing
             warnings.simplefilter("ignore")
-            tensor = torch.frombuffer(self.payload, dtype=dtype)
+            tensor = torch.frombuffer(self.payload, dtype=_torch_dtype(self.layout))
         return tensor.reshape(self.layout.shape(self.tokens))
 
 
@@ -419,7 +431,6 @@ def decode_chunk(buf: Any, layout: KVLayout, *, key: str | None = None, auth: Ch
     if encoded:
         import torch
 
-        dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[layout.dtype]
-        decoded = torch.empty(layout.shape(header.tokens), dtype=dtype)
+        decoded = torch.empty(layout.shape(header.tokens), dtype=_torch_dtype(layout))
         codec.decode_into(layout, payload, decoded)
     return ChunkView(layout, header, payload, decoded)

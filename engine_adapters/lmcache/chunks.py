@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvpool.chunk_format import HEADER_SIZE, ChunkAuth, ChunkView, KVLayout, seal_into
+from kvpool.chunk_format import ChunkAuth, ChunkView, KVLayout, payload_tensor, seal_into
 from kvpool.errors import InvalidArgument
 from kvpool.keys import Namespace
 
@@ -65,8 +65,7 @@ class LMCacheChunks:
         out = bytearray(nbytes) if out is None else out
         if len(memoryview(out).cast("B")) < nbytes:
             raise InvalidArgument(f"buffer of {len(memoryview(out).cast('B'))} B, the chunk object needs {nbytes}")
-        payload = torch.frombuffer(out, dtype=self.dtype, offset=HEADER_SIZE, count=lay.payload_nbytes(tokens) // lay.itemsize)
-        payload.view(lay.shape(tokens)).copy_(self._as_5d(kv, tokens).permute(_SWAP))
+        payload_tensor(out, lay, tokens).copy_(self._as_5d(kv, tokens).permute(_SWAP))
         seal_into(out, lay, tokens, key=pool_key, auth=self.auth)
         return memoryview(out).cast("B")[:nbytes]
 

@@ -46,7 +46,7 @@ from engine_adapters.vllm.layouts import attention_layers, layer_backend
 from engine_adapters.vllm.metadata import KVPoolConnectorMetadata, LoadSpec, SaveSpec
 from engine_adapters.vllm.pages import PageMapIO, ViewIO, kernel_block_ids, resolve_block_io
 from engine_adapters.vllm.settings import TORCH_DTYPES, ConnectorSettings
-from kvpool.chunk_format import HEADER_SIZE
+from kvpool.chunk_format import payload_tensor
 from kvpool.contract import PoolClient
 from kvpool.errors import InvalidArgument, KVPoolError, LayoutMismatch
 
@@ -183,14 +183,12 @@ class WorkerSide:
         self._step_meta = meta
         self._active_loads, self._active_saves, self._loaded_layers = [], [], set()
         layout, chunk = self.settings.layout, self.settings.chunk_tokens
-        count = layout.payload_nbytes(chunk) // layout.itemsize
         for spec in getattr(meta, "saves", ()):
             store = self.store_for(spec.cache_salt)
             keys = store.chunk_keys(spec.token_ids)
             planned = [PlannedObject(keys[c], c * chunk, chunk, False, bytearray(layout.object_nbytes(chunk)))
                        for c in range(spec.first_chunk, len(keys))]
-            payloads = [torch.frombuffer(obj.buffer, dtype=TORCH_DTYPES[layout.dtype], count=count, offset=HEADER_SIZE)
-                        .view(layout.shape(chunk)) for obj in planned]
+            payloads = [payload_tensor(obj.buffer, layout, chunk) for obj in planned]
             if planned:
                 self._active_saves.append(_ActiveSave(spec, store, keys, planned, payloads))
 

@@ -136,37 +136,6 @@ def encode(codec: Codec, layout: KVLayout, kv: Any) -> bytearray:
     return out
 
 
-def encode_object(codec: Codec, layout: KVLayout, kv: Any, *, key: str | None = None, auth: Any = None) -> bytearray:
-    """A whole chunk object (`kvpool.chunk_format`: header with the codec's id, encoded payload) of
-    `kv` for `layout`, whose codec must be this one; `key`/`auth` bind it (`chunk_format.seal_into`)."""
-    from kvpool.chunk_format import HEADER_SIZE, seal_into
-
-    if layout.codec != codec.name:
-        raise InvalidArgument(f"layout codec {layout.codec!r} is not {codec.name!r}")
-    tokens = int(kv.shape[3])
-    out = bytearray(HEADER_SIZE + codec.max_encoded_nbytes(layout, tokens))
-    n = codec.encode_into(layout, kv, memoryview(out)[HEADER_SIZE:])
-    if HEADER_SIZE + n != len(out):  # a variable-rate codec: keep what it wrote (a copy of the smaller part)
-        out = bytearray(memoryview(out)[:HEADER_SIZE + n])
-    if codec.name == "none":  # the plain chunk format
-        seal_into(out, layout, tokens, key=key, auth=auth)
-    else:
-        seal_into(out, layout, tokens, key=key, auth=auth, payload_nbytes=n, codec_id=codec.codec_id)
-    return out
-
-
-def encode_raw_object(codec: Codec, layout: KVLayout, raw: Any, tokens: int, *, key: str | None = None,
-                      auth: Any = None) -> bytearray:
-    """`encode_object` of a buffer laid out as an uncompressed chunk object (header space, then the
-    KV's own bytes layer-major), as writers that fill payloads in place build them."""
-    from kvpool.chunk_format import HEADER_SIZE
-    from kvpool.codec._tensors import byte_view, torch_dtype
-
-    nbytes = layout.payload_nbytes(tokens)
-    kv = byte_view(raw, HEADER_SIZE + nbytes)[HEADER_SIZE:].view(torch_dtype(layout)).view(layout.shape(tokens))
-    return encode_object(codec, layout, kv, key=key, auth=auth)
-
-
 def decode(codec: Codec, layout: KVLayout, payload: Any, tokens: int) -> Any:
     """A new tensor `layout.shape(tokens)` holding the decoded payload."""
     from kvpool.codec._tensors import empty_kv
@@ -176,5 +145,4 @@ def decode(codec: Codec, layout: KVLayout, payload: Any, tokens: int) -> Any:
     return out
 
 
-__all__ = ["CODECS", "Codec", "codec_name", "decode", "encode", "encode_object", "encode_raw_object",
-           "get_codec", "stored_bytes_per_token"]
+__all__ = ["CODECS", "Codec", "codec_name", "decode", "encode", "get_codec", "stored_bytes_per_token"]

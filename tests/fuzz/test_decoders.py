@@ -256,12 +256,12 @@ def codec_target(name: str):
     import numpy as np
     import torch
 
-    from kvpool.codec import encode_object, get_codec
+    from kvpool.codec import get_codec
 
     codec = get_codec(name)
     layout = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype="bfloat16", chunk_tokens=4, codec=name)
     kv = torch.from_numpy(np.random.default_rng(1).standard_normal(layout.shape(4)).astype("float32")).to(torch.bfloat16)
-    seed = bytes(encode_object(codec, layout, kv))
+    seed = bytes(encode_chunk(layout, kv, codec=codec))
 
     def check(data: bytes) -> None:
         tokens = 4

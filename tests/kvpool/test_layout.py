@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import ChecksumMismatch, CorruptObject, FormatError, InvalidArgument, LayoutMismatch, UntrustedChunk
-from kvpool.chunk_format import (FLAG_MAC, HEADER_SIZE, ChunkAuth, KVLayout, decode_chunk, encode_chunk, encode_into, key_digest,
-                                 read_header)
+from kvpool.chunk_format import (FLAG_MAC, HEADER_SIZE, ChunkAuth, KVLayout, decode_chunk, encode_chunk, key_digest,
+                                 payload_tensor, read_header, seal_into)
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "vectors.json").read_text())["layout"]
 SMALL = KVLayout(num_layers=2, kv_heads=1, head_dim=4, dtype="float32", chunk_tokens=4)
@@ -75,8 +75,10 @@ def test_roundtrip(layers, heads, dim, chunk, dtype, data):
     obj = encode_chunk(lay, kv)
     assert len(obj) == lay.object_nbytes(tokens)
     np.testing.assert_array_equal(decode_chunk(obj, lay).as_numpy(), kv)
-    out = bytearray(len(obj) + 7)
-    assert encode_into(out, lay, torch.from_numpy(kv), tokens) == len(obj)
+    assert encode_chunk(lay, torch.from_numpy(kv), tokens) == obj
+    out = bytearray(len(obj) + 7)  # an in-place writer's buffer, larger than the object
+    payload_tensor(out, lay, tokens).copy_(torch.from_numpy(kv))
+    assert seal_into(out, lay, tokens) == len(obj)
     assert bytes(out[: len(obj)]) == bytes(obj)
 
 
@@ -162,7 +164,7 @@ def test_bad_encode_input():
     with pytest.raises(InvalidArgument):
         encode_chunk(SMALL, np.zeros((2, 2, 1, 4, 4), np.float64))  # wrong dtype size
     with pytest.raises(InvalidArgument):
-        encode_into(bytearray(10), SMALL, np.zeros(SMALL.shape(4), np.float32), 4)
+        seal_into(bytearray(10), SMALL, 4)
     with pytest.raises(InvalidArgument):
         encode_chunk(SMALL, np.zeros(SMALL.shape(4), np.float32), tokens=5)
     with pytest.raises(InvalidArgument):

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvpool.chunk_format import HEADER, HEADER_SIZE, KVLayout, decode_chunk, read_header, seal_into
-from kvpool.codec import encode_object, get_codec
+from kvpool.chunk_format import HEADER, HEADER_SIZE, KVLayout, decode_chunk, encode_chunk, read_header, seal_into
+from kvpool.codec import get_codec
 from kvpool.errors import ChecksumMismatch, InvalidArgument, LayoutMismatch
 from kvpool.keys import Namespace, chunk_keys_hex
 
@@ -47,7 +47,7 @@ def test_encoded_object_round_trip_and_header(name):
     layout = replace(LAYOUT, codec=name)
     for tokens in (16, 5):
         kv = kv_of(layout, tokens)
-        obj = encode_object(codec, layout, kv)
+        obj = encode_chunk(layout, kv, codec=codec)
         assert read_header(obj).flags == codec.codec_id  # the header records the codec
         view = decode_chunk(obj, layout, codec=codec)
         assert view.tokens == tokens and view.as_torch().dtype == torch.bfloat16
@@ -63,9 +63,9 @@ def test_encoded_object_round_trip_and_header(name):
 
 def test_a_chunk_of_another_codec_is_a_layout_mismatch():
     kv = kv_of(LAYOUT, 16)
-    objects = {"none": bytes(encode_object(get_codec("none"), LAYOUT, kv))}
+    objects = {"none": bytes(encode_chunk(LAYOUT, kv, codec=get_codec("none")))}
     for name in LOSSY:
-        objects[name] = bytes(encode_object(get_codec(name), replace(LAYOUT, codec=name), kv))
+        objects[name] = bytes(encode_chunk(replace(LAYOUT, codec=name), kv, codec=get_codec(name)))
     for writer, obj in objects.items():
         for reader in objects:
             if reader != writer:
@@ -75,7 +75,7 @@ def test_a_chunk_of_another_codec_is_a_layout_mismatch():
 
 def test_forged_layout_hash_is_still_caught_by_the_codec_id():
     """An int8 object whose header claims the uncompressed layout (a confused or lying writer)."""
-    forged = bytearray(encode_object(get_codec("int8"), replace(LAYOUT, codec="int8"), kv_of(LAYOUT, 16)))
+    forged = bytearray(encode_chunk(replace(LAYOUT, codec="int8"), kv_of(LAYOUT, 16), codec=get_codec("int8")))
     fields = list(HEADER.unpack_from(forged, 0))
     fields[3] = LAYOUT.layout_hash
     HEADER.pack_into(forged, 0, *fields)
@@ -89,20 +89,20 @@ def test_forged_layout_hash_is_still_caught_by_the_codec_id():
 
 def test_codec_layouts_need_their_codec():
     layout = replace(LAYOUT, codec="int8")
-    obj = encode_object(get_codec("int8"), layout, kv_of(layout, 16))
+    obj = encode_chunk(layout, kv_of(layout, 16), codec=get_codec("int8"))
     with pytest.raises(InvalidArgument):
         decode_chunk(obj, layout)
     with pytest.raises(InvalidArgument):
         decode_chunk(obj, layout, codec=get_codec("fp8"))
     with pytest.raises(InvalidArgument):
-        encode_object(get_codec("int8"), LAYOUT, kv_of(LAYOUT, 16))
+        encode_chunk(LAYOUT, kv_of(LAYOUT, 16), codec=get_codec("int8"))
     with pytest.raises(InvalidArgument):  # a raw payload cannot be sealed as an int8 chunk by mistake
         seal_into(bytearray(LAYOUT.object_nbytes(16)), layout, 16)
 
 
 def test_damaged_encoded_chunk_is_a_checksum_mismatch():
     layout = replace(LAYOUT, codec="int8")
-    obj = encode_object(get_codec("int8"), layout, kv_of(layout, 16))
+    obj = encode_chunk(layout, kv_of(layout, 16), codec=get_codec("int8"))
     obj[HEADER_SIZE + 3] ^= 0x10
     with pytest.raises(ChecksumMismatch):
         decode_chunk(obj, layout, codec=get_codec("int8"))

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from kvpool.chunk_format import HEADER_SIZE, KVLayout
-from kvpool.codec import encode_object, get_codec, stored_bytes_per_token
+from kvpool.chunk_format import HEADER_SIZE, KVLayout, encode_chunk
+from kvpool.codec import get_codec, stored_bytes_per_token
 
 LAYOUT = KVLayout(30, 3, 64, "float32", 256)  # the reference model's
 
@@ -23,7 +23,7 @@ def test_none_stores_the_kv_bytes():
 def test_a_fixed_rate_codec_stores_what_its_chunks_hold(codec):
     layout = KVLayout(30, 3, 64, "float32", 256, codec)
     kv = torch.randn(layout.shape(256))
-    stored = len(encode_object(get_codec(codec), layout, kv)) - HEADER_SIZE
+    stored = len(encode_chunk(layout, kv, codec=get_codec(codec))) - HEADER_SIZE
     assert stored_bytes_per_token(layout) == -(-stored // 256)
     assert 0.25 <= stored_bytes_per_token(layout) / LAYOUT.bytes_per_token <= 0.26  # a quarter of float32, plus scales
 
