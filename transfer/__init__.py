@@ -9,38 +9,13 @@ It knows nothing about keys or KV caches and imports nothing from `kvpool`.
 """
 
 from transfer.batch import READ, WRITE, Batch, Op
-from transfer.descriptor import RdmaEndpoint, SegmentDescriptor
-from transfer.engine import PREFERENCE, TransferEngine
-from transfer.errors import (AccessDenied, InvalidOp, LimitReached, PeerUnavailable, ProtocolError, SegmentNotFound,
-                             TransferError, TransferTimeout, TransportUnavailable)
-from transfer.framing import Limits
-from transfer.grant import Grants
+from transfer.descriptor import SegmentDescriptor
+from transfer.engine import TransferEngine
+from transfer.errors import (InvalidOp, ProtocolError, SegmentNotFound, TransferError, TransferTimeout,
+                             TransportUnavailable)
 from transfer.route import ROUTES, local_host_id, route, same_host
 from transfer.shm import create_shm_buffer
 
-__all__ = [
-    "PREFERENCE",
-    "READ",
-    "ROUTES",
-    "WRITE",
-    "AccessDenied",
-    "Batch",
-    "create_shm_buffer",
-    "Grants",
-    "InvalidOp",
-    "LimitReached",
-    "Limits",
-    "local_host_id",
-    "Op",
-    "PeerUnavailable",
-    "ProtocolError",
-    "route",
-    "same_host",
-    "RdmaEndpoint",
-    "SegmentDescriptor",
-    "SegmentNotFound",
-    "TransferEngine",
-    "TransferError",
-    "TransferTimeout",
-    "TransportUnavailable",
-]
+__all__ = ["READ", "ROUTES", "WRITE", "Batch", "InvalidOp", "Op", "ProtocolError", "SegmentDescriptor",
+           "SegmentNotFound", "TransferEngine", "TransferError", "TransferTimeout", "TransportUnavailable",
+           "create_shm_buffer", "local_host_id", "route", "same_host"]

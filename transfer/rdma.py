@@ -50,7 +50,7 @@ def open_transport(engine: Any, timeout: float, qps_per_peer: int, slice_bytes: 
         device = verbs.open_device(device, gid_index=gid_index)
         if device is None:
             return None
-    return RdmaTransport(engine.name, (engine.host, engine.port), device, timeout, qps_per_peer, slice_bytes)
+    return RdmaTransport(engine.name, device, timeout, qps_per_peer, slice_bytes)
 
 
 def buffer_address(view: memoryview) -> int:
@@ -100,11 +100,9 @@ class _RdmaPeer:
 class RdmaTransport:
     name = "rdma"
 
-    def __init__(self, engine_name: str, server_addr: tuple[str, int], device: Any, timeout: float,
-                 qps_per_peer: int, slice_bytes: int):
+    def __init__(self, engine_name: str, device: Any, timeout: float, qps_per_peer: int, slice_bytes: int):
         self.engine_name = engine_name
         self.credential = None  # what the control channel proves to peers (the engine's credential)
-        self.server_addr = server_addr
         self.dev = device
         self.timeout = timeout
         self.qps_per_peer = max(1, qps_per_peer)

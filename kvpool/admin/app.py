@@ -4,11 +4,11 @@ Thin: parse, call the master service, wrap the answer. The master service is any
 methods below (`MasterService.admin`, a `kvpool.master.admin_ops.AdminOps`); each may be sync or async.
 
     nodes() -> list[node]            node(node_id) -> node
-    drain_node(node_id) -> result    remove_node(node_id) -> result
-    stats() -> mapping               key_info(key) -> mapping
-    evict(target_bytes=None, keys=None) -> result
+    drain_node(node_id) -> result    undrain_node(node_id) -> result
+    remove_node(node_id) -> result   stats() -> mapping
+    tenant_stats(tenant) -> mapping  key_info(key) -> mapping
+    keys(prefix, limit) -> list[str] evict(target_bytes=None, keys=None) -> result
     config() -> mapping              patch_config(changes: dict) -> mapping
-    optional: undrain_node(node_id), keys(prefix, limit) -> list[str]
 
 Invariants:
 - Every error reaches the client as `ErrorBody` with the status of its `kvpool.errors` class
@@ -48,7 +48,7 @@ from kvpool.security.local import local_token
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins, with_node_tiers
 from kvpool.contract import check_key, check_stored_key, scope_prefix
 from kvpool.config import Settings, load_settings
-from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, Unavailable
+from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError
 from kvpool.security.http_guard import HttpGuard
 
 log = logging.getLogger(__name__)
@@ -109,14 +109,6 @@ def _check_patch(changes: dict[str, Any]) -> dict[str, Any]:
     if secret:
         raise InvalidArgument(f"{secret} cannot be changed through the API; restart with a new setting")
     return changes
-
-
-def _method(svc: Any, name: str) -> Callable[..., Any]:
-    """An optional master method; without it the answer is a typed `Unavailable` (503)."""
-    fn = getattr(svc, name, None)
-    if fn is None:
-        raise Unavailable(f"this master does not support {name}")
-    return fn
 
 
 class _CatchAll:
@@ -258,7 +250,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     @app.post("/v1/nodes/{node_id}/undrain", response_model=s.Done, tags=["nodes"])
     async def undrain(node_id: str) -> s.Done:
         """Place new objects on the node again."""
-        return s.Done(result=await _call(_method(svc, "undrain_node"), node_id))
+        return s.Done(result=await _call(svc.undrain_node, node_id))
 
     @app.delete("/v1/nodes/{node_id}", response_model=s.Done, tags=["nodes"])
     async def remove(node_id: str) -> s.Done:
@@ -271,7 +263,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         A tenant: its own use and quota (bytes, every replica counted; keys)."""
         tenant = _tenant(request)
         if tenant is not None:
-            return s.Stats(stats=await _call(_method(svc, "tenant_stats"), tenant))
+            return s.Stats(stats=await _call(svc.tenant_stats, tenant))
         return s.Stats(stats=with_node_tiers(await _call(svc.stats), await _call(svc.nodes)))
 
     @app.get("/v1/keys", response_model=s.Keys, tags=["keys"])
@@ -279,11 +271,11 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
         """Complete keys starting with `prefix` (at most `limit`; the order is the master's)."""
         tenant = _tenant(request)
         if tenant is None:
-            return s.Keys(keys=await _call(_method(svc, "keys"), prefix=prefix, limit=limit))
+            return s.Keys(keys=await _call(svc.keys, prefix=prefix, limit=limit))
         if "\x00" in prefix:
             raise InvalidArgument("prefix must not contain NUL")
         scope = scope_prefix(tenant)
-        keys = await _call(_method(svc, "keys"), prefix=scope + prefix, limit=limit)
+        keys = await _call(svc.keys, prefix=scope + prefix, limit=limit)
         return s.Keys(keys=[k[len(scope):] for k in keys])
 
     @app.get("/v1/keys/{key:path}", response_model=s.KeyInfo, tags=["keys"])

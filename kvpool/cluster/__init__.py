@@ -10,8 +10,7 @@ Layout in etcd (membership keys are bound to their owner's lease, so a dead proc
 - `/kvpool/generation`          -> the ids reserved by the current leader's term
 """
 
-from kvpool.cluster.etcd import EtcdClient, parse_etcd_url
-from kvpool.cluster.membership import LEADER_KEY, MASTERS_PREFIX, NODES_PREFIX, LeaderElection, Registration, lease_ttl
+from kvpool.cluster.etcd import EtcdClient
+from kvpool.cluster.membership import LEADER_KEY, NODES_PREFIX, LeaderElection, Registration, lease_ttl
 
-__all__ = ["EtcdClient", "LEADER_KEY", "LeaderElection", "MASTERS_PREFIX", "NODES_PREFIX", "Registration",
-           "lease_ttl", "parse_etcd_url"]
+__all__ = ["EtcdClient", "LEADER_KEY", "LeaderElection", "NODES_PREFIX", "Registration", "lease_ttl"]

@@ -28,8 +28,7 @@ Invariants every codec keeps:
   scale, a damaged zstd frame), raises `FormatError` (a `CorruptObject`: the reader's miss), never
   returns KV. Flipped bits inside 8-bit codes are valid codes: the chunk checksum
   (`kvpool.chunk_format`) is what catches those.
-- The payload is layer-major: layer i decodes from its own slice (`decode_layer_into`), so a
-  reader can use layer 0 before later layers are decoded.
+- The payload is layer-major: layer i is its own slice (a zstd frame of its own under `+zstd`).
 - Encoding never modifies its input; non-finite KV is refused (`InvalidArgument`) by lossy codecs.
 """
 
@@ -72,10 +71,6 @@ class Codec(Protocol):
 
     def decode_into(self, layout: KVLayout, payload: Any, out: Any) -> None:
         """Decode `payload` (exactly the encoded bytes) into `out` (`layout.shape(tokens)`)."""
-        ...
-
-    def decode_layer_into(self, layout: KVLayout, payload: Any, layer: int, out: Any) -> None:
-        """Decode layer `layer` only into `out` (`[2, kv_heads, tokens, head_dim]`)."""
         ...
 
     def error_bound(self, layout: KVLayout, kv: Any) -> Any:

@@ -43,18 +43,6 @@ def check_kv(layout: KVLayout, kv: Any, what: str = "kv") -> int:
     return tokens
 
 
-def check_layer_out(layout: KVLayout, out: Any, layer: int) -> int:
-    """`out` must be a writable `[2, kv_heads, tokens, head_dim]` tensor; returns tokens."""
-    if not 0 <= layer < layout.num_layers:
-        raise InvalidArgument(f"layer {layer} is not in 0..{layout.num_layers - 1}")
-    if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.dtype != torch_dtype(layout):
-        raise InvalidArgument(f"out must be a {layout.dtype} tensor [2, kv_heads, tokens, head_dim]")
-    tokens = int(out.shape[2])
-    if tuple(out.shape) != layout.shape(tokens)[1:] or not 0 < tokens <= layout.chunk_tokens:
-        raise InvalidArgument(f"out has shape {tuple(out.shape)}, the layout expects {layout.shape(tokens)[1:]}")
-    return tokens
-
-
 def byte_view(buf: Any, nbytes: int | None = None) -> torch.Tensor:
     """A flat uint8 tensor over `buf` (bytes, bytearray, memoryview, numpy array), no copy.
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvpool.codec._tensors import byte_view, check_kv, check_layer_out, payload_view, torch_dtype
+from kvpool.codec._tensors import byte_view, check_kv, payload_view, torch_dtype
 from kvpool.chunk_format import KVLayout
 
 
@@ -36,10 +36,6 @@ class NoneCodec:
     def decode_into(self, layout: KVLayout, payload: Any, out: Any) -> None:
         tokens = check_kv(layout, out, "out")
         out.copy_(self._source(layout, payload, tokens))
-
-    def decode_layer_into(self, layout: KVLayout, payload: Any, layer: int, out: Any) -> None:
-        tokens = check_layer_out(layout, out, layer)
-        out.copy_(self._source(layout, payload, tokens)[layer])
 
     def error_bound(self, layout: KVLayout, kv: Any) -> torch.Tensor:
         check_kv(layout, kv)

@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from kvpool.codec._tensors import (SUBNORMAL_HALF_STEP, UNIT_ROUNDOFF, byte_view, check_kv, check_layer_out,
-                                  payload_view)
+from kvpool.codec._tensors import SUBNORMAL_HALF_STEP, UNIT_ROUNDOFF, byte_view, check_kv, payload_view
 from kvpool.errors import FormatError, InvalidArgument
 from kvpool.chunk_format import KVLayout
 
@@ -130,13 +129,6 @@ class ScaledCodec:
         k_scale, v_scale = self._scales(ks, "K"), self._scales(vs, "V")
         self._dequantize(codes[:, 0], k_scale, out[:, 0])
         self._dequantize(codes[:, 1], v_scale, out[:, 1])
-
-    def decode_layer_into(self, layout: KVLayout, payload: Any, layer: int, out: Any) -> None:
-        tokens = check_layer_out(layout, out, layer)
-        codes, ks, vs = self._layers(layout, payload, tokens)
-        codes = codes[layer]
-        self._dequantize(codes[0], self._scales(ks[layer], "K"), out[0])
-        self._dequantize(codes[1], self._scales(vs[layer], "V"), out[1])
 
     def error_bound(self, layout: KVLayout, kv: Any) -> torch.Tensor:
         """|x^ - x| <= s * code_error(|x| / s) + u * (|x| + that) + slack, where s is the group's

@@ -1,7 +1,7 @@
 """`<codec>+zstd`: a lossless zstd stage after a fixed-rate codec (none, int8, fp8).
 
-Each layer of the inner payload is compressed as its own zstd frame, so a reader still decodes
-layer by layer; each frame carries zstd's content checksum, so a damaged frame is an error, never
+Each layer of the inner payload is compressed as its own zstd frame (the payload stays
+layer-major); each frame carries zstd's content checksum, so a damaged frame is an error, never
 other codes. For `none` the layer's bytes are first split into byte planes (all first bytes of the
 elements, then all second bytes, ...): the exponent bytes of floats repeat far more than the
 mantissa bytes, and zstd sees that only when they are adjacent.
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import zstandard
 
-from kvpool.codec._tensors import check_kv, check_layer_out
+from kvpool.codec._tensors import check_kv
 from kvpool.errors import FormatError
 from kvpool.chunk_format import KVLayout
 
@@ -125,11 +125,6 @@ class ZstdStage:
         one = self._one_layer(layout)
         for i, frame in enumerate(self._frames(layout, payload)):
             self.inner.decode_into(one, self._inner_layer(layout, frame, tokens), out[i:i + 1])
-
-    def decode_layer_into(self, layout: KVLayout, payload: Any, layer: int, out: Any) -> None:
-        tokens = check_layer_out(layout, out, layer)
-        frame = self._frames(layout, payload)[layer]
-        self.inner.decode_into(self._one_layer(layout), self._inner_layer(layout, frame, tokens), out.unsqueeze(0))
 
     def error_bound(self, layout: KVLayout, kv: Any) -> torch.Tensor:
         return self.inner.error_bound(layout, kv)

@@ -4,11 +4,9 @@ flags. docs/configuration.md shows the whole tree; `kvpool config show` the one 
 
 from kvpool.config.load import (CONFIG_ENV, ROOT_ENV, current_settings, describe, env_names, load_settings, read_env,
                                 use_settings)
-from kvpool.config.tree import (DEFAULT_EVICTION, LOOPBACK, SECTIONS, ConnectorSection, NodeSection, PoolSection,
-                                RouterSection, RpcSection, SecuritySection, Settings, UpSection, UpWorker,
-                                WorkerSection, default, parse_size, read_secret_file)
+from kvpool.config.tree import (DEFAULT_EVICTION, SECTIONS, PoolSection, Settings, UpWorker, default, parse_size,
+                                read_secret_file)
 
-__all__ = ["CONFIG_ENV", "ROOT_ENV", "DEFAULT_EVICTION", "LOOPBACK", "SECTIONS", "ConnectorSection", "NodeSection",
-           "PoolSection", "RouterSection", "RpcSection", "SecuritySection", "Settings", "UpSection", "UpWorker",
-           "WorkerSection", "current_settings", "default", "describe", "env_names", "load_settings", "parse_size",
-           "read_env", "read_secret_file", "use_settings"]
+__all__ = ["CONFIG_ENV", "ROOT_ENV", "DEFAULT_EVICTION", "SECTIONS", "PoolSection", "Settings", "UpWorker",
+           "current_settings", "default", "describe", "env_names", "load_settings", "parse_size", "read_env",
+           "read_secret_file", "use_settings"]

@@ -4,7 +4,3 @@ It is never on the data path: clients ask it where an object lives (or where to 
 move the bytes to and from store nodes themselves. `MasterService` is the in-process API (the
 admin app and the embedded pool call it directly); `kvpool.master.server` puts it on the wire.
 """
-
-from kvpool.master.service import MasterService
-
-__all__ = ["MasterService"]

@@ -54,11 +54,10 @@ class StoreNode:
     `engine`: a started `transfer.TransferEngine` to register the arena with (the caller owns
     it); default: the node starts its own with `settings.node.transports`."""
 
-    def __init__(self, settings: Settings, *, master: Any = None, store: Any = None, rpc: RpcServer | None = None,
-                 engine: Any = None):
+    def __init__(self, settings: Settings, *, master: Any = None, rpc: RpcServer | None = None, engine: Any = None):
         self.settings = settings
         self.master = master
-        self.store = store
+        self.store: Any = None  # the TieredStore, from start to stop
         self.rpc = rpc
         self._own_rpc = rpc is None
         self.node_id = settings.node.node_id or ""
@@ -98,8 +97,6 @@ class StoreNode:
             pins = self.pins
             return pins is not None and not pins.granted(msg.pin_ids)
 
-        if not hasattr(self.store, "resident"):
-            return {}
         return {NodeGet: reads, NodePin: reads, NodeUnpin: unpins}
 
     def _while_open(self, handler: Any) -> Any:
@@ -120,10 +117,9 @@ class StoreNode:
 
     def _start(self) -> "StoreNode":
         s = self.settings
-        if self.store is None:
-            from kvpool.tiers import TieredStore
+        from kvpool.tiers import TieredStore
 
-            self.store = TieredStore.from_settings(s)
+        self.store = TieredStore.from_settings(s)
         if self.master is not None:  # it enforces tenant quotas pool-wide on every write we take (master/quotas.py)
             self.store.quotas = {}
         self.store.on_event = self._on_store_event

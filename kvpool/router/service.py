@@ -106,7 +106,6 @@ class Router:
         self.max_positions = 0
         self.chunk_tokens = 0
         self.bytes_per_token = 0
-        self.eos_ids: list[int] = []
         self.namespace: bytes | None = None  # the workers' chunk key namespace (untenanted requests)
         self._seq = 0
         self.pool: Any = None  # a PrefixMatcher (matcher.py), or anything with `async match(keys)`
@@ -189,7 +188,6 @@ class Router:
         self.max_positions = info.max_positions or 8192
         self.chunk_tokens = info.chunk_tokens
         self.bytes_per_token = info.stored_bytes_per_token or info.bytes_per_token  # what a fetch moves (codec)
-        self.eos_ids = list(info.eos_token_ids)
         self.namespace = parse_namespace_hex(info.namespace)
         self.tenants.learn(info.namespace_doc)
         log.info("router serves %s (context %d, chunks of %d tokens)", info.model_id, self.max_positions,

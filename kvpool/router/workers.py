@@ -51,7 +51,6 @@ class WorkerState:
     events_since: int = 0
     failures: int = 0
     down_since: float = 0.0
-    last_ok: float = 0.0
     # What the router sent and has not seen finish: load reports lag by one poll.
     inflight_prefill_tokens: int = 0
     inflight_prefills: int = 0
@@ -152,7 +151,7 @@ class Workers:
             log.info("worker %s (%s) is back at %s", known.name, info.role, url)
             return known
         self._names += 1
-        state = WorkerState(url=url, name=f"{info.role}-{self._names}", info=info, last_ok=time.monotonic())
+        state = WorkerState(url=url, name=f"{info.role}-{self._names}", info=info)
         self.by_url[url] = state
         log.info("worker %s (%s) joined at %s", state.name, info.role, url)
         self._follow_events(state)
@@ -252,7 +251,7 @@ class Workers:
                 self._forget(state)
                 log.info("forgot worker %s (down for %.0f s)", state.name, self.forget_s)
             return
-        state.failures, state.last_ok, state.load = 0, time.monotonic(), load
+        state.failures, state.load = 0, load
         if state.status == DOWN and not load.draining:
             state.status = UP
             log.info("worker %s is back in rotation", state.name)

@@ -4,6 +4,6 @@ socket helpers are `transfer.framing`, shared with the transfer engine."""
 
 from kvpool.rpc.client import RpcClient
 from kvpool.rpc.frame import Payload, parse_address
-from kvpool.rpc.server import Handler, RpcServer, ServerConn
+from kvpool.rpc.server import RpcServer, ServerConn
 
-__all__ = ["Handler", "Payload", "RpcClient", "RpcServer", "ServerConn", "parse_address"]
+__all__ = ["Payload", "RpcClient", "RpcServer", "ServerConn", "parse_address"]

@@ -108,10 +108,9 @@ class HttpGuard:
                  token: Callable[[], str | None] | None = None,
                  needs_token: Callable[[str], bool] = lambda path: path != "/health",
                  what: str = "this service", tenants: Tenants | None = None,
-                 metrics_token: Callable[[], str | None] | None = None, metrics_path: str = "/metrics"):
+                 metrics_token: Callable[[], str | None] | None = None):
         self.app = app
         self.metrics_token = metrics_token
-        self.metrics_path = metrics_path
         self.tenants = tenants
         self.error_body = error_body
         self.max_body = max_body if max_body is not None else current_settings().security.http_max_body
@@ -126,8 +125,7 @@ class HttpGuard:
         expected = self.token() if self.token is not None else None
         if (expected or self.tenants) and self.needs_token(scope["path"]):
             presented = bearer_of(scope["headers"])
-            scraper = self.metrics_token() if self.metrics_token is not None and scope["path"] == self.metrics_path \
-                else None
+            scraper = self.metrics_token() if self.metrics_token is not None and scope["path"] == "/metrics" else None
             if not (expected and same_token(presented, expected)) and not (scraper and same_token(presented, scraper)):
                 tenant = self.tenants.tenant_of(presented) if presented and self.tenants else None
                 if tenant is not None:

@@ -6,9 +6,8 @@ key (lmdb keys are limited to 511 bytes; ours may be 512):
     meta: magic b"KVSS" | version u16 | key length u16 | payload length u64 | xxh3-64 u64 | key
     data: the payload, passed to lmdb straight from the caller's buffer (no concatenation).
 
-Durability: by default lmdb does not fsync on commit (`durable=False`): the tier is a cache, and a
-kill -9 of the process cannot lose committed pages (they are in the OS page cache). An OS crash
-may lose recent objects; `durable=True` trades write speed for surviving that too.
+Durability: lmdb does not fsync on commit: the tier is a cache, and a kill -9 of the process
+cannot lose committed pages (they are in the OS page cache). An OS crash may lose recent objects.
 
 Files: the directory is 0700 and lmdb's files 0600 (tightened when an older version left them
 wider): the cached KV is users' prompts in another form.
@@ -120,7 +119,7 @@ class SsdTier:
 
     name = "ssd"
 
-    def __init__(self, path: str, capacity: int, durable: bool = False):
+    def __init__(self, path: str, capacity: int):
         if not isinstance(capacity, int) or capacity <= 0:
             raise InvalidArgument(f"SSD capacity must be a positive int, got {capacity!r}")
         self.path = path
@@ -143,7 +142,7 @@ class SsdTier:
             # No writemap: lmdb would write through a shared mapping of a sparse file, and a full
             # filesystem answers that with SIGBUS (the node dies); written with pwrite, it is ENOSPC.
             self.env = lmdb.open(path, map_size=capacity * MAP_FACTOR + MAP_SLACK, max_dbs=2, writemap=False,
-                                 sync=durable, metasync=durable, lock=True, max_readers=512, mode=FILE_MODE)
+                                 sync=False, metasync=False, lock=True, max_readers=512, mode=FILE_MODE)
             _private_files(path)
             self._meta = self.env.open_db(b"meta")
             self._data = self.env.open_db(b"data")

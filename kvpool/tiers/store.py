@@ -60,8 +60,8 @@ class TieredStore:
 
     def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
                  policy: str = DEFAULT_EVICTION, shm_name: str | None = None, *,
-                 on_event: EventHook | None = None, prefault: bool = True, ssd_durable: bool = False,
-                 index_slots: int = -1, quotas: dict[str, tuple[int, int]] | None = None):
+                 on_event: EventHook | None = None, prefault: bool = True, index_slots: int = -1,
+                 quotas: dict[str, tuple[int, int]] | None = None):
         """`quotas`: tenant -> (bytes, keys) it may hold on this node (0: no limit); a reservation
         past either raises `QuotaExceeded`. Eviction is fair across tenants (`FairPolicy`)."""
         if ssd_path is not None and ssd_capacity <= 0:
@@ -76,7 +76,7 @@ class TieredStore:
         self.ssd: SsdTier | None = None
         try:
             if ssd_path is not None:
-                self.ssd = SsdTier(ssd_path, ssd_capacity, durable=ssd_durable)
+                self.ssd = SsdTier(ssd_path, ssd_capacity)
         except BaseException:
             self.close()
             raise

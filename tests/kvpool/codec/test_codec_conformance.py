@@ -74,14 +74,7 @@ def test_registry_names_and_ids_are_unique_and_stable():
 @pytest.mark.parametrize("tokens", [1, 3, 255, 256])
 def test_round_trip_within_bound(codec, dtype, tokens):
     layout = KVLayout(dtype=dtype, **SMOL)
-    out = assert_round_trip(codec, layout, kv_like(layout, tokens))
-    # layer-wise decode gives the same bytes as a whole decode
-    payload = encode(codec, layout, kv_like(layout, tokens))
-    whole = decode(codec, layout, payload, tokens)
-    for i in (0, 17, layout.num_layers - 1):
-        layer = torch.empty(layout.shape(tokens)[1:], dtype=out.dtype)
-        codec.decode_layer_into(layout, payload, i, layer)
-        assert torch.equal(layer, whole[i])
+    assert_round_trip(codec, layout, kv_like(layout, tokens))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -164,8 +157,7 @@ def test_truncated_or_extended_payload_is_a_format_error(codec, cut):
     for damaged in (payload[:-n], payload + b"\0" * (n if isinstance(n, int) and n < 8 else 1)):
         with pytest.raises(FormatError):
             decode(codec, layout, damaged, 64)
-        with pytest.raises(CorruptObject):  # FormatError is a CorruptObject: readers treat it as a miss
-            codec.decode_layer_into(layout, damaged, 0, torch.empty(layout.shape(64)[1:], dtype=torch.bfloat16))
+    assert issubclass(FormatError, CorruptObject)  # readers treat it as a miss
 
 
 def test_payload_of_another_token_count_is_refused(codec):
