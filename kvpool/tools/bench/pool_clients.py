@@ -19,7 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 
@@ -161,7 +161,7 @@ def run(report: Report, specs: dict[str, dict], client_counts: list[int], sizes:
                             start_at = time.time() + (5.0 if rep == 0 else 0.5) + 0.02 * count
                             for pipe in pipes:
                                 pipe.send(("run", name, size, start_at, duration))
-                            cpu_before = cpu(name)
+                            cpu_before = cpu(name)  # the clients start together at start_at; idle servers add ~0
                             answers = [pipe.recv() for pipe in pipes]
                             cpu_used = cpu(name) - cpu_before
                             bad = [a[1] for a in answers if a[0] != "ok"]
@@ -185,7 +185,7 @@ def run(report: Report, specs: dict[str, dict], client_counts: list[int], sizes:
 
 
 def _add(report: Report, count: int, size: int, figures: dict[str, list[tuple[float, np.ndarray, float, float]]],
-         measured_cpu: set[str] = frozenset()) -> None:
+         measured_cpu: Collection[str] = ()) -> None:
     def lat(name: str, q: float) -> float:
         return round(float(np.percentile(np.concatenate([f[1] for f in figures[name]]), q)) * 1e6, 1)
 
