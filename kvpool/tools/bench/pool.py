@@ -11,31 +11,30 @@ unix socket and whose reads come from the shm arena); Mooncake Store runs in TCP
 segment in another process (see `pool_peers`). Every system does the same work per repetition
 (a short turn: 8 MiB by default, at least 16 ops; 21 turns each): `count` gets (or puts) of
 `size` bytes, one at a time, into a preallocated buffer where the API allows it (`get_into`;
-redis-py has none). Systems are run in turn (ours tcp, ours shm, redis,
-mooncake, ours tcp, ...) after a warm-up so all see the same noise; each figure is a median.
+redis-py has none). Systems are run in turn (ours tcp, ours shm, redis, mooncake, ours tcp, ...)
+after a warm-up so all see the same noise; each figure is a median.
 
 Correctness is checked, not assumed: every key holds distinct bytes, the warm-up reads every key
 of every system and compares it, and each timed repetition compares the last value it read.
 Goals (issue): TCP get >= 1.3x Mooncake at >= 1 MiB and >= 1x at 64 KiB (single and batched);
 shm get >= 3x Mooncake's TCP; ahead of Redis at every size. They are printed as notes.
 
-`--workload auth` (key `auth`) also runs a second `kvpool serve` with a keyring (issue 13) and a tenant client of it
-over TCP and same-host (`ours_tcp+auth`, `ours_shm+auth`) and, unless `engine = false`, on the
-transfer-engine path (`ours_tcp-engine+auth`: a grant per op, checked and counted per frame,
-issue 27), each compared with its counterpart
-without authentication in the same run (goal: under 5% cost), and a third pool without a
-keyring (`ours_tcp+control`, compared with `ours_tcp` alike): what two server processes differ
-by when neither authenticates, the measurement's own floor. These pairs are measured fairly:
-each twin runs right next to its counterpart, in the order A B, then B A on the next turn (so
-neither always follows the other, or a warm or a busy moment), and the ratio is the median of
-the per-turn ratios, not the ratio of two medians. Every `ours` row also carries the CPU time per
-operation of the client thread and of the whole server process (`client_cpu_us`,
-`server_cpu_us`, from the process CPU clock): on a loaded machine CPU per op moves less than
-wall time. What authentication adds per operation: a role check and the tenant's key scoping
-on each request; the HMAC handshake runs once per connection, and no MAC is computed over bulk
-bytes on this path. A pool "without a keyring" runs the default mode: its user's own keyring
-(`kvpool.security.local`: the same once-per-connection handshake, no roles, scoping or grants);
-`KVPOOL_LOCAL_AUTH=off` on the bench measures the pools and clients with no handshake at all.
+`--workload auth` (key `auth`) also runs a second `kvpool serve` with a keyring (issue 13) and a tenant
+client of it over TCP and same-host (`ours_tcp+auth`, `ours_shm+auth`) and, unless `engine=false`, on
+the transfer-engine path (`ours_tcp-engine+auth`: a grant per op, checked and counted per frame, issue
+27), each compared with its counterpart without authentication in the same run (goal: under 5% cost),
+and a third pool without a keyring (`ours_tcp+control`, compared with `ours_tcp` alike): what two server
+processes differ by when neither authenticates, the measurement's own floor. These pairs are measured
+fairly: each twin runs right next to its counterpart, in the order A B, then B A on the next turn (so
+neither always follows the other, or a warm or a busy moment), and the ratio is the median of the
+per-turn ratios, not the ratio of two medians. Every `ours` row also carries the CPU time per operation
+of the client thread and of the whole server process (`client_cpu_us`, `server_cpu_us`, from the process
+CPU clock): on a loaded machine CPU per op moves less than wall time. What authentication adds per
+operation: a role check and the tenant's key scoping on each request; the HMAC handshake runs once per
+connection, and no MAC is computed over bulk bytes on this path. A pool "without a keyring" runs the
+default mode: its user's own keyring (`kvpool.security.local`: the same once-per-connection handshake,
+no roles, scoping or grants); `KVPOOL_LOCAL_AUTH=off` on the bench measures the pools and clients with
+no handshake at all.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ import numpy as np
 from pydantic import Field, PositiveInt
 
 from kvpool.tools.bench.pool_peers import MooncakePeer, RedisPeer, mooncake_available
-from kvpool.tools.bench.pool_process import PoolProcess, auth_pool, cpu_clock
+from kvpool.tools.bench.pool_process import PoolProcess, auth_pool
 from kvpool.tools.bench.report import Report, gbps, progress
 from kvpool.tools.workload_file import Size, WorkloadFile, list_of, takes_workload
 
@@ -337,15 +336,14 @@ def _many_clients(as_json: bool, sizes: list[int], reps: int, wanted: set[str], 
         closers.append(server.close)
         loader = Ours(server.address, False, "loader")
         closers.append(loader.close)
-        specs: dict[str, dict] = {"ours_tcp": {"address": server.address}, "ours_shm": {"address": server.address}}
-        server_cpu = {"ours_tcp": [server.cpu_seconds], "ours_shm": [server.cpu_seconds]}
+        ours = {"address": server.address, "pids": [server.proc.pid]}  # pids: the server processes
+        specs: dict[str, dict] = {"ours_tcp": ours, "ours_shm": ours}
         load: list[Callable[[str, np.ndarray], None]] = [loader.put]
         if "redis" in wanted:
             try:
                 redis = RedisPeer()
                 closers.append(redis.close)
-                specs["redis"] = {"port": redis.port}
-                server_cpu["redis"] = [cpu_clock(redis.proc.pid)]
+                specs["redis"] = {"port": redis.port, "pids": [redis.proc.pid]}
                 load.append(redis.put)
             except RuntimeError as exc:
                 report.notes.append(f"Redis skipped: {exc}")
@@ -355,17 +353,16 @@ def _many_clients(as_json: bool, sizes: list[int], reps: int, wanted: set[str], 
                 mc = MooncakePeer(segment_bytes=512 << 20, buffer_bytes=64 << 20)
                 closers.append(mc.close)
                 specs["mooncake"] = {"metadata_url": mc.metadata_url, "master": mc.master_address,
+                                     "pids": [mc.master.pid, mc.owner.pid],  # metadata, data
                                      "env": {k: v for k, v in _mooncake_env().items() if k.startswith(("MC_", "GLOG_"))}}
                 load.append(lambda key, value, mc=mc: _mooncake_put(mc, key, value))
-                server_cpu["mooncake"] = [cpu_clock(mc.master.pid), cpu_clock(mc.owner.pid)]  # metadata, data
             else:
                 report.notes.append(f"Mooncake skipped: {why}")
-        for size in sizes:
-            for i in range(pool_clients.KEYS):
-                value = pool_clients._value(size, i)
-                for put in load:
-                    put(pool_clients._key(size, i), value)
-        pool_clients.run(report, specs, counts, sizes, reps, duration, server_cpu)
+        for size, i in ((size, i) for size in sizes for i in range(pool_clients.KEYS)):  # every system, every key
+            value = pool_clients._value(size, i)
+            for put in load:
+                put(pool_clients._key(size, i), value)
+        pool_clients.run(report, specs, counts, sizes, reps, duration)
     finally:
         for close in reversed(closers):
             try:

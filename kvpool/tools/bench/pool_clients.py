@@ -19,10 +19,11 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from typing import Any, Callable, Collection
+from typing import Any, Collection
 
 import numpy as np
 
+from kvpool.tools.bench.pool_process import cpu_clock
 from kvpool.tools.bench.report import Report, progress
 
 log = logging.getLogger(__name__)
@@ -130,12 +131,12 @@ def _client_main(conn: Any, index: int, specs: dict[str, dict], sizes: list[int]
 
 
 def run(report: Report, specs: dict[str, dict], client_counts: list[int], sizes: list[int], reps: int,
-        duration: float, server_cpu: dict[str, list[Callable[[], float]]] | None = None) -> None:
+        duration: float) -> None:
     """Every (client count, size) x system, `reps` alternating turns each; rows into `report`.
-    `server_cpu`: per system, the CPU clocks of its server processes; the CPU they use over a turn
-    gives each row the servers' CPU per get and the cores they had, which separates a server that
-    costs more per get with more clients from one that gets less of a machine the clients share."""
-    server_cpu = server_cpu or {}
+    A system's spec may name its server processes (`pids`): the CPU they use over a turn gives each
+    row the servers' CPU per get and the cores they had, which separates a server that costs more
+    per get with more clients from one that gets less of a machine the clients share."""
+    server_cpu = {name: [cpu_clock(pid) for pid in spec["pids"]] for name, spec in specs.items() if "pids" in spec}
 
     def cpu(name: str) -> float:
         return sum(clock() for clock in server_cpu.get(name, ()))
