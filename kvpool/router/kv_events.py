@@ -43,13 +43,11 @@ Everything runs on the router's event loop.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import json
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -59,6 +57,7 @@ import xxhash
 
 from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import parse_namespace_hex
+from kvpool.router.tokenizer import u32_bytes
 from kvpool.security.keyring import request_salt
 
 log = logging.getLogger(__name__)
@@ -202,8 +201,9 @@ class BlockIndex:
             if prev is None:
                 self.skipped += n - i
                 return
-            toks = _u32(ev.token_ids[i * bs:(i + 1) * bs])
-            if toks is None:
+            try:
+                toks = u32_bytes(ev.token_ids[i * bs:(i + 1) * bs])
+            except (OverflowError, TypeError):  # not token ids
                 self.skipped += n - i
                 return
             block = _Block(parent_hash, end + bs, prev, toks)
@@ -250,18 +250,6 @@ class BlockIndex:
         for member in members:
             member.covers.add(key)
         self.held.add(key)
-
-
-def _u32(ids: list[int]) -> bytes | None:
-    try:
-        arr = array.array("I", ids)
-    except (OverflowError, TypeError):
-        return None
-    if arr.itemsize != 4:
-        return None
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tobytes()
 
 
 def namespace_resolver(namespace_hex: str, namespace_doc: str) -> Callable[[str | None], bytes | None]:
