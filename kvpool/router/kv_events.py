@@ -58,7 +58,6 @@ import xxhash
 from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import parse_namespace_hex
 from kvpool.router.tokenizer import u32_bytes
-from kvpool.security.keyring import request_salt
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +255,7 @@ def namespace_resolver(namespace_hex: str, namespace_doc: str) -> Callable[[str 
     """The chain root of a request with `cache_salt` (None: none) on servers of this namespace:
     the connector's namespace salted with `request_salt(configured salt, cache_salt)`, as the
     router keys a tenant's prompts (tenants.py). Unknown (None) without the namespace's document."""
-    from kvpool.router.tenants import salted_namespace
+    from kvpool.router.tenants import cache_salted_namespace
 
     base = parse_namespace_hex(namespace_hex)
     doc = json.loads(namespace_doc) if namespace_doc else None
@@ -269,7 +268,7 @@ def namespace_resolver(namespace_hex: str, namespace_doc: str) -> Callable[[str 
             return None
         ns = cache.get(cache_salt)
         if ns is None:
-            ns = cache[cache_salt] = salted_namespace(doc, request_salt(str(doc.get("tenant_salt", "")), cache_salt))
+            ns = cache[cache_salt] = cache_salted_namespace(doc, cache_salt)
         return ns
 
     return of
