@@ -15,70 +15,42 @@ from typing import Any, Callable, Iterator, Sequence
 
 import httpx
 
+from kvpool.admin.client import HttpClient, raise_for
 from kvpool.handle import KVHandle
 from kvpool import worker_api as m
-from kvpool.errors import CorruptObject, KeyNotFound, KVPoolError, Unavailable, error_from_code
+from kvpool.errors import CorruptObject, KeyNotFound, Unavailable, error_from_code
 
 
-def _raise_for(resp: httpx.Response) -> None:
-    if resp.status_code < 400:
-        return
-    try:
-        body = resp.json()
-        code, message = body["code"], body["message"]
-    except Exception:
-        raise KVPoolError(f"HTTP {resp.status_code} from {resp.request.url}: {resp.text[:200]}") from None
-    raise error_from_code(code, message)
-
-
-class WorkerClient:
+class WorkerClient(HttpClient):
     def __init__(self, url: str, timeout: float = 600.0, headers: dict[str, str] | None = None):
         """`headers` go with every request: with a keyring, the internal bearer token
         (`kvpool.security.http_guard.internal_headers`) and the tenant (`X-KVPool-Tenant`)."""
-        self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0), headers=headers)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> "WorkerClient":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            resp = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise Unavailable(f"worker {self.url} unreachable: {exc}") from None
-        _raise_for(resp)
-        return resp
+        super().__init__(url, what="the worker", timeout=httpx.Timeout(timeout, connect=10.0), headers=headers)
 
     def _post(self, path: str, msg: Any, type_: type) -> Any:
-        resp = self._request("POST", path, content=m.encode(msg), headers={"content-type": "application/json"})
+        resp = self.request("POST", path, content=m.encode(msg), headers={"content-type": "application/json"})
         return m.decode(resp.content, type_)
 
     def health(self) -> dict:
-        return self._request("GET", "/health").json()
+        return self.request("GET", "/health").json()
 
     def info(self) -> m.WorkerInfo:
-        return m.decode(self._request("GET", "/v1/info").content, m.WorkerInfo)
+        return m.decode(self.request("GET", "/v1/info").content, m.WorkerInfo)
 
     def tokenizer_info(self) -> m.TokenizerInfo:
-        return m.decode(self._request("GET", "/v1/tokenizer").content, m.TokenizerInfo)
+        return m.decode(self.request("GET", "/v1/tokenizer").content, m.TokenizerInfo)
 
     def load(self) -> m.LoadReport:
-        return m.decode(self._request("GET", "/load").content, m.LoadReport)
+        return m.decode(self.request("GET", "/load").content, m.LoadReport)
 
     def events(self, since: int = 0) -> m.EventsResponse:
-        return m.decode(self._request("GET", "/v1/events", params={"since": since}).content, m.EventsResponse)
+        return m.decode(self.request("GET", "/v1/events", params={"since": since}).content, m.EventsResponse)
 
     def metrics(self) -> str:
-        return self._request("GET", "/metrics").text
+        return self.request("GET", "/metrics").text
 
     def clear_cache(self) -> int:
-        return int(self._request("POST", "/v1/cache/clear").json()["removed_chunks"])
+        return int(self.request("POST", "/v1/cache/clear").json()["removed_chunks"])
 
     def tokenize(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
         msgs = None if messages is None else [m.ChatMessage(role=x["role"], content=x["content"]) for x in messages]
@@ -95,7 +67,7 @@ class WorkerClient:
                                    headers={"content-type": "application/json"}) as resp:
                 if resp.status_code >= 400:
                     resp.read()
-                    _raise_for(resp)
+                    raise_for(resp)
                 for line in resp.iter_lines():
                     if not line.strip():
                         continue
@@ -103,7 +75,7 @@ class WorkerClient:
                     if event.error is not None:
                         raise error_from_code(event.error.code, event.error.message)
                     yield event
-        except httpx.TransportError as exc:
+        except httpx.HTTPError as exc:
             raise Unavailable(f"worker {self.url} stream failed: {exc}") from None
 
     def decode(self, handle: KVHandle, first_token: int, max_tokens: int = 16,

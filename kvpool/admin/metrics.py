@@ -216,67 +216,18 @@ def render(registry: CollectorRegistry) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-class MetricsServer:
-    """A `/metrics` endpoint in a daemon thread (for store nodes, which have no admin app).
-
-    With `token`, every request must carry `Authorization: Bearer <token>` (what a Prometheus
-    scrape config's `authorization: {credentials_file: ...}` sends); anything else is answered
-    401 with `WWW-Authenticate: Bearer` and no metric."""
-
-    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None):
-        import threading
-        from wsgiref.simple_server import WSGIRequestHandler, make_server
-
-        from prometheus_client import make_wsgi_app
-        from prometheus_client.exposition import ThreadingWSGIServer
-
-        class Quiet(WSGIRequestHandler):
-            def log_message(self, *args: Any) -> None:  # no line per scrape on stderr
-                pass
-
-        app = make_wsgi_app(registry)
-        if token:
-            app = _bearer_only(app, token)
-        self._server = make_server(host, port, app, ThreadingWSGIServer, handler_class=Quiet)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
-        self._thread.start()
-        self.host = host
-        self.port = self._server.server_address[1]
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-def _bearer_only(app: Callable, token: str) -> Callable:
-    """`app` (WSGI) behind a bearer token, compared in constant time."""
-    import hmac
-    import json
-
-    expected = token.encode()
-
-    def guarded(environ: dict, start_response: Callable) -> Any:
-        scheme, _, presented = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), expected):
-            return app(environ, start_response)
-        why = "a wrong bearer token" if presented else "no bearer token"
-        body = json.dumps({"code": "unauthorized", "message": "this node's /metrics requires 'Authorization: Bearer "
-                           f"<metrics token>'; the request had {why} (see docs/security.md)"}).encode()
-        start_response("401 Unauthorized", [("Content-Type", "application/json"), ("WWW-Authenticate", "Bearer"),
-                                             ("Content-Length", str(len(body)))])
-        return [body]
-
-    return guarded
-
-
 def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
-                  token: str | None = None) -> MetricsServer:
-    """Serve `registry` at http://host:port/metrics in a thread; port 0 picks a free one;
-    `token`: the bearer token every scrape must present (None: open)."""
-    return MetricsServer(registry, host, port, token)
+                  token: str | None = None) -> Any:
+    """Serve `registry` at http://host:port/metrics from a daemon thread (for store nodes, which
+    have no admin app); port 0 picks a free one. `token`: the bearer token every scrape must
+    present (what a Prometheus scrape config's `authorization: {credentials_file: ...}` sends),
+    else 401 with `WWW-Authenticate: Bearer` and no metric; None: open. Returns the
+    `kvpool.admin.server.ServerHandle` (`.url`, `.stop()`)."""
+    from prometheus_client import make_asgi_app
+
+    from kvpool.admin.server import serve_in_thread
+    from kvpool.security.http_guard import HttpGuard
+
+    app = HttpGuard(make_asgi_app(registry), token=lambda: token, what="this node's /metrics",
+                    needs_token=lambda path: True)
+    return serve_in_thread(app, host, port)

@@ -1,4 +1,5 @@
-"""Run an ASGI app (the admin app) with uvicorn in a background thread of the calling process.
+"""Run an ASGI app (the admin app, a node's /metrics) with uvicorn in a background thread of the
+calling process.
 
 Invariants: `serve_in_thread` returns only once the socket is bound and the server accepts
 connections (or raises `Unavailable`); `handle.port` is the real port even when 0 was asked;
@@ -11,13 +12,13 @@ token is configured) is refused a non-loopback address while that is false.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from typing import Any
 
 from kvpool.security.keyring import is_loopback
 from kvpool.errors import InvalidArgument, Unavailable
+from kvpool.listen import bind, url_of
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +36,16 @@ class ServerHandle:
                 "reaches it could list keys and evict everything. Either listen on 127.0.0.1, set admin_port = 0, "
                 "or give it a token in a file: KVPOOL_ADMIN_TOKEN_FILE=admin.token (`kvpool auth init` writes "
                 "one; see docs/security.md).")
-        # Bind ourselves so port 0 works and the port is known before the thread starts.
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
+        try:  # bound here so port 0 works and the port is known before the thread starts
+            self._sock = bind(host, port)
         except OSError as exc:
-            self._sock.close()
-            raise Unavailable(f"admin API cannot listen on {host}:{port}: {exc.strerror}") from None
-        self.host = host
+            raise Unavailable(f"HTTP server cannot listen on {host}:{port}: {exc.strerror}") from None
         self.port = self._sock.getsockname()[1]
+        self.url = url_of(host, self._sock)
         config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._run, name=f"admin-http-{self.port}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"http-{self.port}", daemon=True)
         self._error: BaseException | None = None
 
     def _run(self) -> None:
@@ -56,25 +53,20 @@ class ServerHandle:
             self._server.run(sockets=[self._sock])
         except BaseException as exc:  # surfaced by start(); a thread's exception is otherwise lost
             self._error = exc
-            log.exception("admin server on port %d stopped with an error", self.port)
+            log.exception("HTTP server on port %d stopped with an error", self.port)
 
     def start(self, timeout: float = 10.0) -> "ServerHandle":
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
             if self._error is not None or not self._thread.is_alive():
-                raise Unavailable(f"admin API on port {self.port} failed to start: {self._error!r}")
+                raise Unavailable(f"HTTP server on port {self.port} failed to start: {self._error!r}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise Unavailable(f"admin API on port {self.port} did not start within {timeout}s")
+                raise Unavailable(f"HTTP server on port {self.port} did not start within {timeout}s")
             time.sleep(0.01)
-        log.info("admin API listening on %s", self.url)
+        log.info("serving HTTP at %s", self.url)
         return self
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
 
     def stop(self, timeout: float = 5.0) -> None:
         self._server.should_exit = True

@@ -171,22 +171,16 @@ def stats(ctx: _Ctx, router_url: str | None) -> None:
 
 
 def _router_stats(ctx: _Ctx, url: str) -> None:
-    import httpx
     from rich.console import Console
     from rich.table import Table
 
-    from kvpool.errors import Unavailable
+    from kvpool.admin.client import HttpClient
     from kvpool.security.http_guard import internal_headers
     from kvpool.security.keyring import load_keyring
 
-    url = url.rstrip("/")
-    try:
-        resp = httpx.get(f"{url}/admin/stats", headers=internal_headers(load_keyring(ctx.auth_file)), timeout=30)
-    except httpx.HTTPError as exc:
-        raise Unavailable(f"cannot reach the router at {url}: {exc}") from None
-    if resp.status_code != 200:
-        raise Unavailable(f"the router at {url} answered {resp.status_code} to /admin/stats: {resp.text[:200]}")
-    doc = resp.json()
+    headers = internal_headers(load_keyring(ctx.auth_file))
+    with HttpClient(url, what="the router", timeout=30, headers=headers) as router:
+        doc = router.request("GET", "/admin/stats").json()
     if ctx.as_json:
         _emit(ctx, doc)
         return

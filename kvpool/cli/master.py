@@ -23,6 +23,7 @@ def master(config_file, sets, **flags) -> None:
     # protected mode (kvpool.security.keyring)
     check_bind(settings.pool.host, bool(settings.security.auth_file), "kvpool master")
     server = MasterServer(settings).start()
+    handle = None
     if settings.pool.admin_port:
         from kvpool.admin.app import create_app
         from kvpool.admin.server import serve_in_thread
@@ -33,11 +34,4 @@ def master(config_file, sets, **flags) -> None:
         except BaseException:  # e.g. a keyring but no admin token: nothing half started stays
             server.stop()
             raise
-        stop = server.stop
-
-        def stop_both() -> None:
-            handle.stop()
-            stop()
-
-        server.stop = stop_both  # type: ignore[method-assign]
-    run_until_signal(server, f"kvpool master at {server.address}")
+    run_until_signal(server, f"kvpool master at {server.address}", handle)

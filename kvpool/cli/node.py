@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from kvpool.errors import InvalidArgument
+from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.security.keyring import check_bind
 from kvpool.cli.service_options import (cluster_options, common_options, node_options, run_until_signal,
                                         settings_from)
@@ -52,14 +52,6 @@ def node(config_file, sets, **flags) -> None:
 
                 token = local_token("metrics")
             metrics = serve_metrics(m.registry, pool.host, pool.admin_port, token=token)
-        except OSError as exc:  # a busy port must not keep the node's data from serving
+        except (OSError, Unavailable) as exc:  # a busy port must not keep the node's data from serving
             log.warning("node %s: /metrics not served on port %d: %s", store_node.node_id, pool.admin_port, exc)
-    stop = store_node.stop
-
-    def stop_both() -> None:
-        if metrics is not None:
-            metrics.stop()
-        stop()
-
-    store_node.stop = stop_both  # type: ignore[method-assign]
-    run_until_signal(store_node, f"kvpool node {store_node.node_id} at {store_node.rpc.address}")
+    run_until_signal(store_node, f"kvpool node {store_node.node_id} at {store_node.rpc.address}", metrics)

@@ -68,8 +68,9 @@ def settings_from(config_file: str | None, sets: tuple[str, ...] = (), **flags: 
     return settings
 
 
-def run_until_signal(service: Any, ready: str) -> None:
-    """Print `ready` (tests and scripts wait for it), then serve until SIGINT/SIGTERM."""
+def run_until_signal(service: Any, ready: str, http: Any = None) -> None:
+    """Print `ready` (tests and scripts wait for it), then serve until SIGINT/SIGTERM; `http`, the
+    service's HTTP server (a `kvpool.admin.ServerHandle`), if any, is stopped first."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -78,5 +79,7 @@ def run_until_signal(service: Any, ready: str) -> None:
         while not done.wait(0.5):
             pass
     finally:
+        if http is not None:
+            http.stop()
         service.stop()
         click.echo("stopped", err=True)

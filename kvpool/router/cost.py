@@ -22,7 +22,6 @@ import threading
 from dataclasses import dataclass, replace
 
 
-
 @dataclass(frozen=True)
 class CostParams:
     prefill_fixed_s: float = 0.02
@@ -53,10 +52,8 @@ class CostModel:
         self._min_samples = min_samples
         self._lock = threading.Lock()
         self._params = self._prior
-        self._fetch_rate: float | None = None
-        self._decode_token_s: float | None = None
-        self._decode_step_s: float | None = None
-        self._handoff_s: float | None = None
+        # measured rates, by their `CostParams` field: moving averages (each new value weighs 0.2)
+        self._rates: dict[str, float] = {}
         self._fitted = self._prior  # the prior with the last prefill fit
         self._new = 0  # prefill samples since that fit
         self._dirty = False
@@ -68,26 +65,27 @@ class CostModel:
                 self._samples.append((computed, cached, compute_s))
                 self._new += 1
             if fetched_bytes > 0 and fetch_s > 0:
-                rate = fetched_bytes / fetch_s
-                self._fetch_rate = rate if self._fetch_rate is None else 0.8 * self._fetch_rate + 0.2 * rate
+                self._average("fetch_bytes_per_s", fetched_bytes / fetch_s)
             self._dirty = True
 
     def observe_decode(self, token_s: float, step_s: float = 0.0) -> None:
         """A worker's decode line: `step_s + B * token_s` for a step of B sequences."""
         if token_s > 0 or step_s > 0:
             with self._lock:
-                prev, prev_step = self._decode_token_s, self._decode_step_s
-                self._decode_token_s = token_s if prev is None else 0.8 * prev + 0.2 * token_s
-                self._decode_step_s = step_s if prev_step is None else 0.8 * prev_step + 0.2 * step_s
+                self._average("decode_token_s", token_s)
+                self._average("decode_step_s", step_s)
                 self._dirty = True
 
     def observe_handoff(self, seconds: float) -> None:
         """Measured disaggregation overhead: pushing the KV to the pool plus the extra HTTP call."""
         if seconds >= 0:
             with self._lock:
-                prev = self._handoff_s
-                self._handoff_s = seconds if prev is None else 0.8 * prev + 0.2 * seconds
+                self._average("handoff_s", seconds)
                 self._dirty = True
+
+    def _average(self, name: str, value: float) -> None:  # with _lock held
+        prev = self._rates.get(name)
+        self._rates[name] = value if prev is None else 0.8 * prev + 0.2 * value
 
     def params(self) -> CostParams:
         """The current estimates. The least-squares fit (~0.1 ms of CPU, on the route's path)
@@ -99,7 +97,7 @@ class CostModel:
                 if self._new and self._new >= len(self._samples) // 16:
                     self._fitted = self._fit_prefill()
                     self._new = 0
-                self._params = self._with_rates(self._fitted)
+                self._params = replace(self._fitted, **self._rates)
                 self._dirty = False
             return self._params
 
@@ -115,13 +113,6 @@ class CostModel:
             if coef is not None:
                 p = replace(p, prefill_fixed_s=coef[0], prefill_token_s=coef[1], prefill_attn_s=coef[2])
         return p
-
-    def _with_rates(self, p: CostParams) -> CostParams:
-        rates = {name: value for name, value in (("fetch_bytes_per_s", self._fetch_rate),
-                                                 ("decode_token_s", self._decode_token_s),
-                                                 ("decode_step_s", self._decode_step_s),
-                                                 ("handoff_s", self._handoff_s)) if value is not None}
-        return replace(p, **rates) if rates else p
 
 
 class DecodeLine:

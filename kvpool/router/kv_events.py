@@ -43,13 +43,11 @@ Everything runs on the router's event loop.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import json
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -59,7 +57,7 @@ import xxhash
 
 from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import parse_namespace_hex
-from kvpool.security.keyring import request_salt
+from kvpool.router.tokenizer import u32_bytes
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +200,9 @@ class BlockIndex:
             if prev is None:
                 self.skipped += n - i
                 return
-            toks = _u32(ev.token_ids[i * bs:(i + 1) * bs])
-            if toks is None:
+            try:
+                toks = u32_bytes(ev.token_ids[i * bs:(i + 1) * bs])
+            except (OverflowError, TypeError):  # not token ids
                 self.skipped += n - i
                 return
             block = _Block(parent_hash, end + bs, prev, toks)
@@ -252,23 +251,11 @@ class BlockIndex:
         self.held.add(key)
 
 
-def _u32(ids: list[int]) -> bytes | None:
-    try:
-        arr = array.array("I", ids)
-    except (OverflowError, TypeError):
-        return None
-    if arr.itemsize != 4:
-        return None
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tobytes()
-
-
 def namespace_resolver(namespace_hex: str, namespace_doc: str) -> Callable[[str | None], bytes | None]:
     """The chain root of a request with `cache_salt` (None: none) on servers of this namespace:
     the connector's namespace salted with `request_salt(configured salt, cache_salt)`, as the
     router keys a tenant's prompts (tenants.py). Unknown (None) without the namespace's document."""
-    from kvpool.router.tenants import salted_namespace
+    from kvpool.router.tenants import cache_salted_namespace
 
     base = parse_namespace_hex(namespace_hex)
     doc = json.loads(namespace_doc) if namespace_doc else None
@@ -281,7 +268,7 @@ def namespace_resolver(namespace_hex: str, namespace_doc: str) -> Callable[[str 
             return None
         ns = cache.get(cache_salt)
         if ns is None:
-            ns = cache[cache_salt] = salted_namespace(doc, request_salt(str(doc.get("tenant_salt", "")), cache_salt))
+            ns = cache[cache_salt] = cache_salted_namespace(doc, cache_salt)
         return ns
 
     return of

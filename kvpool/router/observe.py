@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 import time
-from typing import Any, Iterable
+from typing import Any, Awaitable, Iterable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -42,47 +42,45 @@ def parse(text: str) -> list[Sample]:
 async def snapshot(router: Any, timeout_s: float = 2.0) -> dict[str, Any]:
     """{"t": unix seconds, "sources": [{"name", "kind", "ok", "error", "samples"}]}."""
     started = time.time()
-    sources = [_source("router", "router", lambda: parse(router.metrics.render().decode()))]
+    sources = [await _read("router", "router", _router(router))]
     workers = list(router.workers.by_url.values()) if router.workers is not None else []
-    tasks = [_worker(router.backend.http, w.url, w.name, timeout_s) for w in workers]
+    reads = [_read(w.name, "worker", _worker(router.backend.http, w.url, w.name, timeout_s), url=w.url)
+             for w in workers]
     if router.pool is not None:
-        tasks.append(_pool(router.pool, timeout_s))
-    sources += await asyncio.gather(*tasks)
+        reads.append(_read("pool", "pool", _pool(router.pool, timeout_s)))
+    sources += await asyncio.gather(*reads)
     for source in sources:  # JSON has no NaN or infinity (a gauge may be NaN)
         source["samples"] = [s for s in source["samples"] if math.isfinite(s[2])]
     return {"t": started, "sources": sources}
 
 
-def _source(name: str, kind: str, read: Any) -> dict[str, Any]:
+async def _read(name: str, kind: str, samples: Awaitable[list[Sample]], **extra: str) -> dict[str, Any]:
+    head = {"name": name, "kind": kind, **extra}
     try:
-        return {"name": name, "kind": kind, "ok": True, "error": "", "samples": read()}
+        return {**head, "ok": True, "error": "", "samples": await samples}
     except Exception as exc:  # a page must show what it could read
-        return {"name": name, "kind": kind, "ok": False, "error": _one_line(exc), "samples": []}
+        return {**head, "ok": False, "error": _one_line(exc), "samples": []}
 
 
-async def _worker(http: aiohttp.ClientSession, url: str, name: str, timeout_s: float) -> dict[str, Any]:
-    try:
-        async with http.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            body = await resp.text()
-            if resp.status != 200:
-                raise RuntimeError(f"{url}/metrics answered {resp.status}")
-        samples = parse(body)
-    except Exception as exc:
-        return {"name": name, "kind": "worker", "url": url, "ok": False, "error": _one_line(exc), "samples": []}
+async def _router(router: Any) -> list[Sample]:
+    return parse(router.metrics.render().decode())
+
+
+async def _worker(http: aiohttp.ClientSession, url: str, name: str, timeout_s: float) -> list[Sample]:
+    async with http.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        body = await resp.text()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}/metrics answered {resp.status}")
+    samples = parse(body)
     for _, labels, _ in samples:
         labels["worker"] = name
-    return {"name": name, "kind": "worker", "url": url, "ok": True, "error": "", "samples": samples}
+    return samples
 
 
-async def _pool(matcher: Any, timeout_s: float) -> dict[str, Any]:
+async def _pool(matcher: Any, timeout_s: float) -> list[Sample]:
     client = getattr(matcher, "pool", matcher)  # a PrefixMatcher holds the asyncio client
-    try:
-        stats, nodes = await asyncio.wait_for(
-            asyncio.gather(client.admin("stats"), client.admin("nodes")), timeout_s)
-        samples = master_samples(stats, nodes)
-    except Exception as exc:
-        return {"name": "pool", "kind": "pool", "ok": False, "error": _one_line(exc), "samples": []}
-    return {"name": "pool", "kind": "pool", "ok": True, "error": "", "samples": samples}
+    stats, nodes = await asyncio.wait_for(asyncio.gather(client.admin("stats"), client.admin("nodes")), timeout_s)
+    return master_samples(stats, nodes)
 
 
 def _one_line(exc: BaseException) -> str:

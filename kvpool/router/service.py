@@ -78,11 +78,8 @@ class RouterConfig:
     @classmethod
     def from_settings(cls, settings: Settings) -> "RouterConfig":
         r = settings.router
-        vllm = None
-        if r.engine == "vllm":
-            if not r.tokenizer:
-                raise InvalidArgument("a router for vLLM servers (engine vllm) needs the model folder they load: "
-                                      "--tokenizer DIR ([router] tokenizer)")
+        vllm = None  # (without a model folder: make_backend says what is missing)
+        if r.engine == "vllm" and r.tokenizer:
             vllm = VLLMSettings(model_path=r.tokenizer, connector=dict(r.kv_connector_config), kv_dtype=r.kv_dtype)
         return cls(pool=r.pool, policy=r.policy, workers=list(r.workers),
                    ttft_slo_s=None if r.ttft_slo_ms is None else r.ttft_slo_ms / 1e3,

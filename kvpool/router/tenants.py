@@ -59,6 +59,12 @@ def salted_namespace(namespace_doc: dict[str, Any], salt: str) -> bytes:
     return xxhash.xxh3_128_digest(NAMESPACE_PREFIX + canonical.encode())
 
 
+def cache_salted_namespace(namespace_doc: dict[str, Any], cache_salt: str) -> bytes:
+    """The namespace of requests carrying vLLM's `cache_salt` on servers of `namespace_doc`: their
+    configured salt mixed with it, as the connector mixes them (`request_salt`)."""
+    return salted_namespace(namespace_doc, request_salt(str(namespace_doc.get("tenant_salt", "")), cache_salt))
+
+
 class Tenants:
     def __init__(self, keyring: Keyring | None, pool_address: str | None, *, via_cache_salt: bool = False):
         self.keyring = keyring
@@ -85,16 +91,11 @@ class Tenants:
             tenant = self._by_id[entry.principal.tenant] = Tenant(
                 entry.principal.tenant, Credential(entry.principal.name, entry.secret), salt,
                 engine_cache_salt(salt) if self.via_cache_salt else None)
-        if tenant.namespace is None and self._namespace_doc is not None:
-            tenant.namespace = salted_namespace(self._namespace_doc, self.namespace_salt(tenant))
+        doc = self._namespace_doc
+        if tenant.namespace is None and doc is not None:  # its own salt, or behind vLLM its cache_salt's
+            tenant.namespace = (salted_namespace(doc, tenant.salt) if tenant.cache_salt is None
+                                else cache_salted_namespace(doc, tenant.cache_salt))
         return tenant
-
-    def namespace_salt(self, tenant: Tenant) -> str:
-        """The salt of `tenant`'s namespace: its own, or behind vLLM, the servers' configured salt
-        mixed with its cache_salt, as the connector mixes them."""
-        if tenant.cache_salt is None:
-            return tenant.salt
-        return request_salt(str((self._namespace_doc or {}).get("tenant_salt", "")), tenant.cache_salt)
 
     async def pool(self, tenant: Tenant) -> Any:
         """`tenant`'s pool client, connected as its principal on first use (behind vLLM: the

@@ -74,7 +74,8 @@ class Prompt(NamedTuple):
     u32: bytes
 
 
-def _u32(ids: Sequence[int]) -> bytes:
+def u32_bytes(ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32 bytes (`OverflowError`, `TypeError`: not u32 ids)."""
     if _ARRAY_U32:
         arr = array.array("I", ids)
         if sys.byteorder != "little":
@@ -117,7 +118,7 @@ class RouterTokenizer:
         specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
                           key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
-        self._special_u32 = {s: _u32([self._tok.token_to_id(s)]) for s in specials}
+        self._special_u32 = {s: u32_bytes([self._tok.token_to_id(s)]) for s in specials}
         self._sentences = _Cache(cache_entries)
         self._segments = _Cache(cache_entries // 16)
         # The template sees the special tokens by name (bos_token, eos_token, ...), as in transformers.
@@ -175,7 +176,7 @@ class RouterTokenizer:
             slow = []
             for g in new:
                 if fast.takes(g):
-                    found[g] = _u32(fast.encode(g))
+                    found[g] = u32_bytes(fast.encode(g))
                     self._segments.put(g, found[g])
                 else:
                     slow.append(g)
@@ -187,7 +188,7 @@ class RouterTokenizer:
             if missing and fast is not None:  # a segment it does not take: the sentences it does
                 for p in missing:
                     if fast.takes(p):
-                        have[p] = _u32(fast.encode(p))
+                        have[p] = u32_bytes(fast.encode(p))
                         self._sentences.put(p, have[p])
                 missing = [p for p in missing if have[p] is None]
             if missing:
@@ -199,14 +200,14 @@ class RouterTokenizer:
                 else:
                     encs = self._tok.encode_batch_fast(missing, add_special_tokens=False)
                 for piece, enc in zip(missing, encs):
-                    have[piece] = _u32(enc.ids)
+                    have[piece] = u32_bytes(enc.ids)
                     self._sentences.put(piece, have[piece])
             for g, ps in sentences.items():
                 found[g] = b"".join(have[p] for p in ps)
                 self._segments.put(g, found[g])
         parts: list[bytes] = []
         if add_special_tokens and self.add_bos_token and self.bos_token is not None:
-            parts.append(_u32([self._tok.token_to_id(self.bos_token)]))
+            parts.append(u32_bytes([self._tok.token_to_id(self.bos_token)]))
         for g in segments:
             special = specials.get(g)
             parts.append(special if special is not None else found[g])

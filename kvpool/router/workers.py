@@ -178,9 +178,7 @@ class Workers:
 
     def drain(self, url: str) -> WorkerState:
         state = self._find(url)
-        if state.status == UP:
-            state.status = DRAINING
-            log.info("worker %s is draining: no new requests", state.name)
+        self.leaving(state)
         return state
 
     def remove(self, url: str) -> WorkerState:
@@ -190,7 +188,7 @@ class Workers:
         return state
 
     def leaving(self, state: WorkerState) -> None:
-        """The worker answered that it is draining (503): no new requests."""
+        """The worker is draining (it said so, or answered 503): no new requests."""
         if state.status == UP:
             state.status = DRAINING
             log.info("worker %s is draining: no new requests", state.name)

@@ -23,7 +23,8 @@ def make_backend(engine: str, vllm: Any = None, *, keyring: Any = None, request_
     if engine != "vllm":
         raise InvalidArgument(f"unknown engine {engine!r}: 'reference' (the reference workers) or 'vllm'")
     if vllm is None or not vllm.model_path:
-        raise InvalidArgument("--engine vllm needs --tokenizer (the model folder the vLLM servers load)")
+        raise InvalidArgument("a router for vLLM servers (--engine vllm) needs the model folder they load: "
+                              "--tokenizer DIR ([router] tokenizer)")
     return VLLMBackend(vllm, request_timeout_s=request_timeout_s)
 
 

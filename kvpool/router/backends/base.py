@@ -53,6 +53,21 @@ class BeforeFirst(Exception):
         self.error = error
 
 
+def failed(worker: str, error: Exception, streamed: bool) -> Exception:
+    """`error` of a step on `worker`, as the router must see it: `BeforeFirst` (retryable) while
+    nothing of the step has reached the client."""
+    return error if streamed else BeforeFirst(worker, error)
+
+
+def unreachable(host: "Host", worker: "WorkerState", path: str, exc: Exception, streamed: bool) -> Exception:
+    """`worker` could not be reached or broke off during its call to `path`: out of rotation, and
+    the step's error."""
+    why = f"{type(exc).__name__}: {exc}"
+    host.worker_failed(worker, path.rsplit("/", 1)[-1], f"{path}: {why}")
+    return failed(worker.name, Unavailable(f"worker {worker.name} failed{' mid-request' if streamed else ''}: {why}"),
+                  streamed)
+
+
 class WorkerRefused(Unavailable):
     """Nothing listens at the worker's address (a poll): out of rotation now, not after
     `fail_after` failed polls. Stays in the router: a client never sees it."""
@@ -149,4 +164,5 @@ async def get(http: aiohttp.ClientSession, url: str, path: str, timeout: float) 
     return body
 
 
-__all__ = ["Backend", "BeforeFirst", "Host", "Outcome", "Piece", "Request", "WorkerRefused", "client_session", "get"]
+__all__ = ["Backend", "BeforeFirst", "Host", "Outcome", "Piece", "Request", "WorkerRefused", "client_session", "failed",
+           "get", "unreachable"]

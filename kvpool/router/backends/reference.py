@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from kvpool import worker_api as wire
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable, error_from_code
 from kvpool.router.backends.base import (BeforeFirst, Host, Outcome, Piece, Request, WorkerRefused, client_session,
-                                         get)
+                                         failed, get, unreachable)
 from kvpool.router.hop import Hop, HopError
 from kvpool.router.policy import Decision
 from kvpool.security.http_guard import TENANT_HEADER, internal_headers
@@ -220,8 +220,7 @@ class ReferenceBackend:
             finally:
                 resp.release()
         except HopError as exc:
-            host.worker_failed(worker, _stage(path), f"{path}: {type(exc).__name__}: {exc}")
-            raise BeforeFirst(worker.name, Unavailable(f"worker {worker.name} failed: {exc}"))
+            raise unreachable(host, worker, path, exc, streamed=False) from None
         if resp.status >= 400:
             raise _error_of(host, worker, path, resp.status, body)
         return body
@@ -240,10 +239,7 @@ class ReferenceBackend:
                     continue
                 event = wire.decode(line, wire.TokenEvent)
                 if event.error is not None:
-                    err = error_from_code(event.error.code, event.error.message)
-                    if not got_any:
-                        raise BeforeFirst(worker.name, err)
-                    raise err
+                    raise failed(worker.name, error_from_code(event.error.code, event.error.message), got_any)
                 got_any = True
                 if event.done:  # the body ends right after: read its end and pool the connection now
                     await resp.finish()
@@ -252,11 +248,7 @@ class ReferenceBackend:
                     return
                 yield event
         except HopError as exc:
-            host.worker_failed(worker, _stage(path), f"{path}: {type(exc).__name__}: {exc}")
-            err = Unavailable(f"worker {worker.name} failed mid-request: {exc}")
-            if not got_any:
-                raise BeforeFirst(worker.name, err) from None
-            raise err from None
+            raise unreachable(host, worker, path, exc, got_any) from None
         finally:
             if resp is not None:
                 resp.release()  # closes the connection unless the stream was read to its end

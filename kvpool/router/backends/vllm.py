@@ -51,7 +51,8 @@ from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import Namespace
 from kvpool.chunk_format import KVLayout
 from kvpool.codec import stored_bytes_per_token
-from kvpool.router.backends.base import BeforeFirst, Host, Outcome, Piece, Request, client_session, get
+from kvpool.router.backends.base import (BeforeFirst, Host, Outcome, Piece, Request, client_session, failed, get,
+                                         unreachable)
 
 if TYPE_CHECKING:
     from kvpool.router.policy import Decision
@@ -241,8 +242,7 @@ class VLLMBackend:
             async with self.http.post(worker.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
                 raw, status = await resp.read(), resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            host.worker_failed(worker, "completions", f"/v1/completions: {type(exc).__name__}: {exc}")
-            raise BeforeFirst(worker.name, Unavailable(f"worker {worker.name} failed: {type(exc).__name__}")) from None
+            raise unreachable(host, worker, "/v1/completions", exc, streamed=False) from None
         if status >= 400:
             raise self._error(host, worker, status, raw)
         try:
@@ -270,10 +270,7 @@ class VLLMBackend:
                         break
                     chunk = json.loads(data)
                     if "error" in chunk or chunk.get("object") == "error":
-                        err = Unavailable(f"worker {worker.name}: {_message(chunk)}")
-                        if not got_any:
-                            raise BeforeFirst(worker.name, err)
-                        raise err
+                        raise failed(worker.name, Unavailable(f"worker {worker.name}: {_message(chunk)}"), got_any)
                     if chunk.get("usage"):
                         _account(out, chunk["usage"])
                     for choice in chunk.get("choices") or ():
@@ -283,11 +280,7 @@ class VLLMBackend:
                             got_any = True
                             yield Piece(text)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            host.worker_failed(worker, "completions", f"/v1/completions: {type(exc).__name__}: {exc}")
-            err = Unavailable(f"worker {worker.name} failed mid-request: {type(exc).__name__}")
-            if not got_any:
-                raise BeforeFirst(worker.name, err) from None
-            raise err from None
+            raise unreachable(host, worker, "/v1/completions", exc, got_any) from None
         host.metrics.prompt_tokens.labels(source="cached").inc(out.cached_tokens)
         yield Piece(finish=finish or "stop")
 
