@@ -3,7 +3,6 @@
     base           the adapter contract (EngineAdapter, KVEvent, LoadResult, SaveResult)
     chunk_reader   the one verified reader of chunk objects, with the one rule for a damaged chunk
     chunk_store    the engine-free half of every adapter: keys, writes, handles, events
-    layerwise      the engine-free halves of layer-wise loads and saves
     hf             the HuggingFace transformers adapter; model: the reference model
     vllm/          the vLLM v1 KV connector (scheduler side, worker side, metadata)
     sglang         the SGLang HiCache storage backend

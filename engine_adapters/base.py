@@ -39,8 +39,7 @@ only sealing and the puts remain. A transport that streams the layer-major paylo
 layer i sooner without changing this contract.
 
 Where the engine-free half lives: `chunk_store.ChunkStore` (keys, lookups, writes, handles,
-events), `chunk_reader.ChunkReader` (every verified read, by every adapter and worker) and
-`layerwise` (the layer-wise forms' threads and bookkeeping).
+events) and `chunk_reader.ChunkReader` (every verified read, by every adapter and worker).
 
 Invariants every adapter keeps (tests/engine_adapters/conformance.py checks them):
 - `load` returns the longest prefix whose chunks all arrive and verify (layout hash, checksum,

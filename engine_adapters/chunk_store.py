@@ -2,7 +2,7 @@
 `ChunkReader`), planned and batched writes, KV handles and events.
 
 An adapter owns one `ChunkStore` and only converts between its engine's KV and `ChunkView`s /
-payload buffers; `ChunkStoreAdapter` answers the contract methods that need no engine format.
+payload buffers, answering the contract methods that need no engine format from it.
 The contract itself, and the invariants kept here, are in `engine_adapters.base`.
 """
 
@@ -317,30 +317,3 @@ class ChunkStore:
             except Exception:  # a listener's bug must not fail a save or a load
                 log.exception("KV event listener %r failed", callback)
 
-
-class ChunkStoreAdapter:
-    """The contract methods an adapter answers from its `ChunkStore` alone (no engine format);
-    an adapter sets `self.store` and adds `load`, `save`, `load_handle` and the layer-wise forms."""
-
-    store: ChunkStore
-
-    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
-        return self.store.chunk_keys(token_ids)
-
-    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
-        return self.store.lookup(token_ids, max_tokens)
-
-    def make_handle(self, token_ids: Sequence[int], saved: SaveResult) -> KVHandle:
-        return self.store.make_handle(token_ids, saved)
-
-    def release_handle(self, handle: KVHandle) -> None:
-        self.store.release_handle(handle)
-
-    def remove(self, keys: Sequence[str]) -> list[bool]:
-        return self.store.remove(keys)
-
-    def add_listener(self, callback: Callable[[KVEvent], None]) -> None:
-        self.store.add_listener(callback)
-
-    def remove_listener(self, callback: Callable[[KVEvent], None]) -> None:
-        self.store.remove_listener(callback)

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Iterable, Sequence
+import threading
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from engine_adapters.base import KVEvent, LoadResult, SaveResult
-from engine_adapters.chunk_store import ChunkStore, ChunkStoreAdapter, PlannedObject
-from engine_adapters.layerwise import BackgroundLayerwiseLoad, PlannedLayerwiseSave
+from engine_adapters.chunk_store import ChunkStore
 from kvpool.chunk_format import ChunkView, KVLayout, payload_tensor
 from kvpool.contract import PoolClient
 from kvpool.errors import InvalidArgument
@@ -78,22 +78,37 @@ def cache_from_layers(layers: Sequence[torch.Tensor], config: Any = None) -> Dyn
     return cache
 
 
-class HFLayerwiseSave(PlannedLayerwiseSave):
+class HFLayerwiseSave:
     """Copies each layer's K/V into the planned objects' payloads as the layer is handed over; `finish`
-    seals and puts them. Planned at construction (one exists_batch), so only missing chunks are copied."""
+    seals and puts them once every layer was handed over. Planned at construction (one
+    exists_batch), so only missing chunks are copied."""
 
     def __init__(self, adapter: "HFAdapter", token_ids: Sequence[int], request_id: str | None, start_token: int):
         self._adapter = adapter
-        super().__init__(adapter.store, token_ids, request_id, start_token)
+        self.num_tokens = len(token_ids)
+        self.keys, self.planned, self.tail = adapter.store.plan_save(token_ids, request_id=request_id,
+                                                                     start_token=start_token)
+        self._payloads = [payload_tensor(obj.buffer, adapter.layout, obj.tokens) for obj in self.planned]
+        self._done = [False] * adapter.layout.num_layers
+        self._finished = False
 
-    def _payload(self, obj: PlannedObject) -> torch.Tensor:
-        return payload_tensor(obj.buffer, self._adapter.layout, obj.tokens)
-
-    def _copy_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def save_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not 0 <= i < len(self._done):
+            raise InvalidArgument(f"layer {i} out of range 0..{len(self._done) - 1}")
         k, v = self._adapter.check_layer_kv(k, self.num_tokens), self._adapter.check_layer_kv(v, self.num_tokens)
         for obj, payload in zip(self.planned, self._payloads):
             payload[i, 0].copy_(k[:, obj.start:obj.start + obj.tokens, :])
             payload[i, 1].copy_(v[:, obj.start:obj.start + obj.tokens, :])
+        self._done[i] = True
+
+    def finish(self) -> SaveResult:
+        if self._finished:
+            raise InvalidArgument("this save has already finished")
+        missing = [i for i, done in enumerate(self._done) if not done]
+        if missing and self.planned:
+            raise InvalidArgument(f"layers {missing[:5]}{'...' if len(missing) > 5 else ''} were never saved")
+        self._finished = True
+        return self._adapter.store.store(self.keys, self.planned, self.tail, self.num_tokens)
 
     def attach(self, cache: DynamicCache) -> DynamicCache:
         """Save each layer of `cache` the moment the forward pass appends it, so nothing is left to
@@ -142,37 +157,70 @@ class _PendingLayer(DynamicLayer):
         return self._pending_tokens if self._load is not None else super().get_seq_length()
 
 
-class HFLayerwiseLoad(BackgroundLayerwiseLoad):
+class HFLayerwiseLoad:
     """Fetches and verifies the cached prefix in a background thread, then scatters it into one
-    `[L, 2, H, T, D]` tensor layer by layer; `wait_layer(i)` returns as soon as layer i is in place."""
+    `[L, 2, H, T, D]` tensor layer by layer; `wait_layer(i)` returns as soon as layer i is in place
+    (on the model's device), and every waiter re-raises an error of the thread."""
 
     def __init__(self, adapter: "HFAdapter", token_ids: Sequence[int], max_tokens: int | None):
         self._adapter = adapter
-        self._kv: torch.Tensor | None = None  # host assembly buffer [L, 2, H, T, D]
-        self._sources: list[torch.Tensor] = []  # the fetched chunks, [L, 2, H, tokens, D] each
         self._layers: list[torch.Tensor] = []  # layer i on the model's device, once ready
-        super().__init__(adapter.store, token_ids, max_tokens, thread_name="kvpool-hf-load")
+        self._fetched = threading.Event()
+        self._ready = [threading.Event() for _ in range(adapter.layout.num_layers)]
+        self._error: BaseException | None = None
+        self._num_tokens = 0
+        self._thread = threading.Thread(target=self._run, args=(list(token_ids), max_tokens), daemon=True,
+                                        name="kvpool-hf-load")
+        self._thread.start()
 
-    def _prepare(self, views: list[ChunkView]) -> int:
-        num_tokens = sum(v.tokens for v in views)
-        self._kv = self._adapter.empty_kv(num_tokens)
-        self._sources = [v.as_torch() for v in views]
-        return num_tokens
+    def _run(self, ids: list[int], max_tokens: int | None) -> None:
+        try:
+            views = self._adapter.store.fetch_prefix(ids, max_tokens)
+            self._num_tokens = sum(v.tokens for v in views)
+            kv = self._adapter.empty_kv(self._num_tokens)  # host assembly buffer [L, 2, H, T, D]
+            sources = [v.as_torch() for v in views]  # the fetched chunks, [L, 2, H, tokens, D] each
+            self._fetched.set()
+            device = self._adapter.device
+            for i, ready in enumerate(self._ready):
+                if sources:
+                    start = 0
+                    for src in sources:
+                        kv[i, :, :, start:start + src.shape[3]].copy_(src[i])
+                        start += src.shape[3]
+                    self._layers.append(kv[i] if device.type == "cpu" else kv[i].to(device))
+                ready.set()
+        except BaseException as exc:  # handed to the waiting thread, which re-raises it
+            self._error = exc
+            self._fetched.set()
+            for ready in self._ready:
+                ready.set()
 
-    def _fill_layer(self, i: int, views: list[ChunkView]) -> None:
-        start = 0
-        for src in self._sources:
-            self._kv[i, :, :, start:start + src.shape[3]].copy_(src[i])
-            start += src.shape[3]
-        device = self._adapter.device
-        self._layers.append(self._kv[i] if device.type == "cpu" else self._kv[i].to(device))
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
 
-    def _layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def num_tokens(self) -> int:
+        """Tokens being loaded; blocks until the chunks are fetched and verified."""
+        self._fetched.wait()
+        self._check()
+        return self._num_tokens
+
+    def wait_layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self._ready):
+            raise InvalidArgument(f"layer {i} out of range 0..{len(self._ready) - 1}")
+        self._ready[i].wait()
+        self._check()
+        if not self._num_tokens:
+            raise InvalidArgument("nothing was loaded (num_tokens() == 0): there is no layer KV to wait for")
         layer = self._layers[i]
         return layer[0].unsqueeze(0), layer[1].unsqueeze(0)
 
-    def _result(self) -> DynamicCache:
-        return cache_from_layers(self._layers, self._adapter.model.config)
+    def wait(self) -> LoadResult:
+        self._thread.join()
+        self._check()
+        if not self._num_tokens:
+            return LoadResult(0, None)
+        return LoadResult(self._num_tokens, cache_from_layers(self._layers, self._adapter.model.config))
 
     def cache(self) -> DynamicCache:
         """A DynamicCache of the loaded prefix to run the model on right away: the model's first use
@@ -185,7 +233,7 @@ class HFLayerwiseLoad(BackgroundLayerwiseLoad):
         return cache
 
 
-class HFAdapter(ChunkStoreAdapter):
+class HFAdapter:
     """The adapter contract (`engine_adapters.base.EngineAdapter`) for a transformers causal LM.
 
     `namespace.layout` must equal the model's own layout with the namespace's chunk size and codec
@@ -239,6 +287,27 @@ class HFAdapter(ChunkStoreAdapter):
         return cache_from_kv(kv, self.model.config)
 
     # -- the contract ------------------------------------------------------------------------
+
+    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
+        return self.store.chunk_keys(token_ids)
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
+        return self.store.lookup(token_ids, max_tokens)
+
+    def make_handle(self, token_ids: Sequence[int], saved: SaveResult) -> KVHandle:
+        return self.store.make_handle(token_ids, saved)
+
+    def release_handle(self, handle: KVHandle) -> None:
+        self.store.release_handle(handle)
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        return self.store.remove(keys)
+
+    def add_listener(self, callback: Callable[[KVEvent], None]) -> None:
+        self.store.add_listener(callback)
+
+    def remove_listener(self, callback: Callable[[KVEvent], None]) -> None:
+        self.store.remove_listener(callback)
 
     def load(self, token_ids: Sequence[int], max_tokens: int | None = None) -> LoadResult:
         views = self.store.fetch_prefix(token_ids, max_tokens)

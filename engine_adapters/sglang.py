@@ -34,6 +34,7 @@ Semantics:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import torch
@@ -56,6 +57,19 @@ except ImportError:  # SGLang not installed: the backend still imports (it defin
     HiCacheStorage = object
 
     SGLANG_AVAILABLE = False
+
+try:  # the v2 interface's types (SGLang 0.5.23 on)
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
+
+    KV_POOL: Any = PoolName.KV  # SGLang's name of the KV pool
+except ImportError:
+    KV_POOL = "kv"
+
+    @dataclass
+    class PoolTransferResult:  # SGLang's (same fields), where SGLang has none
+        kv_hit_pages: int
+        extra_pool_hit_pages: dict
+        restorable_prefix_pages: Optional[List[int]] = None
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +365,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         under its hit policy (`all_pages`: every page of the prefix; `trailing_pages`: the last
         len(transfer.keys) pages of it; others: a miss)."""
         kv = self.batch_exists(keys, extra_info)
-        hits: dict = {_kv_pool_name(): kv} if kv else {}
+        hits: dict = {KV_POOL: kv} if kv else {}
         restorable = list(range(1, kv + 1))
         for transfer in pool_transfers or []:
             if not restorable:
@@ -374,7 +388,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             if usable:
                 hits[transfer.name] = max(usable)
             restorable = [n for n in restorable if n in usable]
-        return _pool_transfer_result(restorable[-1] if restorable else 0, hits, restorable)
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
     def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
         """Read each transfer's pages into its host pool at its host indices: {pool name: [ok per page]}."""
@@ -410,28 +424,3 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             self._client.close()
             self._client = None
 
-
-def _kv_pool_name() -> Any:
-    """SGLang's name of the KV pool (its `PoolName.KV` where installed)."""
-    if SGLANG_AVAILABLE:
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-
-        return PoolName.KV
-    return "kv"
-
-
-class _PoolTransferResult:
-    """SGLang's `PoolTransferResult` (same fields), where SGLang is not installed."""
-
-    def __init__(self, kv_hit_pages: int, extra_pool_hit_pages: dict, restorable_prefix_pages: Optional[List[int]] = None):
-        self.kv_hit_pages = kv_hit_pages
-        self.extra_pool_hit_pages = extra_pool_hit_pages
-        self.restorable_prefix_pages = restorable_prefix_pages
-
-
-def _pool_transfer_result(kv_hit_pages: int, hits: dict, restorable: List[int]) -> Any:
-    if SGLANG_AVAILABLE:
-        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
-
-        return PoolTransferResult(kv_hit_pages, hits, restorable)
-    return _PoolTransferResult(kv_hit_pages, hits, restorable)

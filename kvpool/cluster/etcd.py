@@ -48,6 +48,13 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
+def _put_op(key: str, value: str | bytes, lease: int = 0) -> dict[str, Any]:
+    put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        put["lease"] = lease
+    return put
+
+
 def _prefix_end(prefix: bytes) -> bytes:
     end = bytearray(prefix)
     for i in range(len(end) - 1, -1, -1):
@@ -167,14 +174,11 @@ class EtcdClient:
 
     # -- keys
     def put(self, key: str, value: str | bytes, lease: int = 0) -> None:
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease:
-            body["lease"] = lease
-        self._post("/v3/kv/put", body)
+        self._post("/v3/kv/put", _put_op(key, value, lease))
 
     def get(self, key: str) -> bytes | None:
-        kvs = self._post("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
-        return _unb64(kvs[0].get("value", "")) if kvs else None
+        found = self.get_with_lease(key)
+        return found[0] if found is not None else None
 
     def get_with_lease(self, key: str) -> tuple[bytes, int] | None:
         """(value, lease id) of `key` (lease 0: none), or None when absent."""
@@ -193,13 +197,7 @@ class EtcdClient:
                  compare: list[dict[str, Any]] | None = None) -> bool:
         """Put every item, in transactions of at most `TXN_OPS` (etcd's default limit is 128).
         `compare` (see `lease_is`): each transaction puts only while it holds; False when one did not."""
-        ops: list[dict[str, Any]] = []
-        for key, value in items.items():
-            put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-            if lease:
-                put["lease"] = lease
-            ops.append({"request_put": put})
-        return self._txn(ops, compare)
+        return self._txn([{"request_put": _put_op(key, value, lease)} for key, value in items.items()], compare)
 
     def _txn(self, ops: list[dict[str, Any]], compare: list[dict[str, Any]] | None = None) -> bool:
         for i in range(0, len(ops), TXN_OPS):
@@ -213,11 +211,10 @@ class EtcdClient:
     def txn(self, compare: list[dict[str, Any]], puts: dict[str, str | bytes] | None = None,
             delete_range: tuple[str, str] | None = None) -> bool:
         """One transaction: the puts and the range delete, only if `compare` holds."""
-        ops: list[dict[str, Any]] = [{"request_put": {"key": _b64(k), "value": _b64(v)}}
-                                     for k, v in (puts or {}).items()]
+        ops = [{"request_put": _put_op(k, v)} for k, v in (puts or {}).items()]
         if delete_range is not None:
             ops.append({"request_delete_range": {"key": _b64(delete_range[0]), "range_end": _b64(delete_range[1])}})
-        return bool(self._post("/v3/kv/txn", {"compare": compare, "success": ops}).get("succeeded", False))
+        return self._txn(ops, compare)
 
     @staticmethod
     def lease_is(key: str, lease: int) -> list[dict[str, Any]]:
@@ -226,11 +223,5 @@ class EtcdClient:
 
     def create(self, key: str, value: str | bytes, lease: int = 0) -> bool:
         """Put `key` only if it does not exist (one transaction); True if this call created it."""
-        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease:
-            put["lease"] = lease
-        doc = self._post("/v3/kv/txn", {
-            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
-            "success": [{"request_put": put}],
-        })
-        return bool(doc.get("succeeded", False))
+        return self._txn([{"request_put": _put_op(key, value, lease)}],
+                         [{"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}])

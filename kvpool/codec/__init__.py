@@ -40,14 +40,15 @@ from typing import Any, Protocol, runtime_checkable
 from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.chunk_format import KVLayout
 
-# name -> (id recorded in the chunk header, "module:factory"); ids never change meaning
+# name -> (id recorded in the chunk header, "module:factory"); ids never change meaning. A `+zstd`
+# factory is given the inner codec and the id.
 CODECS: dict[str, tuple[int, str]] = {
     "none": (0, "kvpool.codec.none:NoneCodec"),
     "int8": (1, "kvpool.codec.int8:Int8Codec"),
     "fp8": (2, "kvpool.codec.fp8:Fp8Codec"),
-    "none+zstd": (3, "kvpool.codec.zstd:none_zstd"),
-    "int8+zstd": (4, "kvpool.codec.zstd:int8_zstd"),
-    "fp8+zstd": (5, "kvpool.codec.zstd:fp8_zstd"),
+    "none+zstd": (3, "kvpool.codec.zstd:ZstdStage"),
+    "int8+zstd": (4, "kvpool.codec.zstd:ZstdStage"),
+    "fp8+zstd": (5, "kvpool.codec.zstd:ZstdStage"),
 }
 
 
@@ -92,7 +93,8 @@ def get_codec(name: str) -> Codec:
         raise InvalidArgument(f"unknown KV codec {name!r}; known: {', '.join(CODECS)}")
     module, attr = entry[1].split(":")
     try:
-        codec = getattr(importlib.import_module(module), attr)()
+        factory = getattr(importlib.import_module(module), attr)
+        codec = factory(get_codec(name[:-len("+zstd")]), entry[0]) if name.endswith("+zstd") else factory()
     except ImportError as exc:
         raise Unavailable(f"KV codec {name!r} needs {exc.name!r}, which is not installed") from exc
     if codec.name != name or codec.codec_id != entry[0]:

@@ -129,20 +129,3 @@ class ZstdStage:
     def error_bound(self, layout: KVLayout, kv: Any) -> torch.Tensor:
         return self.inner.error_bound(layout, kv)
 
-
-def none_zstd() -> ZstdStage:
-    from kvpool.codec.none import NoneCodec
-
-    return ZstdStage(NoneCodec(), 3)
-
-
-def int8_zstd() -> ZstdStage:
-    from kvpool.codec.int8 import Int8Codec
-
-    return ZstdStage(Int8Codec(), 4)
-
-
-def fp8_zstd() -> ZstdStage:
-    from kvpool.codec.fp8 import Fp8Codec
-
-    return ZstdStage(Fp8Codec(), 5)

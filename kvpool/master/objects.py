@@ -8,8 +8,8 @@ Invariants (every method expects the master's lock held, `kvpool.master.state`):
 - Every replica is accounted on its node (`NodeTable.reserve` / `count` / `add` / `release`):
   replicas change only here, so a node's `used` and `objects` follow them. A node that left has
   no account to give back (`forget_node`).
-- Each tenant's use (bytes of every replica, keys) follows the entries (`TenantObjects`,
-  `kvpool.master.quotas`).
+- Each tenant's use, `usage[tenant] = [bytes of every replica, keys]` (`kvpool.master.quotas`),
+  is charged here as entries and replicas come and go; a tenant with no key has no cell.
 - The housekeeping tick looks at candidates, not at every object: every pending object is in
   `_pending` and every object being removed in `_removing` (a candidate whose object has moved
   on is dropped when looked at, so nothing that takes an object out of the table has to
@@ -25,15 +25,16 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from kvpool.master.nodes import NodeTable
-from kvpool.master.quotas import TenantObjects
 from kvpool.master.tables import COMPLETE, PENDING, NodeEntry, ObjectEntry, Replica
 from kvpool.messages import Placed
+from kvpool.security.tenancy import tenant_of
 
 
 class ObjectTable:
     def __init__(self, nodes: NodeTable):
         self._nodes = nodes
-        self._entries = TenantObjects()
+        self._entries: dict[str, ObjectEntry] = {}
+        self.usage: dict[str, list[int]] = {}  # tenant -> [bytes, keys]
         self.get = self._entries.get  # key -> ObjectEntry | None (bound: lookups are hot)
         self._pending: set[str] = set()
         self._removing: set[str] = set()
@@ -62,11 +63,19 @@ class ObjectTable:
 
     def used(self, tenant: str) -> tuple[int, int]:
         """(bytes, keys) `tenant` holds in the pool (`kvpool.master.quotas`)."""
-        return self._entries.used(tenant)
+        cell = self.usage.get(tenant)
+        return (cell[0], cell[1]) if cell is not None else (0, 0)
 
-    @property
-    def usage(self) -> dict[str, list[int]]:
-        return self._entries.usage
+    def _charge(self, key: str, nbytes: int, keys: int = 0) -> None:
+        """Add `nbytes` bytes and `keys` keys (either may be negative) to the use of `key`'s tenant."""
+        tenant = tenant_of(key)
+        cell = self.usage.get(tenant)
+        if cell is None:
+            cell = self.usage[tenant] = [0, 0]
+        cell[0] += nbytes
+        cell[1] += keys
+        if not cell[1]:
+            del self.usage[tenant]
 
     def candidates(self) -> tuple[frozenset[str], frozenset[str]]:
         """(pending, removing) candidate keys, for checks."""
@@ -79,6 +88,7 @@ class ObjectTable:
         obj = ObjectEntry(key=key, size=size, state=PENDING, replicas={n.node_id: Replica(n.node_id) for n in nodes},
                           put_id=put_id, deadline=deadline, token=token)
         self._entries[key] = obj
+        self._charge(key, size * len(obj.replicas), 1)
         self._pending.add(key)
         for n in nodes:
             self._nodes.reserve(n, size)
@@ -91,6 +101,7 @@ class ObjectTable:
         replicas that did not land (a write still on its way must not land as a copy nobody
         knows). No replica landed: the object leaves the table, unpublished."""
         replicas = obj.replicas
+        planned = len(replicas)
         landed = {p.node_id: p for p in written if p.node_id in replicas and p.node_id in self._nodes}
         gone = [p.node_id for p in written if p.node_id not in landed]
         for node_id in list(replicas):
@@ -98,6 +109,7 @@ class ObjectTable:
                 self._nodes.release(node_id, obj.size, counted=False)
                 del replicas[node_id]
                 gone.append(node_id)
+        self._charge(obj.key, obj.size * (len(replicas) - planned), 0 if landed else -1)
         if not landed:
             del self._entries[obj.key]
             return False, gone
@@ -131,12 +143,14 @@ class ObjectTable:
     def adopt(self, key: str, size: int, put_id: int) -> ObjectEntry:
         """A complete object a node reported that the table did not know (no replica yet)."""
         obj = self._entries[key] = ObjectEntry(key=key, size=size, state=COMPLETE, replicas={}, put_id=put_id)
+        self._charge(key, 0, 1)
         return obj
 
     def add_replica(self, obj: ObjectEntry, node: NodeEntry, replica: Replica) -> None:
         """A complete object gained a replica on `node` (not already one of its replicas)."""
         obj.replicas[node.node_id] = replica
         self._nodes.add(node, obj.size)
+        self._charge(obj.key, obj.size)
 
     def retier(self, key: str, node_id: str, tier: str) -> None:
         """The node moved its replica of `key` to another of its tiers (no replica there: ignored)."""
@@ -149,6 +163,7 @@ class ObjectTable:
         """The object leaves the table and its replicas' room goes back to their nodes; returns
         the nodes it was on (whose bytes must go)."""
         del self._entries[obj.key]
+        self._charge(obj.key, -obj.size * len(obj.replicas), -1)
         counted = obj.state == COMPLETE
         for node_id in obj.replicas:
             self._nodes.release(node_id, obj.size, counted)
@@ -158,6 +173,7 @@ class ObjectTable:
         """One replica leaves (its room goes back); the last one takes the object along."""
         del obj.replicas[node_id]
         self._nodes.release(node_id, obj.size, obj.state == COMPLETE)
+        self._charge(obj.key, -obj.size, 0 if obj.replicas else -1)
         if not obj.replicas:
             del self._entries[obj.key]
 
@@ -167,6 +183,7 @@ class ObjectTable:
         lost = 0
         for obj in [o for o in self._entries.values() if node_id in o.replicas]:
             del obj.replicas[node_id]
+            self._charge(obj.key, -obj.size, 0 if obj.replicas else -1)
             if not obj.replicas:
                 del self._entries[obj.key]
                 lost += obj.state == COMPLETE
@@ -209,5 +226,6 @@ class ObjectTable:
     def clear(self) -> None:
         """A new role starts from an empty table (a leader rebuilds it from the nodes' reports)."""
         self._entries.clear()
+        self.usage.clear()
         self._pending.clear()
         self._removing.clear()

@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, runtime_checkable
 
-from kvpool.contract import check_stored_key as check_key
-from kvpool.errors import KeyNotFound
 
 
 @dataclass(frozen=True)
@@ -67,48 +65,3 @@ class Tier(Protocol):
 
     def close(self) -> None: ...
 
-
-class PagedEntries:
-    """The bookkeeping shared by the tiers that carve one arena with a `PageAllocator` (DRAM).
-
-    Subclasses set `self.allocator` and `self._entries` (visible key -> (offset, length)) and
-    implement the byte copies (`put`, `get`, `get_into`, `close`).
-    """
-
-    allocator: Any
-    _entries: dict[str, tuple[int, int]]
-
-    @property
-    def capacity(self) -> int:
-        return self.allocator.capacity
-
-    @property
-    def used(self) -> int:
-        return self.allocator.used
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _entry_or_miss(self, key: str) -> tuple[int, int]:
-        """(offset, length) of visible `key`; `KeyNotFound` when it is not stored."""
-        entry = self._entries.get(check_key(key))
-        if entry is None:
-            raise KeyNotFound(key)
-        return entry
-
-    def contains(self, key: str) -> bool:
-        return check_key(key) in self._entries
-
-    def size_of(self, key: str) -> int | None:
-        entry = self._entries.get(check_key(key))
-        return None if entry is None else entry[1]
-
-    def remove(self, key: str) -> bool:
-        entry = self._entries.pop(check_key(key), None)
-        if entry is None:
-            return False
-        self.allocator.free(entry[0])
-        return True
-
-    def keys(self) -> Iterator[tuple[str, int]]:
-        return iter([(k, n) for k, (_, n) in self._entries.items()])

@@ -17,18 +17,18 @@ Not thread-safe by itself: `TieredStore` serializes calls and handles pins.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 from kvpool.contract import check_stored_key as check_key
 from kvpool.errors import AlreadyExists, CapacityError, InvalidArgument, KeyNotFound, ObjectTooLarge
 from kvpool.tiers.allocator import PageAllocator
 from kvpool.shm.arena import SharedArena
-from kvpool.tiers.base import Location, PagedEntries, Reservation
+from kvpool.tiers.base import Location, Reservation
 from kvpool.shm.views import readable_view, writable_view
 from kvpool.shm.index import ShmIndex, auto_slots, index_path, supported
 
 
-class DramTier(PagedEntries):
+class DramTier:
     """Objects in a shared-memory arena of `capacity` bytes."""
 
     name = "dram"
@@ -48,6 +48,17 @@ class DramTier(PagedEntries):
             except BaseException:
                 self.arena.close()
                 raise
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def used(self) -> int:
+        return self.allocator.used
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     # -- two-phase write -------------------------------------------------------------------
     def try_reserve(self, key: str, size: int) -> Reservation | None:
@@ -86,7 +97,11 @@ class DramTier(PagedEntries):
 
     def remove(self, key: str) -> bool:
         self.unpublish(key)  # first: an index reader must never find space that is being freed
-        return super().remove(key)
+        entry = self._entries.pop(check_key(key), None)
+        if entry is None:
+            return False
+        self.allocator.free(entry[0])
+        return True
 
     def abort(self, key: str) -> bool:
         entry = self._pending.pop(key, None)
@@ -120,9 +135,22 @@ class DramTier(PagedEntries):
         return bytes(self.arena.buffer[entry[0] : entry[0] + entry[1]])
 
     def get_into(self, key: str, buffer: Any) -> int:
-        offset, length = self._entry_or_miss(key)
+        entry = self._entries.get(check_key(key))
+        if entry is None:
+            raise KeyNotFound(key)
+        offset, length = entry
         writable_view(buffer, length)[:length] = self.arena.buffer[offset : offset + length]
         return length
+
+    def contains(self, key: str) -> bool:
+        return check_key(key) in self._entries
+
+    def size_of(self, key: str) -> int | None:
+        entry = self._entries.get(check_key(key))
+        return None if entry is None else entry[1]
+
+    def keys(self) -> Iterator[tuple[str, int]]:
+        return iter([(k, n) for k, (_, n) in self._entries.items()])
 
     def close(self) -> None:
         self._entries.clear()

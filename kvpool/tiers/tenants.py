@@ -24,8 +24,11 @@ def tenant_quotas(keyring: Keyring | None) -> dict[str, tuple[int, int]]:
             if e.principal.tenant and (e.quota_bytes or e.quota_keys)}
 
 
-def check_quota(quotas: dict[str, tuple[int, int]], usage: dict[str, list[int]], key: str, size: int) -> None:
-    """Raise `QuotaExceeded` when storing `size` more bytes under `key` takes its tenant past a quota."""
+def check_quota(quotas: dict[str, tuple[int, int]], usage: dict[str, list[int]], key: str, size: int,
+                where: str = "on this node") -> None:
+    """Raise `QuotaExceeded` when storing `size` more bytes under `key` (a new key) takes its tenant
+    past a quota of `quotas` (tenant -> (bytes, keys); 0: none); `usage`: tenant -> [bytes, keys]
+    it holds `where` (a node's store, or the master's object table for the pool)."""
     tenant = tenant_of(key)
     quota = quotas.get(tenant)
     if quota is None:
@@ -33,8 +36,8 @@ def check_quota(quotas: dict[str, tuple[int, int]], usage: dict[str, list[int]],
     max_bytes, max_keys = quota
     used_bytes, used_keys = usage.get(tenant, (0, 0))
     if max_bytes and used_bytes + size > max_bytes:
-        raise QuotaExceeded(f"tenant {tenant!r} would hold {used_bytes + size} bytes on this node, over its quota "
-                            f"of {max_bytes} (quota_bytes in the keyring); remove some of its keys")
+        raise QuotaExceeded(f"tenant {tenant!r} would hold {used_bytes + size} bytes {where} ({used_bytes} now), "
+                            f"over its quota of {max_bytes} (quota_bytes in the keyring); remove some of its keys")
     if max_keys and used_keys + 1 > max_keys:
-        raise QuotaExceeded(f"tenant {tenant!r} holds {used_keys} keys on this node, its quota (quota_keys in "
+        raise QuotaExceeded(f"tenant {tenant!r} holds {used_keys} keys {where}, its quota (quota_keys in "
                             "the keyring); remove some of its keys")
