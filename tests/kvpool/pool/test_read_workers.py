@@ -26,7 +26,7 @@ from kvpool.rpc import RpcClient
 from kvpool.rpc.frame import parse_address, send_frame
 from kvpool.security.keyring import Credential, Keyring
 from kvpool.shm.index import supported
-from kvpool.tools.launch.processes import KVPOOL, clean_env, stop
+from kvpool.tools.launch.processes import KVPOOL, child_pids, clean_env, stop
 
 pytestmark = pytest.mark.skipif(not supported(), reason="read workers read the shm index (x86-64 only)")
 
@@ -61,14 +61,6 @@ def worker_conn(address: str, credential=None) -> tuple[RpcClient, int]:
 def get(rpc: RpcClient, key: str) -> bytes | None:
     data = rpc.call(NodeGet([key]))
     return rpc.read_payload(data.sizes[0]) if data.sizes[0] >= 0 else None
-
-
-def children(pid: int) -> set[int]:
-    out: set[int] = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out |= {int(p) for p in f.read().split()}
-    return out
 
 
 def alive(pid: int) -> bool:
@@ -217,7 +209,7 @@ def test_stopping_or_killing_the_node_leaves_no_worker(tmp_path):
     try:
         assert proc.stdout.readline().startswith("kvpool serving at ")
         deadline = time.monotonic() + 30
-        while len(kids := children(proc.pid)) < 2 and time.monotonic() < deadline:
+        while len(kids := child_pids(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(kids) == 2
         proc.kill()  # no stop, no clean-up: the workers see their stdin end
