@@ -26,8 +26,8 @@ principal, every `TOUCH_S`), so hit counts and eviction recency stay right, as a
 reader's do.
 
 Lifetime: the node holds the write end of this process's stdin; when the node ends, however it
-ends (SIGKILL too), the kernel closes it and this process exits at the end of file. The node's
-`stop` also terminates it. Standard output carries one line, "ready", once the port is served.
+ends (SIGKILL too), the kernel closes it and this process exits at the end of file, at once. The
+node's `stop` closes it too (and kills a worker that does not go). Standard output carries one line, "ready", once the port is served.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 from kvpool.config import Settings, use_settings
@@ -73,7 +74,6 @@ class ReadWorker:
         populate(self._mmap, spec["arena_size"], write=False)
         self.index = ShmIndexReader(spec["index"])
         self.touched: list[str] = []
-        self._stop = threading.Event()
         credential = keyring.node_credential() if keyring is not None else None
         self.node = RpcClient(spec["node"], settings=settings, credential=credential)
         self.node.use_unix(spec["node_unix"])
@@ -88,17 +88,10 @@ class ReadWorker:
         log.debug("read worker %d of node %s serving at %s", os.getpid(), self.node_id, self.rpc.address)
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-        self.rpc.stop()
-        self._touch_thread.join(timeout=2)
-        self.node.close()
-        self.index.close()
-
     def _on_get(self, msg: NodeGet, payload: Payload, conn: ServerConn) -> tuple:
         if msg.unpin:
             raise InvalidArgument("a read port holds no pins: release them at the node")
-        read, arena, touched = self.index.read, self.arena, self.touched
+        read, arena = self.index.read, self.arena
         sizes: list[int] = []
         values: list[bytes] = []
         for key in msg.keys:
@@ -108,14 +101,15 @@ class ReadWorker:
             else:
                 sizes.append(len(value))
                 values.append(value)
-                touched.append(key)
+                self.touched.append(key)  # not a local: `_report_touches` swaps the list
         return NodeData(sizes), values
 
     def _on_stats(self, msg: NodeStats, payload: Payload, conn: ServerConn) -> Info:
         return Info({"node_id": self.node_id, "read_worker": os.getpid()})
 
     def _report_touches(self) -> None:
-        while not self._stop.wait(TOUCH_S):
+        while True:  # until the process ends (`main`)
+            time.sleep(TOUCH_S)
             self.touched, served = [], self.touched  # swapped under the GIL: the loop appends to the new list
             for i in range(0, len(served), TOUCH_BATCH):
                 try:
@@ -143,8 +137,9 @@ def main() -> None:
             pass
     except (OSError, KeyboardInterrupt):  # BrokenPipeError: the node stopped as we started
         pass
-    worker.stop()
-    os._exit(0)  # daemon threads and mappings go with the process
+    # The node is stopping or gone: its clients' connections end with this process, and reads
+    # served since the last report only lose their recency.
+    os._exit(0)
 
 
 def _node_gone() -> bool:

@@ -50,11 +50,13 @@ def worker_count(setting: int) -> int:
 
 
 class ReadWorkers:
-    """The read port of `node` (a started `StoreNode`) and its `count` worker processes."""
+    """The read port of `node` (a `StoreNode` being started) and `count` worker processes reading
+    its arena and its shm DRAM index at `index_path`."""
 
-    def __init__(self, node: Any, count: int):
+    def __init__(self, node: Any, count: int, index_path: str):
         self.node = node
         self.count = count
+        self.index_path = index_path
         self.server: RpcServer | None = None
         self.procs: list[subprocess.Popen | None] = [None] * count
         self._ready: set[int] = set()  # pids of the workers that served their port
@@ -106,7 +108,7 @@ class ReadWorkers:
             settings["security"].update(auth_file=None, local_auth=False)
         return {"settings": settings, "keyring": keyring.to_toml() if keyring is not None else None,
                 "keyring_source": getattr(keyring, "source", ""), "keyring_local": getattr(keyring, "local", False),
-                "arena": node.store.arena.path, "arena_size": node.store.arena.size, "index": node._index_path(),
+                "arena": node.store.arena.path, "arena_size": node.store.arena.size, "index": self.index_path,
                 "host": node.settings.pool.host, "port": self.server.port, "node": node.rpc.address,
                 "node_unix": node.rpc.unix_address, "node_id": node.node_id}
 
@@ -133,9 +135,11 @@ class ReadWorkers:
                         self._changed.notify_all()
                 self._stop.wait(min(60.0, RESTART_S * 2 ** failed))
         finally:
-            for proc in self.procs:
-                if proc is not None:
-                    self._end(proc)
+            procs = [p for p in self.procs if p is not None]
+            for proc in procs:  # their end of file first: they all stop at once
+                self._close(proc)
+            for proc in procs:
+                self._end(proc)
 
     def _spawn(self, spec: bytes) -> subprocess.Popen | None:
         env = dict(os.environ)
@@ -169,9 +173,9 @@ class ReadWorkers:
             except OSError:
                 pass
 
-    @classmethod
-    def _end(cls, proc: subprocess.Popen) -> None:
-        cls._close(proc)  # its end of file: it stops by itself
+    @staticmethod
+    def _end(proc: subprocess.Popen) -> None:
+        """Wait for a worker whose stdin is closed to stop; make it if it does not."""
         try:
             proc.wait(timeout=2)
         except subprocess.TimeoutExpired:

@@ -189,9 +189,9 @@ class StoreNode:
         """The read port and its workers, when configured and the arena has a shm index to read."""
         from kvpool.shm import index as shm_index
 
-        count = worker_count(self.settings.node.read_workers)
-        if count and self._index_path() is not None and shm_index.supported():
-            self.readers = ReadWorkers(self, count).start()
+        count, index_path = worker_count(self.settings.node.read_workers), self._index_path()
+        if count and index_path is not None and shm_index.supported():
+            self.readers = ReadWorkers(self, count, index_path).start()
 
     def _start_transfer_engine(self) -> None:
         """Expose the arena to `transfer` peers; the pool works without it (our RPC carries bytes)."""

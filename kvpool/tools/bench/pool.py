@@ -48,7 +48,7 @@ import numpy as np
 from pydantic import Field, PositiveInt
 
 from kvpool.tools.bench.pool_peers import MooncakePeer, RedisPeer, mooncake_available
-from kvpool.tools.bench.pool_process import PoolProcess, auth_pool
+from kvpool.tools.bench.pool_process import PoolProcess, auth_pool, close_all
 from kvpool.tools.bench.report import Report, gbps, progress
 from kvpool.tools.workload_file import Size, WorkloadFile, list_of, takes_workload
 
@@ -315,11 +315,7 @@ def pool(workload: PoolWorkload, as_json: bool) -> None:
                 report.notes.append(f"Mooncake skipped: {why}")
         _run(report, systems, workloads, reps, no_put)
     finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception:
-                log.warning("cleanup failed", exc_info=True)
+        close_all(closers)
     _check_goals(report)
     report.emit(as_json)
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Collection
 
 import numpy as np
 
-from kvpool.tools.bench.pool_process import PoolProcess, cpu_clock
+from kvpool.tools.bench.pool_process import PoolProcess, close_all, cpu_clock
 from kvpool.tools.launch.processes import child_pids
 from kvpool.tools.bench.report import Report, progress
 
@@ -262,11 +262,7 @@ def many(as_json: bool, sizes: list[int], reps: int, wanted: set[str], counts: l
                 put(_key(size, i), value)
         run(report, specs, counts, sizes, reps, duration)
     finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception:
-                log.warning("cleanup failed", exc_info=True)
+        close_all(closers)
     report.emit(as_json)
 
 
