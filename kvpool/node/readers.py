@@ -4,7 +4,10 @@ A node is one Python process: one GIL, one serve loop, at most one core however 
 ask. With `[node] read_workers` = N - 1 > 0 the node opens a read port (`[node] read_port`,
 advertised as `NodeInfo.read_address` and in `NodeStats`), serves it itself with its ordinary
 `NodeGet` handler, and starts N - 1 worker processes (`kvpool.node.read_worker`) that serve it
-too, bound with SO_REUSEPORT: the kernel spreads new connections over the N processes. A worker
+too, bound with SO_REUSEPORT: the kernel spreads new connections over the N processes. The
+workers start with the port's first get (until then no client reads over TCP, and a node whose
+readers are all on its host, as in most tests, never pays for them; the connections made in the
+second or so they take to start stay with the node, which serves them as before). A worker
 maps the arena and the shm DRAM index read-only, as a same-host client does, and answers a key
 it cannot prove is the key's own (not in the index, on SSD, changed during its copy) with -1,
 "not here": a client takes any -1 from the read port as "ask the node" (`RpcPath`), so the
@@ -62,6 +65,7 @@ class ReadWorkers:
         self._ready: set[int] = set()  # pids of the workers that served their port
         self._changed = threading.Condition()
         self._stop = threading.Event()
+        self._wanted = threading.Event()  # set by the read port's first get (or `wait_ready`)
         self._thread: threading.Thread | None = None
 
     @property
@@ -70,8 +74,15 @@ class ReadWorkers:
 
     def start(self) -> "ReadWorkers":
         node, s = self.node, self.node.settings
+        handler, wanted = node.handlers()[NodeGet], self._wanted
+
+        def get(msg: NodeGet, payload: Any, conn: Any) -> Any:
+            if not wanted.is_set():
+                wanted.set()
+            return handler(msg, payload, conn)
+
         # The node's own share of the port: its ordinary get handler, with its keyring.
-        self.server = RpcServer({NodeGet: node.handlers()[NodeGet]}, s.pool.host, s.node.read_port,
+        self.server = RpcServer({NodeGet: get}, s.pool.host, s.node.read_port,
                                 name="node-read", on_close=node.conn_closed, unix=False, settings=s,
                                 keyring=node.rpc.keyring, inline={NodeGet: node.inline()[NodeGet]},
                                 reuse_port=True).start()
@@ -83,12 +94,15 @@ class ReadWorkers:
         return self
 
     def wait_ready(self, timeout: float = READY_S) -> bool:
-        """Whether all `count` workers are up and serving the port within `timeout` (tests, tools)."""
+        """Start the workers if no get did yet; whether all `count` are up and serving the port
+        within `timeout` (for tests and tools)."""
+        self._wanted.set()
         with self._changed:
             return self._changed.wait_for(lambda: len(set(self.pids()) & self._ready) == self.count, timeout)
 
     def stop(self) -> None:
         self._stop.set()
+        self._wanted.set()  # the supervisor, if still waiting for a first get, ends
         with self._changed:
             self._changed.notify_all()
         if self._thread is not None:
@@ -116,6 +130,7 @@ class ReadWorkers:
     def _supervise(self) -> None:
         spec = (json.dumps(self.spec()) + "\n").encode()
         failed = 0  # starts in a row that never served the port: a worker that cannot start is not spun on
+        self._wanted.wait()
         try:
             while not self._stop.is_set():
                 for i, proc in enumerate(self.procs):

@@ -277,6 +277,9 @@ def _with_readers(closers: list[Callable[[], None]], load: list[Callable[[str, n
     loader = Ours(server.address, False, "loader+readers")
     closers.append(loader.close)
     load.append(loader.put)
+    probe = np.zeros(8, dtype=np.uint8)
+    loader.put("readers/probe", probe)
+    loader.get_into("readers/probe", probe)  # the read port's first get starts the workers
     want, deadline = worker_count(-1), time.monotonic() + 60
     while len(workers := child_pids(server.proc.pid)) < want and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -165,6 +165,25 @@ def test_reads_racing_overwrites_removes_and_evictions_never_return_wrong_bytes(
     assert sum(h[0] for h in hits) > 20  # the race was run, not skipped
 
 
+def test_workers_start_with_the_read_ports_first_get():
+    pool = EmbeddedPool(load_settings(port=0, admin_port=0, dram_capacity="64MiB", read_workers=1)).start()
+    try:
+        readers = pool.node.readers
+        with kvpool.connect(pool.address) as same_host:  # reads through shm: no worker is needed
+            same_host.put("k", b"v" * 1000)
+            assert same_host.get("k") == b"v" * 1000
+        time.sleep(0.5)
+        assert readers.pids() == []
+        with kvpool.connect(pool.address, use_shm=False) as client:
+            assert client.get("k") == b"v" * 1000
+        deadline = time.monotonic() + 30
+        while not readers.pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(readers.pids()) == 1
+    finally:
+        pool.stop()
+
+
 def test_workers_off_is_the_node_alone():
     pool = start_pool(0)
     try:
@@ -207,7 +226,10 @@ def test_stopping_or_killing_the_node_leaves_no_worker(tmp_path):
                              "--dram-capacity", "32MiB"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env=clean_env(KVPOOL_READ_WORKERS="2"), text=True)
     try:
-        assert proc.stdout.readline().startswith("kvpool serving at ")
+        address = proc.stdout.readline().strip().rsplit(" ", 1)[1]
+        with kvpool.connect(address, use_shm=False) as client:  # the read port's first get starts them
+            client.put("k", b"v")
+            assert client.get("k") == b"v"
         deadline = time.monotonic() + 30
         while len(kids := child_pids(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
