@@ -80,6 +80,7 @@ class NodeInfo(Msg):
     index_path: Union[str, None] = None  # the DRAM index same-host readers map (kvpool.shm.index)
     unix: Union[str, None] = None  # the node RPC's unix socket, for same-host clients (kvpool.rpc)
     host_id: str = ""  # the node's host (`transfer.route.local_host_id`): who is on the same host
+    read_address: Union[str, None] = None  # host:port of its read workers' port for `NodeGet` (kvpool.node.readers)
 
 
 class Held(Msg):

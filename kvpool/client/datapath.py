@@ -10,8 +10,10 @@ segment with rdma: rdma; its RPC: tcp), and the client maps the answer to a path
   next request (up to 32 KiB, and unpinnable SSD reads, come inline). Writes as `rpc`, over the
   node's unix socket.
 - `rpc` (tcp: another host, or `use_shm=False`): one `NodeGet` whose payload is received straight
-  into the caller's buffer; one `NodeWrite` the node receives straight into its arena (to an
-  embedded pool: one `Put`, its master's `PutStart` and `PutEnd` in the same frame).
+  into the caller's buffer, sent to the node's read port when it has one (`kvpool.node.readers`:
+  several processes serve it; what they answer -1, "not here", is asked of the node's RPC next);
+  one `NodeWrite` the node receives straight into its arena (to an embedded pool: one `Put`, its
+  master's `PutStart` and `PutEnd` in the same frame).
 - `engine` (rdma, in "auto" mode; any route with `data_path="engine"`, whose engine then takes
   the route itself per op): `kvpool.client.engine_path`.
 
@@ -72,13 +74,50 @@ class RpcPath:
 
     def _read(self, conn: NodeConn, keys: list[str], views: list[memoryview] | None, idx: list[int],
               out: list, tiers: list | None) -> None:
-        data = conn.rpc.call(NodeGet(keys))
-        cur = _Cursor(conn.rpc, len(data.sizes))
+        reader = conn.reader
+        if reader is not None:
+            try:
+                left = self._get(reader, keys, views, idx, out, tiers)
+            except KVPoolError as exc:  # a worker died, or the port refused us: the node answers
+                conn.reader_failed(exc)
+            else:
+                if not left:
+                    return
+                if len(left) < len(keys):
+                    keys, idx = [keys[j] for j in left], [idx[j] for j in left]
+                    views = None if views is None else [views[j] for j in left]
+        self._get(conn.rpc, keys, views, idx, out, tiers)
+
+    def get_one(self, conn: NodeConn, key: str, view: memoryview | None) -> bytes | int | None:
+        """One key, as `_read` reads it without its lists (the embedded single get): the bytes
+        (`view` None), else the size (copied into `view` when it fits, else `TOO_SMALL`); None: a
+        miss. `Unavailable`: the node is gone."""
+        reader = conn.reader
+        if reader is not None:
+            try:
+                got = _get_one(reader, key, view)
+            except KVPoolError as exc:
+                conn.reader_failed(exc)
+            else:
+                if got is not None:
+                    return got
+        return _get_one(conn.rpc, key, view)
+
+    @staticmethod
+    def _get(rpc: RpcClient, keys: list[str], views: list[memoryview] | None, idx: list[int],
+             out: list, tiers: list | None) -> list[int]:
+        """One `NodeGet` on `rpc`: fills the hits; the positions (in `keys`) it answered -1."""
+        data = rpc.call(NodeGet(keys))
+        cur = _Cursor(rpc, len(data.sizes))
+        missed = []
         for j, (i, n) in enumerate(zip(idx, data.sizes)):
             if n >= 0:
                 out[i] = cur.deliver(n, None if views is None else views[j])
+            else:
+                missed.append(j)
         if tiers is not None:
             _mark_tiers(tiers, idx, data.sizes, data.ssd)
+        return missed
 
     def write(self, work: Work, keys: Sequence[str], put_ids: Sequence[int], views: Sequence[memoryview],
               replicas: int = 0, tickets: Sequence[dict[str, bytes] | None] | None = None
@@ -111,6 +150,19 @@ class RpcPath:
         except KVPoolError as exc:
             return [exc] * len(keys)
         return [_written(res) for res in reply.results]
+
+
+def _get_one(rpc: RpcClient, key: str, view: memoryview | None) -> bytes | int | None:
+    n = rpc.call(NodeGet([key])).sizes[0]
+    if n < 0:
+        return None
+    if view is None:
+        return rpc.read_payload(n)
+    if n > len(view):
+        rpc.skip_payload(n)
+        return TOO_SMALL
+    rpc.read_payload_into(view[:n])
+    return n
 
 
 def _written(res: Any) -> Any:
@@ -157,29 +209,17 @@ class ShmPath(RpcPath):
                     out: list, tiers: list | None) -> list[int]:
         """Serve what the shm index can; the positions (in `keys`) left for the node."""
         index, arena = conn.index, conn.arena
-        limit = len(arena)
         todo: list[int] = []
         served: list[str] = []
         scope = conn.scope  # the index holds keys as stored (a tenant's are scoped)
         for j, key in enumerate(keys):
-            hit = index.find(scope + key if scope else key)
-            if hit is None:
+            view = None if views is None else views[j]
+            value = index.read(scope + key if scope else key, arena, view)
+            if value is None:
                 todo.append(j)
                 continue
-            slot, seq, offset, n = hit
-            if offset + n > limit:  # a torn read of an entry being changed
-                todo.append(j)
-                continue
-            if views is None:
-                value: Any = bytes(arena[offset:offset + n])
-            elif n > len(views[j]):
+            if view is not None and value > len(view):
                 value = TOO_SMALL
-            else:
-                views[j][:n] = arena[offset:offset + n]
-                value = n
-            if not index.still(slot, seq):  # changed during the copy: what we copied may be anything
-                todo.append(j)
-                continue
             out[idx[j]] = value
             if value is not TOO_SMALL:
                 served.append(key)

@@ -5,8 +5,10 @@ read-only (`kvpool.shm.index`) and its RPC over its unix socket.
 What the connection keeps between calls: pins to release (`unpin_later`: they ride on the next
 request to that node, or a one-way `NodeUnpin` from `flush`, so an unpin costs no round trip),
 reads served from the shm index, to report in batches (`NodeUnpin.touched`: hits and eviction
-recency stay right), and the node's transfer segment (learned from the embedded pool's hello, a
-`NodeStats` answer or a `Slots` reply). How bytes move is `kvpool.client.datapath`.
+recency stay right), the node's transfer segment (learned from the embedded pool's hello, a
+`NodeStats` answer or a `Slots` reply), and a connection to its read port when it has one
+(`kvpool.node.readers`: learned with the segment; after a failure there, none for `READER_RETRY_S`).
+How bytes move is `kvpool.client.datapath`.
 
 Not thread-safe: the owning client serializes calls.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
+import time
 from typing import Any, Callable, Sequence
 
 from kvpool.security.keyring import Credential
@@ -24,7 +26,7 @@ from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import NodePin, NodeStats, NodeUnpin
 from kvpool.rpc import RpcClient
 from kvpool.shm import index as shm_index
-from kvpool.shm.arena import populate
+from kvpool.shm.arena import map_read_only, populate
 from transfer.route import same_host
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ MAX_PENDING_UNPINS = 256
 MAX_PENDING_TOUCHES = 64  # index reads reported to the node per one-way message
 POPULATE_MAX = 16 << 30  # map a node's arena into our page tables up front up to this size
 _UNKNOWN = object()  # transfer segment not learned yet
+READER_RETRY_S = 5.0  # after the read port failed, gets go to the node's RPC this long
 TOO_SMALL = -2  # a read result: the caller's buffer cannot hold the object
 EXISTS = "exists"  # a write result: the key was already complete, nothing was written
 
@@ -48,10 +51,11 @@ class NodeConn:
     def __init__(self, address: str, rpc: RpcClient | None = None, *, timeout: float = 10.0, use_shm: bool = True,
                  shm_path: str | None = None, host_id: str = "", arena_size: int | None = None,
                  segment: bytes | None = None, index_path: str | None = None, settings: Settings | None = None,
-                 credential: Credential | None = None, scope: str = ""):
+                 credential: Credential | None = None, scope: str = "", read_address: str | None = None):
         """`scope`: the prefix the pool stores our keys under (a tenant's), for reads from the shm
         index; the node scopes the keys of our requests itself. `host_id`: the node's host, as
-        it published it (learned from `NodeStats` when `shm_path` is not given)."""
+        it published it (learned from `NodeStats` when `shm_path` is not given). `read_address`:
+        its read port, as the hello told (else learned from `NodeStats` with the segment)."""
         self.address = address
         self.host_id = host_id
         self.scope = scope
@@ -63,6 +67,10 @@ class NodeConn:
         self.index: shm_index.ShmIndexReader | None = None
         self._segment: Any = _UNKNOWN
         self.path: Any = None  # the data path chosen for this node (`kvpool.client.datapath`)
+        self.read_address = read_address
+        self._reader: RpcClient | None = None
+        self._reader_retry_at = 0.0
+        self._settings = settings
         if segment is not None or shm_path is not None:  # the hello told us
             self.remember_segment(segment)
         if use_shm:
@@ -70,7 +78,7 @@ class NodeConn:
                 info = self.rpc.call(NodeStats()).doc
                 shm_path, arena_size = info.get("shm_path"), info.get("arena_size")
                 self.host_id, index_path = info.get("host_id") or "", info.get("index_path")
-                self.remember_segment(info.get("transfer_segment"))
+                self._learn(info)
                 if same_host(self.host_id):
                     self.rpc.use_unix(info.get("unix"))  # the node's unix socket
             self._map(shm_path, arena_size)
@@ -84,8 +92,30 @@ class NodeConn:
     def transfer_segment(self):
         """The node's arena as a `transfer.SegmentDescriptor`, or None when it has no engine."""
         if self._segment is _UNKNOWN:
-            self.remember_segment(self.rpc.call(NodeStats()).doc.get("transfer_segment"))
+            self._learn(self.rpc.call(NodeStats()).doc)
         return self._segment
+
+    def _learn(self, info: dict) -> None:
+        self.read_address = info.get("read_address")
+        self.remember_segment(info.get("transfer_segment"))
+
+    @property
+    def reader(self) -> RpcClient | None:
+        """The connection to the node's read port (opened on first use), or None: use its RPC."""
+        if self._reader is None and self.read_address and time.monotonic() >= self._reader_retry_at:
+            self._reader = RpcClient(self.read_address, timeout=self.rpc.timeout, settings=self._settings,
+                                     credential=self.rpc.credential)
+        return self._reader
+
+    def reader_failed(self, why: Exception) -> None:
+        """The read port failed a get (its worker died, or it refused us): the node's RPC serves
+        gets for a while."""
+        log.info("node %s: read port %s failed (%s); reading through the node for %.3gs", self.address,
+                 self.read_address, why, READER_RETRY_S)
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        self._reader_retry_at = time.monotonic() + READER_RETRY_S
 
     def remember_segment(self, raw: bytes | None) -> None:
         self.path = None  # choose again
@@ -103,20 +133,13 @@ class NodeConn:
     def _map(self, shm_path: str | None, size: int | None) -> None:
         if not (shm_path and size and same_host(self.host_id)):
             return
-        try:
-            fd = os.open(shm_path, os.O_RDONLY)
-        except OSError:
+        self._mmap = map_read_only(shm_path, size)
+        if self._mmap is None:
             return  # not ours to read (another uid), or the node moved: TCP it is
-        try:
-            if os.fstat(fd).st_size != size:
-                return
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            self.arena = memoryview(self._mmap)
-            if size <= POPULATE_MAX:  # its page tables cost 2 MiB per GiB of arena
-                populate(self._mmap, size, write=False)
-            log.debug("reading node %s through shm %s", self.address, shm_path)
-        finally:
-            os.close(fd)
+        self.arena = memoryview(self._mmap)
+        if size <= POPULATE_MAX:  # its page tables cost 2 MiB per GiB of arena
+            populate(self._mmap, size, write=False)
+        log.debug("reading node %s through shm %s", self.address, shm_path)
 
     @property
     def shm(self) -> bool:
@@ -155,6 +178,9 @@ class NodeConn:
         except Exception:  # the node may be gone; its pins expire by themselves
             pass
         self.rpc.close()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         if self.index is not None:
             self.index.close()
             self.index = None

@@ -35,7 +35,7 @@ from kvpool.security.keyring import Credential
 from kvpool.config import current_settings
 from kvpool.contract import check_key
 from kvpool.errors import InvalidArgument, KeyNotFound, KVPoolError, NotLeader, Unavailable
-from kvpool.messages import PROTOCOL_VERSION, Admin, Exists, Hello, MatchPrefix, NodeGet, Placed, Release, Remove
+from kvpool.messages import PROTOCOL_VERSION, Admin, Exists, Hello, MatchPrefix, Placed, Release, Remove
 from kvpool.rpc import RpcClient
 from kvpool.rpc.client import credential_from
 from kvpool.shm.views import readable_view, writable_view
@@ -117,7 +117,7 @@ class Client:
             self._nodes[n.address] = NodeConn(n.address, rpc, use_shm=self.use_shm, shm_path=n.shm_path,
                                               host_id=n.host_id, arena_size=n.capacity.get("dram"),
                                               segment=n.transfer_segment, index_path=n.index_path,
-                                              scope=self.scope)
+                                              scope=self.scope, read_address=n.read_address)
             self._where = EmbeddedWhere(n.address, hello.max_object_bytes)
         self._master = rpc
         return rpc
@@ -232,31 +232,28 @@ class Client:
         return self._read([key], None, None)[0]
 
     def _direct_get(self, key: str, view: memoryview | None) -> Any:
-        """One key from an embedded pool over its node RPC: the same `NodeGet` on the same
-        connection as `_read`, without the general path's grouping (on a loaded machine each layer
-        of Python costs microseconds: issue 29). `view`: fill it and return the size (a miss
-        raises `KeyNotFound`), else return the bytes (or `_MISS`). None: take the general path
-        (another data path, or the connection is down: `_read` reconnects and retries)."""
+        """One key from an embedded pool over its node RPC (its read port first): the same
+        `NodeGet` on the same connections as `_read`, without the general path's grouping (on a
+        loaded machine each layer of Python costs microseconds: issue 29). `view`: fill it and
+        return the size (a miss raises `KeyNotFound`), else return the bytes (or `_MISS`). None:
+        take the general path (another data path, or the connection is down: `_read` reconnects
+        and retries)."""
         with self._lock:
             rpc = self._master
             conn = self._nodes.get(rpc.address) if rpc is not None and rpc.connected else None
             if conn is None or conn.rpc is not rpc or (conn.path or self._paths.choose(conn)) is not self._paths.rpc:
                 return None
             try:
-                n = rpc.call(NodeGet([key])).sizes[0]
-                if n < 0:
-                    if view is None:
-                        return _MISS
-                    raise KeyNotFound(f"key {key!r} not found")
-                if view is None:
-                    return rpc.read_payload(n)
-                if n > len(view):
-                    rpc.skip_payload(n)
-                    raise InvalidArgument(f"buffer too small for {key!r}")
-                rpc.read_payload_into(view[:n])
-                return n
+                got = self._paths.rpc.get_one(conn, key, view)
             except Unavailable:
                 return None
+        if got is None:
+            if view is None:
+                return _MISS
+            raise KeyNotFound(f"key {key!r} not found")
+        if view is not None and got == TOO_SMALL:
+            raise InvalidArgument(f"buffer too small for {key!r}")
+        return got
 
     def get_batch(self, keys: Sequence[str], *, tiers: list[str] | None = None) -> list[bytes | None]:
         """One entry per key, in order; a malformed key is a None entry, like a miss.

@@ -133,6 +133,10 @@ class NodeSection(Section):
     eviction: Literal["lru", "s3fifo", "arc"] = DEFAULT_EVICTION
     shm_index_slots: int = Field(-1, ge=-1)  # same-host readers' DRAM index: -1 sized from DRAM, 0 off
     transports: StrList = ["shm", "tcp"]  # the node's data transports ("tcp,shm" in the environment)
+    # processes beside the node serving TCP gets of DRAM objects from its shm arena and index on one
+    # shared read port (kvpool.node.readers): -1 min(CPUs, 4) - 1, 0 off
+    read_workers: int = Field(-1, ge=-1, le=64)
+    read_port: int = Field(0, ge=0, le=65535)  # the read workers' port (0: any free port)
 
     _size = _sizes("dram_capacity", "ssd_capacity")
 

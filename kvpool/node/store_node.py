@@ -8,6 +8,9 @@ Data path (all on the node's RPC port, one round trip each):
   reports the reads same-host readers served from the shm DRAM index (hits, eviction recency).
 - `NodeWrite`, `NodeCopy`, `NodeReserve` / `NodeCommit`: writes (`kvpool.node.writes`).
 - `NodeRemove`: removes a copy only if it is still the named put's.
+- Its read port (`[node] read_workers` > 0): `NodeGet` served by the node and by worker processes
+  reading the shm arena and index, so TCP gets use more than this process's one core
+  (`kvpool.node.readers`).
 
 Objects the store evicts by its own policy are reported to the master with the next heartbeat
 (embedded: at once). The master's mark (`HeartbeatReply.mark`, `kvpool.master.state`) goes to
@@ -33,6 +36,7 @@ from kvpool.messages import (Bools, Held, Info, NodeCommit, NodeCopy, NodeData, 
 from kvpool.node import grants
 from kvpool.node.master_channel import MasterChannel
 from kvpool.node.pins import Pins as PinTable
+from kvpool.node.readers import ReadWorkers, worker_count
 from kvpool.node.writes import Writes
 from kvpool.rpc import Payload, RpcServer, ServerConn
 from kvpool.rpc.client import node_credential
@@ -73,6 +77,7 @@ class StoreNode:
         self.engine = engine
         self._own_engine = engine is None
         self.transfer_segment: bytes | None = None
+        self.readers: ReadWorkers | None = None
         self._mark_saved_at = 0.0
         self._mark_unsaved = False  # a newer mark than MARK_FILE's waits out the save interval
 
@@ -142,6 +147,7 @@ class StoreNode:
         if keyring is not None and not keyring.local and master is None:
             self.writes.tickets = Tickets(ticket_key(keyring.node_credential().secret))
         self._load_mark()
+        self._start_readers()
         self._start_transfer_engine()
         self.channel = MasterChannel(master, None if master is not None else s)
         self._register()
@@ -155,6 +161,9 @@ class StoreNode:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.readers is not None:
+            self.readers.stop()
+            self.readers = None
         if self.rpc is not None and self._own_rpc:
             self.rpc.stop()
         if self.channel is not None:
@@ -175,6 +184,14 @@ class StoreNode:
         if self.store is not None:
             self.store.close()
             self.store = None
+
+    def _start_readers(self) -> None:
+        """The read port and its workers, when configured and the arena has a shm index to read."""
+        from kvpool.shm import index as shm_index
+
+        count, index_path = worker_count(self.settings.node.read_workers), self._index_path()
+        if count and index_path is not None and shm_index.supported():
+            self.readers = ReadWorkers(self, count, index_path).start()
 
     def _start_transfer_engine(self) -> None:
         """Expose the arena to `transfer` peers; the pool works without it (our RPC carries bytes)."""
@@ -206,7 +223,10 @@ class StoreNode:
         return NodeInfo(node_id=self.node_id, address=self.rpc.address, hostname=socket.gethostname(),
                         segments=[self.segment], shm_path=self.store.arena.path, capacity=capacity,
                         transfer_segment=self.transfer_segment, index_path=self._index_path(),
-                        unix=self.rpc.unix_address, host_id=local_host_id())
+                        unix=self.rpc.unix_address, host_id=local_host_id(), read_address=self._read_address())
+
+    def _read_address(self) -> str | None:
+        return self.readers.address if self.readers is not None else None
 
     def _index_path(self) -> str | None:
         index = getattr(getattr(self.store, "dram", None), "index", None)
@@ -390,7 +410,8 @@ class StoreNode:
         arena = self.store.arena
         doc = {"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
                "shm_path": arena.path, "arena_size": arena.size, "transfer_segment": self.transfer_segment,
-               "index_path": self._index_path(), "unix": self.rpc.unix_address, "host_id": local_host_id()}
+               "index_path": self._index_path(), "unix": self.rpc.unix_address, "host_id": local_host_id(),
+               "read_address": self._read_address()}
         if conn is None or not conn.scope:  # a tenant learns how to reach the node, not the pool's traffic
             doc.update(self.store.stats())
         return Info(doc)

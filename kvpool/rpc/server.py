@@ -129,12 +129,14 @@ class RpcServer(LoopServing):
     block (`Inline`); with any, and `settings.rpc.rpc_loop`, connections are served by one loop
     thread (`kvpool.rpc.loop`), else each by its own thread. `settings`: its `[rpc]` knobs and
     `[security]` (default: `current_settings()`). `keyring`: authenticate every connection against
-    it (default: `settings.security.auth_file`'s, else the user's own, or none: authentication off)."""
+    it (default: `settings.security.auth_file`'s, else the user's own, or none: authentication off).
+    `reuse_port`: share host:port with other servers of this uid (SO_REUSEPORT: the kernel spreads
+    new connections over them; a node's read workers, `kvpool.node.readers`)."""
 
     def __init__(self, handlers: dict[type, Handler], host: str = "127.0.0.1", port: int = 0, name: str = "rpc",
                  on_close: Callable[[ServerConn], None] | None = None, unix: bool = True,
                  settings: Settings | None = None, keyring: Keyring | None = None,
-                 inline: dict[type, Inline] | None = None):
+                 inline: dict[type, Inline] | None = None, reuse_port: bool = False):
         settings = settings or current_settings()
         # the configured keyring, else this user's own (`kvpool.security.local`; None when turned off)
         self.keyring = keyring if keyring is not None else resolve_keyring(settings.security.auth_file)
@@ -146,7 +148,7 @@ class RpcServer(LoopServing):
         self.on_close = on_close
         self.spin = SpinPolicy(settings.rpc.server_spin, CpuPressure(settings.rpc.spin_max_cpu_pressure))
         try:
-            self._sock = socket.create_server((host, port), backlog=1024, reuse_port=False)
+            self._sock = socket.create_server((host, port), backlog=1024, reuse_port=reuse_port)
         except OSError as exc:
             raise Unavailable(f"{name}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         # Listening on every interface: advertise this machine's address, not 0.0.0.0.

@@ -52,6 +52,21 @@ def populate(mapping: mmap.mmap, size: int, write: bool) -> threading.Thread:
     return t
 
 
+def map_read_only(path: str, size: int) -> mmap.mmap | None:
+    """Another process's arena mapped read-only (a same-host reader's view), or None when it is
+    not ours to read (another uid), gone, or not `size` bytes (another node's by now)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
 def _reap_orphan_indexes(directory: str, older_than: float) -> list[str]:
     """Unlink DRAM indexes (`<arena>.idx`) whose arena is gone and whose creator is dead: what is
     left when someone removed a killed node's arena but not its index (test clean-ups did; the

@@ -198,6 +198,24 @@ class ShmIndexReader:
         """Whether the entry found as (slot, seq) is unchanged, i.e. what was copied is valid."""
         return SEQ.unpack_from(self._buf, slot)[0] == seq
 
+    def read(self, key: str, arena: memoryview, into: memoryview | None = None) -> bytes | int | None:
+        """`key`'s object copied out of `arena` (its node's, mapped here) and validated after the
+        copy: its bytes, or with `into` its length (copied into `into` only when it fits); None
+        when only the node can answer (no entry, being changed, changed during the copy)."""
+        hit = self.find(key)
+        if hit is None:
+            return None
+        slot, seq, offset, n = hit
+        if offset + n > len(arena):  # a torn read of an entry being changed
+            return None
+        if into is None:
+            value: bytes | int = bytes(arena[offset:offset + n])
+        else:
+            if n <= len(into):
+                into[:n] = arena[offset:offset + n]
+            value = n
+        return value if SEQ.unpack_from(self._buf, slot)[0] == seq else None
+
     def close(self) -> None:
         try:
             self._buf.release()

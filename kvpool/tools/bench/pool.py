@@ -40,7 +40,6 @@ no handshake at all.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Annotated, Any, Callable, Literal
 
@@ -49,7 +48,7 @@ import numpy as np
 from pydantic import Field, PositiveInt
 
 from kvpool.tools.bench.pool_peers import MooncakePeer, RedisPeer, mooncake_available
-from kvpool.tools.bench.pool_process import PoolProcess, auth_pool
+from kvpool.tools.bench.pool_process import PoolProcess, auth_pool, close_all
 from kvpool.tools.bench.report import Report, gbps, progress
 from kvpool.tools.workload_file import Size, WorkloadFile, list_of, takes_workload
 
@@ -227,6 +226,8 @@ class PoolWorkload(WorkloadFile):
         [], description="Many-clients mode: aggregate gets of this many client processes at once (e.g. [1, 4, 16, "
         "64]), ours (TCP and same-host) vs the peers; sizes, reps and peers apply.")
     duration: float = Field(2.0, ge=0.2, le=60, description="Many-clients mode: seconds each turn runs.")
+    readers: bool = Field(False, description="Many-clients mode: also ours_tcp+readers, a pool with its node's read "
+                          "workers ([node] read_workers), ours_tcp's pool then without.")
     auth: bool = Field(False, description="Also run a pool with a keyring and a tenant client (TCP and shm), "
                        "compared with the pool without (authentication's cost).")
     netns: bool = Field(False, description="Across a shaped link between two network namespaces (root): ours vs a "
@@ -253,7 +254,9 @@ def pool(workload: PoolWorkload, as_json: bool) -> None:
     per_rep = parse_size(w.bytes_per_rep)
     wanted = set(w.peers)
     if w.clients:
-        return _many_clients(as_json, size_list, reps, wanted, list(w.clients), w.duration)
+        from kvpool.tools.bench.pool_clients import many
+
+        return many(as_json, size_list, reps, wanted, list(w.clients), w.duration, w.readers)
     min_ops = w.min_ops
     if w.netns:
         from kvpool.tools.bench.pool_netns import run_across
@@ -312,69 +315,9 @@ def pool(workload: PoolWorkload, as_json: bool) -> None:
                 report.notes.append(f"Mooncake skipped: {why}")
         _run(report, systems, workloads, reps, no_put)
     finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception:
-                log.warning("cleanup failed", exc_info=True)
+        close_all(closers)
     _check_goals(report)
     report.emit(as_json)
-
-
-def _many_clients(as_json: bool, sizes: list[int], reps: int, wanted: set[str], counts: list[int],
-                  duration: float) -> None:
-    """Key `clients`: every system serves the same keys to 1..N client processes (pool_clients.py)."""
-    from kvpool.tools.bench import pool_clients
-    from kvpool.tools.bench.pool_peers import _mooncake_env
-
-    report = Report("pool")
-    report.notes.append(f"many clients: {counts} client processes, {duration:g} s per turn, {reps} turns per "
-                        f"system, gets of one value at a time; {os.cpu_count()} CPUs shared by clients and servers")
-    closers: list[Callable[[], None]] = []
-    try:
-        server = PoolProcess(dram_capacity=1 << 30)
-        closers.append(server.close)
-        loader = Ours(server.address, False, "loader")
-        closers.append(loader.close)
-        ours = {"address": server.address, "pids": [server.proc.pid]}  # pids: the server processes
-        specs: dict[str, dict] = {"ours_tcp": ours, "ours_shm": ours}
-        load: list[Callable[[str, np.ndarray], None]] = [loader.put]
-        if "redis" in wanted:
-            try:
-                redis = RedisPeer()
-                closers.append(redis.close)
-                specs["redis"] = {"port": redis.port, "pids": [redis.proc.pid]}
-                load.append(redis.put)
-            except RuntimeError as exc:
-                report.notes.append(f"Redis skipped: {exc}")
-        if "mooncake" in wanted:
-            why = mooncake_available()
-            if why is None:
-                mc = MooncakePeer(segment_bytes=512 << 20, buffer_bytes=64 << 20)
-                closers.append(mc.close)
-                specs["mooncake"] = {"metadata_url": mc.metadata_url, "master": mc.master_address,
-                                     "pids": [mc.master.pid, mc.owner.pid],  # metadata, data
-                                     "env": {k: v for k, v in _mooncake_env().items() if k.startswith(("MC_", "GLOG_"))}}
-                load.append(lambda key, value, mc=mc: _mooncake_put(mc, key, value))
-            else:
-                report.notes.append(f"Mooncake skipped: {why}")
-        for size, i in ((size, i) for size in sizes for i in range(pool_clients.KEYS)):  # every system, every key
-            value = pool_clients._value(size, i)
-            for put in load:
-                put(pool_clients._key(size, i), value)
-        pool_clients.run(report, specs, counts, sizes, reps, duration)
-    finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception:
-                log.warning("cleanup failed", exc_info=True)
-    report.emit(as_json)
-
-
-def _mooncake_put(mc: Any, key: str, value: np.ndarray) -> None:
-    mc.register(value)
-    mc.put(key, value)
 
 
 def _run(report: Report, systems: list[Any], workloads: list[Workload], reps: int, no_put: bool) -> None:

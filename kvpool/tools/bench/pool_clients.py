@@ -11,6 +11,8 @@ Figures: aggregate ops/s (the sum over clients of gets completed in the window, 
 latency p50/p99 over every get of every client; ratios against each baseline's figure at the
 same client count. On this 2-core machine clients and servers share the cores: the question the
 figure answers is whether a server's aggregate falls as clients are added, not how far it scales.
+With key `readers`, `ours_tcp+readers` is a second pool whose node has its read workers
+(`kvpool.node.readers`; their CPU counts as the server's), and `ours_tcp`'s pool has none.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 import numpy as np
 
-from kvpool.tools.bench.pool_process import cpu_clock
+from kvpool.tools.bench.pool_process import PoolProcess, close_all, cpu_clock
+from kvpool.tools.launch.processes import child_pids
 from kvpool.tools.bench.report import Report, progress
 
 log = logging.getLogger(__name__)
 
 KEYS = 32  # distinct values per size and system
+READERS = "ours_tcp+readers"
 
 
 def _key(size: int, i: int) -> str:
@@ -211,3 +215,78 @@ def _add(report: Report, count: int, size: int, figures: dict[str, list[tuple[fl
         for peer in peers:
             report.add(case, values, "ops/s", size=size, baseline=peer,
                        baseline_values=[f[0] for f in figures[peer]], extra=extra)
+
+
+def many(as_json: bool, sizes: list[int], reps: int, wanted: set[str], counts: list[int], duration: float,
+         readers: bool = False) -> None:
+    """Key `clients`: every system serves the same keys to 1..N client processes."""
+    from kvpool.tools.bench.pool import Ours
+    from kvpool.tools.bench.pool_peers import MooncakePeer, RedisPeer, _mooncake_env, mooncake_available
+
+    report = Report("pool")
+    report.notes.append(f"many clients: {counts} client processes, {duration:g} s per turn, {reps} turns per "
+                        f"system, gets of one value at a time; {os.cpu_count()} CPUs shared by clients and servers")
+    closers: list[Callable[[], None]] = []
+    try:
+        server = PoolProcess(dram_capacity=1 << 30, settings={"KVPOOL_READ_WORKERS": "0"} if readers else None)
+        closers.append(server.close)
+        loader = Ours(server.address, False, "loader")
+        closers.append(loader.close)
+        load: list[Callable[[str, np.ndarray], None]] = [loader.put]
+        ours = {"address": server.address, "pids": [server.proc.pid, *child_pids(server.proc.pid)]}
+        specs: dict[str, dict] = {"ours_tcp": ours, "ours_shm": ours}  # pids: the server processes
+        if readers:
+            specs[READERS] = _with_readers(closers, load, report)
+        if "redis" in wanted:
+            try:
+                redis = RedisPeer()
+                closers.append(redis.close)
+                specs["redis"] = {"port": redis.port, "pids": [redis.proc.pid]}
+                load.append(redis.put)
+            except RuntimeError as exc:
+                report.notes.append(f"Redis skipped: {exc}")
+        if "mooncake" in wanted:
+            why = mooncake_available()
+            if why is None:
+                mc = MooncakePeer(segment_bytes=512 << 20, buffer_bytes=64 << 20)
+                closers.append(mc.close)
+                specs["mooncake"] = {"metadata_url": mc.metadata_url, "master": mc.master_address,
+                                     "pids": [mc.master.pid, mc.owner.pid],  # metadata, data
+                                     "env": {k: v for k, v in _mooncake_env().items() if k.startswith(("MC_", "GLOG_"))}}
+                load.append(lambda key, value, mc=mc: _mooncake_put(mc, key, value))
+            else:
+                report.notes.append(f"Mooncake skipped: {why}")
+        for size, i in ((size, i) for size in sizes for i in range(KEYS)):  # every system, every key
+            value = _value(size, i)
+            for put in load:
+                put(_key(size, i), value)
+        run(report, specs, counts, sizes, reps, duration)
+    finally:
+        close_all(closers)
+    report.emit(as_json)
+
+
+def _with_readers(closers: list[Callable[[], None]], load: list[Callable[[str, np.ndarray], None]],
+                  report: Report) -> dict[str, Any]:
+    """A second pool, with read workers (the default count): its spec, once its workers run."""
+    from kvpool.node.readers import worker_count
+    from kvpool.tools.bench.pool import Ours
+
+    server = PoolProcess(dram_capacity=1 << 30)
+    closers.append(server.close)
+    loader = Ours(server.address, False, "loader+readers")
+    closers.append(loader.close)
+    load.append(loader.put)
+    probe = np.zeros(8, dtype=np.uint8)
+    loader.put("readers/probe", probe)
+    loader.get_into("readers/probe", probe)  # the read port's first get starts the workers
+    want, deadline = worker_count(-1), time.monotonic() + 60
+    while len(workers := child_pids(server.proc.pid)) < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    report.notes.append(f"{READERS}: {len(workers)} read worker(s) beside the node")
+    return {"address": server.address, "pids": [server.proc.pid, *workers]}
+
+
+def _mooncake_put(mc: Any, key: str, value: np.ndarray) -> None:
+    mc.register(value)
+    mc.put(key, value)

@@ -4,6 +4,7 @@ keyring (a node and one tenant) for measuring authentication's cost."""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import subprocess
@@ -11,6 +12,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from kvpool.tools.launch.processes import KVPOOL, clean_env, stop
+
+log = logging.getLogger(__name__)
 
 
 class PoolProcess:
@@ -48,6 +51,15 @@ class PoolProcess:
 
     def close(self) -> None:
         stop(self.proc, 10)
+
+
+def close_all(closers: list[Callable[[], None]]) -> None:
+    """Run a bench's clean-ups, last first; one that fails is logged, the others still run."""
+    for close in reversed(closers):
+        try:
+            close()
+        except Exception:
+            log.warning("cleanup failed", exc_info=True)
 
 
 def cpu_clock(pid: int) -> Callable[[], float]:

@@ -58,6 +58,18 @@ def clean_env(**settings: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")} | child_env() | settings
 
 
+def child_pids(pid: int) -> set[int]:
+    """The processes `pid` started that still run (Linux: /proc/<pid>/task/*/children)."""
+    out: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out |= {int(p) for p in f.read().split()}
+        except FileNotFoundError:  # a thread that just ended
+            pass
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
