@@ -14,10 +14,11 @@ it cannot prove is the key's own (not in the index, on SSD, changed during its c
 node's RPC stays the authority and only a get's speed changes. Puts and every other message stay
 on the node's RPC port.
 
-Measured (kvpool bench pool --workload many-clients --set readers=true, 64 KiB gets over TCP,
-2 shared cores, one worker, three short runs): 4 clients 1.12-1.41x the node alone, 16 and 64
-clients 0.93-1.47x, one client 0.90-0.99x. On 2 cores the clients take the rest of the machine
-(the servers' cores went from 0.7-0.8 to 0.7-1.0), so the aggregate still falls past 4 clients.
+Measured (kvpool bench pool --workload many-clients, 64 KiB gets over TCP,
+2 shared cores, one worker; BENCHMARKS.md): in the 2026-12-05 22:58 run 1.31x the node alone at
+16 clients, 1.26x at 64, 1.05x at 4, 0.95x at one (three earlier, busier runs: 4 clients
+1.12-1.41x, 16 and 64 0.93-1.47x, one 0.90-0.99x). On 2 cores the clients take the rest of the
+machine, so the aggregate still falls past 4 clients; the workers are for the cores a node has.
 
 Invariants:
 - Every connection on the read port, the node's or a worker's, passes the node's keyring

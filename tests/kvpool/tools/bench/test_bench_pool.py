@@ -89,8 +89,9 @@ def test_bench_pool_auth_covers_the_engine_path_with_grants():
 
 
 def test_bench_pool_many_clients_measures_every_system_at_every_count():
-    """Key `clients`: each count of client processes reads checked values from ours (TCP and
-    same-host) and Redis; a wrong value would fail the run (each get is checked in the client)."""
+    """Key `clients`: each count of client processes reads checked values from ours (TCP, TCP to a
+    node with read workers (the preset's key `readers`), same-host) and Redis; a wrong value would
+    fail the run (each get is checked in the client)."""
     env = clean_env()
     r = subprocess.run(
         [str(Path(sys.executable).with_name("kvpool")), "bench", "pool", "--workload", "many-clients", "--json",
@@ -100,7 +101,7 @@ def test_bench_pool_many_clients_measures_every_system_at_every_count():
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     rows = {(x["case"], x["baseline"]): x for x in doc["results"]}
     for count in (1, 3):
-        for path in ("tcp", "shm"):
+        for path in ("tcp", "tcp+readers", "shm"):
             x = rows[(f"get_{path}_clients_{count}", "redis")]
             assert x["unit"] == "ops/s" and x["value"] > 0 and x["baseline_value"] > 0
             assert x["extra"]["clients"] == count
