@@ -45,7 +45,7 @@ from typing import Annotated, Any, Callable, Literal
 
 import click
 import numpy as np
-from pydantic import Field, PositiveInt
+from pydantic import BeforeValidator, Field, PositiveInt
 
 from kvpool.tools.bench.pool_peers import MooncakePeer, RedisPeer, mooncake_available
 from kvpool.tools.bench.pool_process import PoolProcess, auth_pool, close_all
@@ -209,6 +209,9 @@ def _settle(servers: Any) -> None:
         server.settle()
 
 
+CpuList = Annotated[str, BeforeValidator(str)]  # "0-3,8"; `--set server_cpus=0` arrives as the number 0
+
+
 class PoolWorkload(WorkloadFile):
     """`kvpool bench pool`'s keys; the defaults are the single-client table of BENCHMARKS.md."""
 
@@ -228,6 +231,9 @@ class PoolWorkload(WorkloadFile):
     duration: float = Field(2.0, ge=0.2, le=60, description="Many-clients mode: seconds each turn runs.")
     readers: bool = Field(False, description="Many-clients mode: also ours_tcp+readers, a pool with its node's read "
                           "workers ([node] read_workers), ours_tcp's pool then without.")
+    server_cpus: CpuList = Field("", description="Many-clients mode: pin every server (ours, Redis, Mooncake) to these "
+                             "CPUs, e.g. 0-3 ('' leaves them to the scheduler).")
+    client_cpus: CpuList = Field("", description="Many-clients mode: pin the client processes to these CPUs, e.g. 4-15.")
     auth: bool = Field(False, description="Also run a pool with a keyring and a tenant client (TCP and shm), "
                        "compared with the pool without (authentication's cost).")
     netns: bool = Field(False, description="Across a shaped link between two network namespaces (root): ours vs a "
@@ -256,7 +262,10 @@ def pool(workload: PoolWorkload, as_json: bool) -> None:
     if w.clients:
         from kvpool.tools.bench.pool_clients import many
 
-        return many(as_json, size_list, reps, wanted, list(w.clients), w.duration, w.readers)
+        from reference_worker.cpus import parse as cpu_list
+
+        return many(as_json, size_list, reps, wanted, list(w.clients), w.duration, w.readers,
+                    cpu_list(w.server_cpus) if w.server_cpus else None, cpu_list(w.client_cpus) if w.client_cpus else None)
     min_ops = w.min_ops
     if w.netns:
         from kvpool.tools.bench.pool_netns import run_across

@@ -13,6 +13,9 @@ same client count. On this 2-core machine clients and servers share the cores: t
 figure answers is whether a server's aggregate falls as clients are added, not how far it scales.
 With key `readers`, `ours_tcp+readers` is a second pool whose node has its read workers
 (`kvpool.node.readers`; their CPU counts as the server's), and `ours_tcp`'s pool has none.
+Keys `server_cpus` / `client_cpus` (CPU lists, `0-3,8`) pin every server (ours, Redis, Mooncake)
+and every client process to CPUs of their own: on a machine with the cores for it, that asks how
+a server scales when clients do not take its cores (on 2 cores they must share).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from typing import Any, Callable, Collection
 
 import numpy as np
 
+from reference_worker.cpus import format_list
 from kvpool.tools.bench.pool_process import PoolProcess, close_all, cpu_clock
-from kvpool.tools.launch.processes import child_pids
+from kvpool.tools.launch.processes import child_pids, pin_process
 from kvpool.tools.bench.report import Report, progress
 
 log = logging.getLogger(__name__)
@@ -97,9 +101,11 @@ class _Conn:
             pass
 
 
-def _client_main(conn: Any, index: int, specs: dict[str, dict], sizes: list[int]) -> None:
+def _client_main(conn: Any, index: int, specs: dict[str, dict], sizes: list[int], cpus: list[int] | None) -> None:
     """A client process: set up on request, run timed get loops, report counts and latencies."""
     logging.basicConfig(level=logging.WARNING)
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # before any client library starts a thread: they inherit it
     systems: dict[str, _Conn] = {}
     try:
         while True:
@@ -135,7 +141,7 @@ def _client_main(conn: Any, index: int, specs: dict[str, dict], sizes: list[int]
 
 
 def run(report: Report, specs: dict[str, dict], client_counts: list[int], sizes: list[int], reps: int,
-        duration: float) -> None:
+        duration: float, client_cpus: list[int] | None = None) -> None:
     """Every (client count, size) x system, `reps` alternating turns each; rows into `report`.
     A system's spec may name its server processes (`pids`): the CPU they use over a turn gives each
     row the servers' CPU per get and the cores they had, which separates a server that costs more
@@ -154,7 +160,7 @@ def run(report: Report, specs: dict[str, dict], client_counts: list[int], sizes:
             try:
                 for i in range(count):
                     parent, child = ctx.Pipe()
-                    p = ctx.Process(target=_client_main, args=(child, i, specs, sizes), daemon=True)
+                    p = ctx.Process(target=_client_main, args=(child, i, specs, sizes, client_cpus), daemon=True)
                     p.start()
                     procs.append(p)
                     pipes.append(parent)
@@ -218,14 +224,15 @@ def _add(report: Report, count: int, size: int, figures: dict[str, list[tuple[fl
 
 
 def many(as_json: bool, sizes: list[int], reps: int, wanted: set[str], counts: list[int], duration: float,
-         readers: bool = False) -> None:
+         readers: bool = False, server_cpus: list[int] | None = None, client_cpus: list[int] | None = None) -> None:
     """Key `clients`: every system serves the same keys to 1..N client processes."""
     from kvpool.tools.bench.pool import Ours
     from kvpool.tools.bench.pool_peers import MooncakePeer, RedisPeer, _mooncake_env, mooncake_available
 
     report = Report("pool")
+    shared = "shared by clients and servers" if not (server_cpus or client_cpus) else "split (below)"
     report.notes.append(f"many clients: {counts} client processes, {duration:g} s per turn, {reps} turns per "
-                        f"system, gets of one value at a time; {os.cpu_count()} CPUs shared by clients and servers")
+                        f"system, gets of one value at a time; {os.cpu_count()} CPUs {shared}")
     closers: list[Callable[[], None]] = []
     try:
         server = PoolProcess(dram_capacity=1 << 30, settings={"KVPOOL_READ_WORKERS": "0"} if readers else None)
@@ -260,7 +267,11 @@ def many(as_json: bool, sizes: list[int], reps: int, wanted: set[str], counts: l
             value = _value(size, i)
             for put in load:
                 put(_key(size, i), value)
-        run(report, specs, counts, sizes, reps, duration)
+        if server_cpus:
+            _pin_servers(report, specs, server_cpus)
+        if client_cpus:
+            report.notes.append(f"client processes pinned to CPUs {format_list(client_cpus)}")
+        run(report, specs, counts, sizes, reps, duration, client_cpus)
     finally:
         close_all(closers)
     report.emit(as_json)
@@ -285,6 +296,19 @@ def _with_readers(closers: list[Callable[[], None]], load: list[Callable[[str, n
         time.sleep(0.1)
     report.notes.append(f"{READERS}: {len(workers)} read worker(s) beside the node")
     return {"address": server.address, "pids": [server.proc.pid, *workers]}
+
+
+def _pin_servers(report: Report, specs: dict[str, dict], cpus: list[int]) -> None:
+    """Every server process (and the processes it started, and all their threads) on `cpus`; the
+    note says what the kernel reads back for each."""
+    got: dict[str, str] = {}
+    for name, spec in specs.items():
+        pids = set(spec.get("pids", ()))
+        for pid in list(pids):
+            pids |= child_pids(pid)
+        allowed = {format_list(sorted(pin_process(pid, cpus))) for pid in sorted(pids)}
+        got[name.removeprefix("ours_")] = "/".join(sorted(allowed))
+    report.notes.append("servers pinned: " + ", ".join(f"{name} on CPUs {cores}" for name, cores in got.items()))
 
 
 def _mooncake_put(mc: Any, key: str, value: np.ndarray) -> None:

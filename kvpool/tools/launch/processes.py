@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Collection, Sequence, TypeVar
 
 from kvpool.security.local import child_env
 
@@ -68,6 +68,17 @@ def child_pids(pid: int) -> set[int]:
         except FileNotFoundError:  # a thread that just ended
             pass
     return out
+
+
+def pin_process(pid: int, cores: Collection[int]) -> set[int]:
+    """Pin every thread of `pid` to `cores` (threads and processes it starts later inherit the
+    mask); the cores it is allowed afterwards, as the kernel reads them back."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except (ProcessLookupError, FileNotFoundError):  # a thread that just ended
+            pass
+    return os.sched_getaffinity(pid)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
