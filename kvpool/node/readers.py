@@ -19,6 +19,11 @@ Measured (kvpool bench pool --workload many-clients, 64 KiB gets over TCP,
 16 clients, 1.26x at 64, 1.05x at 4, 0.95x at one (three earlier, busier runs: 4 clients
 1.12-1.41x, 16 and 64 0.93-1.47x, one 0.90-0.99x). On 2 cores the clients take the rest of the
 machine, so the aggregate still falls past 4 clients; the workers are for the cores a node has.
+What it costs: a get the read port cannot serve (absent, on SSD, being changed) takes a second
+round trip, to the node: a 64 KiB miss over loopback took 89-121 us against 22-24 us with the node
+alone (2026-12-05; hits 42-49 vs 45-50 us). A batch pays that trip once for all its keys, and in
+a KV cache a miss means recomputing the prefix; a pool that mostly misses or reads SSD over TCP
+is better served with `read_workers = 0`.
 
 Invariants:
 - Every connection on the read port, the node's or a worker's, passes the node's keyring
