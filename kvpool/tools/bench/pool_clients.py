@@ -226,7 +226,6 @@ def _add(report: Report, count: int, size: int, figures: dict[str, list[tuple[fl
 def many(as_json: bool, sizes: list[int], reps: int, wanted: set[str], counts: list[int], duration: float,
          readers: bool = False, server_cpus: list[int] | None = None, client_cpus: list[int] | None = None) -> None:
     """Key `clients`: every system serves the same keys to 1..N client processes."""
-    from kvpool.tools.bench.pool import Ours
     from kvpool.tools.bench.pool_peers import MooncakePeer, RedisPeer, _mooncake_env, mooncake_available
 
     report = Report("pool")
@@ -235,15 +234,12 @@ def many(as_json: bool, sizes: list[int], reps: int, wanted: set[str], counts: l
                         f"system, gets of one value at a time; {os.cpu_count()} CPUs {shared}")
     closers: list[Callable[[], None]] = []
     try:
-        server = PoolProcess(dram_capacity=1 << 30, settings={"KVPOOL_READ_WORKERS": "0"} if readers else None)
-        closers.append(server.close)
-        loader = Ours(server.address, False, "loader")
-        closers.append(loader.close)
-        load: list[Callable[[str, np.ndarray], None]] = [loader.put]
-        ours = {"address": server.address, "pids": [server.proc.pid, *child_pids(server.proc.pid)]}
+        load: list[Callable[[str, np.ndarray], None]] = []
+        # The node alone when `readers` compares it with one that has workers; else the default node.
+        ours = _pool(closers, load, report, "ours_tcp", 0 if readers else -1)
         specs: dict[str, dict] = {"ours_tcp": ours, "ours_shm": ours}  # pids: the server processes
         if readers:
-            specs[READERS] = _with_readers(closers, load, report)
+            specs[READERS] = _pool(closers, load, report, READERS, -1)
         if "redis" in wanted:
             try:
                 redis = RedisPeer()
@@ -277,24 +273,27 @@ def many(as_json: bool, sizes: list[int], reps: int, wanted: set[str], counts: l
     report.emit(as_json)
 
 
-def _with_readers(closers: list[Callable[[], None]], load: list[Callable[[str, np.ndarray], None]],
-                  report: Report) -> dict[str, Any]:
-    """A second pool, with read workers (the default count): its spec, once its workers run."""
+def _pool(closers: list[Callable[[], None]], load: list[Callable[[str, np.ndarray], None]], report: Report,
+          name: str, read_workers: int) -> dict[str, Any]:
+    """A pool whose node has `read_workers` (-1: the default count): its spec once the workers run
+    (they start with the read port's first get), so their CPU counts as the server's."""
     from kvpool.node.readers import worker_count
     from kvpool.tools.bench.pool import Ours
 
-    server = PoolProcess(dram_capacity=1 << 30)
+    server = PoolProcess(dram_capacity=1 << 30, settings={"KVPOOL_READ_WORKERS": str(read_workers)})
     closers.append(server.close)
-    loader = Ours(server.address, False, "loader+readers")
+    loader = Ours(server.address, False, f"loader {name}")
     closers.append(loader.close)
     load.append(loader.put)
-    probe = np.zeros(8, dtype=np.uint8)
-    loader.put("readers/probe", probe)
-    loader.get_into("readers/probe", probe)  # the read port's first get starts the workers
-    want, deadline = worker_count(-1), time.monotonic() + 60
+    want = worker_count(read_workers)
+    if want:
+        probe = np.zeros(8, dtype=np.uint8)
+        loader.put("readers/probe", probe)
+        loader.get_into("readers/probe", probe)
+    deadline = time.monotonic() + 60
     while len(workers := child_pids(server.proc.pid)) < want and time.monotonic() < deadline:
         time.sleep(0.1)
-    report.notes.append(f"{READERS}: {len(workers)} read worker(s) beside the node")
+    report.notes.append(f"{name}: {len(workers)} read worker(s) beside the node")
     return {"address": server.address, "pids": [server.proc.pid, *workers]}
 
 
