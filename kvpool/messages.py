@@ -233,8 +233,11 @@ class NodeGet(Msg):
 
 
 class NodeData(Msg):
-    sizes: list[int]  # -1: absent
+    sizes: list[int]  # -1: absent; from a node's read port -1 is "not here, ask the node", ABSENT is absent
     ssd: list[int] = []  # positions the node read from its SSD tier (the rest of the hits: DRAM)
+
+
+ABSENT = -3  # a `NodeData` size from a node's read port: the node has no such object (`kvpool.node.readers`)
 
 
 class NodePin(Msg):

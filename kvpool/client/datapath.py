@@ -40,7 +40,7 @@ from typing import Any, Sequence
 from kvpool.client.engine_path import EnginePath
 from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, node_tickets
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable, error_from_code
-from kvpool.messages import Err, NodeGet, NodePin, NodeWrite, Put
+from kvpool.messages import ABSENT, Err, NodeGet, NodePin, NodeWrite, Put
 from kvpool.rpc import RpcClient
 from transfer.route import route
 
@@ -48,6 +48,8 @@ DATA_PATHS = ("auto", "rpc", "engine")
 BATCH_SLURP_MAX = 256 * 1024  # a batch reply up to this size is received in one piece
 
 Work = Sequence[tuple[NodeConn, list[int]]]
+
+_ASK_NODE = object()  # a read port's "not here": the node answers next
 
 
 class RpcPath:
@@ -95,11 +97,11 @@ class RpcPath:
         reader = conn.reader
         if reader is not None:
             try:
-                got = _get_one(reader, key, view)
+                got = _get_one(reader, key, view, ABSENT)
             except KVPoolError as exc:
                 conn.reader_failed(exc)
             else:
-                if got is not None:
+                if got is not _ASK_NODE:
                     return got
         return _get_one(conn.rpc, key, view)
 
@@ -113,7 +115,7 @@ class RpcPath:
         for j, (i, n) in enumerate(zip(idx, data.sizes)):
             if n >= 0:
                 out[i] = cur.deliver(n, None if views is None else views[j])
-            else:
+            elif n == -1:  # from a read port: not there, ask the node (ABSENT: the node has none)
                 missed.append(j)
         if tiers is not None:
             _mark_tiers(tiers, idx, data.sizes, data.ssd)
@@ -152,10 +154,12 @@ class RpcPath:
         return [_written(res) for res in reply.results]
 
 
-def _get_one(rpc: RpcClient, key: str, view: memoryview | None) -> bytes | int | None:
+def _get_one(rpc: RpcClient, key: str, view: memoryview | None, absent: int = -1) -> Any:
+    """As `RpcPath.get_one` on one port, whose miss is `absent` (on a read port, -1 means "ask the
+    node": `_ASK_NODE`)."""
     n = rpc.call(NodeGet([key])).sizes[0]
     if n < 0:
-        return None
+        return None if n == absent else _ASK_NODE
     if view is None:
         return rpc.read_payload(n)
     if n > len(view):

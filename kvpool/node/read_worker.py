@@ -7,9 +7,13 @@ and its shm DRAM index read-only, exactly as a same-host client does (`ShmPath`)
 gets from them with no lock and no word with the node.
 
 What it answers: each key's bytes, copied out of the arena and then validated by the index's
-seqlock (`ShmIndexReader.read`), or -1 "not here" for anything else (not in the index: absent,
-on SSD, just written or changed; changed during the copy). A client takes -1 from the read port
-as "ask the node" and asks the node's RPC, the authority. Copy then validate, not send then
+seqlock (`ShmIndexReader.read`). What the index cannot serve (absent, on SSD, just written or
+changed, changed during the copy) it asks of the node, the authority, over the node's unix socket
+(one request for all such keys of a get, on the connection's own thread: the loop answers a get
+only when every key is in the index, so a slow SSD read holds up no other connection), and
+answers the node's bytes or `ABSENT`: a client pays one network round trip either way. Only if
+the node cannot be asked does it answer -1, "not here", which a client takes to the node's RPC
+itself. Copy then validate, not send then
 validate with a trailer: the reply's header names every size before the bytes, so a value
 found torn after its bytes left could only be disowned by a trailer every client must check,
 and the copy of a 64 KiB value costs a few microseconds against the tens a request costs here;
@@ -21,9 +25,9 @@ stdin, never in argv), handshake, authorization, tenant scoping and connection c
 serves `NodeGet` (a request that also names pins to release is refused: pins live at the node)
 and `NodeStats` (who answers on this port), nothing else.
 
-What it owes the node: the keys it served, as `NodeUnpin.touched` (one-way, as the node's
-principal, every `TOUCH_S`), so hit counts and eviction recency stay right, as a same-host
-reader's do.
+What it owes the node: the keys it served from the index, as `NodeUnpin.touched` (one-way, as
+the node's principal, every `TOUCH_S`), so hit counts and eviction recency stay right, as a
+same-host reader's do (what it asked the node for, the node counted itself).
 
 Lifetime: the node holds the write end of this process's stdin; when the node ends, however it
 ends (SIGKILL too), the kernel closes it and this process exits at the end of file, at once. The
@@ -42,7 +46,7 @@ from typing import Any
 
 from kvpool.config import Settings, use_settings
 from kvpool.errors import InvalidArgument, KVPoolError
-from kvpool.messages import Info, NodeData, NodeGet, NodeStats, NodeUnpin
+from kvpool.messages import ABSENT, Info, NodeData, NodeGet, NodeStats, NodeUnpin
 from kvpool.rpc import Payload, RpcClient, RpcServer, ServerConn
 from kvpool.security.keyring import Keyring
 from kvpool.shm.arena import map_read_only, populate
@@ -74,12 +78,13 @@ class ReadWorker:
         populate(self._mmap, spec["arena_size"], write=False)
         self.index = ShmIndexReader(spec["index"])
         self.touched: list[str] = []
+        self._node_lock = threading.Lock()  # one request at a time on `self.node` (gets and touch reports)
         credential = keyring.node_credential() if keyring is not None else None
         self.node = RpcClient(spec["node"], settings=settings, credential=credential)
         self.node.use_unix(spec["node_unix"])
         self.rpc = RpcServer({NodeGet: self._on_get, NodeStats: self._on_stats}, spec["host"], spec["port"],
                              name=f"node-reader-{os.getpid()}", unix=False, settings=settings,
-                             keyring=keyring, inline={NodeGet: None, NodeStats: None}, reuse_port=True)
+                             keyring=keyring, inline={NodeGet: self._here, NodeStats: None}, reuse_port=True)
         self._touch_thread = threading.Thread(target=self._report_touches, name="reader-touch", daemon=True)
 
     def start(self) -> "ReadWorker":
@@ -88,21 +93,41 @@ class ReadWorker:
         log.debug("read worker %d of node %s serving at %s", os.getpid(), self.node_id, self.rpc.address)
         return self
 
+    def _here(self, msg: NodeGet, scope: str) -> bool:
+        """Whether the loop may answer `msg` itself: every key is in the index (else a connection
+        thread does, so that asking the node holds up no other connection)."""
+        find = self.index.find
+        return all(find(scope + key if scope else key) is not None for key in msg.keys)
+
     def _on_get(self, msg: NodeGet, payload: Payload, conn: ServerConn) -> tuple:
         if msg.unpin:
             raise InvalidArgument("a read port holds no pins: release them at the node")
-        read, arena = self.index.read, self.arena
-        sizes: list[int] = []
-        values: list[bytes] = []
-        for key in msg.keys:
-            value = read(key, arena)
-            if value is None:
-                sizes.append(-1)
-            else:
-                sizes.append(len(value))
-                values.append(value)
-                self.touched.append(key)  # not a local: `_report_touches` swaps the list
-        return NodeData(sizes), values
+        read, arena, keys = self.index.read, self.arena, msg.keys
+        values = [read(key, arena) for key in keys]
+        sizes = [-1 if value is None else len(value) for value in values]
+        missing = [j for j, n in enumerate(sizes) if n < 0]
+        ssd = self._ask_node(keys, missing, values, sizes) if missing else []
+        relayed = set(missing)  # the node counted those reads itself
+        for j, n in enumerate(sizes):
+            if n >= 0 and j not in relayed:
+                self.touched.append(keys[j])  # not a local: `_report_touches` swaps the list
+        return NodeData(sizes, ssd), [value for value in values if value is not None]
+
+    def _ask_node(self, keys: list[str], missing: list[int], values: list, sizes: list[int]) -> list[int]:
+        """The keys at `missing` (absent from the index, on SSD, being changed) from the node over
+        its unix socket, in place: their bytes, or `ABSENT` as the node says; the positions it read
+        from SSD. On a failure they stay -1, and the client asks the node itself."""
+        try:
+            with self._node_lock:
+                data = self.node.call(NodeGet([keys[j] for j in missing]))
+                got = [self.node.read_payload(n) if n >= 0 else None for n in data.sizes]
+        except KVPoolError as exc:
+            log.info("read worker %d: asking the node failed (%s); the client will", os.getpid(), exc)
+            return []
+        for j, value in zip(missing, got):
+            values[j] = value
+            sizes[j] = ABSENT if value is None else len(value)
+        return sorted(missing[p] for p in data.ssd)
 
     def _on_stats(self, msg: NodeStats, payload: Payload, conn: ServerConn) -> Info:
         return Info({"node_id": self.node_id, "read_worker": os.getpid()})
@@ -113,7 +138,8 @@ class ReadWorker:
             self.touched, served = [], self.touched  # swapped under the GIL: the loop appends to the new list
             for i in range(0, len(served), TOUCH_BATCH):
                 try:
-                    self.node.send_oneway(NodeUnpin([], served[i:i + TOUCH_BATCH]))
+                    with self._node_lock:
+                        self.node.send_oneway(NodeUnpin([], served[i:i + TOUCH_BATCH]))
                 except KVPoolError as exc:  # the node is gone or restarting: only recency is lost
                     log.debug("read worker %d: reporting reads to the node failed: %s", os.getpid(), exc)
                     break

@@ -8,22 +8,22 @@ too, bound with SO_REUSEPORT: the kernel spreads new connections over the N proc
 workers start with the port's first get (until then no client reads over TCP, and a node whose
 readers are all on its host, as in most tests, never pays for them; the connections made in the
 second or so they take to start stay with the node, which serves them as before). A worker
-maps the arena and the shm DRAM index read-only, as a same-host client does, and answers a key
-it cannot prove is the key's own (not in the index, on SSD, changed during its copy) with -1,
-"not here": a client takes any -1 from the read port as "ask the node" (`RpcPath`), so the
-node's RPC stays the authority and only a get's speed changes. Puts and every other message stay
-on the node's RPC port.
+maps the arena and the shm DRAM index read-only, as a same-host client does; a key it cannot
+prove is the key's own (not in the index, on SSD, changed during its copy) it asks of the node
+over the node's unix socket, so the node stays the authority. On this port a miss is `ABSENT`
+(the node's own share answers so too), and -1 means "not here" (a worker could not ask the
+node): a client takes that to the node's RPC (`RpcPath`). Puts and every other message stay on
+the node's RPC port.
 
 Measured (kvpool bench pool --workload many-clients, 64 KiB gets over TCP,
 2 shared cores, one worker; BENCHMARKS.md): in the 2026-12-05 22:58 run 1.31x the node alone at
 16 clients, 1.26x at 64, 1.05x at 4, 0.95x at one (three earlier, busier runs: 4 clients
 1.12-1.41x, 16 and 64 0.93-1.47x, one 0.90-0.99x). On 2 cores the clients take the rest of the
 machine, so the aggregate still falls past 4 clients; the workers are for the cores a node has.
-What it costs: a get the read port cannot serve (absent, on SSD, being changed) takes a second
-round trip, to the node: a 64 KiB miss over loopback took 89-121 us against 22-24 us with the node
-alone (2026-12-05; hits 42-49 vs 45-50 us). A batch pays that trip once for all its keys, and in
-a KV cache a miss means recomputing the prefix; a pool that mostly misses or reads SSD over TCP
-is better served with `read_workers = 0`.
+What it costs: a get the index cannot serve (absent, on SSD) takes a hop from a worker to the
+node on the host: a 64 KiB miss over loopback took 42-67 us against 24-26 us with the node alone
+(before the hop, when the client asked the node itself: 89-121 us); hits 45-52 vs 46-50 us
+(2026-12-06). `read_workers = 0` suits a pool that mostly misses or reads SSD.
 
 Invariants:
 - Every connection on the read port, the node's or a worker's, passes the node's keyring
@@ -48,7 +48,7 @@ import sys
 import threading
 from typing import Any
 
-from kvpool.messages import NodeGet
+from kvpool.messages import ABSENT, NodeData, NodeGet
 from kvpool.rpc import RpcServer
 
 log = logging.getLogger("kvpool.node")
@@ -90,7 +90,11 @@ class ReadWorkers:
         def get(msg: NodeGet, payload: Any, conn: Any) -> Any:
             if not wanted.is_set():
                 wanted.set()
-            return handler(msg, payload, conn)
+            reply = handler(msg, payload, conn)  # (NodeData, views, release)
+            data = reply[0]
+            if -1 in data.sizes:  # the node is the authority: on this port, a miss says so
+                reply = (NodeData([ABSENT if n == -1 else n for n in data.sizes], data.ssd), *reply[1:])
+            return reply
 
         # The node's own share of the port: its ordinary get handler, with its keyring.
         self.server = RpcServer({NodeGet: get}, s.pool.host, s.node.read_port,

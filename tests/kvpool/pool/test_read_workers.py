@@ -21,11 +21,11 @@ import kvpool
 from kvpool.config import load_settings
 from kvpool.embedded import EmbeddedPool
 from kvpool.errors import KVPoolError, Unauthorized
-from kvpool.messages import NodeGet, NodeStats
+from kvpool.messages import ABSENT, NodeGet, NodeStats
 from kvpool.rpc import RpcClient
 from kvpool.rpc.frame import parse_address, send_frame
 from kvpool.security.keyring import Credential, Keyring
-from kvpool.shm.index import supported
+from kvpool.shm.index import ShmIndexReader, supported
 from kvpool.tools.launch.processes import KVPOOL, child_pids, clean_env, stop
 
 pytestmark = pytest.mark.skipif(not supported(), reason="read workers read the shm index (x86-64 only)")
@@ -84,15 +84,60 @@ def test_gets_through_the_read_port_return_the_right_bytes(pool):
             assert client.get_into(key, buf) == len(value) and buf[:len(value)].tobytes() == value
         assert client.get_batch([*values, "absent"]) == [*values.values(), None]
         assert conn.reader is not None and conn.reader.connected  # the gets went to the read port
-        assert client.get("absent") is None  # "not here" there; the node says it is a miss
+        assert client.get("absent") is None  # the read port says the node has none
     rpc, pid = worker_conn(pool.node.readers.address)
     assert pid in pool.node.readers.pids()
     for key, value in values.items():
         assert get(rpc, key) == value
     data = rpc.call(NodeGet([*values, "absent"]))
-    assert data.sizes == [len(v) for v in values.values()] + [-1]
+    assert data.sizes == [len(v) for v in values.values()] + [ABSENT]  # the worker asked the node
     assert rpc.read_payload(sum(map(len, values.values()))) == b"".join(values.values())
     rpc.close()
+
+
+def node_conn(address: str) -> RpcClient:
+    """A connection to the read port that the node's own share serves (it refuses `NodeStats`,
+    and the connection stays usable)."""
+    for _ in range(64):
+        rpc = RpcClient(address)
+        try:
+            rpc.call(NodeStats())
+        except KVPoolError:  # only a worker answers NodeStats here
+            return rpc
+        rpc.close()
+    raise AssertionError("64 connections and none landed on the node")
+
+
+def test_what_the_index_cannot_serve_is_answered_in_one_trip(tmp_path):
+    """A worker asks the node for what its index lacks (absent, on SSD): a miss is `ABSENT` (the
+    client asks nobody else) and an SSD object's bytes come back, from the worker and from the
+    node's own share of the port alike; the client's gets agree, hits and misses."""
+    pool = start_pool(2, dram="8MiB", ssd_path=str(tmp_path / "ssd"), ssd_capacity="64MiB")
+    try:
+        values = {f"v{i}": os.urandom(1 << 20) for i in range(24)}  # 24 MiB through 8 MiB of DRAM
+        with kvpool.connect(pool.address, use_shm=False) as client:
+            for key, value in values.items():
+                client.put(key, value)
+            address = pool.node.readers.address
+            index = ShmIndexReader(pool.node.store.dram.index.path)
+            on_ssd = [k for k in values if index.find(k) is None]
+            assert len(on_ssd) >= 2, "objects did not leave DRAM"
+            rpc, _ = worker_conn(address)
+            mine = node_conn(address)
+            for conn, key in ((rpc, on_ssd[0]), (mine, on_ssd[1])):  # a read promotes: one key each
+                data = conn.call(NodeGet(["absent", key, "v23"]))
+                assert data.sizes[0] == ABSENT and data.sizes[1:] == [1 << 20, 1 << 20]
+                assert conn.read_payload(1 << 20) == values[key]
+                assert conn.read_payload(1 << 20) == values["v23"]
+                assert 1 in data.ssd  # the SSD read says so, for the client's hit tiers
+            rpc.close()
+            mine.close()
+            for key, value in values.items():
+                assert client.get(key) == value
+            assert client.get("absent") is None
+            assert [v == values[k] for k, v in zip(values, client.get_batch(list(values)))] == [True] * 24
+    finally:
+        pool.stop()
 
 
 def test_a_workers_reads_count_as_hits_at_the_node(pool):
