@@ -21,9 +21,9 @@ Measured (kvpool bench pool --workload many-clients, 64 KiB gets over TCP,
 1.12-1.41x, 16 and 64 0.93-1.47x, one 0.90-0.99x). On 2 cores the clients take the rest of the
 machine, so the aggregate still falls past 4 clients; the workers are for the cores a node has.
 What it costs: a get the index cannot serve (absent, on SSD) takes a hop from a worker to the
-node on the host: a 64 KiB miss over loopback took 42-67 us against 24-26 us with the node alone
-(before the hop, when the client asked the node itself: 89-121 us); hits 45-52 vs 46-50 us
-(2026-12-06). `read_workers = 0` suits a pool that mostly misses or reads SSD.
+node on the host: a 64 KiB miss over loopback took 26-29 us against 20-22 us with the node alone
+(before the hop, when the client asked the node itself: 89-121 us); hits 50-52 vs 45-47 us
+(2026-12-06, one client, quiet machine). `read_workers = 0` suits a pool that mostly misses or reads SSD.
 
 Invariants:
 - Every connection on the read port, the node's or a worker's, passes the node's keyring
