@@ -11,7 +11,8 @@ segment with rdma: rdma; its RPC: tcp), and the client maps the answer to a path
   node's unix socket.
 - `rpc` (tcp: another host, or `use_shm=False`): one `NodeGet` whose payload is received straight
   into the caller's buffer, sent to the node's read port when it has one (`kvpool.node.readers`:
-  several processes serve it; what they answer -1, "not here", is asked of the node's RPC next);
+  several processes serve it; a miss there is `ABSENT`, and -1, "not here", is asked of the node's
+  RPC next);
   one `NodeWrite` the node receives straight into its arena (to an embedded pool: one `Put`, its
   master's `PutStart` and `PutEnd` in the same frame).
 - `engine` (rdma, in "auto" mode; any route with `data_path="engine"`, whose engine then takes

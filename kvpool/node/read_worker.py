@@ -13,12 +13,14 @@ changed, changed during the copy) it asks of the node, the authority, over the n
 only when every key is in the index, so a slow SSD read holds up no other connection), and
 answers the node's bytes or `ABSENT`: a client pays one network round trip either way. Only if
 the node cannot be asked does it answer -1, "not here", which a client takes to the node's RPC
-itself. Copy then validate, not send then
-validate with a trailer: the reply's header names every size before the bytes, so a value
-found torn after its bytes left could only be disowned by a trailer every client must check,
-and the copy of a 64 KiB value costs a few microseconds against the tens a request costs here;
-a value that leaves this process has been proved the key's own. The index is keyed by the stored
-key, so a tenant's keys are scoped (`kvpool.security.authz`) before the lookup, exactly as at the node.
+itself.
+
+Copy then validate, not send then validate with a trailer: the reply's header names every size
+before the bytes, so a value found torn after its bytes left could only be disowned by a trailer
+every client must check, and the copy of a 64 KiB value costs a few microseconds against the tens
+a request costs here; a value that leaves this process has been proved the key's own. The index
+is keyed by the stored key, so a tenant's keys are scoped (`kvpool.security.authz`) before the
+lookup, exactly as at the node.
 
 Who may ask: its `RpcServer` is the node's kind, with the node's keyring (handed over on
 stdin, never in argv), handshake, authorization, tenant scoping and connection caps; it
@@ -31,7 +33,8 @@ same-host reader's do (what it asked the node for, the node counted itself).
 
 Lifetime: the node holds the write end of this process's stdin; when the node ends, however it
 ends (SIGKILL too), the kernel closes it and this process exits at the end of file, at once. The
-node's `stop` closes it too (and kills a worker that does not go). Standard output carries one line, "ready", once the port is served.
+node's `stop` closes it too (and kills a worker that does not go). Standard output carries one
+line, "ready", once the port is served.
 """
 
 from __future__ import annotations
@@ -106,11 +109,12 @@ class ReadWorker:
         values = [read(key, arena) for key in keys]
         sizes = [-1 if value is None else len(value) for value in values]
         missing = [j for j, n in enumerate(sizes) if n < 0]
-        ssd = self._ask_node(keys, missing, values, sizes) if missing else []
-        relayed = set(missing)  # the node counted those reads itself
-        for j, n in enumerate(sizes):
-            if n >= 0 and j not in relayed:
-                self.touched.append(keys[j])  # not a local: `_report_touches` swaps the list
+        if not missing:  # the loop's case: every key was in the index
+            self.touched.extend(keys)  # not a local: `_report_touches` swaps the list
+            return NodeData(sizes), values
+        served = [keys[j] for j, n in enumerate(sizes) if n >= 0]  # before the node's answers join them
+        ssd = self._ask_node(keys, missing, values, sizes)  # the node counts what it serves itself
+        self.touched.extend(served)
         return NodeData(sizes, ssd), [value for value in values if value is not None]
 
     def _ask_node(self, keys: list[str], missing: list[int], values: list, sizes: list[int]) -> list[int]:
