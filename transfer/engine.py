@@ -18,7 +18,7 @@ Invariants:
 Access: by default anyone who reaches the data port may READ and WRITE every registered byte.
 `auth` (principal -> secret) makes every connection prove a principal first (`transfer.auth`),
 and `credential` is what this engine proves to its peers. `grant_key` makes the data server
-serve only ranges a grant covers (`transfer.grant`; `grant` signs one): the owner of the
+serve only ranges a grant covers (`transfer.grant`; `signer` signs them): the owner of the
 segments hands grants out, and callers pass them in `Op.grant`. Same-host shm peers map the
 segment's file, which is 0600: only this uid (which could read our memory anyway) gets there.
 A grant names the principal it is for; the data server honours it only on a connection
@@ -52,9 +52,6 @@ from transfer.tcp_server import DataServer
 
 log = logging.getLogger("transfer.engine")
 
-PREFERENCE = ROUTES  # the order transports are tried in (`transfer.route`)
-KNOWN_TRANSPORTS = frozenset(PREFERENCE)
-
 
 class TransferEngine:
     def __init__(self, name: str | None = None, host: str = "127.0.0.1", port: int = 0,
@@ -66,15 +63,14 @@ class TransferEngine:
         device to use instead of opening one (tests pass a fake); `rdma_gid_index`: its GID index.
         `auth`, `credential`, `grant_key`: see the module doc. `limits`: the data server's
         per-connection limits and caps (`transfer.framing.Limits`; default: its defaults)."""
-        unknown = set(transports) - KNOWN_TRANSPORTS
+        unknown = set(transports) - set(ROUTES)
         if unknown:
-            raise InvalidOp(f"unknown transports {sorted(unknown)}; known: {list(PREFERENCE)}")
+            raise InvalidOp(f"unknown transports {sorted(unknown)}; known: {list(ROUTES)}")
         if timeout <= 0 or slice_bytes <= 0 or connections_per_peer <= 0:
             raise InvalidOp("timeout, slice_bytes and connections_per_peer must be positive")
         self.name = name or f"engine-{os.getpid()}-{os.urandom(3).hex()}"
         self.host = host
         self.timeout = timeout
-        self.requested = tuple(transports)
         self._segments: dict[int, tuple[str, memoryview]] = {}  # seg_id -> (name, view), read by the server
         self._descriptors: dict[str, SegmentDescriptor] = {}
         self._owners: dict[str, Any] = {}  # keeps registered buffers alive
@@ -92,22 +88,17 @@ class TransferEngine:
         if "shm" in transports:
             self._transports["shm"] = ShmTransport()
         if "rdma" in transports:
-            self._transports["rdma"] = self._open_rdma(timeout, connections_per_peer, slice_bytes, rdma_device,
-                                                         rdma_gid_index)
-            if self._transports["rdma"] is None:
-                del self._transports["rdma"]
-            else:
-                self._transports["rdma"].credential = credential
+            from transfer import rdma
 
-    def _open_rdma(self, timeout: float, qps_per_peer: int, slice_bytes: int, device: Any, gid_index: int):
-        from transfer import rdma
-
-        return rdma.open_transport(self, timeout, qps_per_peer, slice_bytes, device, gid_index)
+            opened = rdma.open_transport(self.name, timeout, connections_per_peer, slice_bytes, rdma_device,
+                                         rdma_gid_index, credential)
+            if opened is not None:
+                self._transports["rdma"] = opened
 
     @property
     def transports(self) -> tuple[str, ...]:
         """The transports this engine can actually use (requested and available here)."""
-        return tuple(t for t in PREFERENCE if t in self._transports)
+        return tuple(t for t in ROUTES if t in self._transports)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "TransferEngine":
@@ -172,20 +163,10 @@ class TransferEngine:
     def requires_grants(self) -> bool:
         return self._grants is not None
 
-    def grant(self, seg_name: str, opcode: int, offset: int, length: int, ttl_s: float,
-              principal: str = "") -> bytes | None:
-        """A grant for `opcode` on [offset, offset + length) of our segment `seg_name`, valid
-        `ttl_s` seconds, to the peer whose data connection proves `principal` ("": this engine
-        authenticates nobody); None when this engine does not require grants."""
-        if self._grants is None:
-            return None
-        desc = self._descriptors.get(seg_name)
-        if desc is None:
-            raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}")
-        return self._grants.sign(opcode, desc.seg_id, offset, length, ttl_s, principal)
-
     def signer(self, seg_name: str) -> Any:
-        """`grant` bound to one segment: (opcode, offset, length, ttl_s, principal) -> grant; None
+        """The grant signer of our segment `seg_name`: (opcode, offset, length, ttl_s, principal)
+        -> a grant for `opcode` on [offset, offset + length), valid `ttl_s` seconds, to the peer
+        whose data connection proves `principal` ("": this engine authenticates nobody); None
         when this engine does not require grants."""
         if self._grants is None:
             return None
@@ -198,9 +179,8 @@ class TransferEngine:
 
     def unregister(self, seg_name: str) -> None:
         with self._lock:
-            if seg_name not in self._descriptors:
-                raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}")
-            desc = self._descriptors.pop(seg_name)
+            desc = self.descriptor(seg_name)
+            del self._descriptors[seg_name]
             self._segments.pop(desc.seg_id, None)
             self._owners.pop(seg_name, None)
             if "rdma" in self._transports:
@@ -211,9 +191,6 @@ class TransferEngine:
             return self._descriptors[seg_name]
         except KeyError:
             raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}") from None
-
-    def segments(self) -> list[SegmentDescriptor]:
-        return list(self._descriptors.values())
 
     # -- transfers ---------------------------------------------------------------------------
     def choose(self, desc: SegmentDescriptor, transport: str | None = None) -> str:
@@ -231,8 +208,8 @@ class TransferEngine:
         raise TransportUnavailable(f"no shared transport with segment {desc.name!r} of {desc.engine} "
                                    f"(we offer {list(self.transports)}, it offers {list(desc.transports)})")
 
-    def _validate(self, index: int, op: Op, transport: str | None, views: dict | None = None,
-                  chosen: dict | None = None) -> tuple[str, memoryview]:
+    def _validate(self, index: int, op: Op, transport: str | None, views: dict,
+                  chosen: dict) -> tuple[str, memoryview]:
         """Check one op; `views`/`chosen` cache per-buffer and per-segment work within a submit."""
         if op.opcode not in (READ, WRITE):
             raise InvalidOp(f"op {index}: opcode must be READ or WRITE, got {op.opcode!r}")
@@ -246,18 +223,14 @@ class TransferEngine:
             raise InvalidOp(f"op {index}: remote range [{ro}, {ro + length}) outside segment "
                             f"{desc.name!r} of {desc.size} bytes")
         key = (id(op.local), op.opcode == READ)
-        local = views.get(key) if views is not None else None
+        local = views.get(key)
         if local is None:
-            local = byte_view(op.local, writable=op.opcode == READ)
-            if views is not None:
-                views[key] = local
+            local = views[key] = byte_view(op.local, writable=op.opcode == READ)
         if lo + length > len(local):
             raise InvalidOp(f"op {index}: local range [{lo}, {lo + length}) outside buffer of {len(local)} bytes")
-        name = chosen.get(id(desc)) if chosen is not None else None
+        name = chosen.get(id(desc))
         if name is None:
-            name = self.choose(desc, transport)
-            if chosen is not None:
-                chosen[id(desc)] = name
+            name = chosen[id(desc)] = self.choose(desc, transport)
         if name == "rdma" and op.opcode == WRITE and not desc.rdma.writable:
             # registered READ-only (the owner requires grants): a WRITE goes where its grant is checked
             if transport == "rdma" or "tcp" not in self._transports or not self._transports["tcp"].usable(desc):
@@ -308,7 +281,7 @@ class TransferEngine:
         if is_cuda_tensor(op.local):
             self.submit([op], transport).wait()
             return
-        chosen, local = self._validate(0, op, transport)
+        chosen, local = self._validate(0, op, transport, {}, {})
         if chosen == "tcp":
             # No hand-off to a connection thread: a sync single op runs on the caller's thread.
             try:

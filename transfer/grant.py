@@ -123,9 +123,7 @@ class Grants:
         Each grant is distinct (a serial), so revoking one never revokes a later one of the range."""
         if op not in _OPS:
             raise ValueError(f"grant op must be READ or WRITE, got {op!r}")
-        expires = int((time.time() + ttl_s) * 1000)
-        signed = _SIGNED.pack(op, next(self._serial) & 0xFFFF, seg_id, offset, length, expires)
-        return signed + self._mac(principal, signed)
+        return self.signer(seg_id)(op, offset, length, ttl_s, principal)
 
     def revoke(self, grant: bytes) -> None:
         """Refuse `grant` from now on, before it expires (the pin it came with was released, the
@@ -146,7 +144,7 @@ class Grants:
             # After the mark: a frame admitted from now on is refused, and one admitted before is in `_moving`.
             # (`_moving` tested first: it is empty unless a frame is in flight, and the scan costs
             # ~1,500 instructions per revoke, a pin's release, ~0.4% of an 8 MiB get's)
-            if self._moving and any(f.signed == signed for f in list(self._moving)):
+            if self._moving and self._under(signed):
                 self._awaited += 1
                 try:
                     self._stop_frames(signed)

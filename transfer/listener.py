@@ -34,7 +34,7 @@ import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Callable, Sequence
 
 from transfer.framing import DONTWAIT, NO_LIMITS, Limits, refuse_after, set_io_timeout, shutdown, tune
@@ -73,8 +73,8 @@ class Listener:
         self.sockets = [s for s in sockets if s is not None]
         self._serve = serve
         self.name = name
-        self._tune = (timeout, buffers)
         self.limits = limits or NO_LIMITS
+        self._tune = (self.limits.tick if timeout is None else timeout, buffers)
         self.handshake = handshake
         self._refusal = refusal
         self._refusing = threading.BoundedSemaphore(MAX_REFUSING)
@@ -82,7 +82,7 @@ class Listener:
         self._conns: set[socket.socket] = set()  # every accepted socket not yet closed (woken at close)
         self._lock = threading.Lock()
         # without handshake: connections per peer address
-        self._per_peer: dict[Any, int] = {}
+        self._per_peer: Counter = Counter()
         # with handshake: pending sockets, quiet and speaking, each in accept order, and per peer
         self._pending: dict[socket.socket, _Pending] = {}
         self._quiet: OrderedDict[socket.socket, None] = OrderedDict()
@@ -91,7 +91,7 @@ class Listener:
         self._speaking_of: dict[Any, OrderedDict[socket.socket, None]] = {}
         self._evicted: dict[socket.socket, str] = {}
         self._principal_of: dict[socket.socket, Any] = {}  # authenticated socket -> its principal key
-        self._per_principal: dict[Any, int] = {}
+        self._per_principal: Counter = Counter()
         self._to_close: list[tuple[socket.socket, str]] = []  # quiet sockets cut, for the select thread
         self.closed = False
         if handshake:
@@ -137,14 +137,14 @@ class Listener:
                 why = (f"{self.name}: connection limit reached: {limits.max_connections} authenticated connections "
                        "are open (max_connections); try again later")
             elif (key is not None and limits.max_connections_per_principal
-                  and self._per_principal.get(key, 0) >= limits.max_connections_per_principal):
+                  and self._per_principal[key] >= limits.max_connections_per_principal):
                 why = (f"{self.name}: connection limit reached: principal {key!r} already has "
                        f"{limits.max_connections_per_principal} connections open (max_connections_per_principal); "
                        "close some or reuse them")
             else:
                 self._principal_of[sock] = key
                 if key is not None:
-                    self._per_principal[key] = self._per_principal.get(key, 0) + 1
+                    self._per_principal[key] += 1
                 return None
         self.refused += 1
         log.warning("%s: refused an authenticated connection: %s", self.name, why)
@@ -305,8 +305,6 @@ class Listener:
                 return
             sock.setblocking(True)
             tune(sock, *self._tune)
-            if self._tune[0] is None and self.limits.tick:
-                set_io_timeout(sock, self.limits.tick)
             who = peer[0] if isinstance(peer, tuple) and peer else "unix"
             if sock.family == getattr(socket, "AF_UNIX", None):
                 spoke = True  # same host: a thread at once, so the protocol checks the peer's uid first
@@ -364,8 +362,6 @@ class Listener:
                 log.exception("%s: accept failed", self.name)
                 continue
             tune(sock, *self._tune)
-            if self._tune[0] is None and self.limits.tick:
-                set_io_timeout(sock, self.limits.tick)
             who = peer[0] if isinstance(peer, tuple) and peer else "unix"
             over = self._admit_open(sock, who)
             if over is not None:
@@ -382,11 +378,11 @@ class Listener:
             if limits.max_connections and len(self._conns) >= limits.max_connections:
                 return (f"{self.name}: at its cap of {limits.max_connections} connections (max_connections); "
                         "try again later")
-            if limits.max_connections_per_peer and self._per_peer.get(who, 0) >= limits.max_connections_per_peer:
+            if limits.max_connections_per_peer and self._per_peer[who] >= limits.max_connections_per_peer:
                 return (f"{self.name}: {who} already has {limits.max_connections_per_peer} connections open "
                         "(max_connections_per_peer); close some or reuse them")
             self._conns.add(sock)
-            self._per_peer[who] = self._per_peer.get(who, 0) + 1
+            self._per_peer[who] += 1
         return None
 
     def _refuse_later(self, sock: socket.socket, message: str) -> None:
@@ -420,18 +416,15 @@ class Listener:
                     self._drop_pending(sock)
                     self._evicted.pop(sock, None)
                     if sock in self._principal_of:
-                        key = self._principal_of.pop(sock)
-                        if key is not None:
-                            left = self._per_principal.get(key, 1) - 1
-                            if left > 0:
-                                self._per_principal[key] = left
-                            else:
-                                self._per_principal.pop(key, None)
+                        _uncount(self._per_principal, self._principal_of.pop(sock))
                 else:
-                    left = self._per_peer.get(who, 1) - 1
-                    if left > 0:
-                        self._per_peer[who] = left
-                    else:
-                        self._per_peer.pop(who, None)
+                    _uncount(self._per_peer, who)
             sock.close()
 
+
+def _uncount(counts: Counter, key: Any) -> None:
+    """One connection of `key` (None: not counted) closed; a key with none left leaves `counts`."""
+    if key is not None:
+        counts[key] -= 1
+        if counts[key] <= 0:
+            del counts[key]

@@ -135,17 +135,6 @@ class ShmTransport:
         if ok:
             batch._slices_ok(ok)
 
-    def forget(self, engine: str) -> None:
-        """Drop cached mappings of a peer engine (e.g. after it went away)."""
-        with self._lock:
-            for key in [k for k in self._maps if k[0] == engine]:
-                mapping, view = self._maps.pop(key)
-                try:
-                    view.release()
-                    mapping.close()
-                except BufferError:
-                    pass  # a caller still holds a slice; the GC closes it later
-
     def close(self) -> None:
         with self._lock:
             entries, self._maps = list(self._maps.values()), {}
@@ -154,4 +143,4 @@ class ShmTransport:
                 view.release()
                 mapping.close()
             except BufferError:
-                pass
+                pass  # a caller still holds a slice; the GC closes it later
