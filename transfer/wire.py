@@ -29,8 +29,8 @@ import struct
 
 import msgspec
 
-from transfer.errors import (AccessDenied, InvalidOp, LimitReached, PeerUnavailable, ProtocolError, SegmentNotFound,
-                             TransferError, TransferTimeout)
+from transfer.errors import (AccessDenied, InvalidOp, LimitReached, PeerUnavailable, ProtocolError,
+                             SegmentNotFound, TransferError, TransferTimeout)
 
 MAGIC = 0x4B565450  # "KVTP"
 VERSION = 1
