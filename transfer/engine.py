@@ -266,19 +266,20 @@ class TransferEngine:
     def read(self, seg: SegmentDescriptor, remote_offset: int, local_buffer: Any, local_offset: int = 0,
              length: int | None = None, transport: str | None = None, grant: bytes | None = None) -> None:
         """Copy `length` bytes of the remote segment into `local_buffer` (synchronously)."""
-        if length is None:
-            length = _nbytes(local_buffer) - local_offset
         self._one(Op(READ, local_buffer, local_offset, seg, remote_offset, length, grant), transport)
 
     def write(self, seg: SegmentDescriptor, remote_offset: int, local_buffer: Any, local_offset: int = 0,
               length: int | None = None, transport: str | None = None, grant: bytes | None = None) -> None:
         """Copy `length` bytes of `local_buffer` into the remote segment (synchronously)."""
-        if length is None:
-            length = _nbytes(local_buffer) - local_offset
         self._one(Op(WRITE, local_buffer, local_offset, seg, remote_offset, length, grant), transport)
 
     def _one(self, op: Op, transport: str | None) -> None:
-        if is_cuda_tensor(op.local):
+        """One op, synchronously; a `length` of None: to the end of the local buffer."""
+        cuda = is_cuda_tensor(op.local)
+        if op.length is None:
+            nbytes = op.local.numel() * op.local.element_size() if cuda else len(byte_view(op.local, writable=False))
+            op = op._replace(length=nbytes - op.local_offset)
+        if cuda:
             self.submit([op], transport).wait()
             return
         chosen, local = self._validate(0, op, transport, {}, {})
@@ -305,9 +306,3 @@ class TransferEngine:
 
     def __repr__(self) -> str:
         return f"<TransferEngine {self.name} {self.host}:{self.port} {list(self.transports)}>"
-
-
-def _nbytes(buffer: Any) -> int:
-    if is_cuda_tensor(buffer):
-        return buffer.numel() * buffer.element_size()
-    return len(byte_view(buffer, writable=False))
