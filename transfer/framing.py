@@ -62,9 +62,7 @@ def tune(sock: socket.socket, timeout: float | None = None, buffers: int = 0) ->
                 pass
     if timeout is not None:
         sock.settimeout(None)
-        tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        set_io_timeout(sock, timeout)
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:

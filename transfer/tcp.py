@@ -253,16 +253,13 @@ class _Conn:
         req_id = next(self.ids)
         self.used = time.monotonic()
         if grant is None:
-            wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, 0, seg_id, req_id, offset, len(view))
-            if opcode == wire.OP_WRITE:
-                framing.send_all(self.sock, [self.hdr, view])
-            else:
-                self.sock.sendall(self.hdr)
-            return req_id
-        head = self.granted_hdr  # header and grant in one buffer: one plain send for a READ
-        wire.REQ.pack_into(head, 0, wire.MAGIC, wire.VERSION, opcode, wire.FLAG_GRANT, seg_id, req_id, offset,
-                           len(view))
-        head[wire.REQ.size:] = grant
+            head = self.hdr
+            wire.REQ.pack_into(head, 0, wire.MAGIC, wire.VERSION, opcode, 0, seg_id, req_id, offset, len(view))
+        else:
+            head = self.granted_hdr  # header and grant in one buffer: one plain send for a READ
+            wire.REQ.pack_into(head, 0, wire.MAGIC, wire.VERSION, opcode, wire.FLAG_GRANT, seg_id, req_id, offset,
+                               len(view))
+            head[wire.REQ.size:] = grant
         if opcode == wire.OP_WRITE:
             framing.send_all(self.sock, [head, view])
         else:

@@ -50,21 +50,35 @@ def send_frame(sock: socket.socket, msg: Any, buffers: Sequence[Any] = (), flags
     if not buffers:
         sock.sendall(HEADER.pack(PROTOCOL_VERSION, flags, len(body), 0) + body)
         return
-    if len(buffers) == 1 and type(buffers[0]) is memoryview:  # a single put or get: the common case
-        nbytes = buffers[0].nbytes
-    else:
-        nbytes = sum(memoryview(b).nbytes for b in buffers)
+    nbytes = payload_nbytes(buffers)
     head = HEADER.pack(PROTOCOL_VERSION, flags, len(body), nbytes) + body
     parts = [head, *buffers]
     sent = sock.sendmsg(parts) if len(parts) <= IOV_MAX else 0
     if sent < len(head) + nbytes:
-        views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in map(memoryview, parts)]
-        while sent:  # drop what the first sendmsg took
-            if sent >= views[0].nbytes:
-                sent -= views.pop(0).nbytes
-            else:
-                views[0], sent = views[0][sent:], 0
-        send_all(sock, views)
+        send_all(sock, after(parts, sent))
+
+
+def payload_nbytes(buffers: Sequence[Any]) -> int:
+    """The bytes in payload `buffers` (a single memoryview, a put's or a get's: the common case)."""
+    if not buffers:
+        return 0
+    if len(buffers) == 1 and type(buffers[0]) is memoryview:
+        return buffers[0].nbytes
+    return sum(b.nbytes if type(b) is memoryview else memoryview(b).nbytes for b in buffers)
+
+
+def after(parts: Sequence[Any], sent: int) -> list[memoryview]:
+    """What is left of `parts` (bytes-like) once the first `sent` bytes went out."""
+    views = [v if type(v) is memoryview else memoryview(v) for v in parts]
+    views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+    i = 0
+    while i < len(views) and sent >= views[i].nbytes:
+        sent -= views[i].nbytes
+        i += 1
+    rest = views[i:]
+    if rest and sent:
+        rest[0] = rest[0][sent:]
+    return rest
 
 
 def parse_address(address: str) -> tuple[str, int]:
