@@ -275,9 +275,10 @@ class TransferEngine:
 
     def _one(self, op: Op, transport: str | None) -> None:
         """One op, synchronously; a `length` of None: to the end of the local buffer."""
-        cuda = is_cuda_tensor(op.local)
+        local = op.local
+        cuda = is_cuda_tensor(local)
         if op.length is None:
-            nbytes = op.local.numel() * op.local.element_size() if cuda else len(byte_view(op.local, writable=False))
+            nbytes = local.numel() * local.element_size() if cuda else len(byte_view(local, writable=False))
             op = op._replace(length=nbytes - op.local_offset)
         if cuda:
             self.submit([op], transport).wait()

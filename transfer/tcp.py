@@ -253,13 +253,12 @@ class _Conn:
         req_id = next(self.ids)
         self.used = time.monotonic()
         if grant is None:
-            head = self.hdr
-            wire.REQ.pack_into(head, 0, wire.MAGIC, wire.VERSION, opcode, 0, seg_id, req_id, offset, len(view))
+            head, flags = self.hdr, 0
         else:
-            head = self.granted_hdr  # header and grant in one buffer: one plain send for a READ
-            wire.REQ.pack_into(head, 0, wire.MAGIC, wire.VERSION, opcode, wire.FLAG_GRANT, seg_id, req_id, offset,
-                               len(view))
+            head, flags = self.granted_hdr, wire.FLAG_GRANT  # with its grant in one buffer: one send for a READ
             head[wire.REQ.size:] = grant
+        wire.REQ.pack_into(head, 0, wire.MAGIC, wire.VERSION, opcode, flags, seg_id, req_id, offset,
+                           len(view))
         if opcode == wire.OP_WRITE:
             framing.send_all(self.sock, [head, view])
         else:
