@@ -255,7 +255,7 @@ class _Conn:
         if grant is None:
             head, flags = self.hdr, 0
         else:
-            head, flags = self.granted_hdr, wire.FLAG_GRANT  # with its grant in one buffer: one send for a READ
+            head, flags = self.granted_hdr, wire.FLAG_GRANT  # with the grant: one send for a READ
             head[wire.REQ.size:] = grant
         wire.REQ.pack_into(head, 0, wire.MAGIC, wire.VERSION, opcode, flags, seg_id, req_id, offset,
                            len(view))
