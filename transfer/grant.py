@@ -55,7 +55,6 @@ GRANT = struct.Struct("<BHxIQQQ16s")  # op, serial, seg_id, offset, length, expi
 SIZE = GRANT.size  # 48
 SIGNED = SIZE - 16
 _SIGNED = struct.Struct("<BHxIQQQ")
-_EXPIRES, _EXPIRES_AT = struct.Struct("<Q"), SIGNED - 8
 _LABEL = b"kvpool-grant/v2\0"
 _OPS = {READ: "READ", WRITE: "WRITE"}
 SWEEP_AT = 4096  # revoked entries before the expired ones are swept (then twice what is left)
@@ -139,7 +138,7 @@ class Grants:
                 # (a minute late: a frame whose grant checked just before it expired may still be admitted)
                 revoked = self._revoked = {k: t for k, t in list(revoked.items()) if t > now - 60_000}
                 self._sweep_at = max(SWEEP_AT, 2 * len(revoked))
-            expires = _EXPIRES.unpack_from(grant, _EXPIRES_AT)[0]
+            expires = _SIGNED.unpack(signed)[5]
             revoked[signed] = max(expires, int(now) + 1)  # kept until the sweep even if expired: `admit` reads it
             # After the mark: a frame admitted from now on is refused, and one admitted before is in `_moving`.
             # (`_moving` tested first: it is empty unless a frame is in flight, and the scan costs

@@ -29,7 +29,7 @@ SHM_DIR = "/dev/shm"
 LIVENESS_S = 0.05
 
 
-def create_shm_buffer(size: int, name: str | None = None, directory: str = SHM_DIR) -> tuple[mmap.mmap, str]:
+def create_shm_buffer(size: int) -> tuple[mmap.mmap, str]:
     """Create a shared-memory file of `size` bytes and map it; returns (mapping, path).
 
     Register the mapping with `engine.register(mapping, shm_path=path)`; the caller owns the
@@ -37,8 +37,7 @@ def create_shm_buffer(size: int, name: str | None = None, directory: str = SHM_D
     """
     if size <= 0:
         raise InvalidOp(f"shm buffer size must be positive, got {size}")
-    name = name or f"kvpool-transfer-{os.getpid()}-{os.urandom(4).hex()}"
-    path = os.path.join(directory, name)
+    path = os.path.join(SHM_DIR, f"kvpool-transfer-{os.getpid()}-{os.urandom(4).hex()}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)

@@ -106,9 +106,9 @@ class Reader:
 
     __slots__ = ("sock", "buf", "view", "start", "end")
 
-    def __init__(self, sock: socket.socket, size: int = RECV_BUFFER):
+    def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.buf = bytearray(size)
+        self.buf = bytearray(RECV_BUFFER)
         self.view = memoryview(self.buf)
         self.start = 0
         self.end = 0

@@ -96,7 +96,7 @@ class ServeLoop:
     on `link` (inline), returning False when the link was handed to its thread or closed;
     `limits`: the server's `transfer.framing.Limits`."""
 
-    def __init__(self, name: str, frames: Callable[[Link], bool], limits: Any, policy: SpinPolicy | None = None):
+    def __init__(self, name: str, frames: Callable[[Link], bool], limits: Any, policy: SpinPolicy):
         self.name = name
         self._frames = frames
         self.policy = policy  # spinning for a sole client (`kvpool.rpc.spin`): as a thread would
