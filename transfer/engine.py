@@ -195,17 +195,12 @@ class TransferEngine:
     # -- transfers ---------------------------------------------------------------------------
     def choose(self, desc: SegmentDescriptor, transport: str | None = None) -> str:
         """The transport an op on `desc` would use (the best one both sides offer)."""
-        if transport is not None:
-            impl = self._transports.get(transport)
-            if impl is None or not impl.usable(desc):
-                raise TransportUnavailable(
-                    f"transport {transport!r} not usable for segment {desc.name!r} of {desc.engine} "
-                    f"(we offer {list(self.transports)}, it offers {list(desc.transports)})")
-            return transport
-        name = route(desc.host_id, desc.transports, [t for t, impl in self._transports.items() if impl.usable(desc)])
-        if name is not None:
+        usable = [t for t, impl in self._transports.items() if impl.usable(desc)]
+        name = route(desc.host_id, desc.transports, usable) if transport is None else transport
+        if name in usable:
             return name
-        raise TransportUnavailable(f"no shared transport with segment {desc.name!r} of {desc.engine} "
+        why = "no shared transport with" if transport is None else f"transport {transport!r} not usable for"
+        raise TransportUnavailable(f"{why} segment {desc.name!r} of {desc.engine} "
                                    f"(we offer {list(self.transports)}, it offers {list(desc.transports)})")
 
     def _validate(self, index: int, op: Op, transport: str | None, views: dict,

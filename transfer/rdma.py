@@ -207,11 +207,9 @@ class RdmaTransport:
     # -- transfers -----------------------------------------------------------------------------
     def submit(self, batch: Batch, work: list[tuple[int, Op, memoryview]]) -> None:
         step = self.slice_bytes
-        plans: list[tuple[int, Op, memoryview, int]] = []
-        for index, op, view in work:
-            plans.append((index, op, view, max(1, -(-op.length // step)) if op.length else 0))
-        batch._expect(sum(p[3] for p in plans))
-        for index, op, view, count in plans:
+        counts = [-(-op.length // step) for _, op, _ in work]  # slices per op (none for an empty one)
+        batch._expect(sum(counts))
+        for (index, op, view), count in zip(work, counts):
             if count == 0:
                 continue
             try:
