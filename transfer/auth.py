@@ -32,6 +32,7 @@ inside a private network or a tunnel (docs/security.md says so).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -124,10 +125,8 @@ def client_handshake(sock: socket.socket, principal: str, secret: bytes, channel
     except OSError as exc:  # TimeoutError included
         raise AuthError(f"authentication failed: {exc}") from None
     finally:
-        try:
+        with contextlib.suppress(OSError):
             sock.settimeout(old)
-        except OSError:
-            pass
 
 
 def _reason(sock: socket.socket, n: int, default: str) -> str:
@@ -139,10 +138,8 @@ def send_limited(sock: socket.socket, reason: str) -> None:
     """Tell a client still authenticating that the server closes its connection at a limit (in
     place of CHALL or DONE, whichever it waits for: both start status | reason length)."""
     body = reason.encode()[:255]
-    try:
+    with contextlib.suppress(OSError):
         sock.sendall(bytes([LIMITED, len(body)]) + body)
-    except OSError:
-        pass
 
 
 def serve_handshake(sock: socket.socket, first: bytes, lookup: SecretLookup | None, channel: str,
@@ -165,10 +162,8 @@ def serve_handshake(sock: socket.socket, first: bytes, lookup: SecretLookup | No
             raise AuthLimited(why) from None
         raise
     finally:
-        try:
+        with contextlib.suppress(OSError):
             sock.settimeout(old)
-        except OSError:
-            pass
 
 
 def _serve(sock: socket.socket, first: bytes, lookup: SecretLookup | None, channel: str, deadline: float) -> str:

@@ -50,6 +50,8 @@ import threading
 import time
 from typing import Callable
 
+from transfer.framing import shutdown
+
 READ, WRITE = 1, 2  # as transfer.batch
 GRANT = struct.Struct("<BHxIQQQ16s")  # op, serial, seg_id, offset, length, expires ms, mac
 SIZE = GRANT.size  # 48
@@ -168,10 +170,7 @@ class Grants:
         for frame in frames:
             frame.cut = True
             if frame.sock is not None:
-                try:
-                    frame.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread out of recv / send
-                except OSError:
-                    pass
+                shutdown(frame.sock)  # wakes its thread out of recv / send
         while frames := self._under(signed):
             if not self._ended.wait(STUCK_LOG_S):
                 log.warning("still waiting for %d cut frame(s) of a revoked grant to stop", len(frames))

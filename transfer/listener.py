@@ -29,6 +29,7 @@ once, so the counts never include it. Only the select thread touches the selecto
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import selectors
 import socket
@@ -193,10 +194,8 @@ class Listener:
             self._to_close.append((sock, why))
             return
         self._evicted[sock] = why
-        try:
+        with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RD)  # its thread wakes, tells the client why, closes it
-        except OSError:
-            pass
 
     def _sweep(self, now: float) -> None:
         """Cut pending sockets past their deadline (accept order is deadline order)."""
@@ -329,15 +328,11 @@ class Listener:
         nothing, so it is reading nothing we could reset; the answer fits the socket buffer)."""
         for sock, why in cut:
             log.warning("%s: closed a connection that had not authenticated: %s", self.name, why)
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(sock)
-            except (KeyError, ValueError):
-                pass
             if self._refusal is not None:
-                try:
+                with contextlib.suppress(OSError):
                     sock.send(self._refusal(why), DONTWAIT)
-                except OSError:
-                    pass
             with self._lock:
                 self._conns.discard(sock)
             sock.close()

@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -138,8 +139,6 @@ class ShmTransport:
         with self._lock:
             entries, self._maps = list(self._maps.values()), {}
         for mapping, view in entries:
-            try:
+            with contextlib.suppress(BufferError):  # a caller still holds a slice: the GC closes it later
                 view.release()
                 mapping.close()
-            except BufferError:
-                pass  # a caller still holds a slice; the GC closes it later

@@ -238,10 +238,7 @@ class _Conn:
             self._interrupted = True
             sock = self.sock
             if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                framing.shutdown(sock)
 
     def join(self) -> None:
         if self.thread is not None:

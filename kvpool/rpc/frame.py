@@ -22,7 +22,8 @@ import msgspec
 from kvpool.errors import InvalidArgument
 from kvpool.messages import PROTOCOL_VERSION, Reply, Request
 from kvpool.rpc.spin import STREAM_POLLS, STREAM_SPIN_MIN, Spin, SpinPolicy
-from transfer.framing import DONTWAIT, IOV_MAX, drain, recv_paced, recv_polling, sched_yield, send_all
+from transfer.framing import (DONTWAIT, IOV_MAX, drain, recv_paced, recv_polling, sched_yield, send_all,
+                              shutdown)
 
 HEADER = struct.Struct("<HHIQ")
 FLAG_ONEWAY = 1
@@ -227,7 +228,4 @@ class Payload:
     def cut(self) -> None:
         """Close the connection under this payload (from another thread): its reader wakes with
         an error. For a sender past a deadline."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown(self._sock)
