@@ -2,10 +2,8 @@
 
 Both move frames over blocking stream sockets whose payloads are received straight into their
 destination (`recv_into`) and sent straight from their source (`sendmsg` of memoryviews), so
-bulk bytes never pass through a Python `bytes`. This module holds the pieces both need:
-socket options, kernel-side timeouts, exact receives (blocking or polling), gather sends, and
-and `Limits` (the `Listener` that gives each accepted connection a thread and enforces the
-connection caps is `transfer.listener`).
+bulk bytes never pass through a Python `bytes`. (The `Listener` that gives each accepted
+connection a thread and enforces the connection caps is `transfer.listener`.)
 
 Errors: a peer that closes mid-frame raises `ConnectionError` (an `OSError`, which each
 protocol maps to its own error type); a kernel timeout raises the `OSError` the socket gives.

@@ -18,11 +18,11 @@ With `auth` (principal -> secret), each connection must open with `transfer.auth
 (channel "transfer"); one that opens with anything else gets an E_UNAUTHORIZED reply (req_id 0)
 and is closed. With `grants`, every READ/WRITE must carry a grant (`transfer.grant`) that covers
 it, issued to the principal the connection proved: a missing, forged, expired, other-op,
-out-of-range or other principal's grant gets E_FORBIDDEN and nothing
-moves (a WRITE's payload is drained, not written). An admitted frame counts as moving bytes
-under its grant until its last byte is sent or received (`Grants.admit` / `done`), so the
-grant's revocation waits for it or cuts its connection (`transfer.grant`). Without either, anyone who reaches the port
-may READ and WRITE any registered byte, as before: the pool then listens on loopback only.
+out-of-range or other principal's grant gets E_FORBIDDEN and nothing moves (a WRITE's payload
+is drained, not written). An admitted frame counts as moving bytes under its grant until its
+last byte is sent or received (`Grants.admit` / `done`), so the grant's revocation waits for it
+or cuts its connection (`transfer.grant`). Without either, anyone who reaches the port may READ
+and WRITE any registered byte: the pool then listens on loopback only.
 """
 
 from __future__ import annotations
