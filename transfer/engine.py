@@ -71,9 +71,9 @@ class TransferEngine:
         self.name = name or f"engine-{os.getpid()}-{os.urandom(3).hex()}"
         self.host = host
         self.timeout = timeout
-        self._segments: dict[int, tuple[str, memoryview]] = {}  # seg_id -> (name, view), read by the server
+        # seg_id -> (name, view), read by the server; the view keeps the registered buffer alive
+        self._segments: dict[int, tuple[str, memoryview]] = {}
         self._descriptors: dict[str, SegmentDescriptor] = {}
-        self._owners: dict[str, Any] = {}  # keeps registered buffers alive
         self._lock = threading.Lock()
         self._counter = 0
         self._grants = Grants(grant_key, self.name) if grant_key is not None else None
@@ -116,7 +116,6 @@ class TransferEngine:
         with self._lock:
             self._segments.clear()
             self._descriptors.clear()
-            self._owners.clear()
 
     def __enter__(self) -> "TransferEngine":
         return self.start()
@@ -155,7 +154,6 @@ class TransferEngine:
                                      transports=tuple(offered), host_id=local_host_id(), pid=os.getpid(),
                                      shm_path=shm_path, rdma=rdma_ep, seg_id=seg_id, version=DESCRIPTOR_VERSION)
             self._descriptors[name] = desc
-            self._owners[name] = buffer
             self._segments[seg_id] = (name, view)
         return desc
 
@@ -182,7 +180,6 @@ class TransferEngine:
             desc = self.descriptor(seg_name)
             del self._descriptors[seg_name]
             self._segments.pop(desc.seg_id, None)
-            self._owners.pop(seg_name, None)
             if "rdma" in self._transports:
                 self._transports["rdma"].unregister(seg_name)
 
