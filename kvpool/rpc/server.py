@@ -203,7 +203,7 @@ class RpcServer(LoopServing):
         if not looks_like_hello(first):
             why = listener.eviction(sock)
             if why is not None:  # cut at a limit before it spoke: its protocol's refusal
-                self._refuse_at_limit(sock, why)
+                refuse_after(sock, self._limit_frame(why))
             elif first:
                 log.warning("%s: refused %s: no authentication hello", self.name, peer)
                 self._refuse(sock, HOW_TO_AUTH)
@@ -221,7 +221,7 @@ class RpcServer(LoopServing):
         # the pool's own principal (masters, nodes) is trusted infrastructure: not capped per principal
         why = listener.authenticated(sock, None if principal.role == "node" else name)
         if why is not None:
-            self._refuse_at_limit(sock, why)
+            refuse_after(sock, self._limit_frame(why))
             return None
         return principal
 
@@ -258,10 +258,6 @@ class RpcServer(LoopServing):
     def _limit_frame(why: str) -> bytes:
         body = encoder.encode(Err(LimitExceeded.code, why))
         return HEADER.pack(PROTOCOL_VERSION, 0, len(body), 0) + body
-
-    @classmethod
-    def _refuse_at_limit(cls, sock: socket.socket, why: str) -> None:
-        refuse_after(sock, cls._limit_frame(why))
 
     def _quiet_tick(self, reader: Reader, peer: str, ticks: list[int]) -> bool:
         """A receive tick passed with no byte while waiting for a header: whether to keep the
