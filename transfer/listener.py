@@ -79,7 +79,6 @@ class Listener:
         self.handshake = handshake
         self._refusal = refusal
         self._refusing = threading.BoundedSemaphore(MAX_REFUSING)
-        self.refused = 0  # connections refused or cut at a cap (for tests and stats)
         self._conns: set[socket.socket] = set()  # every accepted socket not yet closed (woken at close)
         self._lock = threading.Lock()
         # without handshake: connections per peer address
@@ -147,7 +146,6 @@ class Listener:
                 if key is not None:
                     self._per_principal[key] += 1
                 return None
-        self.refused += 1
         log.warning("%s: refused an authenticated connection: %s", self.name, why)
         return why
 
@@ -189,7 +187,6 @@ class Listener:
         """Take pending `sock` out of the budget for `why`: a quiet one is closed by the select
         thread (its protocol's refusal first), a speaking one's thread is woken to answer."""
         entry = self._drop_pending(sock)
-        self.refused += 1
         if entry is not None and entry.quiet:
             self._to_close.append((sock, why))
             return
@@ -360,7 +357,6 @@ class Listener:
             who = peer[0] if isinstance(peer, tuple) and peer else "unix"
             over = self._admit_open(sock, who)
             if over is not None:
-                self.refused += 1
                 log.warning("%s: refused a connection from %s: %s", self.name, who, over)
                 self._refuse_later(sock, over)
                 continue
