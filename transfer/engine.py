@@ -84,7 +84,7 @@ class TransferEngine:
         self._started = False
         self._transports: dict[str, Any] = {}
         if "tcp" in transports:
-            self._transports["tcp"] = TcpTransport(self.name, timeout, connections_per_peer, slice_bytes, credential)
+            self._transports["tcp"] = TcpTransport(timeout, connections_per_peer, slice_bytes, credential)
         if "shm" in transports:
             self._transports["shm"] = ShmTransport()
         if "rdma" in transports:

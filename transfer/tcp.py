@@ -51,9 +51,8 @@ Slice = tuple
 class TcpTransport:
     name = "tcp"
 
-    def __init__(self, engine_name: str, timeout: float, connections_per_peer: int, slice_bytes: int,
+    def __init__(self, timeout: float, connections_per_peer: int, slice_bytes: int,
                  credential: tuple[str, bytes] | None = None):
-        self.engine_name = engine_name
         self.credential = credential
         self.timeout = timeout
         self.connections_per_peer = max(1, connections_per_peer)
