@@ -32,6 +32,7 @@ inside a private network or a tunnel (docs/security.md says so).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -102,7 +103,7 @@ def client_handshake(sock: socket.socket, principal: str, secret: bytes, channel
         first = _recv(sock, 1)
         status = first[0]
         if status == LIMITED:
-            raise AuthLimited(_reason(sock))
+            raise AuthLimited(_reason(sock, _recv(sock, 1)[0], "the server is at a connection limit"))
         if status not in (OK, NOT_CONFIGURED):
             raise NotHandshake(first)
         chall = _recv(sock, NONCE + PROOF)
@@ -118,33 +119,27 @@ def client_handshake(sock: socket.socket, principal: str, secret: bytes, channel
         sock.sendall(_proof(secret, b"client", channel, principal, cnonce, snonce))
         done = _recv(sock, 2)
         if done[0] == LIMITED:
-            raise AuthLimited(_recv(sock, done[1]).decode("utf-8", "replace") if done[1] else "at a limit")
+            raise AuthLimited(_reason(sock, done[1], "at a limit"))
         if done[0] != OK:
-            reason = _recv(sock, done[1]).decode("utf-8", "replace") if done[1] else "refused"
-            raise AuthError(f"authentication refused: {reason}")
+            raise AuthError(f"authentication refused: {_reason(sock, done[1], 'refused')}")
     except OSError as exc:  # TimeoutError included
         raise AuthError(f"authentication failed: {exc}") from None
     finally:
-        try:
+        with contextlib.suppress(OSError):
             sock.settimeout(old)
-        except OSError:
-            pass
 
 
-def _reason(sock: socket.socket) -> str:
-    """The reason that follows a LIMITED status (length byte, then UTF-8)."""
-    n = _recv(sock, 1)[0]
-    return _recv(sock, n).decode("utf-8", "replace") if n else "the server is at a connection limit"
+def _reason(sock: socket.socket, n: int, default: str) -> str:
+    """The `n` bytes of UTF-8 reason that follow a refusing status and its length byte (`default`: none)."""
+    return _recv(sock, n).decode("utf-8", "replace") if n else default
 
 
 def send_limited(sock: socket.socket, reason: str) -> None:
     """Tell a client still authenticating that the server closes its connection at a limit (in
     place of CHALL or DONE, whichever it waits for: both start status | reason length)."""
     body = reason.encode()[:255]
-    try:
+    with contextlib.suppress(OSError):
         sock.sendall(bytes([LIMITED, len(body)]) + body)
-    except OSError:
-        pass
 
 
 def serve_handshake(sock: socket.socket, first: bytes, lookup: SecretLookup | None, channel: str,
@@ -167,10 +162,8 @@ def serve_handshake(sock: socket.socket, first: bytes, lookup: SecretLookup | No
             raise AuthLimited(why) from None
         raise
     finally:
-        try:
+        with contextlib.suppress(OSError):
             sock.settimeout(old)
-        except OSError:
-            pass
 
 
 def _serve(sock: socket.socket, first: bytes, lookup: SecretLookup | None, channel: str, deadline: float) -> str:

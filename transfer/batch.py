@@ -63,16 +63,13 @@ class Batch:
         self._slices_ok(1)
 
     def _slice_done(self, op_index: int, error: BaseException | None = None) -> None:
-        with self._lock:
-            if error is not None and op_index not in self.failures:
-                self.failures[op_index] = error
-            self._remaining -= 1
-            last = self._remaining == 0
-        if last:
-            self._finish()
+        if error is not None:
+            with self._lock:
+                self.failures.setdefault(op_index, error)
+        self._slices_ok(1)
 
     def _slices_ok(self, count: int) -> None:
-        """`count` slices finished without error (one lock round trip for many)."""
+        """`count` slices finished, their errors already in `failures` (one lock round trip for many)."""
         with self._lock:
             self._remaining -= count
             last = self._remaining == 0

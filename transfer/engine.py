@@ -18,7 +18,7 @@ Invariants:
 Access: by default anyone who reaches the data port may READ and WRITE every registered byte.
 `auth` (principal -> secret) makes every connection prove a principal first (`transfer.auth`),
 and `credential` is what this engine proves to its peers. `grant_key` makes the data server
-serve only ranges a grant covers (`transfer.grant`; `grant` signs one): the owner of the
+serve only ranges a grant covers (`transfer.grant`; `signer` signs them): the owner of the
 segments hands grants out, and callers pass them in `Op.grant`. Same-host shm peers map the
 segment's file, which is 0600: only this uid (which could read our memory anyway) gets there.
 A grant names the principal it is for; the data server honours it only on a connection
@@ -52,9 +52,6 @@ from transfer.tcp_server import DataServer
 
 log = logging.getLogger("transfer.engine")
 
-PREFERENCE = ROUTES  # the order transports are tried in (`transfer.route`)
-KNOWN_TRANSPORTS = frozenset(PREFERENCE)
-
 
 class TransferEngine:
     def __init__(self, name: str | None = None, host: str = "127.0.0.1", port: int = 0,
@@ -66,18 +63,17 @@ class TransferEngine:
         device to use instead of opening one (tests pass a fake); `rdma_gid_index`: its GID index.
         `auth`, `credential`, `grant_key`: see the module doc. `limits`: the data server's
         per-connection limits and caps (`transfer.framing.Limits`; default: its defaults)."""
-        unknown = set(transports) - KNOWN_TRANSPORTS
+        unknown = set(transports) - set(ROUTES)
         if unknown:
-            raise InvalidOp(f"unknown transports {sorted(unknown)}; known: {list(PREFERENCE)}")
+            raise InvalidOp(f"unknown transports {sorted(unknown)}; known: {list(ROUTES)}")
         if timeout <= 0 or slice_bytes <= 0 or connections_per_peer <= 0:
             raise InvalidOp("timeout, slice_bytes and connections_per_peer must be positive")
         self.name = name or f"engine-{os.getpid()}-{os.urandom(3).hex()}"
         self.host = host
         self.timeout = timeout
-        self.requested = tuple(transports)
-        self._segments: dict[int, tuple[str, memoryview]] = {}  # seg_id -> (name, view), read by the server
+        # seg_id -> (name, view), read by the server; the view keeps the registered buffer alive
+        self._segments: dict[int, tuple[str, memoryview]] = {}
         self._descriptors: dict[str, SegmentDescriptor] = {}
-        self._owners: dict[str, Any] = {}  # keeps registered buffers alive
         self._lock = threading.Lock()
         self._counter = 0
         self._grants = Grants(grant_key, self.name) if grant_key is not None else None
@@ -88,26 +84,21 @@ class TransferEngine:
         self._started = False
         self._transports: dict[str, Any] = {}
         if "tcp" in transports:
-            self._transports["tcp"] = TcpTransport(self.name, timeout, connections_per_peer, slice_bytes, credential)
+            self._transports["tcp"] = TcpTransport(timeout, connections_per_peer, slice_bytes, credential)
         if "shm" in transports:
             self._transports["shm"] = ShmTransport()
         if "rdma" in transports:
-            self._transports["rdma"] = self._open_rdma(timeout, connections_per_peer, slice_bytes, rdma_device,
-                                                         rdma_gid_index)
-            if self._transports["rdma"] is None:
-                del self._transports["rdma"]
-            else:
-                self._transports["rdma"].credential = credential
+            from transfer import rdma
 
-    def _open_rdma(self, timeout: float, qps_per_peer: int, slice_bytes: int, device: Any, gid_index: int):
-        from transfer import rdma
-
-        return rdma.open_transport(self, timeout, qps_per_peer, slice_bytes, device, gid_index)
+            opened = rdma.open_transport(self.name, timeout, connections_per_peer, slice_bytes, rdma_device,
+                                         rdma_gid_index, credential)
+            if opened is not None:
+                self._transports["rdma"] = opened
 
     @property
     def transports(self) -> tuple[str, ...]:
         """The transports this engine can actually use (requested and available here)."""
-        return tuple(t for t in PREFERENCE if t in self._transports)
+        return tuple(t for t in ROUTES if t in self._transports)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "TransferEngine":
@@ -125,7 +116,6 @@ class TransferEngine:
         with self._lock:
             self._segments.clear()
             self._descriptors.clear()
-            self._owners.clear()
 
     def __enter__(self) -> "TransferEngine":
         return self.start()
@@ -164,7 +154,6 @@ class TransferEngine:
                                      transports=tuple(offered), host_id=local_host_id(), pid=os.getpid(),
                                      shm_path=shm_path, rdma=rdma_ep, seg_id=seg_id, version=DESCRIPTOR_VERSION)
             self._descriptors[name] = desc
-            self._owners[name] = buffer
             self._segments[seg_id] = (name, view)
         return desc
 
@@ -172,20 +161,10 @@ class TransferEngine:
     def requires_grants(self) -> bool:
         return self._grants is not None
 
-    def grant(self, seg_name: str, opcode: int, offset: int, length: int, ttl_s: float,
-              principal: str = "") -> bytes | None:
-        """A grant for `opcode` on [offset, offset + length) of our segment `seg_name`, valid
-        `ttl_s` seconds, to the peer whose data connection proves `principal` ("": this engine
-        authenticates nobody); None when this engine does not require grants."""
-        if self._grants is None:
-            return None
-        desc = self._descriptors.get(seg_name)
-        if desc is None:
-            raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}")
-        return self._grants.sign(opcode, desc.seg_id, offset, length, ttl_s, principal)
-
     def signer(self, seg_name: str) -> Any:
-        """`grant` bound to one segment: (opcode, offset, length, ttl_s, principal) -> grant; None
+        """The grant signer of our segment `seg_name`: (opcode, offset, length, ttl_s, principal)
+        -> a grant for `opcode` on [offset, offset + length), valid `ttl_s` seconds, to the peer
+        whose data connection proves `principal` ("": this engine authenticates nobody); None
         when this engine does not require grants."""
         if self._grants is None:
             return None
@@ -198,11 +177,9 @@ class TransferEngine:
 
     def unregister(self, seg_name: str) -> None:
         with self._lock:
-            if seg_name not in self._descriptors:
-                raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}")
-            desc = self._descriptors.pop(seg_name)
+            desc = self.descriptor(seg_name)
+            del self._descriptors[seg_name]
             self._segments.pop(desc.seg_id, None)
-            self._owners.pop(seg_name, None)
             if "rdma" in self._transports:
                 self._transports["rdma"].unregister(seg_name)
 
@@ -212,27 +189,19 @@ class TransferEngine:
         except KeyError:
             raise SegmentNotFound(f"no segment {seg_name!r} on {self.name}") from None
 
-    def segments(self) -> list[SegmentDescriptor]:
-        return list(self._descriptors.values())
-
     # -- transfers ---------------------------------------------------------------------------
     def choose(self, desc: SegmentDescriptor, transport: str | None = None) -> str:
         """The transport an op on `desc` would use (the best one both sides offer)."""
-        if transport is not None:
-            impl = self._transports.get(transport)
-            if impl is None or not impl.usable(desc):
-                raise TransportUnavailable(
-                    f"transport {transport!r} not usable for segment {desc.name!r} of {desc.engine} "
-                    f"(we offer {list(self.transports)}, it offers {list(desc.transports)})")
-            return transport
-        name = route(desc.host_id, desc.transports, [t for t, impl in self._transports.items() if impl.usable(desc)])
-        if name is not None:
+        usable = [t for t, impl in self._transports.items() if impl.usable(desc)]
+        name = route(desc.host_id, desc.transports, usable) if transport is None else transport
+        if name in usable:
             return name
-        raise TransportUnavailable(f"no shared transport with segment {desc.name!r} of {desc.engine} "
+        why = "no shared transport with" if transport is None else f"transport {transport!r} not usable for"
+        raise TransportUnavailable(f"{why} segment {desc.name!r} of {desc.engine} "
                                    f"(we offer {list(self.transports)}, it offers {list(desc.transports)})")
 
-    def _validate(self, index: int, op: Op, transport: str | None, views: dict | None = None,
-                  chosen: dict | None = None) -> tuple[str, memoryview]:
+    def _validate(self, index: int, op: Op, transport: str | None, views: dict,
+                  chosen: dict) -> tuple[str, memoryview]:
         """Check one op; `views`/`chosen` cache per-buffer and per-segment work within a submit."""
         if op.opcode not in (READ, WRITE):
             raise InvalidOp(f"op {index}: opcode must be READ or WRITE, got {op.opcode!r}")
@@ -246,18 +215,14 @@ class TransferEngine:
             raise InvalidOp(f"op {index}: remote range [{ro}, {ro + length}) outside segment "
                             f"{desc.name!r} of {desc.size} bytes")
         key = (id(op.local), op.opcode == READ)
-        local = views.get(key) if views is not None else None
+        local = views.get(key)
         if local is None:
-            local = byte_view(op.local, writable=op.opcode == READ)
-            if views is not None:
-                views[key] = local
+            local = views[key] = byte_view(op.local, writable=op.opcode == READ)
         if lo + length > len(local):
             raise InvalidOp(f"op {index}: local range [{lo}, {lo + length}) outside buffer of {len(local)} bytes")
-        name = chosen.get(id(desc)) if chosen is not None else None
+        name = chosen.get(id(desc))
         if name is None:
-            name = self.choose(desc, transport)
-            if chosen is not None:
-                chosen[id(desc)] = name
+            name = chosen[id(desc)] = self.choose(desc, transport)
         if name == "rdma" and op.opcode == WRITE and not desc.rdma.writable:
             # registered READ-only (the owner requires grants): a WRITE goes where its grant is checked
             if transport == "rdma" or "tcp" not in self._transports or not self._transports["tcp"].usable(desc):
@@ -293,22 +258,24 @@ class TransferEngine:
     def read(self, seg: SegmentDescriptor, remote_offset: int, local_buffer: Any, local_offset: int = 0,
              length: int | None = None, transport: str | None = None, grant: bytes | None = None) -> None:
         """Copy `length` bytes of the remote segment into `local_buffer` (synchronously)."""
-        if length is None:
-            length = _nbytes(local_buffer) - local_offset
         self._one(Op(READ, local_buffer, local_offset, seg, remote_offset, length, grant), transport)
 
     def write(self, seg: SegmentDescriptor, remote_offset: int, local_buffer: Any, local_offset: int = 0,
               length: int | None = None, transport: str | None = None, grant: bytes | None = None) -> None:
         """Copy `length` bytes of `local_buffer` into the remote segment (synchronously)."""
-        if length is None:
-            length = _nbytes(local_buffer) - local_offset
         self._one(Op(WRITE, local_buffer, local_offset, seg, remote_offset, length, grant), transport)
 
     def _one(self, op: Op, transport: str | None) -> None:
-        if is_cuda_tensor(op.local):
+        """One op, synchronously; a `length` of None: to the end of the local buffer."""
+        local = op.local
+        cuda = is_cuda_tensor(local)
+        if op.length is None:
+            nbytes = local.numel() * local.element_size() if cuda else len(byte_view(local, writable=False))
+            op = op._replace(length=nbytes - op.local_offset)
+        if cuda:
             self.submit([op], transport).wait()
             return
-        chosen, local = self._validate(0, op, transport)
+        chosen, local = self._validate(0, op, transport, {}, {})
         if chosen == "tcp":
             # No hand-off to a connection thread: a sync single op runs on the caller's thread.
             try:
@@ -332,9 +299,3 @@ class TransferEngine:
 
     def __repr__(self) -> str:
         return f"<TransferEngine {self.name} {self.host}:{self.port} {list(self.transports)}>"
-
-
-def _nbytes(buffer: Any) -> int:
-    if is_cuda_tensor(buffer):
-        return buffer.numel() * buffer.element_size()
-    return len(byte_view(buffer, writable=False))

@@ -2,10 +2,8 @@
 
 Both move frames over blocking stream sockets whose payloads are received straight into their
 destination (`recv_into`) and sent straight from their source (`sendmsg` of memoryviews), so
-bulk bytes never pass through a Python `bytes`. This module holds the pieces both need:
-socket options, kernel-side timeouts, exact receives (blocking or polling), gather sends, and
-and `Limits` (the `Listener` that gives each accepted connection a thread and enforces the
-connection caps is `transfer.listener`).
+bulk bytes never pass through a Python `bytes`. (The `Listener` that gives each accepted
+connection a thread and enforces the connection caps is `transfer.listener`.)
 
 Errors: a peer that closes mid-frame raises `ConnectionError` (an `OSError`, which each
 protocol maps to its own error type); a kernel timeout raises the `OSError` the socket gives.
@@ -62,9 +60,7 @@ def tune(sock: socket.socket, timeout: float | None = None, buffers: int = 0) ->
                 pass
     if timeout is not None:
         sock.settimeout(None)
-        tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        set_io_timeout(sock, timeout)
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:

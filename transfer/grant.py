@@ -50,12 +50,13 @@ import threading
 import time
 from typing import Callable
 
+from transfer.framing import shutdown
+
 READ, WRITE = 1, 2  # as transfer.batch
 GRANT = struct.Struct("<BHxIQQQ16s")  # op, serial, seg_id, offset, length, expires ms, mac
 SIZE = GRANT.size  # 48
 SIGNED = SIZE - 16
 _SIGNED = struct.Struct("<BHxIQQQ")
-_EXPIRES, _EXPIRES_AT = struct.Struct("<Q"), SIGNED - 8
 _LABEL = b"kvpool-grant/v2\0"
 _OPS = {READ: "READ", WRITE: "WRITE"}
 SWEEP_AT = 4096  # revoked entries before the expired ones are swept (then twice what is left)
@@ -123,9 +124,7 @@ class Grants:
         Each grant is distinct (a serial), so revoking one never revokes a later one of the range."""
         if op not in _OPS:
             raise ValueError(f"grant op must be READ or WRITE, got {op!r}")
-        expires = int((time.time() + ttl_s) * 1000)
-        signed = _SIGNED.pack(op, next(self._serial) & 0xFFFF, seg_id, offset, length, expires)
-        return signed + self._mac(principal, signed)
+        return self.signer(seg_id)(op, offset, length, ttl_s, principal)
 
     def revoke(self, grant: bytes) -> None:
         """Refuse `grant` from now on, before it expires (the pin it came with was released, the
@@ -141,12 +140,12 @@ class Grants:
                 # (a minute late: a frame whose grant checked just before it expired may still be admitted)
                 revoked = self._revoked = {k: t for k, t in list(revoked.items()) if t > now - 60_000}
                 self._sweep_at = max(SWEEP_AT, 2 * len(revoked))
-            expires = _EXPIRES.unpack_from(grant, _EXPIRES_AT)[0]
+            expires = _SIGNED.unpack(signed)[5]
             revoked[signed] = max(expires, int(now) + 1)  # kept until the sweep even if expired: `admit` reads it
             # After the mark: a frame admitted from now on is refused, and one admitted before is in `_moving`.
             # (`_moving` tested first: it is empty unless a frame is in flight, and the scan costs
             # ~1,500 instructions per revoke, a pin's release, ~0.4% of an 8 MiB get's)
-            if self._moving and any(f.signed == signed for f in list(self._moving)):
+            if self._moving and self._under(signed):
                 self._awaited += 1
                 try:
                     self._stop_frames(signed)
@@ -171,10 +170,7 @@ class Grants:
         for frame in frames:
             frame.cut = True
             if frame.sock is not None:
-                try:
-                    frame.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread out of recv / send
-                except OSError:
-                    pass
+                shutdown(frame.sock)  # wakes its thread out of recv / send
         while frames := self._under(signed):
             if not self._ended.wait(STUCK_LOG_S):
                 log.warning("still waiting for %d cut frame(s) of a revoked grant to stop", len(frames))

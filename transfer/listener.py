@@ -29,12 +29,13 @@ once, so the counts never include it. Only the select thread touches the selecto
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Callable, Sequence
 
 from transfer.framing import DONTWAIT, NO_LIMITS, Limits, refuse_after, set_io_timeout, shutdown, tune
@@ -73,16 +74,15 @@ class Listener:
         self.sockets = [s for s in sockets if s is not None]
         self._serve = serve
         self.name = name
-        self._tune = (timeout, buffers)
         self.limits = limits or NO_LIMITS
+        self._tune = (self.limits.tick if timeout is None else timeout, buffers)
         self.handshake = handshake
         self._refusal = refusal
         self._refusing = threading.BoundedSemaphore(MAX_REFUSING)
-        self.refused = 0  # connections refused or cut at a cap (for tests and stats)
         self._conns: set[socket.socket] = set()  # every accepted socket not yet closed (woken at close)
         self._lock = threading.Lock()
         # without handshake: connections per peer address
-        self._per_peer: dict[Any, int] = {}
+        self._per_peer: Counter = Counter()
         # with handshake: pending sockets, quiet and speaking, each in accept order, and per peer
         self._pending: dict[socket.socket, _Pending] = {}
         self._quiet: OrderedDict[socket.socket, None] = OrderedDict()
@@ -91,7 +91,7 @@ class Listener:
         self._speaking_of: dict[Any, OrderedDict[socket.socket, None]] = {}
         self._evicted: dict[socket.socket, str] = {}
         self._principal_of: dict[socket.socket, Any] = {}  # authenticated socket -> its principal key
-        self._per_principal: dict[Any, int] = {}
+        self._per_principal: Counter = Counter()
         self._to_close: list[tuple[socket.socket, str]] = []  # quiet sockets cut, for the select thread
         self.closed = False
         if handshake:
@@ -137,16 +137,15 @@ class Listener:
                 why = (f"{self.name}: connection limit reached: {limits.max_connections} authenticated connections "
                        "are open (max_connections); try again later")
             elif (key is not None and limits.max_connections_per_principal
-                  and self._per_principal.get(key, 0) >= limits.max_connections_per_principal):
+                  and self._per_principal[key] >= limits.max_connections_per_principal):
                 why = (f"{self.name}: connection limit reached: principal {key!r} already has "
                        f"{limits.max_connections_per_principal} connections open (max_connections_per_principal); "
                        "close some or reuse them")
             else:
                 self._principal_of[sock] = key
                 if key is not None:
-                    self._per_principal[key] = self._per_principal.get(key, 0) + 1
+                    self._per_principal[key] += 1
                 return None
-        self.refused += 1
         log.warning("%s: refused an authenticated connection: %s", self.name, why)
         return why
 
@@ -188,15 +187,12 @@ class Listener:
         """Take pending `sock` out of the budget for `why`: a quiet one is closed by the select
         thread (its protocol's refusal first), a speaking one's thread is woken to answer."""
         entry = self._drop_pending(sock)
-        self.refused += 1
         if entry is not None and entry.quiet:
             self._to_close.append((sock, why))
             return
         self._evicted[sock] = why
-        try:
+        with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RD)  # its thread wakes, tells the client why, closes it
-        except OSError:
-            pass
 
     def _sweep(self, now: float) -> None:
         """Cut pending sockets past their deadline (accept order is deadline order)."""
@@ -305,8 +301,6 @@ class Listener:
                 return
             sock.setblocking(True)
             tune(sock, *self._tune)
-            if self._tune[0] is None and self.limits.tick:
-                set_io_timeout(sock, self.limits.tick)
             who = peer[0] if isinstance(peer, tuple) and peer else "unix"
             if sock.family == getattr(socket, "AF_UNIX", None):
                 spoke = True  # same host: a thread at once, so the protocol checks the peer's uid first
@@ -331,15 +325,11 @@ class Listener:
         nothing, so it is reading nothing we could reset; the answer fits the socket buffer)."""
         for sock, why in cut:
             log.warning("%s: closed a connection that had not authenticated: %s", self.name, why)
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(sock)
-            except (KeyError, ValueError):
-                pass
             if self._refusal is not None:
-                try:
+                with contextlib.suppress(OSError):
                     sock.send(self._refusal(why), DONTWAIT)
-                except OSError:
-                    pass
             with self._lock:
                 self._conns.discard(sock)
             sock.close()
@@ -364,12 +354,9 @@ class Listener:
                 log.exception("%s: accept failed", self.name)
                 continue
             tune(sock, *self._tune)
-            if self._tune[0] is None and self.limits.tick:
-                set_io_timeout(sock, self.limits.tick)
             who = peer[0] if isinstance(peer, tuple) and peer else "unix"
             over = self._admit_open(sock, who)
             if over is not None:
-                self.refused += 1
                 log.warning("%s: refused a connection from %s: %s", self.name, who, over)
                 self._refuse_later(sock, over)
                 continue
@@ -382,11 +369,11 @@ class Listener:
             if limits.max_connections and len(self._conns) >= limits.max_connections:
                 return (f"{self.name}: at its cap of {limits.max_connections} connections (max_connections); "
                         "try again later")
-            if limits.max_connections_per_peer and self._per_peer.get(who, 0) >= limits.max_connections_per_peer:
+            if limits.max_connections_per_peer and self._per_peer[who] >= limits.max_connections_per_peer:
                 return (f"{self.name}: {who} already has {limits.max_connections_per_peer} connections open "
                         "(max_connections_per_peer); close some or reuse them")
             self._conns.add(sock)
-            self._per_peer[who] = self._per_peer.get(who, 0) + 1
+            self._per_peer[who] += 1
         return None
 
     def _refuse_later(self, sock: socket.socket, message: str) -> None:
@@ -420,18 +407,15 @@ class Listener:
                     self._drop_pending(sock)
                     self._evicted.pop(sock, None)
                     if sock in self._principal_of:
-                        key = self._principal_of.pop(sock)
-                        if key is not None:
-                            left = self._per_principal.get(key, 1) - 1
-                            if left > 0:
-                                self._per_principal[key] = left
-                            else:
-                                self._per_principal.pop(key, None)
+                        _uncount(self._per_principal, self._principal_of.pop(sock))
                 else:
-                    left = self._per_peer.get(who, 1) - 1
-                    if left > 0:
-                        self._per_peer[who] = left
-                    else:
-                        self._per_peer.pop(who, None)
+                    _uncount(self._per_peer, who)
             sock.close()
 
+
+def _uncount(counts: Counter, key: Any) -> None:
+    """One connection of `key` (None: not counted) closed; a key with none left leaves `counts`."""
+    if key is not None:
+        counts[key] -= 1
+        if counts[key] <= 0:
+            del counts[key]

@@ -40,17 +40,18 @@ CQ_DEPTH = 8192
 EXPIRY_CHECK_S = 0.05
 
 
-def open_transport(engine: Any, timeout: float, qps_per_peer: int, slice_bytes: int,
-                   device: Any = None, gid_index: int = 0) -> "RdmaTransport | None":
+def open_transport(engine_name: str, timeout: float, qps_per_peer: int, slice_bytes: int, device: Any = None,
+                   gid_index: int = 0, credential: tuple[str, bytes] | None = None) -> "RdmaTransport | None":
     """The engine's RDMA transport, or None when no device can be opened here. `device`: an
-    opened device, or the name of one to open (None: the first)."""
+    opened device, or the name of one to open (None: the first); `credential`: what the control
+    channel proves to peers (the engine's)."""
     if device is None or isinstance(device, str):
         from transfer import verbs
 
         device = verbs.open_device(device, gid_index=gid_index)
         if device is None:
             return None
-    return RdmaTransport(engine.name, device, timeout, qps_per_peer, slice_bytes)
+    return RdmaTransport(engine_name, device, timeout, qps_per_peer, slice_bytes, credential)
 
 
 def buffer_address(view: memoryview) -> int:
@@ -100,9 +101,10 @@ class _RdmaPeer:
 class RdmaTransport:
     name = "rdma"
 
-    def __init__(self, engine_name: str, device: Any, timeout: float, qps_per_peer: int, slice_bytes: int):
+    def __init__(self, engine_name: str, device: Any, timeout: float, qps_per_peer: int, slice_bytes: int,
+                 credential: tuple[str, bytes] | None = None):
         self.engine_name = engine_name
-        self.credential = None  # what the control channel proves to peers (the engine's credential)
+        self.credential = credential
         self.dev = device
         self.timeout = timeout
         self.qps_per_peer = max(1, qps_per_peer)
@@ -138,13 +140,14 @@ class RdmaTransport:
     def usable(self, desc: SegmentDescriptor) -> bool:
         return "rdma" in desc.transports and desc.rdma is not None
 
-    def _local_key(self, addr: int, length: int) -> tuple[int, _TempMR | None, Any]:
+    def _local_key(self, addr: int, length: int) -> tuple[int, Any]:
+        """The lkey covering [addr, addr + length), and the temporary MR made for it (None: a segment's)."""
         with self._lock:
             for mr in self._segments.values():
                 if mr.addr <= addr and addr + length <= mr.addr + mr.length:
-                    return mr.lkey, None, mr
+                    return mr.lkey, None
         mr = self.dev.reg_mr(addr, max(length, 1))
-        return mr.lkey, mr, mr
+        return mr.lkey, mr
 
     # -- connection set-up (active side) ---------------------------------------------------------
     def _peer(self, desc: SegmentDescriptor) -> _RdmaPeer:
@@ -204,17 +207,15 @@ class RdmaTransport:
     # -- transfers -----------------------------------------------------------------------------
     def submit(self, batch: Batch, work: list[tuple[int, Op, memoryview]]) -> None:
         step = self.slice_bytes
-        plans: list[tuple[int, Op, memoryview, int]] = []
-        for index, op, view in work:
-            plans.append((index, op, view, max(1, -(-op.length // step)) if op.length else 0))
-        batch._expect(sum(p[3] for p in plans))
-        for index, op, view, count in plans:
+        counts = [-(-op.length // step) for _, op, _ in work]  # slices per op (none for an empty one)
+        batch._expect(sum(counts))
+        for (index, op, view), count in zip(work, counts):
             if count == 0:
                 continue
             try:
                 peer = self._peer(op.remote)
                 addr = buffer_address(view)
-                lkey, temp, _ = self._local_key(addr, op.length)
+                lkey, temp = self._local_key(addr, op.length)
             except BaseException as exc:
                 error = exc if isinstance(exc, TransferError) else PeerUnavailable(f"rdma set-up failed: {exc}")
                 for _ in range(count):

@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -29,7 +30,7 @@ SHM_DIR = "/dev/shm"
 LIVENESS_S = 0.05
 
 
-def create_shm_buffer(size: int, name: str | None = None, directory: str = SHM_DIR) -> tuple[mmap.mmap, str]:
+def create_shm_buffer(size: int) -> tuple[mmap.mmap, str]:
     """Create a shared-memory file of `size` bytes and map it; returns (mapping, path).
 
     Register the mapping with `engine.register(mapping, shm_path=path)`; the caller owns the
@@ -37,8 +38,7 @@ def create_shm_buffer(size: int, name: str | None = None, directory: str = SHM_D
     """
     if size <= 0:
         raise InvalidOp(f"shm buffer size must be positive, got {size}")
-    name = name or f"kvpool-transfer-{os.getpid()}-{os.urandom(4).hex()}"
-    path = os.path.join(directory, name)
+    path = os.path.join(SHM_DIR, f"kvpool-transfer-{os.getpid()}-{os.urandom(4).hex()}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -135,23 +135,10 @@ class ShmTransport:
         if ok:
             batch._slices_ok(ok)
 
-    def forget(self, engine: str) -> None:
-        """Drop cached mappings of a peer engine (e.g. after it went away)."""
-        with self._lock:
-            for key in [k for k in self._maps if k[0] == engine]:
-                mapping, view = self._maps.pop(key)
-                try:
-                    view.release()
-                    mapping.close()
-                except BufferError:
-                    pass  # a caller still holds a slice; the GC closes it later
-
     def close(self) -> None:
         with self._lock:
             entries, self._maps = list(self._maps.values()), {}
         for mapping, view in entries:
-            try:
+            with contextlib.suppress(BufferError):  # a caller still holds a slice: the GC closes it later
                 view.release()
                 mapping.close()
-            except BufferError:
-                pass

@@ -51,9 +51,8 @@ Slice = tuple
 class TcpTransport:
     name = "tcp"
 
-    def __init__(self, engine_name: str, timeout: float, connections_per_peer: int, slice_bytes: int,
+    def __init__(self, timeout: float, connections_per_peer: int, slice_bytes: int,
                  credential: tuple[str, bytes] | None = None):
-        self.engine_name = engine_name
         self.credential = credential
         self.timeout = timeout
         self.connections_per_peer = max(1, connections_per_peer)
@@ -238,10 +237,7 @@ class _Conn:
             self._interrupted = True
             sock = self.sock
             if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                framing.shutdown(sock)
 
     def join(self) -> None:
         if self.thread is not None:
@@ -253,16 +249,12 @@ class _Conn:
         req_id = next(self.ids)
         self.used = time.monotonic()
         if grant is None:
-            wire.REQ.pack_into(self.hdr, 0, wire.MAGIC, wire.VERSION, opcode, 0, seg_id, req_id, offset, len(view))
-            if opcode == wire.OP_WRITE:
-                framing.send_all(self.sock, [self.hdr, view])
-            else:
-                self.sock.sendall(self.hdr)
-            return req_id
-        head = self.granted_hdr  # header and grant in one buffer: one plain send for a READ
-        wire.REQ.pack_into(head, 0, wire.MAGIC, wire.VERSION, opcode, wire.FLAG_GRANT, seg_id, req_id, offset,
+            head, flags = self.hdr, 0
+        else:
+            head, flags = self.granted_hdr, wire.FLAG_GRANT  # with the grant: one send for a READ
+            head[wire.REQ.size:] = grant
+        wire.REQ.pack_into(head, 0, wire.MAGIC, wire.VERSION, opcode, flags, seg_id, req_id, offset,
                            len(view))
-        head[wire.REQ.size:] = grant
         if opcode == wire.OP_WRITE:
             framing.send_all(self.sock, [head, view])
         else:

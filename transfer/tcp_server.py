@@ -18,11 +18,11 @@ With `auth` (principal -> secret), each connection must open with `transfer.auth
 (channel "transfer"); one that opens with anything else gets an E_UNAUTHORIZED reply (req_id 0)
 and is closed. With `grants`, every READ/WRITE must carry a grant (`transfer.grant`) that covers
 it, issued to the principal the connection proved: a missing, forged, expired, other-op,
-out-of-range or other principal's grant gets E_FORBIDDEN and nothing
-moves (a WRITE's payload is drained, not written). An admitted frame counts as moving bytes
-under its grant until its last byte is sent or received (`Grants.admit` / `done`), so the
-grant's revocation waits for it or cuts its connection (`transfer.grant`). Without either, anyone who reaches the port
-may READ and WRITE any registered byte, as before: the pool then listens on loopback only.
+out-of-range or other principal's grant gets E_FORBIDDEN and nothing moves (a WRITE's payload
+is drained, not written). An admitted frame counts as moving bytes under its grant until its
+last byte is sent or received (`Grants.admit` / `done`), so the grant's revocation waits for it
+or cuts its connection (`transfer.grant`). Without either, anyone who reaches the port may READ
+and WRITE any registered byte: the pool then listens on loopback only.
 """
 
 from __future__ import annotations
@@ -75,10 +75,6 @@ class DataServer:
         body = message.encode()
         return wire.RESP.pack(wire.MAGIC, wire.VERSION, wire.E_LIMIT, 0, 0, len(body)) + body
 
-    @classmethod
-    def _refuse(cls, conn: socket.socket, message: str) -> None:
-        framing.refuse_after(conn, cls._limit_frame(message))
-
     def start(self) -> None:
         self._listener.start()
 
@@ -123,7 +119,7 @@ class DataServer:
         if got < 4 or not looks_like_hello(hview[:4]):
             why = listener.eviction(conn)
             if why is not None:  # cut at a limit before it spoke: our protocol's refusal
-                self._refuse(conn, why)
+                framing.refuse_after(conn, self._limit_frame(why))
             elif got:
                 if got == 4:
                     framing.set_io_timeout(conn, 0.5)
@@ -146,7 +142,7 @@ class DataServer:
             return -1, ""
         why = listener.authenticated(conn, None if principal == self.uncapped else principal)
         if why is not None:
-            self._refuse(conn, why)
+            framing.refuse_after(conn, self._limit_frame(why))
             return -1, ""
         framing.set_io_timeout(conn, self.limits.tick or 0)
         log.debug("%s: %s authenticated as %r", self.name, addr, principal)

@@ -29,7 +29,8 @@ import struct
 
 import msgspec
 
-from transfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
+from transfer.errors import (AccessDenied, InvalidOp, LimitReached, PeerUnavailable, ProtocolError,
+                             SegmentNotFound, TransferError, TransferTimeout)
 
 MAGIC = 0x4B565450  # "KVTP"
 VERSION = 1
@@ -108,17 +109,12 @@ def map_os_error(exc: OSError, what: str) -> Exception:
     return PeerUnavailable(f"{what}: {exc}")
 
 
-def status_error(status: int, message: str) -> Exception:
-    from transfer.errors import AccessDenied, InvalidOp, LimitReached, SegmentNotFound, TransferError
+_STATUS_ERRORS = {E_FORBIDDEN: AccessDenied, E_UNAUTHORIZED: AccessDenied, E_LIMIT: LimitReached,
+                  E_NO_SEGMENT: SegmentNotFound, E_RANGE: InvalidOp, E_VERSION: ProtocolError,
+                  E_BAD_REQUEST: ProtocolError}
 
-    if status in (E_FORBIDDEN, E_UNAUTHORIZED):
-        return AccessDenied(message)
-    if status == E_LIMIT:
-        return LimitReached(message)
-    if status == E_NO_SEGMENT:
-        return SegmentNotFound(message)
-    if status == E_RANGE:
-        return InvalidOp(message)
-    if status in (E_VERSION, E_BAD_REQUEST):
-        return ProtocolError(message)
-    return TransferError(message)
+
+def status_error(status: int, message: str) -> Exception:
+    """An error status of a response -> the transfer error a caller should see."""
+    return _STATUS_ERRORS.get(status, TransferError)(message)
+

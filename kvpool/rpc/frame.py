@@ -22,7 +22,8 @@ import msgspec
 from kvpool.errors import InvalidArgument
 from kvpool.messages import PROTOCOL_VERSION, Reply, Request
 from kvpool.rpc.spin import STREAM_POLLS, STREAM_SPIN_MIN, Spin, SpinPolicy
-from transfer.framing import DONTWAIT, IOV_MAX, drain, recv_paced, recv_polling, sched_yield, send_all
+from transfer.framing import (DONTWAIT, IOV_MAX, drain, recv_paced, recv_polling, sched_yield, send_all,
+                              shutdown)
 
 HEADER = struct.Struct("<HHIQ")
 FLAG_ONEWAY = 1
@@ -50,21 +51,35 @@ def send_frame(sock: socket.socket, msg: Any, buffers: Sequence[Any] = (), flags
     if not buffers:
         sock.sendall(HEADER.pack(PROTOCOL_VERSION, flags, len(body), 0) + body)
         return
-    if len(buffers) == 1 and type(buffers[0]) is memoryview:  # a single put or get: the common case
-        nbytes = buffers[0].nbytes
-    else:
-        nbytes = sum(memoryview(b).nbytes for b in buffers)
+    nbytes = payload_nbytes(buffers)
     head = HEADER.pack(PROTOCOL_VERSION, flags, len(body), nbytes) + body
     parts = [head, *buffers]
     sent = sock.sendmsg(parts) if len(parts) <= IOV_MAX else 0
     if sent < len(head) + nbytes:
-        views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in map(memoryview, parts)]
-        while sent:  # drop what the first sendmsg took
-            if sent >= views[0].nbytes:
-                sent -= views.pop(0).nbytes
-            else:
-                views[0], sent = views[0][sent:], 0
-        send_all(sock, views)
+        send_all(sock, after(parts, sent))
+
+
+def payload_nbytes(buffers: Sequence[Any]) -> int:
+    """The bytes in payload `buffers` (a single memoryview, a put's or a get's: the common case)."""
+    if not buffers:
+        return 0
+    if len(buffers) == 1 and type(buffers[0]) is memoryview:
+        return buffers[0].nbytes
+    return sum(b.nbytes if type(b) is memoryview else memoryview(b).nbytes for b in buffers)
+
+
+def after(parts: Sequence[Any], sent: int) -> list[memoryview]:
+    """What is left of `parts` (bytes-like) once the first `sent` bytes went out."""
+    views = [v if type(v) is memoryview else memoryview(v) for v in parts]
+    views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+    i = 0
+    while i < len(views) and sent >= views[i].nbytes:
+        sent -= views[i].nbytes
+        i += 1
+    rest = views[i:]
+    if rest and sent:
+        rest[0] = rest[0][sent:]
+    return rest
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -92,9 +107,9 @@ class Reader:
 
     __slots__ = ("sock", "buf", "view", "start", "end")
 
-    def __init__(self, sock: socket.socket, size: int = RECV_BUFFER):
+    def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.buf = bytearray(size)
+        self.buf = bytearray(RECV_BUFFER)
         self.view = memoryview(self.buf)
         self.start = 0
         self.end = 0
@@ -213,7 +228,4 @@ class Payload:
     def cut(self) -> None:
         """Close the connection under this payload (from another thread): its reader wakes with
         an error. For a sender past a deadline."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown(self._sock)

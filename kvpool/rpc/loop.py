@@ -47,7 +47,7 @@ from typing import Any, Callable
 import msgspec
 
 from kvpool.messages import PROTOCOL_VERSION
-from kvpool.rpc.frame import FLAG_ONEWAY, FLAG_SPIN, HEADER, Payload, Reader, request_decoder
+from kvpool.rpc.frame import FLAG_ONEWAY, FLAG_SPIN, HEADER, Payload, Reader, after, request_decoder
 from kvpool.rpc.spin import Spin, SpinPolicy
 from transfer.framing import DONTWAIT, IOV_MAX, sched_yield, send_all
 
@@ -96,7 +96,7 @@ class ServeLoop:
     on `link` (inline), returning False when the link was handed to its thread or closed;
     `limits`: the server's `transfer.framing.Limits`."""
 
-    def __init__(self, name: str, frames: Callable[[Link], bool], limits: Any, policy: SpinPolicy | None = None):
+    def __init__(self, name: str, frames: Callable[[Link], bool], limits: Any, policy: SpinPolicy):
         self.name = name
         self._frames = frames
         self.policy = policy  # spinning for a sole client (`kvpool.rpc.spin`): as a thread would
@@ -181,7 +181,7 @@ class ServeLoop:
             if release is not None:
                 release()
             return True
-        rest = _after(parts, sent)
+        rest = after(parts, sent)
         if release is None:
             rest = [memoryview(bytes(v)) for v in rest]
         link.out, link.release, link.since = rest, release, self.now
@@ -327,7 +327,7 @@ class ServeLoop:
         except OSError as exc:
             self.end(link, f"send failed: {exc}")
             return
-        link.out = out = _after(out, sent)
+        link.out = out = after(out, sent)
         link.since = self.now
         if out:
             return
@@ -461,18 +461,3 @@ class LoopServing:
                 return False
             if link.closed or link.out:  # ended, or its reply is still being sent
                 return not link.closed
-
-
-
-def _after(parts: list, sent: int) -> list[memoryview]:
-    """What is left of `parts` (bytes-like) once the first `sent` bytes went out."""
-    views = [v if type(v) is memoryview else memoryview(v) for v in parts]
-    views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
-    i = 0
-    while i < len(views) and sent >= views[i].nbytes:
-        sent -= views[i].nbytes
-        i += 1
-    rest = views[i:]
-    if rest and sent:
-        rest[0] = rest[0][sent:]
-    return rest

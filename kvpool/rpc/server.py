@@ -52,7 +52,7 @@ from kvpool.config import Settings, current_settings
 from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, LimitExceeded, Unavailable
 from kvpool.messages import PROTOCOL_VERSION, Err
 from kvpool.rpc.frame import (FLAG_ONEWAY, FLAG_SPIN, HEADER, MAX_MESSAGE, MAX_PAYLOAD, Payload, Reader, encoder,
-                              request_decoder, send_frame, unix_name)
+                              payload_nbytes, request_decoder, send_frame, unix_name)
 from kvpool.security.authz import NODE_ONLY, ROLE_NAMES, RULES, rank, scope_of
 from kvpool.rpc.loop import Inline, Link, LoopServing, ServeLoop
 from kvpool.rpc.spin import CpuPressure, SpinPolicy, local
@@ -95,27 +95,15 @@ class ServerConn:
         link = self.link
         if link is not None:  # the loop: never block (what the kernel does not take now follows)
             body = encoder.encode(msg)
-            n = _nbytes(buffers)
+            n = payload_nbytes(buffers)
             head = HEADER.pack(PROTOCOL_VERSION, self.flags, len(body), n) + body
             link.loop.send(link, [head, *buffers], len(head) + n, release)
             return
         try:
-            if not buffers:  # most replies: one small frame, one send
-                body = encoder.encode(msg)
-                self.sock.sendall(HEADER.pack(PROTOCOL_VERSION, self.flags, len(body), 0) + body)
-            else:
-                send_frame(self.sock, msg, buffers, self.flags)  # payload from where it lies, one sendmsg
+            send_frame(self.sock, msg, buffers, self.flags)  # one send; a payload from where it lies
         finally:
             if release is not None:
                 release()
-
-
-def _nbytes(buffers: Sequence[Any]) -> int:
-    if not buffers:
-        return 0
-    if len(buffers) == 1 and type(buffers[0]) is memoryview:
-        return buffers[0].nbytes
-    return sum(b.nbytes if type(b) is memoryview else memoryview(b).nbytes for b in buffers)
 
 
 Handler = Callable[[Any, Payload, ServerConn], Any]
@@ -215,7 +203,7 @@ class RpcServer(LoopServing):
         if not looks_like_hello(first):
             why = listener.eviction(sock)
             if why is not None:  # cut at a limit before it spoke: its protocol's refusal
-                self._refuse_at_limit(sock, why)
+                refuse_after(sock, self._limit_frame(why))
             elif first:
                 log.warning("%s: refused %s: no authentication hello", self.name, peer)
                 self._refuse(sock, HOW_TO_AUTH)
@@ -233,7 +221,7 @@ class RpcServer(LoopServing):
         # the pool's own principal (masters, nodes) is trusted infrastructure: not capped per principal
         why = listener.authenticated(sock, None if principal.role == "node" else name)
         if why is not None:
-            self._refuse_at_limit(sock, why)
+            refuse_after(sock, self._limit_frame(why))
             return None
         return principal
 
@@ -270,10 +258,6 @@ class RpcServer(LoopServing):
     def _limit_frame(why: str) -> bytes:
         body = encoder.encode(Err(LimitExceeded.code, why))
         return HEADER.pack(PROTOCOL_VERSION, 0, len(body), 0) + body
-
-    @classmethod
-    def _refuse_at_limit(cls, sock: socket.socket, why: str) -> None:
-        refuse_after(sock, cls._limit_frame(why))
 
     def _quiet_tick(self, reader: Reader, peer: str, ticks: list[int]) -> bool:
         """A receive tick passed with no byte while waiting for a header: whether to keep the

@@ -106,9 +106,9 @@ class SpinPolicy:
     `set.add` / `discard` are atomic under the GIL; the rest is advisory (a wrong answer costs a
     spin or a sleep)."""
 
-    def __init__(self, polls: int, pressure: CpuPressure | None = None):
+    def __init__(self, polls: int, pressure: CpuPressure):
         self.polls = polls
-        self.pressure = pressure or CpuPressure()  # contended CPUs: nobody spins
+        self.pressure = pressure  # contended CPUs: nobody spins
         self.busy: set[int] = set()
         self.spinning: set[int] = set()
         self._last = [0, 0, 0]  # thread of the last request, when it came, until when clients count as mixed

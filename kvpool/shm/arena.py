@@ -217,9 +217,3 @@ class SharedArena:
                 pass
             os.close(self._fd)
             self._fd = -1
-
-    def __enter__(self) -> "SharedArena":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -328,7 +328,7 @@ def test_rdma_registration_is_read_only_when_grants_are_required():
         # an RDMA WRITE is never posted: a WRITE goes over tcp, where its grant is checked
         with pytest.raises(TransferError, match="no grant"):
             peer.submit([Op(WRITE, bytearray(4096), 0, seg, 0, 4096)]).wait(10)
-        grant = owner.grant("arena", WRITE, 0, 4096, 30)
+        grant = owner.signer("arena")(WRITE, 0, 4096, 30)
         peer.submit([Op(WRITE, bytearray(b"B" * 4096), 0, seg, 0, 4096, grant)]).wait(10)
         assert arena[:4096] == b"B" * 4096 and arena[4096:8192] == b"A" * 4096
         # a one-sided write straight at the rkey (what a rogue peer would post) fails at the NIC
