@@ -33,10 +33,10 @@ class DramTier:
 
     name = "dram"
 
-    def __init__(self, capacity: int, shm_name: str | None = None, prefault: bool = True, index_slots: int = -1):
+    def __init__(self, capacity: int, index_slots: int = -1):
         """`index_slots`: size of the shared-memory index for same-host readers (-1: sized from
         `capacity`, 0: none; never on CPUs where its readers would not be sound)."""
-        self.arena = SharedArena.create(capacity, shm_name, prefault=prefault)
+        self.arena = SharedArena.create(capacity)
         self.allocator = PageAllocator(capacity)
         self._entries: dict[str, tuple[int, int]] = {}  # visible key -> (offset, length)
         self._pending: dict[str, tuple[int, int]] = {}  # reserved, not yet committed

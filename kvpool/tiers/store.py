@@ -59,8 +59,7 @@ class TieredStore:
     """DRAM arena (+ optional SSD) with eviction, demotion, promotion and pins."""
 
     def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
-                 policy: str = DEFAULT_EVICTION, shm_name: str | None = None, *,
-                 on_event: EventHook | None = None, prefault: bool = True, index_slots: int = -1,
+                 policy: str = DEFAULT_EVICTION, *, index_slots: int = -1,
                  quotas: dict[str, tuple[int, int]] | None = None):
         """`quotas`: tenant -> (bytes, keys) it may hold on this node (0: no limit); a reservation
         past either raises `QuotaExceeded`. Eviction is fair across tenants (`FairPolicy`)."""
@@ -72,7 +71,7 @@ class TieredStore:
         dram_cap = max(1, dram_capacity)
         self._dram_policy = FairPolicy(lambda: make_policy(policy, dram_cap))  # validates the name first
         self.policy = policy
-        self.dram = DramTier(dram_capacity, shm_name, prefault=prefault, index_slots=index_slots)
+        self.dram = DramTier(dram_capacity, index_slots=index_slots)
         self.ssd: SsdTier | None = None
         try:
             if ssd_path is not None:
@@ -80,7 +79,7 @@ class TieredStore:
         except BaseException:
             self.close()
             raise
-        self.on_event = on_event
+        self.on_event: EventHook | None = None
         self._entries: EntryIndex = EntryIndex()
         self._stats = StoreStats()
         self._shelf: SsdShelf | None = None
@@ -91,16 +90,14 @@ class TieredStore:
                 self._entries[key] = _Entry(size, ssd=True)
 
     @classmethod
-    def from_settings(cls, settings: Any, **kwargs: Any) -> "TieredStore":
+    def from_settings(cls, settings: Any) -> "TieredStore":
         """A store as `kvpool.config.Settings` describe it (`[node]`: capacities, ssd_path,
         eviction, the shm index; `[rpc] shm_index`; the keyring's quotas)."""
         node, auth_file = settings.node, settings.security.auth_file
-        if "quotas" not in kwargs and auth_file:
-            kwargs["quotas"] = tenant_quotas(load_keyring(auth_file))
-        return cls(node.dram_capacity, ssd_path=node.ssd_path,
-                   ssd_capacity=node.ssd_capacity if node.ssd_path else 0,
-                   policy=node.eviction,
-                   index_slots=node.shm_index_slots if settings.rpc.shm_index else 0, **kwargs)
+        ssd_capacity = node.ssd_capacity if node.ssd_path else 0
+        return cls(node.dram_capacity, node.ssd_path, ssd_capacity, node.eviction,
+                   index_slots=node.shm_index_slots if settings.rpc.shm_index else 0,
+                   quotas=tenant_quotas(load_keyring(auth_file)) if auth_file else None)
 
     @property
     def arena(self):
