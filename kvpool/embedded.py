@@ -22,10 +22,11 @@ from typing import Any
 
 from kvpool.config import Settings, load_settings
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
-from kvpool.master.handlers import master_handlers, master_inline
+from kvpool.master.handlers import master_handlers, master_inline, put_tokens
 from kvpool.master.service import MasterService
 from kvpool.messages import Err, Placed, Put, PutCommit, PutReserve, Slot, Slots, WriteReply, per_item
 from kvpool.node.store_node import StoreNode
+from kvpool.node.writes import check_sizes
 from kvpool.rpc import Payload, RpcServer, ServerConn
 
 log = logging.getLogger(__name__)
@@ -76,25 +77,15 @@ class EmbeddedPool:
         `PutStart`, under the writer's token), written into the node under the granted put id
         (as by `NodeWrite`), ended at the master (as by `PutEnd`; nothing landed: aborted)."""
         node, keys, sizes = self.node, msg.keys, msg.sizes
-        total = 0
-        for size in sizes:  # a loop, not any() + sum(): a single put is the common case
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-                total = -1
-                break
-            total += size
-        if len(sizes) != len(keys) or total != payload.length:
-            raise InvalidArgument(f"Put: one positive size per key, adding up to the payload ({payload.length})")
+        if len(sizes) != len(keys):
+            raise InvalidArgument("Put: one size per key")
+        check_sizes(sizes, payload, "Put")
         writes = node.writes
         if node.store is None or writes is None:
             raise Unavailable(f"node {node.node_id} is stopping")
-        replicas, token, checked = msg.replicas or None, msg.token, bool(conn.scope)  # checked: scoped at dispatch
-        if len(keys) == 1:
-            return WriteReply([self._put_one(writes, keys[0], sizes[0], replicas, token, payload, checked)])
-        results, seen = [], set()
-        for key, size in zip(keys, sizes):  # a key twice in one batch is two puts: only the first is the retry
-            results.append(self._put_one(writes, key, size, replicas, 0 if key in seen else token, payload, checked))
-            seen.add(key)
-        return WriteReply(results)
+        replicas, checked = msg.replicas or None, bool(conn.scope)  # checked: scoped at dispatch
+        return WriteReply([self._put_one(writes, key, size, replicas, token, payload, checked)
+                           for key, size, token in zip(keys, sizes, put_tokens(keys, msg.token))])
 
     def _put_one(self, writes: Any, key: str, size: int, replicas: int | None, token: int, payload: Payload,
                  checked: bool) -> Placed | Err:
@@ -135,11 +126,9 @@ class EmbeddedPool:
             pins.release(msg.unpin, conn)
         if node.transfer_segment is None:
             raise Unavailable(f"node {node.node_id} has no transfer engine; write over the pool RPC")
-        master, node_id, replicas, seen = self.master, node.node_id, msg.replicas or None, set()
+        master, node_id, replicas = self.master, node.node_id, msg.replicas or None
 
-        def reserve(key: str, size: int) -> Slot:
-            token = 0 if key in seen else msg.token  # a key twice in one batch is two puts
-            seen.add(key)
+        def reserve(key: str, size: int, token: int) -> Slot:
             plan = master.put_start(key, size, replicas, node_id, token)
             if plan.exists:
                 return Slot(0, -1)
@@ -152,7 +141,8 @@ class EmbeddedPool:
                 self._abort(key, plan.put_id)
                 raise
 
-        return Slots(per_item(reserve, msg.keys, msg.sizes), node.transfer_segment)
+        tokens = put_tokens(msg.keys, msg.token)
+        return Slots(per_item(reserve, msg.keys, msg.sizes, tokens), node.transfer_segment)
 
     def _on_put_commit(self, msg: PutCommit, payload: Payload, conn: ServerConn) -> WriteReply:
         """The engine path's last round trip: each reservation committed (as by `NodeCommit`)

@@ -37,7 +37,7 @@ from kvpool.node import grants
 from kvpool.node.master_channel import MasterChannel
 from kvpool.node.pins import Pins as PinTable
 from kvpool.node.readers import ReadWorkers, worker_count
-from kvpool.node.writes import Writes
+from kvpool.node.writes import Writes, check_sizes
 from kvpool.rpc import Payload, RpcServer, ServerConn
 from kvpool.rpc.client import node_credential
 from kvpool.security.keyring import ticket_key
@@ -369,14 +369,7 @@ class StoreNode:
             self.store.touch(msg.touched)
 
     def _on_write(self, msg: NodeWrite, payload: Payload, conn: ServerConn) -> WriteReply:
-        total = 0
-        for size in msg.sizes:  # a loop, not any() + sum(): a single put is the common case
-            if not isinstance(size, int) or size <= 0:
-                total = -1
-                break
-            total += size
-        if total != payload.length:
-            raise InvalidArgument(f"NodeWrite: sizes must be positive and add up to the payload ({payload.length})")
+        check_sizes(msg.sizes, payload, "NodeWrite")
         write, checked = self.writes.write, bool(conn.scope)  # a tenant's keys were validated at dispatch
         tickets = msg.tickets or [b""] * len(msg.keys)
         return WriteReply(per_item(lambda key, size, put_id, ticket: write(key, size, put_id, payload, checked, ticket),

@@ -319,6 +319,18 @@ class Writes:
                 self.abort(key, put_id)
 
 
+def check_sizes(sizes: list[int], payload: Payload, what: str) -> None:
+    """`InvalidArgument` unless every size is a positive int and they add up to the payload."""
+    total = 0
+    for size in sizes:  # a loop, not any() + sum(): a single put is the common case
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            total = -1
+            break
+        total += size
+    if total != payload.length:
+        raise InvalidArgument(f"{what}: sizes must be positive and add up to the payload ({payload.length})")
+
+
 def _principal(conn: Any) -> str:
     """The name the writer's connection proved (its grants name it); "" for an in-process caller."""
     principal = getattr(conn, "principal", None)
