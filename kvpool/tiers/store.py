@@ -20,7 +20,7 @@ Invariants: a visible object (`contains`) reads back exactly the bytes of the pu
 it; every tier's `used <= capacity`; a key is visible iff it is committed, not being removed,
 and held by DRAM or SSD.
 
-Keys: `put`, `get`, `get_into`, `pin`, `remove`, `match_prefix` validate theirs; `reserve`,
+Keys: `put`, `get`, `get_into`, `pin`, `remove` validate theirs; `reserve`,
 `commit`, `abort`, `contains`, `size_of` trust theirs (validated once by `kvpool.node.writes`).
 Pins do not expire: whoever pins (the node, for a same-host reader or a transfer) unpins, also
 when its peer goes away. KV in GPU memory is the engine's own (vLLM's blocks, the reference
@@ -446,19 +446,6 @@ class TieredStore:
     def size_of(self, key: str) -> int | None:
         entry = self._entries.get(key)
         return entry.size if entry is not None and entry.visible else None
-
-    def match_prefix(self, keys: Sequence[str]) -> int:
-        """n such that keys[0..n) are all present and keys[n] is not (or n == len(keys))."""
-        if isinstance(keys, (str, bytes)):
-            raise InvalidArgument("match_prefix takes a sequence of keys, not one key")
-        n = 0
-        with self._lock:
-            for key in keys:
-                entry = self._entries.get(check_key(key))
-                if entry is None or not entry.visible:
-                    break
-                n += 1
-        return n
 
     def keys(self) -> Iterator[tuple[str, int, str]]:
         """(key, size, fastest tier holding it) of every visible object (a snapshot)."""
