@@ -362,13 +362,13 @@ class MasterService:
             tombstones = not st.nodes.all_local()
             generation = next(st.ids)
             if tombstones and log_ is not None:
-                st.tombstones.recording(generation)
+                st.tombstones.recording.add(generation)
         if tombstones and log_ is not None:
             try:
                 log_.record(keys, generation)  # Unavailable when etcd cannot take it: nothing was removed
             finally:
                 with st.lock:
-                    st.tombstones.recorded(generation)
+                    st.tombstones.recording.discard(generation)
         with st.lock:
             for key in keys:
                 if tombstones:

@@ -155,11 +155,11 @@ def test_the_ticks_candidates_cover_every_open_put_and_every_waiting_remove():
 
 def test_a_copy_in_flight_outlives_a_new_term():
     nodes, objects = tables("a")
-    objects.start_copy("k")
+    objects.copying.add("k")
     objects.clear()
-    assert objects.copying("k")  # the copy still ends; planning it again would orphan a replica
-    objects.end_copy("k")
-    assert not objects.copying("k")
+    assert "k" in objects.copying  # the copy still ends; planning it again would orphan a replica
+    objects.copying.discard("k")
+    assert "k" not in objects.copying
 
 
 # -- Tombstones -------------------------------------------------------------------------------
@@ -192,10 +192,10 @@ def test_what_a_tombstone_and_the_horizon_refuse():
 def test_no_mark_reaches_a_remove_still_being_written_to_etcd():
     t = Tombstones(memory_s=1.0)
     assert t.bound(500) == 500
-    t.recording(300)
-    t.recording(400)
+    t.recording.add(300)
+    t.recording.add(400)
     assert t.bound(500) == 299
-    t.recorded(300)
+    t.recording.discard(300)
     assert t.bound(500) == 399
     t.remember("k", 450, now=0.0)
     t.expire(5.0)
