@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvpool.client.engine_path import EnginePath
-from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, node_tickets
+from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, mark_tiers, node_tickets
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable, error_from_code
 from kvpool.messages import ABSENT, Err, NodeGet, NodePin, NodeWrite, Put
 from kvpool.rpc import RpcClient
@@ -119,7 +119,7 @@ class RpcPath:
             elif n == -1:  # from a read port: not there, ask the node (ABSENT: the node has none)
                 missed.append(j)
         if tiers is not None:
-            _mark_tiers(tiers, idx, data.sizes, data.ssd)
+            mark_tiers(tiers, idx, data.sizes, data.ssd)
         return missed
 
     def write(self, work: Work, keys: Sequence[str], put_ids: Sequence[int], views: Sequence[memoryview],
@@ -189,7 +189,7 @@ class ShmPath(RpcPath):
             return
         pins = conn.rpc.call(NodePin([keys[j] for j in todo], conn.take_unpins()))
         if tiers is not None:
-            _mark_tiers(tiers, [idx[j] for j in todo], pins.sizes, pins.ssd)
+            mark_tiers(tiers, [idx[j] for j in todo], pins.sizes, pins.ssd)
         arena = conn.arena
         cur = _Cursor(conn.rpc, sum(1 for o in pins.offsets if o < 0))
         try:
@@ -233,14 +233,6 @@ class ShmPath(RpcPath):
         if served:
             conn.served_from_index(served)
         return todo
-
-
-def _mark_tiers(tiers: list, idx: Sequence[int], sizes: Sequence[int], ssd: Sequence[int]) -> None:
-    """tiers[idx[j]] = the tier a node's reply says served position j (hits only)."""
-    from_ssd = set(ssd)
-    for j, (i, n) in enumerate(zip(idx, sizes)):
-        if n >= 0:
-            tiers[i] = "ssd" if j in from_ssd else "dram"
 
 
 class DataPaths:

@@ -47,6 +47,14 @@ def node_tickets(tickets: Sequence[dict[str, bytes] | None] | None, conn: "NodeC
     return [(tickets[i] or {}).get(conn.address, b"") for i in idx]
 
 
+def mark_tiers(tiers: list, idx: Sequence[int], sizes: Sequence[int], ssd: Sequence[int]) -> None:
+    """tiers[idx[j]] = the tier a node's reply says served position j (hits only)."""
+    from_ssd = set(ssd)
+    for j, (i, n) in enumerate(zip(idx, sizes)):
+        if n >= 0:
+            tiers[i] = "ssd" if j in from_ssd else "dram"
+
+
 class NodeConn:
     def __init__(self, address: str, rpc: RpcClient | None = None, *, timeout: float = 10.0, use_shm: bool = True,
                  shm_path: str | None = None, host_id: str = "", arena_size: int | None = None,
