@@ -39,9 +39,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvpool.client.engine_path import EnginePath
-from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, mark_tiers, node_tickets
-from kvpool.errors import InvalidArgument, KVPoolError, Unavailable, error_from_code
-from kvpool.messages import ABSENT, Err, NodeGet, NodePin, NodeWrite, Put
+from kvpool.client.nodes import TOO_SMALL, NodeConn, fan_out, mark_tiers, node_tickets, written
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.messages import ABSENT, NodeGet, NodePin, NodeWrite, Put
 from kvpool.rpc import RpcClient
 from transfer.route import route
 
@@ -138,7 +138,7 @@ class RpcPath:
                 result.update(((conn.address, i), reply) for i in idx)
                 continue
             for i, res in zip(idx, reply.results):
-                result[(conn.address, i)] = _written(res)
+                result[(conn.address, i)] = written(res)
         return result
 
     def put(self, conn: NodeConn, keys: list[str], views: list[memoryview], replicas: int,
@@ -152,7 +152,7 @@ class RpcPath:
             reply = conn.rpc.recv_reply()
         except KVPoolError as exc:
             return [exc] * len(keys)
-        return [_written(res) for res in reply.results]
+        return [written(res) for res in reply.results]
 
 
 def _get_one(rpc: RpcClient, key: str, view: memoryview | None, absent: int = -1) -> Any:
@@ -168,13 +168,6 @@ def _get_one(rpc: RpcClient, key: str, view: memoryview | None, absent: int = -1
         return TOO_SMALL
     rpc.read_payload_into(view[:n])
     return n
-
-
-def _written(res: Any) -> Any:
-    """A write's result as the client keeps it: `Placed`, `EXISTS` or a `KVPoolError`."""
-    if isinstance(res, Err):
-        return error_from_code(res.code, res.message)
-    return EXISTS if res.offset < 0 and not res.tier else res  # already complete: nothing written
 
 
 class ShmPath(RpcPath):

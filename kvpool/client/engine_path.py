@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, mark_tiers, node_tickets
+from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, mark_tiers, node_tickets, written
 from kvpool.errors import KVPoolError, Unavailable, error_from_code
-from kvpool.messages import Err, NodeCommit, NodePin, NodeReserve, Placed, PutCommit, PutReserve, Slot
+from kvpool.messages import Err, NodeCommit, NodePin, NodeReserve, PutCommit, PutReserve, Slot
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +227,5 @@ class EnginePath:
             for p, res in zip(todo, reply.results):
                 if not ok[p]:
                     continue  # the transfer's error is already recorded
-                if isinstance(res, Placed):
-                    result[(conn.address, idx[p])] = res
-                else:
-                    result[(conn.address, idx[p])] = error_from_code(res.code, res.message)
+                result[(conn.address, idx[p])] = written(res)
         return result
