@@ -10,8 +10,8 @@ answered here in process: over the RPC paths the three ride in one `Put` frame (
 which `_on_put` answers with the master's `put_start` and `put_end` (what the `PutStart` and
 `PutEnd` handlers call) around the node's write of a `NodeWrite`. The engine path's put is
 `PutReserve` (PutStart + NodeReserve), the one-sided WRITE, `PutCommit` (NodeCommit + PutEnd):
-three round trips, as before put ids were granted to embedded puts, where the cluster takes five. A get is one round trip (or none on the
-same host), and the master removes bytes through the node object directly (no socket).
+three round trips, where the cluster takes five. A get is one round trip (or none on the same
+host), and the master removes bytes through the node object directly (no socket).
 `admin=True` also serves the REST admin API on `settings.pool.admin_port`.
 """
 
