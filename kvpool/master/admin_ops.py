@@ -66,7 +66,7 @@ class AdminOps:
         with st.lock:
             info = st.nodes.require(node_id).to_dict(time.monotonic())
             st.drop_node_locked(node_id, "removed by an operator")
-            st.nodes.ban(node_id)
+            st.nodes.banned.add(node_id)
             return info
 
     def stats(self) -> dict:
