@@ -54,7 +54,8 @@ class EmbeddedPool:
         self.master.unix_address = self.rpc.unix_address
         self.node = StoreNode(s, master=self.master, rpc=self.rpc, engine=self.transfer_engine)
         self.rpc.handlers.update(master_handlers(self.master, self.node))
-        self.rpc.handlers.update({Put: self._on_put, PutReserve: self._on_put_reserve, PutCommit: self._on_put_commit})
+        puts = {Put: self._on_put, PutReserve: self._on_put_reserve, PutCommit: self._on_put_commit}
+        self.rpc.handlers.update({kind: self.node.while_open(handler) for kind, handler in puts.items()})
         self.rpc.inline.update(master_inline())
         self.master.start()
         try:
@@ -81,8 +82,6 @@ class EmbeddedPool:
             raise InvalidArgument("Put: one size per key")
         check_sizes(sizes, payload, "Put")
         writes = node.writes
-        if node.store is None or writes is None:
-            raise Unavailable(f"node {node.node_id} is stopping")
         replicas, checked = msg.replicas or None, bool(conn.scope)  # checked: scoped at dispatch
         return WriteReply([self._put_one(writes, key, size, replicas, token, payload, checked)
                            for key, size, token in zip(keys, sizes, put_tokens(keys, msg.token))])
@@ -119,11 +118,9 @@ class EmbeddedPool:
         """The engine path's first round trip: each key started at the master (as by `PutStart`)
         and reserved in the node under the granted put id (as by `NodeReserve`)."""
         node = self.node
-        writes, pins = node.writes, node.pins
-        if node.store is None or writes is None or pins is None:
-            raise Unavailable(f"node {node.node_id} is stopping")
+        writes = node.writes
         if msg.unpin:
-            pins.release(msg.unpin, conn)
+            node.pins.release(msg.unpin, conn)
         if node.transfer_segment is None:
             raise Unavailable(f"node {node.node_id} has no transfer engine; write over the pool RPC")
         master, node_id, replicas = self.master, node.node_id, msg.replicas or None
@@ -148,8 +145,6 @@ class EmbeddedPool:
         """The engine path's last round trip: each reservation committed (as by `NodeCommit`)
         and its put ended (as by `PutEnd`); a failed or aborted one ends its put with nothing."""
         writes, master = self.node.writes, self.master
-        if writes is None:
-            raise Unavailable(f"node {self.node.node_id} is stopping")
 
         def commit(key: str, put_id: int, ok: bool) -> Placed | Err:
             res = writes.commit(key, put_id, ok, conn)

@@ -87,7 +87,7 @@ class StoreNode:
         table = {NodeGet: self._on_get, NodePin: self._on_pin, NodeUnpin: self._on_unpin, NodeWrite: self._on_write,
                  NodeRemove: self._on_remove, NodeCopy: self._on_copy, NodeStats: self._on_stats,
                  NodeReserve: self._on_reserve, NodeCommit: self._on_commit}
-        return {kind: self._while_open(handler) for kind, handler in table.items()}
+        return {kind: self.while_open(handler) for kind, handler in table.items()}
 
     def inline(self) -> dict[type, Any]:
         """The requests the RPC server may answer on its loop thread (`kvpool.rpc.loop`): those
@@ -104,7 +104,7 @@ class StoreNode:
 
         return {NodeGet: reads, NodePin: reads, NodeUnpin: unpins}
 
-    def _while_open(self, handler: Any) -> Any:
+    def while_open(self, handler: Any) -> Any:
         """A request still in flight when `stop` closed the store gets `Unavailable`, not a crash."""
         def guarded(msg: Any, payload: Payload, conn: ServerConn) -> Any:
             if self.store is None:
