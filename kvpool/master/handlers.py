@@ -83,11 +83,10 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
     def admin(msg: Admin, payload, conn) -> Info:
         if msg.method not in _ADMIN_METHODS:
             raise InvalidArgument(f"unknown admin method {msg.method!r}; known: {sorted(_ADMIN_METHODS)}")
-        if conn.scope:
-            return Info({"result": _tenant_admin(msg, conn.scope)})
         try:
-            result = getattr(service.admin, msg.method)(**msg.args)
-        except TypeError as exc:
+            result = (_tenant_admin(msg, conn.scope) if conn.scope
+                      else getattr(service.admin, msg.method)(**msg.args))
+        except TypeError as exc:  # arguments the method does not take
             raise InvalidArgument(f"admin {msg.method}: {exc}") from None
         return Info({"result": result})
 
@@ -96,17 +95,12 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
             raise Forbidden(f"admin {msg.method} shows the whole pool; a tenant may call only "
                             f"{sorted(_TENANT_METHODS)}")
         args = dict(msg.args)
-        try:
-            if msg.method == "keys":
-                prefix = args.pop("prefix", "")
-                if not isinstance(prefix, str) or "\x00" in prefix:
-                    raise InvalidArgument("keys: prefix must be a string without NUL")
-                keys = service.admin.keys(scope + prefix, **args)
-                return [unscope(k, scope) for k in keys]
-            key = args.pop("key", None)
-            doc = service.admin.key_info(scope + check_key(key), **args)
-        except TypeError as exc:
-            raise InvalidArgument(f"admin {msg.method}: {exc}") from None
+        if msg.method == "keys":
+            prefix = args.pop("prefix", "")
+            if not isinstance(prefix, str) or "\x00" in prefix:
+                raise InvalidArgument("keys: prefix must be a string without NUL")
+            return [unscope(k, scope) for k in service.admin.keys(scope + prefix, **args)]
+        doc = service.admin.key_info(scope + check_key(args.pop("key", None)), **args)
         doc["key"] = unscope(doc["key"], scope)
         return doc
 
