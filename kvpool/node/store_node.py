@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from kvpool.config import Settings
 from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import (Bools, Held, Info, NodeCommit, NodeCopy, NodeData, NodeGet, NodeInfo, NodePin, NodeRemove,
@@ -220,13 +222,12 @@ class StoreNode:
         capacity = {"dram": self.store.arena.size}
         if s.ssd_path:
             capacity["ssd"] = s.ssd_capacity
+        readers = self.readers
         return NodeInfo(node_id=self.node_id, address=self.rpc.address, hostname=socket.gethostname(),
                         segments=[self.segment], shm_path=self.store.arena.path, capacity=capacity,
                         transfer_segment=self.transfer_segment, index_path=self._index_path(),
-                        unix=self.rpc.unix_address, host_id=local_host_id(), read_address=self._read_address())
-
-    def _read_address(self) -> str | None:
-        return self.readers.address if self.readers is not None else None
+                        unix=self.rpc.unix_address, host_id=local_host_id(),
+                        read_address=readers.address if readers is not None else None)
 
     def _index_path(self) -> str | None:
         index = getattr(getattr(self.store, "dram", None), "index", None)
@@ -400,11 +401,9 @@ class StoreNode:
         return WriteReply(self.writes.copy(list(msg.keys), list(msg.put_ids), msg.source))
 
     def _on_stats(self, msg: NodeStats, payload: Payload, conn: ServerConn) -> Info:
-        arena = self.store.arena
-        doc = {"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
-               "shm_path": arena.path, "arena_size": arena.size, "transfer_segment": self.transfer_segment,
-               "index_path": self._index_path(), "unix": self.rpc.unix_address, "host_id": local_host_id(),
-               "read_address": self._read_address()}
+        info = msgspec.structs.asdict(self.info())  # how to reach the node: what it registers with
+        doc = {k: v for k, v in info.items() if k not in ("segments", "capacity")}
+        doc["arena_size"] = self.store.arena.size
         if conn is None or not conn.scope:  # a tenant learns how to reach the node, not the pool's traffic
             doc.update(self.store.stats())
         return Info(doc)
