@@ -97,18 +97,15 @@ class DramTier:
 
     def remove(self, key: str) -> bool:
         self.unpublish(key)  # first: an index reader must never find space that is being freed
-        entry = self._entries.pop(check_key(key), None)
-        if entry is None:
-            return False
-        self.allocator.free(entry[0])
-        return True
+        return self._free(self._entries.pop(check_key(key), None))
 
     def abort(self, key: str) -> bool:
-        entry = self._pending.pop(key, None)
-        if entry is None:
-            return False
-        self.allocator.free(entry[0])
-        return True
+        return self._free(self._pending.pop(key, None))
+
+    def _free(self, entry: tuple[int, int] | None) -> bool:
+        if entry is not None:
+            self.allocator.free(entry[0])
+        return entry is not None
 
     def view(self, key: str) -> memoryview:
         """The arena slice of a visible or reserved object (valid until it is freed)."""
