@@ -155,7 +155,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self._prefix = f"sglang/{ns.hex()}/"
         self._auth = ChunkAuth(ns.digest(), plugin_mac_key())
         logger.info("kvpool HiCache backend: %s layout, page %d tokens, %d B per page, namespace %s",
-                    host_layout, self.layout.chunk_tokens, self.layout.bytes_per_chunk, ns.hex())
+                    host_layout, self.layout.chunk_tokens, self.layout.object_nbytes(), ns.hex())
 
     # ---- helpers ----
 

@@ -161,10 +161,6 @@ class KVLayout:
         """Size of an encoded chunk object holding `tokens` tokens (default: a full chunk)."""
         return HEADER_SIZE + self.payload_nbytes(self.chunk_tokens if tokens is None else tokens)
 
-    @property
-    def bytes_per_chunk(self) -> int:
-        return self.object_nbytes()
-
     def canonical(self) -> dict[str, Any]:
         return {
             "num_layers": self.num_layers,
@@ -250,6 +246,15 @@ def seal_into(buf: Any, layout: KVLayout, tokens: int, *, key: str | None = None
     return total
 
 
+def _encoded(layout: KVLayout, codec: Any, caller: str) -> bool:
+    """Whether `codec` encodes the payload; `InvalidArgument` unless it is the layout's own."""
+    encoded = codec is not None and codec.name != "none"
+    if (layout.codec != "none") != encoded or (codec is not None and codec.name != layout.codec):
+        given = getattr(codec, "name", None)
+        raise InvalidArgument(f"{caller}: layout codec {layout.codec!r}, codec given {given!r}")
+    return encoded
+
+
 def encode_chunk(layout: KVLayout, kv: Any, tokens: int | None = None, *, key: str | None = None,
                  auth: ChunkAuth | None = None, codec: Any = None) -> bytearray:
     """A new chunk object holding `kv` (`[layers, 2, kv_heads, tokens, head_dim]`, numpy or CPU
@@ -260,9 +265,7 @@ def encode_chunk(layout: KVLayout, kv: Any, tokens: int | None = None, *, key: s
         tokens = int(getattr(kv, "shape")[3])
     if not 0 < tokens <= layout.chunk_tokens:
         raise InvalidArgument(f"tokens must be in 1..{layout.chunk_tokens}, got {tokens}")
-    encoded = codec is not None and codec.name != "none"
-    if (layout.codec != "none") != encoded or (codec is not None and codec.name != layout.codec):
-        raise InvalidArgument(f"encode_chunk: layout codec {layout.codec!r}, codec given {getattr(codec, 'name', None)!r}")
+    encoded = _encoded(layout, codec, "encode_chunk")
     shape = tuple(getattr(kv, "shape", ()))
     if shape != layout.shape(tokens):
         raise InvalidArgument(f"kv has shape {shape}, layout expects {layout.shape(tokens)}")
@@ -399,10 +402,7 @@ def decode_chunk(buf: Any, layout: KVLayout, *, key: str | None = None, auth: Ch
     A layout with a codec needs that codec (`kvpool.codec.get_codec(layout.codec)`): the header
     must carry its id, the payload its size, and the view holds the decoded KV (a payload that
     does not decode raises the codec's `FormatError`)."""
-    if (layout.codec != "none") != (codec is not None and codec.name != "none") or \
-            (codec is not None and codec.name != layout.codec):
-        raise InvalidArgument(f"decode_chunk: layout codec {layout.codec!r}, codec given "
-                              f"{getattr(codec, 'name', None)!r}")
+    encoded = _encoded(layout, codec, "decode_chunk")
     view = memoryview(buf).cast("B")
     header = read_header(view)
     check_binding(view, header, key=key, auth=auth)
@@ -410,7 +410,6 @@ def decode_chunk(buf: Any, layout: KVLayout, *, key: str | None = None, auth: Ch
         raise LayoutMismatch(
             f"chunk written for layout hash {header.layout_hash:016x}, reader expects {layout.layout_hash:016x}"
         )
-    encoded = codec is not None and codec.name != "none"
     codec_id = codec.codec_id if encoded else 0
     if header.codec_id != codec_id:
         raise LayoutMismatch(f"chunk payload has codec id {header.codec_id} (flags {header.flags:#x}), "

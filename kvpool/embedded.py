@@ -10,8 +10,8 @@ answered here in process: over the RPC paths the three ride in one `Put` frame (
 which `_on_put` answers with the master's `put_start` and `put_end` (what the `PutStart` and
 `PutEnd` handlers call) around the node's write of a `NodeWrite`. The engine path's put is
 `PutReserve` (PutStart + NodeReserve), the one-sided WRITE, `PutCommit` (NodeCommit + PutEnd):
-three round trips, as before put ids were granted to embedded puts, where the cluster takes five. A get is one round trip (or none on the
-same host), and the master removes bytes through the node object directly (no socket).
+three round trips, where the cluster takes five. A get is one round trip (or none on the same
+host), and the master removes bytes through the node object directly (no socket).
 `admin=True` also serves the REST admin API on `settings.pool.admin_port`.
 """
 
@@ -22,10 +22,11 @@ from typing import Any
 
 from kvpool.config import Settings, load_settings
 from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
-from kvpool.master.handlers import master_handlers, master_inline
+from kvpool.master.handlers import master_handlers, master_inline, put_tokens
 from kvpool.master.service import MasterService
 from kvpool.messages import Err, Placed, Put, PutCommit, PutReserve, Slot, Slots, WriteReply, per_item
 from kvpool.node.store_node import StoreNode
+from kvpool.node.writes import check_sizes
 from kvpool.rpc import Payload, RpcServer, ServerConn
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class EmbeddedPool:
         self.master.unix_address = self.rpc.unix_address
         self.node = StoreNode(s, master=self.master, rpc=self.rpc, engine=self.transfer_engine)
         self.rpc.handlers.update(master_handlers(self.master, self.node))
-        self.rpc.handlers.update({Put: self._on_put, PutReserve: self._on_put_reserve, PutCommit: self._on_put_commit})
+        puts = {Put: self._on_put, PutReserve: self._on_put_reserve, PutCommit: self._on_put_commit}
+        self.rpc.handlers.update({kind: self.node.while_open(handler) for kind, handler in puts.items()})
         self.rpc.inline.update(master_inline())
         self.master.start()
         try:
@@ -76,25 +78,13 @@ class EmbeddedPool:
         `PutStart`, under the writer's token), written into the node under the granted put id
         (as by `NodeWrite`), ended at the master (as by `PutEnd`; nothing landed: aborted)."""
         node, keys, sizes = self.node, msg.keys, msg.sizes
-        total = 0
-        for size in sizes:  # a loop, not any() + sum(): a single put is the common case
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-                total = -1
-                break
-            total += size
-        if len(sizes) != len(keys) or total != payload.length:
-            raise InvalidArgument(f"Put: one positive size per key, adding up to the payload ({payload.length})")
+        if len(sizes) != len(keys):
+            raise InvalidArgument("Put: one size per key")
+        check_sizes(sizes, payload, "Put")
         writes = node.writes
-        if node.store is None or writes is None:
-            raise Unavailable(f"node {node.node_id} is stopping")
-        replicas, token, checked = msg.replicas or None, msg.token, bool(conn.scope)  # checked: scoped at dispatch
-        if len(keys) == 1:
-            return WriteReply([self._put_one(writes, keys[0], sizes[0], replicas, token, payload, checked)])
-        results, seen = [], set()
-        for key, size in zip(keys, sizes):  # a key twice in one batch is two puts: only the first is the retry
-            results.append(self._put_one(writes, key, size, replicas, 0 if key in seen else token, payload, checked))
-            seen.add(key)
-        return WriteReply(results)
+        replicas, checked = msg.replicas or None, bool(conn.scope)  # checked: scoped at dispatch
+        return WriteReply([self._put_one(writes, key, size, replicas, token, payload, checked)
+                           for key, size, token in zip(keys, sizes, put_tokens(keys, msg.token))])
 
     def _put_one(self, writes: Any, key: str, size: int, replicas: int | None, token: int, payload: Payload,
                  checked: bool) -> Placed | Err:
@@ -128,18 +118,14 @@ class EmbeddedPool:
         """The engine path's first round trip: each key started at the master (as by `PutStart`)
         and reserved in the node under the granted put id (as by `NodeReserve`)."""
         node = self.node
-        writes, pins = node.writes, node.pins
-        if node.store is None or writes is None or pins is None:
-            raise Unavailable(f"node {node.node_id} is stopping")
+        writes = node.writes
         if msg.unpin:
-            pins.release(msg.unpin, conn)
+            node.pins.release(msg.unpin, conn)
         if node.transfer_segment is None:
             raise Unavailable(f"node {node.node_id} has no transfer engine; write over the pool RPC")
-        master, node_id, replicas, seen = self.master, node.node_id, msg.replicas or None, set()
+        master, node_id, replicas = self.master, node.node_id, msg.replicas or None
 
-        def reserve(key: str, size: int) -> Slot:
-            token = 0 if key in seen else msg.token  # a key twice in one batch is two puts
-            seen.add(key)
+        def reserve(key: str, size: int, token: int) -> Slot:
             plan = master.put_start(key, size, replicas, node_id, token)
             if plan.exists:
                 return Slot(0, -1)
@@ -152,14 +138,13 @@ class EmbeddedPool:
                 self._abort(key, plan.put_id)
                 raise
 
-        return Slots(per_item(reserve, msg.keys, msg.sizes), node.transfer_segment)
+        tokens = put_tokens(msg.keys, msg.token)
+        return Slots(per_item(reserve, msg.keys, msg.sizes, tokens), node.transfer_segment)
 
     def _on_put_commit(self, msg: PutCommit, payload: Payload, conn: ServerConn) -> WriteReply:
         """The engine path's last round trip: each reservation committed (as by `NodeCommit`)
         and its put ended (as by `PutEnd`); a failed or aborted one ends its put with nothing."""
         writes, master = self.node.writes, self.master
-        if writes is None:
-            raise Unavailable(f"node {self.node.node_id} is stopping")
 
         def commit(key: str, put_id: int, ok: bool) -> Placed | Err:
             res = writes.commit(key, put_id, ok, conn)

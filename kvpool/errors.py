@@ -8,143 +8,97 @@ from wire errors, so a caller catches `KeyNotFound` whether the store is in-proc
 from __future__ import annotations
 
 
+_BY_CODE: dict[str, type[KVPoolError]] = {}
+
+
 class KVPoolError(Exception):
-    """Base of every error kvpool raises on purpose."""
+    """Base of every error kvpool raises on purpose. A subclass names its wire `code` and its
+    `http_status` in its class line (`class X(KVPoolError, code="x", http_status=409)`); one that
+    names a code is what `error_from_code` rebuilds for it."""
 
     code = "internal"
     http_status = 500
 
+    def __init_subclass__(cls, code: str | None = None, http_status: int | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if http_status is not None:
+            cls.http_status = http_status
+        if code is not None:
+            cls.code = code
+            _BY_CODE.setdefault(code, cls)
 
-class InvalidArgument(KVPoolError, ValueError):
+
+class InvalidArgument(KVPoolError, ValueError, code="invalid_argument", http_status=400):
     """The caller passed something malformed: a bad key, a wrong type, a negative size."""
 
-    code = "invalid_argument"
-    http_status = 400
 
-
-class ObjectTooLarge(InvalidArgument):
+class ObjectTooLarge(InvalidArgument, code="object_too_large", http_status=413):
     """The value is larger than the tier, node or protocol can ever hold."""
 
-    code = "object_too_large"
-    http_status = 413
 
-
-class KeyNotFound(KVPoolError, KeyError):
+class KeyNotFound(KVPoolError, KeyError, code="not_found", http_status=404):
     """The key is not present (or not complete) anywhere the caller asked."""
-
-    code = "not_found"
-    http_status = 404
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep messages readable
         return str(self.args[0]) if self.args else "key not found"
 
 
-class AlreadyExists(KVPoolError):
+class AlreadyExists(KVPoolError, code="already_exists", http_status=409):
     """A put for a key that is already complete (or being written) with other content."""
 
-    code = "already_exists"
-    http_status = 409
 
-
-class CapacityError(KVPoolError):
+class CapacityError(KVPoolError, code="capacity", http_status=507):
     """No room: the tier or pool is full and nothing can be evicted."""
 
-    code = "capacity"
-    http_status = 507
 
-
-class AllPinned(CapacityError):
+class AllPinned(CapacityError, code="all_pinned"):
     """No room, and every candidate for eviction is pinned by a lease."""
 
-    code = "all_pinned"
 
-
-class CorruptObject(KVPoolError):
+class CorruptObject(KVPoolError, code="corrupt", http_status=500):
     """Bytes that do not decode as a chunk object. Readers treat this as a miss."""
 
-    code = "corrupt"
-    http_status = 500
 
-
-class FormatError(CorruptObject):
+class FormatError(CorruptObject, code="format"):
     """Wrong magic, unknown version or truncated header."""
 
-    code = "format"
 
-
-class ChecksumMismatch(CorruptObject):
+class ChecksumMismatch(CorruptObject, code="checksum"):
     """The payload checksum does not match the header: the object is damaged."""
 
-    code = "checksum"
 
-
-class UntrustedChunk(CorruptObject):
+class UntrustedChunk(CorruptObject, code="untrusted_chunk"):
     """A chunk that does not prove it belongs where it was read: another namespace or key in its
     header, or a MAC that does not verify under the reader's tenant key. A miss; never removed by
     a reader (it is not provably the reader's own object)."""
 
-    code = "untrusted_chunk"
 
-
-class LayoutMismatch(KVPoolError):
+class LayoutMismatch(KVPoolError, code="layout_mismatch", http_status=409):
     """The chunk was written for another KV layout (model, dtype, chunk size...)."""
 
-    code = "layout_mismatch"
-    http_status = 409
 
-
-class NotLeader(KVPoolError):
+class NotLeader(KVPoolError, code="not_leader", http_status=503):
     """This master is a standby; the caller should retry against the leader."""
 
-    code = "not_leader"
-    http_status = 503
 
-
-class Unavailable(KVPoolError):
+class Unavailable(KVPoolError, code="unavailable", http_status=503):
     """A service or node could not be reached, or did not answer in time."""
 
-    code = "unavailable"
-    http_status = 503
 
-
-class Unauthorized(KVPoolError):
+class Unauthorized(KVPoolError, code="unauthorized", http_status=401):
     """Missing or wrong credentials (bearer token, keyring secret): who is asking is unknown."""
 
-    code = "unauthorized"
-    http_status = 401
 
-
-class Forbidden(KVPoolError):
+class Forbidden(KVPoolError, code="forbidden", http_status=403):
     """The caller is known, but its role may not do this (a tenant calling a node-only message)."""
 
-    code = "forbidden"
-    http_status = 403
 
-
-class QuotaExceeded(CapacityError):
+class QuotaExceeded(CapacityError, code="quota_exceeded", http_status=429):
     """The caller's tenant is at its byte or key quota; its own evictions or removes make room."""
 
-    code = "quota_exceeded"
-    http_status = 429
 
-
-class LimitExceeded(KVPoolError):
+class LimitExceeded(KVPoolError, code="limit_exceeded", http_status=429):
     """A per-connection or per-server limit (size, rate, count, time) was hit; the setting is named."""
-
-    code = "limit_exceeded"
-    http_status = 429
-
-
-_BY_CODE: dict[str, type[KVPoolError]] = {}
-
-
-def _collect(cls: type[KVPoolError]) -> None:
-    _BY_CODE.setdefault(cls.code, cls)
-    for sub in cls.__subclasses__():
-        _collect(sub)
-
-
-_collect(KVPoolError)
 
 
 def error_from_code(code: str, message: str) -> KVPoolError:

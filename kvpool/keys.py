@@ -87,18 +87,18 @@ def _tokens_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def chunk_keys(namespace: bytes, tokens: Sequence[int] | np.ndarray, chunk_tokens: int) -> list[bytes]:
     """Keys (16 bytes each) of every full chunk of `tokens`, chained from `namespace`."""
+    return _chain(namespace, _tokens_bytes(tokens), chunk_tokens)
+
+
+def _chain(namespace: bytes, raw: bytes | memoryview, chunk_tokens: int) -> list[bytes]:
     if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != KEY_BYTES:
         raise InvalidArgument(f"namespace must be {KEY_BYTES} bytes")
     if not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
         raise InvalidArgument(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-    return _chain(bytes(namespace), _tokens_bytes(tokens), chunk_tokens)
-
-
-def _chain(namespace: bytes, raw: bytes | memoryview, chunk_tokens: int) -> list[bytes]:
     step = 4 * chunk_tokens
     view = memoryview(raw)
     keys: list[bytes] = []
-    prev = namespace
+    prev = bytes(namespace)
     for start in range(0, len(view) - step + 1, step):
         prev = xxhash.xxh3_128_digest(prev + view[start : start + step])
         keys.append(prev)
@@ -129,13 +129,9 @@ def chunk_keys_hex(namespace: bytes, tokens: Sequence[int] | np.ndarray, chunk_t
 def chunk_keys_hex_u32(namespace: bytes, raw: bytes, chunk_tokens: int) -> list[str]:
     """`chunk_keys_hex` of token ids given as their little-endian u32 bytes (the router keeps a
     prompt's ids in this form per cached segment, so a warm prompt is not converted again)."""
-    if not isinstance(namespace, (bytes, bytearray)) or len(namespace) != KEY_BYTES:
-        raise InvalidArgument(f"namespace must be {KEY_BYTES} bytes")
-    if not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
-        raise InvalidArgument(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     if len(raw) % 4:
         raise InvalidArgument(f"u32 token bytes must be a multiple of 4 long, got {len(raw)}")
-    return [k.hex() for k in _chain(bytes(namespace), raw, chunk_tokens)]
+    return [k.hex() for k in _chain(namespace, raw, chunk_tokens)]
 
 
 def tail_key(request_id: str) -> str:

@@ -8,11 +8,25 @@ the event loop never blocks on a socket. The byte paths are the sync client's (s
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Concatenate, ParamSpec, TypeVar
 
 from kvpool.client.sync import Client
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _in_thread(method: Callable[Concatenate[Client, P], R]
+               ) -> Callable[Concatenate["AsyncClient", P], Awaitable[R]]:
+    """The async form of a `Client` method, with its signature and docstring: run on the pool."""
+
+    async def call(self: "AsyncClient", *args: P.args, **kwargs: P.kwargs) -> R:
+        return await self._run(lambda client: method(client, *args, **kwargs))
+
+    return functools.wraps(method)(call)
 
 
 class AsyncClient:
@@ -43,46 +57,19 @@ class AsyncClient:
         await self._run(lambda c: None)
         return self
 
-    async def put(self, key: str, value: Any, *, replicas: int | None = None) -> None:
-        await self._run(lambda c: c.put(key, value, replicas=replicas))
-
-    async def put_from(self, key: str, buffer: Any, *, replicas: int | None = None) -> None:
-        await self._run(lambda c: c.put_from(key, buffer, replicas=replicas))
-
-    async def get(self, key: str) -> bytes | None:
-        return await self._run(lambda c: c.get(key))
-
-    async def get_into(self, key: str, buffer: Any) -> int:
-        return await self._run(lambda c: c.get_into(key, buffer))
-
-    async def exists(self, key: str) -> bool:
-        return await self._run(lambda c: c.exists(key))
-
-    async def remove(self, key: str) -> bool:
-        return await self._run(lambda c: c.remove(key))
-
-    async def match_prefix(self, keys: Sequence[str]) -> int:
-        return await self._run(lambda c: c.match_prefix(keys))
-
-    async def put_batch(self, items: Sequence[tuple[str, Any]], *,
-                        replicas: int | None = None) -> list[Exception | None]:
-        return await self._run(lambda c: c.put_batch(items, replicas=replicas))
-
-    async def get_batch(self, keys: Sequence[str], *, tiers: list[str] | None = None) -> list[bytes | None]:
-        return await self._run(lambda c: c.get_batch(keys, tiers=tiers))
-
-    async def get_batch_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
-        return await self._run(lambda c: c.get_batch_into(keys, buffers))
-
-    async def exists_batch(self, keys: Sequence[str]) -> list[bool]:
-        return await self._run(lambda c: c.exists_batch(keys))
-
-    async def remove_batch(self, keys: Sequence[str]) -> list[bool]:
-        return await self._run(lambda c: c.remove_batch(keys))
-
-    async def admin(self, method: str, **args: Any) -> Any:
-        """A master admin method by name (nodes, node, stats, key_info, keys, config)."""
-        return await self._run(lambda c: c.admin(method, **args))
+    put = _in_thread(Client.put)
+    put_from = _in_thread(Client.put_from)
+    get = _in_thread(Client.get)
+    get_into = _in_thread(Client.get_into)
+    exists = _in_thread(Client.exists)
+    remove = _in_thread(Client.remove)
+    match_prefix = _in_thread(Client.match_prefix)
+    put_batch = _in_thread(Client.put_batch)
+    get_batch = _in_thread(Client.get_batch)
+    get_batch_into = _in_thread(Client.get_batch_into)
+    exists_batch = _in_thread(Client.exists_batch)
+    remove_batch = _in_thread(Client.remove_batch)
+    admin = _in_thread(Client.admin)
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()

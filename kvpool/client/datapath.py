@@ -39,9 +39,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvpool.client.engine_path import EnginePath
-from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, node_tickets
-from kvpool.errors import InvalidArgument, KVPoolError, Unavailable, error_from_code
-from kvpool.messages import ABSENT, Err, NodeGet, NodePin, NodeWrite, Put
+from kvpool.client.nodes import TOO_SMALL, NodeConn, fan_out, mark_tiers, node_tickets, written
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
+from kvpool.messages import ABSENT, NodeGet, NodePin, NodeWrite, Put
 from kvpool.rpc import RpcClient
 from transfer.route import route
 
@@ -119,7 +119,7 @@ class RpcPath:
             elif n == -1:  # from a read port: not there, ask the node (ABSENT: the node has none)
                 missed.append(j)
         if tiers is not None:
-            _mark_tiers(tiers, idx, data.sizes, data.ssd)
+            mark_tiers(tiers, idx, data.sizes, data.ssd)
         return missed
 
     def write(self, work: Work, keys: Sequence[str], put_ids: Sequence[int], views: Sequence[memoryview],
@@ -138,7 +138,7 @@ class RpcPath:
                 result.update(((conn.address, i), reply) for i in idx)
                 continue
             for i, res in zip(idx, reply.results):
-                result[(conn.address, i)] = _written(res)
+                result[(conn.address, i)] = written(res)
         return result
 
     def put(self, conn: NodeConn, keys: list[str], views: list[memoryview], replicas: int,
@@ -152,7 +152,7 @@ class RpcPath:
             reply = conn.rpc.recv_reply()
         except KVPoolError as exc:
             return [exc] * len(keys)
-        return [_written(res) for res in reply.results]
+        return [written(res) for res in reply.results]
 
 
 def _get_one(rpc: RpcClient, key: str, view: memoryview | None, absent: int = -1) -> Any:
@@ -170,13 +170,6 @@ def _get_one(rpc: RpcClient, key: str, view: memoryview | None, absent: int = -1
     return n
 
 
-def _written(res: Any) -> Any:
-    """A write's result as the client keeps it: `Placed`, `EXISTS` or a `KVPoolError`."""
-    if isinstance(res, Err):
-        return error_from_code(res.code, res.message)
-    return EXISTS if res.offset < 0 and not res.tier else res  # already complete: nothing written
-
-
 class ShmPath(RpcPath):
     """Reads copy out of the node's arena mapped on this host; writes as `RpcPath`."""
 
@@ -189,7 +182,7 @@ class ShmPath(RpcPath):
             return
         pins = conn.rpc.call(NodePin([keys[j] for j in todo], conn.take_unpins()))
         if tiers is not None:
-            _mark_tiers(tiers, [idx[j] for j in todo], pins.sizes, pins.ssd)
+            mark_tiers(tiers, [idx[j] for j in todo], pins.sizes, pins.ssd)
         arena = conn.arena
         cur = _Cursor(conn.rpc, sum(1 for o in pins.offsets if o < 0))
         try:
@@ -233,14 +226,6 @@ class ShmPath(RpcPath):
         if served:
             conn.served_from_index(served)
         return todo
-
-
-def _mark_tiers(tiers: list, idx: Sequence[int], sizes: Sequence[int], ssd: Sequence[int]) -> None:
-    """tiers[idx[j]] = the tier a node's reply says served position j (hits only)."""
-    from_ssd = set(ssd)
-    for j, (i, n) in enumerate(zip(idx, sizes)):
-        if n >= 0:
-            tiers[i] = "ssd" if j in from_ssd else "dram"
 
 
 class DataPaths:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, node_tickets
+from kvpool.client.nodes import EXISTS, TOO_SMALL, NodeConn, fan_out, mark_tiers, node_tickets, written
 from kvpool.errors import KVPoolError, Unavailable, error_from_code
-from kvpool.messages import Err, NodeCommit, NodePin, NodeReserve, Placed, PutCommit, PutReserve, Slot
+from kvpool.messages import Err, NodeCommit, NodePin, NodeReserve, PutCommit, PutReserve, Slot
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +123,7 @@ class EnginePath:
                 continue
             pin_ids.append((conn, pins.pin_id))
             if tiers is not None:
-                from_ssd = {idx[j] for j in pins.ssd}
-                for i, n in zip(idx, pins.sizes):
-                    if n >= 0:
-                        tiers[i] = "ssd" if i in from_ssd else "dram"
+                mark_tiers(tiers, idx, pins.sizes, pins.ssd)
             desc = conn.transfer_segment()
             grants = pins.grants or [None] * len(idx)
             for i, offset, n, grant in zip(idx, pins.offsets, pins.sizes, grants):
@@ -230,8 +227,5 @@ class EnginePath:
             for p, res in zip(todo, reply.results):
                 if not ok[p]:
                     continue  # the transfer's error is already recorded
-                if isinstance(res, Placed):
-                    result[(conn.address, idx[p])] = res
-                else:
-                    result[(conn.address, idx[p])] = error_from_code(res.code, res.message)
+                result[(conn.address, idx[p])] = written(res)
         return result

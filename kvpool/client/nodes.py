@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 from kvpool.security.keyring import Credential
 from kvpool.config import Settings, current_settings
-from kvpool.errors import InvalidArgument, KVPoolError, Unavailable
-from kvpool.messages import NodePin, NodeStats, NodeUnpin
+from kvpool.errors import InvalidArgument, KVPoolError, Unavailable, error_from_code
+from kvpool.messages import Err, NodePin, NodeStats, NodeUnpin
 from kvpool.rpc import RpcClient
 from kvpool.shm import index as shm_index
 from kvpool.shm.arena import map_read_only, populate
@@ -45,6 +45,21 @@ def node_tickets(tickets: Sequence[dict[str, bytes] | None] | None, conn: "NodeC
     if tickets is None:
         return []
     return [(tickets[i] or {}).get(conn.address, b"") for i in idx]
+
+
+def mark_tiers(tiers: list, idx: Sequence[int], sizes: Sequence[int], ssd: Sequence[int]) -> None:
+    """tiers[idx[j]] = the tier a node's reply says served position j (hits only)."""
+    from_ssd = set(ssd)
+    for j, (i, n) in enumerate(zip(idx, sizes)):
+        if n >= 0:
+            tiers[i] = "ssd" if j in from_ssd else "dram"
+
+
+def written(res: Any) -> Any:
+    """A write's result as the client keeps it: `Placed`, `EXISTS` or a `KVPoolError`."""
+    if isinstance(res, Err):
+        return error_from_code(res.code, res.message)
+    return EXISTS if res.offset < 0 and not res.tier else res  # already complete: nothing written
 
 
 class NodeConn:

@@ -86,14 +86,12 @@ class Client:
     def _resolve(self) -> str:
         if self._static:
             return self._static
-        from kvpool.cluster import LEADER_KEY, EtcdClient
+        from kvpool.cluster import EtcdClient
+        from kvpool.cluster.membership import leader_address
 
         if self._etcd is None:
             self._etcd = EtcdClient(self._meta)
-        leader = self._etcd.get(LEADER_KEY)
-        if leader is None:
-            raise Unavailable("no leader master in etcd yet")
-        return leader.decode()
+        return leader_address(self._etcd)
 
     def _connect_master(self) -> RpcClient:
         rpc = RpcClient(self._resolve(), timeout=self.timeout, settings=self._rpc_settings,

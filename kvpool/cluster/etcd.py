@@ -190,14 +190,10 @@ class EtcdClient:
         kvs = self._post("/v3/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))}).get("kvs", [])
         return {_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in kvs}
 
-    def delete(self, key: str) -> None:
-        self._post("/v3/kv/deleterange", {"key": _b64(key)})
-
-    def put_many(self, items: dict[str, str | bytes], lease: int = 0,
-                 compare: list[dict[str, Any]] | None = None) -> bool:
+    def put_many(self, items: dict[str, str | bytes], compare: list[dict[str, Any]] | None = None) -> bool:
         """Put every item, in transactions of at most `TXN_OPS` (etcd's default limit is 128).
         `compare` (see `lease_is`): each transaction puts only while it holds; False when one did not."""
-        return self._txn([{"request_put": _put_op(key, value, lease)} for key, value in items.items()], compare)
+        return self._txn([{"request_put": _put_op(key, value)} for key, value in items.items()], compare)
 
     def _txn(self, ops: list[dict[str, Any]], compare: list[dict[str, Any]] | None = None) -> bool:
         for i in range(0, len(ops), TXN_OPS):

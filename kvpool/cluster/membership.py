@@ -21,13 +21,21 @@ import threading
 from typing import Callable
 
 from kvpool.cluster.etcd import EtcdClient
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, Unavailable
 
 log = logging.getLogger(__name__)
 
 LEADER_KEY = "/kvpool/leader"
 MASTERS_PREFIX = "/kvpool/masters/"
 NODES_PREFIX = "/kvpool/nodes/"
+
+
+def leader_address(etcd: EtcdClient) -> str:
+    """The leader master's RPC address (`Unavailable` while no master leads)."""
+    leader = etcd.get(LEADER_KEY)
+    if leader is None:
+        raise Unavailable("no leader master in etcd yet")
+    return leader.decode()
 
 
 def lease_ttl(heartbeat_s: float) -> int:

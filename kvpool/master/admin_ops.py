@@ -7,6 +7,7 @@ node id or key raises `KeyNotFound`; a bad argument raises `InvalidArgument`.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
 from kvpool.contract import check_stored_key as check_key
@@ -65,7 +66,7 @@ class AdminOps:
         with st.lock:
             info = st.nodes.require(node_id).to_dict(time.monotonic())
             st.drop_node_locked(node_id, "removed by an operator")
-            st.nodes.ban(node_id)
+            st.nodes.banned.add(node_id)
             return info
 
     def stats(self) -> dict:
@@ -126,7 +127,7 @@ class AdminOps:
                 raise KeyNotFound(f"key {key!r} not found")
             active = obj.leased(now)
             return {"key": key, "size": obj.size, "state": "removing" if obj.removing else obj.state,
-                    "replicas": [r.to_dict() for r in obj.replicas.values()], "put_id": obj.put_id,
+                    "replicas": [asdict(r) for r in obj.replicas.values()], "put_id": obj.put_id,
                     "lease": {"active": active, "count": len(obj.leases),
                               "expires_in_s": round(max(0.0, obj.lease_until() - now), 3)},
                     "created_at": obj.created_at, "idle_s": round(now - obj.last_access, 3)}

@@ -25,6 +25,19 @@ _ADMIN_METHODS = {"nodes", "node", "stats", "key_info", "keys", "config"}
 _TENANT_METHODS = {"key_info", "keys"}  # scoped to the tenant's own keys
 
 
+def put_tokens(keys: list[str], token: int) -> list[int]:
+    """Each key's put token (`MasterService.put_start`): a key twice in one batch is two puts, and
+    only the first is the retry of an earlier attempt under `token`; the others get none (0)."""
+    if len(keys) == 1 or not token:
+        return [token] * len(keys)
+    seen: set[str] = set()
+    out = []
+    for key in keys:
+        out.append(0 if key in seen else token)
+        seen.add(key)
+    return out
+
+
 def master_inline() -> dict[type, Any]:
     """The requests an RPC server may answer on its loop thread (`kvpool.rpc.loop`): reads of
     the tables (a lookup, its release) that hold the master's lock only briefly, and that lock
@@ -44,18 +57,9 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
                           host_id=local_host_id())
 
     def put_start(msg: PutStart, payload, conn) -> PutPlans:
-        replicas, writer, token = msg.replicas or None, msg.writer_node, msg.token
-        if len(msg.keys) == 1 or not token:
-            return PutPlans(per_item(lambda key, size: service.put_start(key, size, replicas, writer, token),
-                                     msg.keys, msg.sizes))
-        seen: set[str] = set()
-
-        def start(key: str, size: int):  # a key twice in one batch is two puts: only the first is the retry
-            first = key not in seen
-            seen.add(key)
-            return service.put_start(key, size, replicas, writer, token if first else 0)
-
-        return PutPlans(per_item(start, msg.keys, msg.sizes))
+        replicas, writer = msg.replicas or None, msg.writer_node
+        start = lambda key, size, token: service.put_start(key, size, replicas, writer, token)  # noqa: E731
+        return PutPlans(per_item(start, msg.keys, msg.sizes, put_tokens(msg.keys, msg.token)))
 
     def put_end(msg: PutEnd, payload, conn) -> BatchResult:
         return BatchResult(per_item(service.put_end, msg.keys, msg.put_ids, msg.written))
@@ -79,11 +83,10 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
     def admin(msg: Admin, payload, conn) -> Info:
         if msg.method not in _ADMIN_METHODS:
             raise InvalidArgument(f"unknown admin method {msg.method!r}; known: {sorted(_ADMIN_METHODS)}")
-        if conn.scope:
-            return Info({"result": _tenant_admin(msg, conn.scope)})
         try:
-            result = getattr(service.admin, msg.method)(**msg.args)
-        except TypeError as exc:
+            result = (_tenant_admin(msg, conn.scope) if conn.scope
+                      else getattr(service.admin, msg.method)(**msg.args))
+        except TypeError as exc:  # arguments the method does not take
             raise InvalidArgument(f"admin {msg.method}: {exc}") from None
         return Info({"result": result})
 
@@ -92,17 +95,12 @@ def master_handlers(service: Any, node: Any = None) -> dict[type, Any]:
             raise Forbidden(f"admin {msg.method} shows the whole pool; a tenant may call only "
                             f"{sorted(_TENANT_METHODS)}")
         args = dict(msg.args)
-        try:
-            if msg.method == "keys":
-                prefix = args.pop("prefix", "")
-                if not isinstance(prefix, str) or "\x00" in prefix:
-                    raise InvalidArgument("keys: prefix must be a string without NUL")
-                keys = service.admin.keys(scope + prefix, **args)
-                return [unscope(k, scope) for k in keys]
-            key = args.pop("key", None)
-            doc = service.admin.key_info(scope + check_key(key), **args)
-        except TypeError as exc:
-            raise InvalidArgument(f"admin {msg.method}: {exc}") from None
+        if msg.method == "keys":
+            prefix = args.pop("prefix", "")
+            if not isinstance(prefix, str) or "\x00" in prefix:
+                raise InvalidArgument("keys: prefix must be a string without NUL")
+            return [unscope(k, scope) for k in service.admin.keys(scope + prefix, **args)]
+        doc = service.admin.key_info(scope + check_key(args.pop("key", None)), **args)
         doc["key"] = unscope(doc["key"], scope)
         return doc
 

@@ -39,8 +39,9 @@ class Migration:
         if not any(n.state == NODE_DRAINING for n in nodes):
             return
         batches: dict[tuple[str, str], list[Any]] = {}
+        copying = st.objects.copying
         for obj in st.objects.values():
-            if len(batches) > 8 or st.objects.copying(obj.key) or not obj.replicas or not self.stranded(obj):
+            if len(batches) > 8 or obj.key in copying or not obj.replicas or not self.stranded(obj):
                 continue
             source = next(iter(obj.replicas))
             targets = [n for n in choose_nodes(nodes.values(), obj.size, len(nodes))
@@ -50,7 +51,7 @@ class Migration:
             batch = batches.setdefault((source, targets[0].node_id), [])
             if len(batch) < MIGRATE_BATCH:
                 batch.append(obj)
-                st.objects.start_copy(obj.key)
+                copying.add(obj.key)
         for (source, target), objs in batches.items():
             st.outbox.copy(source, nodes.require(source).address, target, [o.key for o in objs],
                            [o.put_id for o in objs])
@@ -72,7 +73,7 @@ class Migration:
             if failed:  # some may have landed all the same: none may linger unknown
                 orphans = list(zip(keys, put_ids))
             for i, key in enumerate(keys):
-                st.objects.end_copy(key)
+                st.objects.copying.discard(key)
                 placed = results[i] if i < len(results) else None
                 if not isinstance(placed, Placed):
                     continue

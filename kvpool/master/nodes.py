@@ -2,7 +2,7 @@
 
 Invariants (every method expects the master's lock held, `kvpool.master.state`):
 - A node is in the table from its registration until it is dropped (heartbeats or etcd lease
-  ended, removed by an operator); an id an operator removed (`ban`) never registers again.
+  ended, removed by an operator); an id an operator removed (`banned`) never registers again.
 - A live node is never re-pointed to another address: a registration from elsewhere is refused
   until the known one has been silent for the node timeout (an impostor would take its reads
   and writes), unless the node runs in this process (`local`: embedded, never timed out).
@@ -29,8 +29,8 @@ class NodeTable:
     def __init__(self) -> None:
         self._nodes: dict[str, NodeEntry] = {}
         self.get = self._nodes.get  # node id -> NodeEntry | None (bound: lookups are hot)
-        self._banned: set[str] = set()  # node ids an operator removed
-        self._local: set[str] = set()  # nodes in this process (embedded)
+        self.banned: set[str] = set()  # node ids an operator removed
+        self.local: set[str] = set()  # nodes in this process (embedded)
         self._dirty: set[str] = set()
 
     # -- reading -------------------------------------------------------------------------------
@@ -71,14 +71,15 @@ class NodeTable:
 
     def silent(self, now: float, timeout_s: float) -> list[NodeEntry]:
         """Nodes (not in this process) without a heartbeat for more than `timeout_s`."""
-        return [n for n in self._nodes.values() if now - n.last_heartbeat > timeout_s and n.node_id not in self._local]
+        return [n for n in self._nodes.values()
+                if now - n.last_heartbeat > timeout_s and n.node_id not in self.local]
 
     # -- membership ----------------------------------------------------------------------------
     def join(self, info: NodeInfo, now: float, timeout_s: float) -> tuple[NodeEntry, bool]:
         """(Re-)register a node from its `info`; returns it and whether it moved to another
         address (its old connection is useless). Refuses a banned id and the re-pointing of a
         live node (module doc); a node that joins is no longer dirty."""
-        if info.node_id in self._banned:
+        if info.node_id in self.banned:
             raise InvalidArgument(f"node {info.node_id!r} was removed by an operator; start it with another id")
         node = self._nodes.get(info.node_id)
         moved = False
@@ -86,7 +87,7 @@ class NodeTable:
             node = self._nodes[info.node_id] = NodeEntry(node_id=info.node_id, address=info.address)
         elif node.address != info.address:  # restarted elsewhere
             silent = now - node.last_heartbeat
-            if node.node_id not in self._local and silent <= timeout_s:
+            if node.node_id not in self.local and silent <= timeout_s:
                 raise AlreadyExists(f"node {info.node_id!r} is live at {node.address} (heartbeat {silent:.1f}s "
                                     f"ago); it can re-register at {info.address} after {timeout_s}s "
                                     "without heartbeats")
@@ -117,24 +118,14 @@ class NodeTable:
         self._dirty.discard(node_id)
         return self._nodes.pop(node_id, None)
 
-    def ban(self, node_id: str) -> None:
-        self._banned.add(node_id)
-
     def clear(self) -> None:
         """A new role: no node is known (operator bans and in-process nodes stay)."""
         self._nodes.clear()
         self._dirty.clear()
 
-    # -- in this process -----------------------------------------------------------------------
-    def mark_local(self, node_id: str) -> None:
-        self._local.add(node_id)
-
-    def is_local(self, node_id: str) -> bool:
-        return node_id in self._local
-
     def all_local(self) -> bool:
         """Is every node in this process (or none known)? Then no node ever re-reports."""
-        local = self._local
+        local = self.local
         return bool(local) and all(n in local for n in self._nodes)
 
     # -- removals that failed ------------------------------------------------------------------

@@ -15,7 +15,7 @@ Invariants (every method expects the master's lock held, `kvpool.master.state`):
   on is dropped when looked at, so nothing that takes an object out of the table has to
   remove it there). Scanning every object twice per tick cost 11 ms of CPU under the lock at
   100,000 objects, every 0.5 s: the tail of every call that waited for the lock.
-- `_copying`: keys with a drain copy in flight (planned once). It outlives `clear`: a copy
+- `copying`: keys with a drain copy in flight (planned once). It outlives `clear`: a copy
   started in an earlier term still ends (`kvpool.master.migration`), and planning the key
   again meanwhile would put a second copy on a target that might then be removed as an orphan.
 """
@@ -38,7 +38,7 @@ class ObjectTable:
         self.get = self._entries.get  # key -> ObjectEntry | None (bound: lookups are hot)
         self._pending: set[str] = set()
         self._removing: set[str] = set()
-        self._copying: set[str] = set()
+        self.copying: set[str] = set()  # keys with a drain copy in flight (module doc)
 
     # -- reading -------------------------------------------------------------------------------
     def __contains__(self, key: str) -> bool:
@@ -212,16 +212,6 @@ class ObjectTable:
                 self._removing.discard(key)
                 ended.append(obj)
         return ended
-
-    # -- drain copies --------------------------------------------------------------------------
-    def copying(self, key: str) -> bool:
-        return key in self._copying
-
-    def start_copy(self, key: str) -> None:
-        self._copying.add(key)
-
-    def end_copy(self, key: str) -> None:
-        self._copying.discard(key)
 
     def clear(self) -> None:
         """A new role starts from an empty table (a leader rebuilds it from the nodes' reports)."""

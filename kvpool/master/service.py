@@ -160,7 +160,7 @@ class MasterService:
     def mark_local(self, node_id: str) -> None:
         """The node runs in this process (embedded): its liveness is ours, never time it out."""
         with self.state.lock:
-            self.state.nodes.mark_local(node_id)
+            self.state.nodes.local.add(node_id)
 
     def node_addresses(self) -> set[str]:
         with self.state.lock:
@@ -225,7 +225,7 @@ class MasterService:
                 return PutPlan(put_id=put_id, targets=[Target(n.node_id, n.address) for n in chosen])
             # a node in another process takes the write only with the ticket (a node here asks us)
             return PutPlan(put_id=put_id, targets=[
-                Target(n.node_id, n.address, b"" if nodes.is_local(n.node_id) else
+                Target(n.node_id, n.address, b"" if n.node_id in nodes.local else
                        tickets.sign(put_id, key, size, n.node_id, tun.put_timeout_s)) for n in chosen])
 
     def put_end(self, key: str, put_id: int, written: Sequence[Placed]) -> None:
@@ -362,13 +362,13 @@ class MasterService:
             tombstones = not st.nodes.all_local()
             generation = next(st.ids)
             if tombstones and log_ is not None:
-                st.tombstones.recording(generation)
+                st.tombstones.recording.add(generation)
         if tombstones and log_ is not None:
             try:
                 log_.record(keys, generation)  # Unavailable when etcd cannot take it: nothing was removed
             finally:
                 with st.lock:
-                    st.tombstones.recorded(generation)
+                    st.tombstones.recording.discard(generation)
         with st.lock:
             for key in keys:
                 if tombstones:

@@ -191,7 +191,7 @@ class MasterState:
         """An in-process node's same-host readers find objects through its shm index without
         asking us: hide a dropped object there now, before the call that dropped it returns
         (its bytes go later, with the queued removal)."""
-        if self.nodes.is_local(node_id):
+        if node_id in self.nodes.local:
             hide = getattr(self.link(node_id), "hide", None)
             if hide is not None:
                 hide([obj.key], [obj.put_id])

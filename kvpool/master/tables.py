@@ -28,9 +28,6 @@ class Replica:
     segment: str = ""  # the node's segment (arena) name; "" until the write lands
     offset: int = -1  # offset in that segment; -1 while unknown (pending, or SSD tier)
 
-    def to_dict(self) -> dict:
-        return {"node_id": self.node_id, "tier": self.tier, "segment": self.segment, "offset": self.offset}
-
 
 @dataclass
 class ObjectEntry:

@@ -29,7 +29,8 @@ class Tombstones:
         self._order: collections.deque[tuple[float, str, int]] = collections.deque()  # (until, key, T)
         self.horizon = 0  # every tombstone at or below this generation has been forgotten
         self.saved = 0  # ... and etcd knows it (cluster mode)
-        self._recording: set[int] = set()  # generations of removes being written to etcd
+        # generations of removes being written to etcd: no mark reaches them meanwhile (`bound`)
+        self.recording: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._removed)
@@ -72,17 +73,10 @@ class Tombstones:
                 self.remember(key, generation, now)
         self.horizon = self.saved = horizon
 
-    def recording(self, generation: int) -> None:
-        """A remove at `generation` is being written to etcd: no mark reaches it meanwhile."""
-        self._recording.add(generation)
-
-    def recorded(self, generation: int) -> None:
-        self._recording.discard(generation)
-
     def bound(self, last: int) -> int:
         """The newest generation (<= `last`, the newest issued) whose removes are all applied
         as far as etcd is concerned."""
-        return min(last, min(self._recording) - 1) if self._recording else last
+        return min(last, min(self.recording) - 1) if self.recording else last
 
     def unsaved(self) -> int:
         """A horizon etcd has yet to be told (0: none)."""
@@ -95,4 +89,4 @@ class Tombstones:
         self._removed.clear()
         self._order.clear()
         self.horizon = self.saved = 0
-        self._recording.clear()
+        self.recording.clear()

@@ -39,12 +39,9 @@ class MasterChannel:
     def _leader_address(self) -> str:
         if self._etcd is None:
             return self._settings.pool.master
-        from kvpool.cluster import LEADER_KEY
+        from kvpool.cluster.membership import leader_address
 
-        leader = self._etcd.get(LEADER_KEY)
-        if leader is None:
-            raise Unavailable("no leader master registered in etcd yet")
-        return leader.decode()
+        return leader_address(self._etcd)
 
     def _client(self) -> RpcClient:
         if self._etcd is not None and self._rpc is not None:

@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from kvpool.config import Settings
 from kvpool.errors import Forbidden, InvalidArgument, KVPoolError, Unavailable
 from kvpool.messages import (Bools, Held, Info, NodeCommit, NodeCopy, NodeData, NodeGet, NodeInfo, NodePin, NodeRemove,
@@ -37,7 +39,7 @@ from kvpool.node import grants
 from kvpool.node.master_channel import MasterChannel
 from kvpool.node.pins import Pins as PinTable
 from kvpool.node.readers import ReadWorkers, worker_count
-from kvpool.node.writes import Writes
+from kvpool.node.writes import Writes, check_sizes
 from kvpool.rpc import Payload, RpcServer, ServerConn
 from kvpool.rpc.client import node_credential
 from kvpool.security.keyring import ticket_key
@@ -87,7 +89,7 @@ class StoreNode:
         table = {NodeGet: self._on_get, NodePin: self._on_pin, NodeUnpin: self._on_unpin, NodeWrite: self._on_write,
                  NodeRemove: self._on_remove, NodeCopy: self._on_copy, NodeStats: self._on_stats,
                  NodeReserve: self._on_reserve, NodeCommit: self._on_commit}
-        return {kind: self._while_open(handler) for kind, handler in table.items()}
+        return {kind: self.while_open(handler) for kind, handler in table.items()}
 
     def inline(self) -> dict[type, Any]:
         """The requests the RPC server may answer on its loop thread (`kvpool.rpc.loop`): those
@@ -104,7 +106,7 @@ class StoreNode:
 
         return {NodeGet: reads, NodePin: reads, NodeUnpin: unpins}
 
-    def _while_open(self, handler: Any) -> Any:
+    def while_open(self, handler: Any) -> Any:
         """A request still in flight when `stop` closed the store gets `Unavailable`, not a crash."""
         def guarded(msg: Any, payload: Payload, conn: ServerConn) -> Any:
             if self.store is None:
@@ -220,13 +222,12 @@ class StoreNode:
         capacity = {"dram": self.store.arena.size}
         if s.ssd_path:
             capacity["ssd"] = s.ssd_capacity
+        readers = self.readers
         return NodeInfo(node_id=self.node_id, address=self.rpc.address, hostname=socket.gethostname(),
                         segments=[self.segment], shm_path=self.store.arena.path, capacity=capacity,
                         transfer_segment=self.transfer_segment, index_path=self._index_path(),
-                        unix=self.rpc.unix_address, host_id=local_host_id(), read_address=self._read_address())
-
-    def _read_address(self) -> str | None:
-        return self.readers.address if self.readers is not None else None
+                        unix=self.rpc.unix_address, host_id=local_host_id(),
+                        read_address=readers.address if readers is not None else None)
 
     def _index_path(self) -> str | None:
         index = getattr(getattr(self.store, "dram", None), "index", None)
@@ -369,14 +370,7 @@ class StoreNode:
             self.store.touch(msg.touched)
 
     def _on_write(self, msg: NodeWrite, payload: Payload, conn: ServerConn) -> WriteReply:
-        total = 0
-        for size in msg.sizes:  # a loop, not any() + sum(): a single put is the common case
-            if not isinstance(size, int) or size <= 0:
-                total = -1
-                break
-            total += size
-        if total != payload.length:
-            raise InvalidArgument(f"NodeWrite: sizes must be positive and add up to the payload ({payload.length})")
+        check_sizes(msg.sizes, payload, "NodeWrite")
         write, checked = self.writes.write, bool(conn.scope)  # a tenant's keys were validated at dispatch
         tickets = msg.tickets or [b""] * len(msg.keys)
         return WriteReply(per_item(lambda key, size, put_id, ticket: write(key, size, put_id, payload, checked, ticket),
@@ -407,11 +401,9 @@ class StoreNode:
         return WriteReply(self.writes.copy(list(msg.keys), list(msg.put_ids), msg.source))
 
     def _on_stats(self, msg: NodeStats, payload: Payload, conn: ServerConn) -> Info:
-        arena = self.store.arena
-        doc = {"node_id": self.node_id, "address": self.rpc.address, "hostname": socket.gethostname(),
-               "shm_path": arena.path, "arena_size": arena.size, "transfer_segment": self.transfer_segment,
-               "index_path": self._index_path(), "unix": self.rpc.unix_address, "host_id": local_host_id(),
-               "read_address": self._read_address()}
+        info = msgspec.structs.asdict(self.info())  # how to reach the node: what it registers with
+        doc = {k: v for k, v in info.items() if k not in ("segments", "capacity")}
+        doc["arena_size"] = self.store.arena.size
         if conn is None or not conn.scope:  # a tenant learns how to reach the node, not the pool's traffic
             doc.update(self.store.stats())
         return Info(doc)

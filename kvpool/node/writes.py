@@ -262,7 +262,7 @@ class Writes:
             return Err(Unavailable.code, f"no reservation of put {put_id} of {key!r} "
                                          "(reclaimed, expired or never made)")
         if not ok:
-            self._abort(key, write)
+            self._abort(key)
             return Err(Unavailable.code, f"put {put_id} of {key!r} aborted by its writer")
         try:
             return self.publish(key, write.put_id, write.offset)
@@ -279,7 +279,7 @@ class Writes:
             self.revoke(write.grant)  # committed or aborted: its writer may write no more
         return write
 
-    def _abort(self, key: str, write: _Open) -> None:
+    def _abort(self, key: str) -> None:
         try:
             self.store.abort(key)
         except KVPoolError:
@@ -290,7 +290,7 @@ class Writes:
         write = self._take(key, put_id)
         if write is None:
             return False
-        self._abort(key, write)
+        self._abort(key)
         return True
 
     def expire(self) -> None:
@@ -317,6 +317,18 @@ class Writes:
                 mine = write is not None and write.put_id == put_id and write.conn is conn
             if mine:
                 self.abort(key, put_id)
+
+
+def check_sizes(sizes: list[int], payload: Payload, what: str) -> None:
+    """`InvalidArgument` unless every size is a positive int and they add up to the payload."""
+    total = 0
+    for size in sizes:  # a loop, not any() + sum(): a single put is the common case
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            total = -1
+            break
+        total += size
+    if total != payload.length:
+        raise InvalidArgument(f"{what}: sizes must be positive and add up to the payload ({payload.length})")
 
 
 def _principal(conn: Any) -> str:

@@ -33,10 +33,10 @@ class DramTier:
 
     name = "dram"
 
-    def __init__(self, capacity: int, shm_name: str | None = None, prefault: bool = True, index_slots: int = -1):
+    def __init__(self, capacity: int, index_slots: int = -1):
         """`index_slots`: size of the shared-memory index for same-host readers (-1: sized from
         `capacity`, 0: none; never on CPUs where its readers would not be sound)."""
-        self.arena = SharedArena.create(capacity, shm_name, prefault=prefault)
+        self.arena = SharedArena.create(capacity)
         self.allocator = PageAllocator(capacity)
         self._entries: dict[str, tuple[int, int]] = {}  # visible key -> (offset, length)
         self._pending: dict[str, tuple[int, int]] = {}  # reserved, not yet committed
@@ -97,18 +97,15 @@ class DramTier:
 
     def remove(self, key: str) -> bool:
         self.unpublish(key)  # first: an index reader must never find space that is being freed
-        entry = self._entries.pop(check_key(key), None)
-        if entry is None:
-            return False
-        self.allocator.free(entry[0])
-        return True
+        return self._free(self._entries.pop(check_key(key), None))
 
     def abort(self, key: str) -> bool:
-        entry = self._pending.pop(key, None)
-        if entry is None:
-            return False
-        self.allocator.free(entry[0])
-        return True
+        return self._free(self._pending.pop(key, None))
+
+    def _free(self, entry: tuple[int, int] | None) -> bool:
+        if entry is not None:
+            self.allocator.free(entry[0])
+        return entry is not None
 
     def view(self, key: str) -> memoryview:
         """The arena slice of a visible or reserved object (valid until it is freed)."""

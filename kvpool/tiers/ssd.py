@@ -256,8 +256,7 @@ class SsdTier:
         return result
 
     def get(self, key: str) -> bytes | None:
-        result = self._read(check_key(key), None)
-        return result  # type: ignore[return-value]
+        return self._read(check_key(key), None)  # type: ignore[return-value]
 
     def get_into(self, key: str, buffer: Any) -> int:
         check_key(key)

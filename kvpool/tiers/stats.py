@@ -18,9 +18,6 @@ class TierStats:
         self.hits += 1
         self.bytes_out += nbytes
 
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
     @staticmethod
     def total(parts: list["TierStats"]) -> dict[str, int]:
         out = TierStats()
@@ -50,7 +47,7 @@ class StoreStats:
         the store's `kvpool.tiers.entries.EntryIndex` (its running totals)."""
         present = {name: tier for name, tier in tiers.items() if tier is not None}
         out = {name: {"capacity": tier.capacity, "used": tier.used, "objects": len(tier),
-                      **getattr(self, name).as_dict()} for name, tier in present.items()}
+                      **asdict(getattr(self, name))} for name, tier in present.items()}
         total = {"objects": entries.visible, "bytes": entries.visible_bytes, "pinned": entries.pinned,
                  **TierStats.total([getattr(self, n) for n in present])}
         # Each read is served by one tier (a hit there) or by none: DRAM misses that SSD served

@@ -20,7 +20,7 @@ Invariants: a visible object (`contains`) reads back exactly the bytes of the pu
 it; every tier's `used <= capacity`; a key is visible iff it is committed, not being removed,
 and held by DRAM or SSD.
 
-Keys: `put`, `get`, `get_into`, `pin`, `remove`, `match_prefix` validate theirs; `reserve`,
+Keys: `put`, `get`, `get_into`, `pin`, `remove` validate theirs; `reserve`,
 `commit`, `abort`, `contains`, `size_of` trust theirs (validated once by `kvpool.node.writes`).
 Pins do not expire: whoever pins (the node, for a same-host reader or a transfer) unpins, also
 when its peer goes away. KV in GPU memory is the engine's own (vLLM's blocks, the reference
@@ -59,8 +59,7 @@ class TieredStore:
     """DRAM arena (+ optional SSD) with eviction, demotion, promotion and pins."""
 
     def __init__(self, dram_capacity: int, ssd_path: str | None = None, ssd_capacity: int = 0,
-                 policy: str = DEFAULT_EVICTION, shm_name: str | None = None, *,
-                 on_event: EventHook | None = None, prefault: bool = True, index_slots: int = -1,
+                 policy: str = DEFAULT_EVICTION, *, index_slots: int = -1,
                  quotas: dict[str, tuple[int, int]] | None = None):
         """`quotas`: tenant -> (bytes, keys) it may hold on this node (0: no limit); a reservation
         past either raises `QuotaExceeded`. Eviction is fair across tenants (`FairPolicy`)."""
@@ -72,7 +71,7 @@ class TieredStore:
         dram_cap = max(1, dram_capacity)
         self._dram_policy = FairPolicy(lambda: make_policy(policy, dram_cap))  # validates the name first
         self.policy = policy
-        self.dram = DramTier(dram_capacity, shm_name, prefault=prefault, index_slots=index_slots)
+        self.dram = DramTier(dram_capacity, index_slots=index_slots)
         self.ssd: SsdTier | None = None
         try:
             if ssd_path is not None:
@@ -80,7 +79,7 @@ class TieredStore:
         except BaseException:
             self.close()
             raise
-        self.on_event = on_event
+        self.on_event: EventHook | None = None
         self._entries: EntryIndex = EntryIndex()
         self._stats = StoreStats()
         self._shelf: SsdShelf | None = None
@@ -91,16 +90,14 @@ class TieredStore:
                 self._entries[key] = _Entry(size, ssd=True)
 
     @classmethod
-    def from_settings(cls, settings: Any, **kwargs: Any) -> "TieredStore":
+    def from_settings(cls, settings: Any) -> "TieredStore":
         """A store as `kvpool.config.Settings` describe it (`[node]`: capacities, ssd_path,
         eviction, the shm index; `[rpc] shm_index`; the keyring's quotas)."""
         node, auth_file = settings.node, settings.security.auth_file
-        if "quotas" not in kwargs and auth_file:
-            kwargs["quotas"] = tenant_quotas(load_keyring(auth_file))
-        return cls(node.dram_capacity, ssd_path=node.ssd_path,
-                   ssd_capacity=node.ssd_capacity if node.ssd_path else 0,
-                   policy=node.eviction,
-                   index_slots=node.shm_index_slots if settings.rpc.shm_index else 0, **kwargs)
+        ssd_capacity = node.ssd_capacity if node.ssd_path else 0
+        return cls(node.dram_capacity, node.ssd_path, ssd_capacity, node.eviction,
+                   index_slots=node.shm_index_slots if settings.rpc.shm_index else 0,
+                   quotas=tenant_quotas(load_keyring(auth_file)) if auth_file else None)
 
     @property
     def arena(self):
@@ -449,19 +446,6 @@ class TieredStore:
     def size_of(self, key: str) -> int | None:
         entry = self._entries.get(key)
         return entry.size if entry is not None and entry.visible else None
-
-    def match_prefix(self, keys: Sequence[str]) -> int:
-        """n such that keys[0..n) are all present and keys[n] is not (or n == len(keys))."""
-        if isinstance(keys, (str, bytes)):
-            raise InvalidArgument("match_prefix takes a sequence of keys, not one key")
-        n = 0
-        with self._lock:
-            for key in keys:
-                entry = self._entries.get(check_key(key))
-                if entry is None or not entry.visible:
-                    break
-                n += 1
-        return n
 
     def keys(self) -> Iterator[tuple[str, int, str]]:
         """(key, size, fastest tier holding it) of every visible object (a snapshot)."""

@@ -221,7 +221,7 @@ def test_handoff_with_the_prefix_served_from_ssd_after_dram_eviction(reference_m
     ids = _prompts(rm)["long"]
     other = rm.encode(FILLER * 5)
     ns = rm.namespace(CHUNK_TOKENS)
-    dram = (len(ids) // CHUNK_TOKENS + 3) * ns.layout.bytes_per_chunk
+    dram = (len(ids) // CHUNK_TOKENS + 3) * ns.layout.object_nbytes()
     settings = load_settings(port=0, admin_port=0, dram_capacity=dram, ssd_path=str(tmp_path / "ssd"),
                              ssd_capacity="256MiB", eviction="lru")
     with EmbeddedPool(settings) as ep:

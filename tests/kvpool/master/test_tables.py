@@ -50,7 +50,7 @@ def test_a_live_node_is_not_re_pointed_but_a_silent_or_local_one_is():
     assert nodes.get("a").address == "127.0.0.1:1"
     node, moved = nodes.join(info("a", "127.0.0.1:2"), now + 6.0, 5.0)  # silent past the timeout
     assert moved and node.address == "127.0.0.1:2"
-    nodes.mark_local("a")
+    nodes.local.add("a")
     assert nodes.join(info("a", "127.0.0.1:3"), now + 6.5, 5.0)[1]  # in this process: always its own
     assert nodes.join(info("a", "127.0.0.1:3"), now + 7.0, 5.0)[1] is False
 
@@ -66,7 +66,7 @@ def test_a_banned_id_never_registers_again_and_dirt_goes_with_the_node():
     nodes.mark_dirty("a")
     nodes.drop("a")
     assert not nodes.is_dirty("a")
-    nodes.ban("a")
+    nodes.banned.add("a")
     with pytest.raises(InvalidArgument, match="removed by an operator"):
         nodes.join(info("a"), time.monotonic(), 5.0)
     with pytest.raises(KeyNotFound):
@@ -86,7 +86,7 @@ def test_the_node_account_never_goes_below_zero():
 def test_every_node_local_means_no_node_re_reports():
     nodes = NodeTable()
     assert not nodes.all_local()  # nothing in this process: a remote node may join
-    nodes.mark_local("a")
+    nodes.local.add("a")
     nodes.join(info("a"), time.monotonic(), 5.0)
     assert nodes.all_local()
     nodes.join(info("b"), time.monotonic(), 5.0)
@@ -155,11 +155,11 @@ def test_the_ticks_candidates_cover_every_open_put_and_every_waiting_remove():
 
 def test_a_copy_in_flight_outlives_a_new_term():
     nodes, objects = tables("a")
-    objects.start_copy("k")
+    objects.copying.add("k")
     objects.clear()
-    assert objects.copying("k")  # the copy still ends; planning it again would orphan a replica
-    objects.end_copy("k")
-    assert not objects.copying("k")
+    assert "k" in objects.copying  # the copy still ends; planning it again would orphan a replica
+    objects.copying.discard("k")
+    assert "k" not in objects.copying
 
 
 # -- Tombstones -------------------------------------------------------------------------------
@@ -192,10 +192,10 @@ def test_what_a_tombstone_and_the_horizon_refuse():
 def test_no_mark_reaches_a_remove_still_being_written_to_etcd():
     t = Tombstones(memory_s=1.0)
     assert t.bound(500) == 500
-    t.recording(300)
-    t.recording(400)
+    t.recording.add(300)
+    t.recording.add(400)
     assert t.bound(500) == 299
-    t.recorded(300)
+    t.recording.discard(300)
     assert t.bound(500) == 399
     t.remember("k", 450, now=0.0)
     t.expire(5.0)

@@ -113,7 +113,7 @@ def test_remove_while_pinned_defers_the_free(make_store):
 def test_two_phase_write(make_store):
     store = make_store()
     res = store.reserve("w", 10_000)
-    assert not store.contains("w") and store.match_prefix(["w"]) == 0
+    assert not store.contains("w")
     store.arena.buffer[res.offset : res.offset + res.length] = payload(10_000, 5)
     with pytest.raises(AlreadyExists):
         store.reserve("w", 10)
@@ -128,17 +128,11 @@ def test_two_phase_write(make_store):
         store.commit("x")
 
 
-def test_match_prefix_and_keys(make_store):
+def test_keys(make_store):
     store = make_store()
     for k in ("a", "b", "c", "e"):
         store.put(k, k.encode())
-    assert store.match_prefix(["a", "b", "c", "d", "e"]) == 3
-    assert store.match_prefix([]) == 0 and store.match_prefix(["z", "a"]) == 0
     assert sorted(store.keys()) == [("a", 1, "dram"), ("b", 1, "dram"), ("c", 1, "dram"), ("e", 1, "dram")]
-    with pytest.raises(InvalidArgument):
-        store.match_prefix("abc")
-    with pytest.raises(InvalidArgument):
-        store.match_prefix(["a", 3])
 
 
 def test_bad_input_is_typed(make_store):

@@ -1,5 +1,5 @@
 """Model-based property tests of TieredStore: capacity never exceeded, pinned objects never
-evicted, every visible object reads back exactly, match_prefix agrees with brute force."""
+evicted, every visible object reads back exactly."""
 
 from __future__ import annotations
 
@@ -15,14 +15,6 @@ from kvpool.tiers import TieredStore
 KEYS = [f"k{i}" for i in range(10)]
 
 
-def _brute_prefix(keys: list[str], present) -> int:
-    """The oracle: how many of `keys`, from the start, are all present."""
-    n = 0
-    while n < len(keys) and present(keys[n]):
-        n += 1
-    return n
-
-
 def _value(key: str, size: int) -> bytes:
     seed = hashlib.sha256(f"{key}/{size}".encode()).digest()
     return (seed * (size // 32 + 1))[:size]
@@ -34,7 +26,6 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("pin"), st.sampled_from(KEYS), st.just(0)),
     st.tuples(st.just("unpin"), st.sampled_from(KEYS), st.just(0)),
     st.tuples(st.just("remove"), st.sampled_from(KEYS), st.just(0)),
-    st.tuples(st.just("prefix"), st.permutations(KEYS), st.integers(0, 10)),
 ), max_size=60)
 
 
@@ -77,9 +68,6 @@ def test_store_against_model(tmp_path_factory, policy, with_ssd, program):
             elif action == "remove":
                 store.remove(key)
                 sizes.pop(key, None)
-            elif action == "prefix":
-                keys = list(key)[:arg]
-                assert store.match_prefix(keys) == _brute_prefix(keys, store.contains)
             # invariants after every step
             entries = store._entries.values()  # the totals are kept running: they equal a recount
             total = store.stats()["total"]
@@ -104,15 +92,3 @@ def test_store_against_model(tmp_path_factory, policy, with_ssd, program):
         assert store.stats()["total"]["pinned"] == 0
     finally:
         store.close()
-
-
-@settings(max_examples=100, deadline=None)
-@given(present=st.sets(st.sampled_from(KEYS)), query=st.lists(st.sampled_from(KEYS), max_size=12))
-def test_match_prefix_is_brute_force(present, query):
-    with TieredStore(64 * 1024) as store:
-        for k in present:
-            store.put(k, k.encode())
-        expected = 0
-        while expected < len(query) and query[expected] in present:
-            expected += 1
-        assert store.match_prefix(query) == expected
