@@ -44,7 +44,7 @@ from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, mak
 from kvpool.router.tenants import Tenant, Tenants
 from kvpool.router.tokenizer import RouterTokenizer
 from kvpool.router.backends.vllm import VLLMSettings
-from kvpool.router.workers import DOWN, DRAINING, UP, Workers, WorkerState
+from kvpool.router.workers import Workers, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,8 @@ class RouterConfig:
 
 
 class Router:
-    """Routes requests and runs them through `backend`; it is the backends' `Host`
-    (backends/base.py): `worker`, `worker_failed`, `worker_leaving`, `another_decoder`."""
+    """Routes requests and runs them through `backend`, which calls back `worker`,
+    `worker_failed`, `worker_leaving`, `another_decoder` and adds to `metrics` and `cost`."""
 
     def __init__(self, config: RouterConfig):
         self.config = config
@@ -298,11 +298,12 @@ class Router:
         finally:
             count()
 
-    # -- what a backend may ask (backends/base.py: Host) ------------------------------------------
+    # -- what a backend may ask ------------------------------------------------------------------
     def worker(self, name: str) -> WorkerState:
         return self.workers.by_name(name)
 
     def worker_failed(self, worker: WorkerState, stage: str, why: str) -> None:
+        """`worker` could not be reached or broke off during `stage`: counted, out of rotation."""
         self.metrics.worker_failures.labels(stage=stage).inc()
         self.workers.mark_down(worker, why)
 
@@ -310,6 +311,7 @@ class Router:
         self.workers.leaving(worker)
 
     def another_decoder(self, keys: list[str], exclude: Sequence[str], tenant: str | None) -> WorkerState | None:
+        """The best decode worker but those in `exclude` (and those that do not serve `tenant`)."""
         snap = self.snapshot(keys, (*exclude, *self.not_serving(tenant)))
         alt = [w for w in snap.workers if w.decodes]
         if not alt:
@@ -353,4 +355,4 @@ class Rejected(KVPoolError):
         self.decision = decision
 
 
-__all__ = ["Router", "RouterConfig", "Piece", "Outcome", "Rejected", "DOWN", "DRAINING", "UP"]
+__all__ = ["Router", "RouterConfig", "Piece", "Outcome", "Rejected"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import array
 import logging
 import re
-import struct
 import sys
 from typing import Any, NamedTuple, Sequence
 
@@ -36,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # A sentence end, then the space that starts the next word: ". The", "? And", "\nSection".
 _CUT = re.compile(r"(?<=[.!?:;\n])(?= [A-Za-z])")
-_SERIAL_CHARS = 4096  # new text up to this long is encoded serially (see _encode)
+_SERIAL_CHARS = 4096  # new text up to this long is encoded serially (see encode_prompt)
 
 
 class _Cache:
@@ -76,24 +75,19 @@ class Prompt(NamedTuple):
 
 def u32_bytes(ids: Sequence[int]) -> bytes:
     """Token ids as little-endian u32 bytes (`OverflowError`, `TypeError`: not u32 ids)."""
-    if _ARRAY_U32:
-        arr = array.array("I", ids)
-        if sys.byteorder != "little":
-            arr.byteswap()
-        return arr.tobytes()
-    return struct.pack(f"<{len(ids)}I", *ids)
+    return _u32(ids).tobytes()
 
 
 def _ids(u32: bytes) -> list[int]:
-    if _ARRAY_U32:
-        arr = array.array("I", u32)
-        if sys.byteorder != "little":
-            arr.byteswap()
-        return arr.tolist()
-    return list(struct.unpack(f"<{len(u32) // 4}I", u32))
+    return _u32(u32).tolist()
 
 
-_ARRAY_U32 = array.array("I").itemsize == 4
+def _u32(values: Any) -> array.array:
+    """An array of C unsigned ints, 4 bytes on every platform CPython runs on, little-endian."""
+    arr = array.array("I", values)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr
 
 
 class RouterTokenizer:
@@ -152,16 +146,13 @@ class RouterTokenizer:
 
     def encode_chat_prompt(self, messages: Sequence[dict[str, Any]]) -> Prompt:
         """`encode_chat`, with the ids' u32 bytes."""
-        return self._encode(self.render_chat(messages), False)
+        return self.encode_prompt(self.render_chat(messages), False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._encode(text, add_special_tokens).ids
+        return self.encode_prompt(text, add_special_tokens).ids
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
         """`encode`, with the ids' u32 bytes."""
-        return self._encode(text, add_special_tokens)
-
-    def _encode(self, text: str, add_special_tokens: bool) -> Prompt:
         segments = [p for p in (self._split.split(text) if self._split is not None else [text]) if p]
         specials = self._special_u32
         found: dict[str, bytes | None] = {}
@@ -220,13 +211,6 @@ class RouterTokenizer:
         if add_special_tokens and self.add_bos_token and self.bos_token is not None:
             ids = [self._tok.token_to_id(self.bos_token), *ids]
         return ids
-
-    # -- ids -> text ---------------------------------------------------------------------------
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,

@@ -1,6 +1,7 @@
 """The contract between the router and the workers behind it: a `Backend` per worker API
-(`reference`: kvpool's own workers; `vllm`: vLLM OpenAI servers with kvpool's connector), and the
-`Host` the router lends a backend while it runs one of its requests.
+(`reference`: kvpool's own workers; `vllm`: vLLM OpenAI servers with kvpool's connector). While
+it runs a request, a backend calls back into the `Router` (service.py: `worker`, `worker_failed`,
+`worker_leaving`, `another_decoder`, and its `metrics` and `cost`).
 
 A backend owns its HTTP clients (made in `start`, closed in `close`) and maps what its workers
 answer to the router's terms: `BeforeFirst` for a failure before anything of the step reached
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 import aiohttp
 
@@ -20,9 +21,8 @@ from kvpool import worker_api as wire
 from kvpool.errors import Unavailable
 
 if TYPE_CHECKING:
-    from kvpool.router.cost import CostModel
-    from kvpool.router.metrics import RouterMetrics
     from kvpool.router.policy import Decision, RouteRequest
+    from kvpool.router.service import Router
     from kvpool.router.tenants import Tenant
     from kvpool.router.workers import WorkerState
 
@@ -59,7 +59,7 @@ def failed(worker: str, error: Exception, streamed: bool) -> Exception:
     return error if streamed else BeforeFirst(worker, error)
 
 
-def unreachable(host: "Host", worker: "WorkerState", path: str, exc: Exception, streamed: bool) -> Exception:
+def unreachable(host: Router, worker: "WorkerState", path: str, exc: Exception, streamed: bool) -> Exception:
     """`worker` could not be reached or broke off during its call to `path`: out of rotation, and
     the step's error."""
     why = f"{type(exc).__name__}: {exc}"
@@ -92,26 +92,6 @@ class Request:
         return self.route.pool_prefix_chunks if self.route.pool_matched else None
 
 
-class Host(Protocol):
-    """What the router lends a backend for the requests it runs (the `Router` implements it)."""
-
-    metrics: "RouterMetrics"  # counters the backend adds to: retries, prompt tokens, worker failures
-    cost: "CostModel"  # learns from every successful prefill
-    bytes_per_token: int  # the model's KV bytes per token as the pool stores them
-
-    def worker(self, name: str) -> "WorkerState":
-        """The worker a decision names."""
-
-    def worker_failed(self, worker: "WorkerState", stage: str, why: str) -> None:
-        """`worker` could not be reached or broke off during `stage`: counted, out of rotation."""
-
-    def worker_leaving(self, worker: "WorkerState") -> None:
-        """`worker` answered that it is draining: no new requests."""
-
-    def another_decoder(self, keys: list[str], exclude: Sequence[str], tenant: str | None) -> "WorkerState | None":
-        """The best decode worker but those in `exclude` (and those that do not serve `tenant`)."""
-
-
 class Backend(Protocol):
     """Workers of one API behind the router.
 
@@ -138,7 +118,7 @@ class Backend(Protocol):
     async def poll(self, state: "WorkerState", timeout: float) -> tuple[wire.LoadReport, wire.EventsResponse | None]:
         """The worker's load, and its KV events since `state.events_since` if it sends them."""
 
-    def run(self, host: Host, decision: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
+    def run(self, host: Router, decision: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
         """Execute `decision`: text pieces, the last with its finish reason."""
 
 
@@ -164,5 +144,5 @@ async def get(http: aiohttp.ClientSession, url: str, path: str, timeout: float) 
     return body
 
 
-__all__ = ["Backend", "BeforeFirst", "Host", "Outcome", "Piece", "Request", "WorkerRefused", "client_session", "failed",
-           "get", "unreachable"]
+__all__ = ["Backend", "BeforeFirst", "Outcome", "Piece", "Request", "WorkerRefused", "client_session",
+           "failed", "get", "unreachable"]

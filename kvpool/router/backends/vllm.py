@@ -51,10 +51,11 @@ from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import Namespace
 from kvpool.chunk_format import KVLayout
 from kvpool.codec import stored_bytes_per_token
-from kvpool.router.backends.base import (BeforeFirst, Host, Outcome, Piece, Request, client_session, failed, get,
+from kvpool.router.backends.base import (BeforeFirst, Outcome, Piece, Request, client_session, failed, get,
                                          unreachable)
 
 if TYPE_CHECKING:
+    from kvpool.router.service import Router
     from kvpool.router.policy import Decision
     from kvpool.router.workers import WorkerState
 
@@ -190,7 +191,7 @@ class VLLMBackend:
                                decode_token_ms=itl_ms / max(1, running)), None  # a step of the batch it ran
 
     # -- execution ------------------------------------------------------------------------------
-    async def run(self, host: Host, d: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
+    async def run(self, host: Router, d: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
         """Prefill on `d.prefill` (if any), then stream the decode from `d.decode`; both carry
         the tenant's cache_salt, if any."""
         tenant, ids, sampling, rid, max_tokens = req.tenant, req.ids, req.sampling, req.request_id, req.max_tokens
@@ -217,7 +218,7 @@ class VLLMBackend:
         return {"model": worker.info.model_id, "prompt": ids, "max_tokens": max_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, **extra}
 
-    async def _prefill(self, host: Host, p: "WorkerState", ids: list[int], d: "Decision",
+    async def _prefill(self, host: Router, p: "WorkerState", ids: list[int], d: "Decision",
                        sampling: wire.SamplingParams, rid: str, salt: dict[str, str]) -> dict[str, Any] | None:
         uncached = len(ids) - d.cached_tokens
         p.prefill_sent(uncached)
@@ -237,7 +238,8 @@ class VLLMBackend:
         log.debug("request %s: prefilled on %s in %.0f ms, kv_transfer_params %s", rid, p.name, elapsed * 1e3, params)
         return params if isinstance(params, dict) else None
 
-    async def _post(self, host: Host, worker: "WorkerState", body: dict[str, Any], rid: str) -> dict[str, Any]:
+    async def _post(self, host: Router, worker: WorkerState, body: dict[str, Any],
+                    rid: str) -> dict[str, Any]:
         try:
             async with self.http.post(worker.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
                 raw, status = await resp.read(), resp.status
@@ -250,7 +252,7 @@ class VLLMBackend:
         except ValueError:
             raise BeforeFirst(worker.name, Unavailable(f"worker {worker.name} sent a body that is not JSON")) from None
 
-    async def _decode(self, host: Host, worker: "WorkerState", ids: list[int], max_tokens: int,
+    async def _decode(self, host: Router, worker: "WorkerState", ids: list[int], max_tokens: int,
                       sampling: wire.SamplingParams, kv_params: dict[str, Any] | None, out: Outcome,
                       rid: str, salt: dict[str, str]) -> AsyncIterator[Piece]:
         extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}, **salt}
@@ -284,7 +286,7 @@ class VLLMBackend:
         host.metrics.prompt_tokens.labels(source="cached").inc(out.cached_tokens)
         yield Piece(finish=finish or "stop")
 
-    def _error(self, host: Host, worker: "WorkerState", status: int, raw: bytes) -> Exception:
+    def _error(self, host: Router, worker: "WorkerState", status: int, raw: bytes) -> Exception:
         try:
             message = _message(json.loads(raw))
         except ValueError:
