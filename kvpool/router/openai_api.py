@@ -175,10 +175,6 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 # -- responses ------------------------------------------------------------------------------------
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -190,7 +186,7 @@ class Shape:
     def __init__(self, chat: bool, model: str, include_usage: bool = False):
         self.chat = chat
         self.model = model
-        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = include_usage
 

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -107,7 +108,7 @@ class Router:
         self._seq = 0
         self.pool: Any = None  # a PrefixMatcher (matcher.py), or anything with `async match(keys)`
         self.workers: Workers | None = None
-        self.metrics = RouterMetrics(self.policy.name, self._pressure, self._worker_counts)
+        self.metrics = RouterMetrics(self._pressure, self._worker_counts)
         self.keyring = load_keyring(config.auth_file)
         self.backend = make_backend(config.engine, config.vllm, keyring=self.keyring,
                                     request_timeout_s=config.request_timeout_s, poll_s=config.poll_s)
@@ -176,19 +177,18 @@ class Router:
         """The first worker teaches the router the model: tokenizer, context, chunking. Workers
         joining at once wait for the first to finish (one tokenizer built, not one each)."""
         async with self._join_lock:
-            if self.tokenizer is None:
-                await self._learn_model(url, info)
-
-    async def _learn_model(self, url: str, info: wire.WorkerInfo) -> None:
-        tok = await self.backend.tokenizer(url)
-        self.tokenizer = await asyncio.to_thread(RouterTokenizer.from_info, tok)
-        self.max_positions = info.max_positions or 8192
-        self.chunk_tokens = info.chunk_tokens
-        self.bytes_per_token = info.stored_bytes_per_token or info.bytes_per_token  # what a fetch moves (codec)
-        self.namespace = parse_namespace_hex(info.namespace)
-        self.tenants.learn(info.namespace_doc)
-        log.info("router serves %s (context %d, chunks of %d tokens)", info.model_id, self.max_positions,
-                 self.chunk_tokens)
+            if self.tokenizer is not None:
+                return
+            tok = await self.backend.tokenizer(url)
+            self.tokenizer = await asyncio.to_thread(RouterTokenizer.from_info, tok)
+            self.max_positions = info.max_positions or 8192
+            self.chunk_tokens = info.chunk_tokens
+            # what a fetch moves (after the codec)
+            self.bytes_per_token = info.stored_bytes_per_token or info.bytes_per_token
+            self.namespace = parse_namespace_hex(info.namespace)
+            self.tenants.learn(info.namespace_doc)
+            log.info("router serves %s (context %d, chunks of %d tokens)", info.model_id, self.max_positions,
+                     self.chunk_tokens)
 
     def _on_load(self, state: WorkerState) -> None:
         if state.load is not None and (state.load.decode_token_ms > 0 or state.load.decode_step_ms > 0):
@@ -338,10 +338,7 @@ class Router:
         return out
 
     def _worker_counts(self) -> dict[tuple[str, str], int]:
-        counts: dict[tuple[str, str], int] = {}
-        for s in (self.workers.by_url.values() if self.workers else ()):
-            counts[(s.role, s.status)] = counts.get((s.role, s.status), 0) + 1
-        return counts
+        return Counter((s.role, s.status) for s in (self.workers.by_url.values() if self.workers else ()))
 
 
 class Rejected(KVPoolError):

@@ -38,6 +38,9 @@ from kvpool.router.policy import WorkerView
 log = logging.getLogger(__name__)
 
 UP, DRAINING, DOWN = "up", "draining", "down"
+# What GET /admin/workers shows of a worker's load report.
+_SUMMARY_LOAD = ("queue_length", "prefill_queue_tokens", "active_sequences", "kv_tokens", "open_streams",
+                 "decode_token_ms", "decode_step_ms", "max_batch")
 
 
 @dataclass
@@ -93,12 +96,7 @@ class WorkerState:
         return {"name": self.name, "url": self.url, "role": self.role, "status": self.status,
                 "served": self.served, "inflight_prefills": self.inflight_prefills,
                 "inflight_decodes": self.inflight_decodes, "local_cache_chunks": len(self.local_keys),
-                "load": None if load is None else {
-                    "queue_length": load.queue_length, "prefill_queue_tokens": load.prefill_queue_tokens,
-                    "active_sequences": load.active_sequences, "kv_tokens": load.kv_tokens,
-                    "open_streams": load.open_streams, "decode_token_ms": load.decode_token_ms,
-                    "decode_step_ms": load.decode_step_ms,
-                    "max_batch": load.max_batch},
+                "load": None if load is None else {k: getattr(load, k) for k in _SUMMARY_LOAD},
                 **({"kv_events": self.kv_events.summary()} if self.kv_events is not None else {})}
 
 

@@ -51,6 +51,7 @@ from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import Namespace
 from kvpool.chunk_format import KVLayout
 from kvpool.codec import stored_bytes_per_token
+from kvpool.router.observe import parse as parse_samples
 from kvpool.router.backends.base import (BeforeFirst, Outcome, Piece, Request, client_session, failed, get,
                                          unreachable)
 
@@ -149,9 +150,9 @@ class VLLMBackend:
         role = role or "both"
         if role not in ROLES:
             raise InvalidArgument(f"worker role must be one of {ROLES}, got {role!r}")
-        models = await _get_json(self.http, url, "/v1/models")
+        body = await get(self.http, url, "/v1/models", 10.0)
         try:
-            card = models["data"][0]
+            card = json.loads(body)["data"][0]
             served, root, context = str(card["id"]), str(card.get("root") or card["id"]), int(card.get("max_model_len") or 0)
         except (KeyError, IndexError, TypeError, ValueError):
             raise Unavailable(f"{url}/v1/models lists no model: is it a vLLM OpenAI server?") from None
@@ -311,30 +312,14 @@ def parse_metrics(text: str) -> dict[str, float]:
     """Each vLLM metric in Prometheus text, summed over its label sets, plus `block_size` and
     `cache_blocks` read from the labels of `vllm:cache_config_info`."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
+    for name, labels, value in parse_samples(text):
+        if not name.startswith("vllm:"):
             continue
-        head, _, value = line.rpartition(" ")
-        name, _, labels = head.partition("{")
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-        if name == "vllm:cache_config_info":
-            info = dict(part.partition("=")[::2] for part in labels.rstrip("}").split(","))
-            info = {k.strip(): v.strip().strip('"') for k, v in info.items()}
-            blocks = info.get("num_gpu_blocks") or info.get("num_cpu_blocks") or ""
-            if info.get("block_size", "").isdigit() and blocks.isdigit():
-                out["block_size"], out["cache_blocks"] = float(info["block_size"]), float(blocks)
+        out[name] = out.get(name, 0.0) + value
+        blocks = labels.get("num_gpu_blocks") or labels.get("num_cpu_blocks") or ""
+        if name == "vllm:cache_config_info" and labels.get("block_size", "").isdigit() and blocks.isdigit():
+            out["block_size"], out["cache_blocks"] = float(labels["block_size"]), float(blocks)
     return out
-
-
-async def _get_json(http: aiohttp.ClientSession, url: str, path: str) -> Any:
-    body = await get(http, url, path, 10.0)
-    try:
-        return json.loads(body)
-    except ValueError:
-        raise Unavailable(f"worker {url} answered {path} with something that is not JSON") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
