@@ -64,9 +64,6 @@ class RouterConfig:
     local_prefill_tokens: int = default("router.local_prefill_tokens")  # this small: prefilled on the decode worker
     default_max_tokens: int = default("router.default_max_tokens")  # chat requests without max_tokens (completions: 16)
     model_name: str | None = None  # the name /v1/models lists; default: the workers' model id
-    poll_s: float = 0.25
-    fail_after: int = 3
-    request_timeout_s: float = 600.0
     workers: list[str] = field(default_factory=list)  # "URL" or "ROLE=URL" (the role: --engine vllm only)
     engine: str = default("router.engine")  # the workers': "reference" (reference workers) or "vllm" (backends/vllm.py)
     vllm: Any = None  # VLLMSettings, with engine "vllm"
@@ -110,8 +107,7 @@ class Router:
         self.workers: Workers | None = None
         self.metrics = RouterMetrics(self._pressure, self._worker_counts)
         self.keyring = load_keyring(config.auth_file)
-        self.backend = make_backend(config.engine, config.vllm, keyring=self.keyring,
-                                    request_timeout_s=config.request_timeout_s, poll_s=config.poll_s)
+        self.backend = make_backend(config.engine, config.vllm, keyring=self.keyring)
         self.kv_events = parse_kv_events(config.kv_events)
         if self.kv_events and not self.backend.kv_events:
             raise InvalidArgument("--kv-events is for vLLM servers (--engine vllm); reference workers send "
@@ -125,8 +121,8 @@ class Router:
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "Router":
         await self.backend.start()
-        self.workers = Workers(self.backend, poll_s=self.config.poll_s, fail_after=self.config.fail_after,
-                               on_join=self._on_join, on_load=self._on_load, kv_events=self.kv_events)
+        self.workers = Workers(self.backend, on_join=self._on_join, on_load=self._on_load,
+                               kv_events=self.kv_events)
         own = self.keyring.own_credential() if self.keyring is not None else None
         if self.config.pool and (self.keyring is None or own is not None):
             # untenanted requests' match_prefix; a keyring of tenants only (no node secret: least
@@ -259,25 +255,23 @@ class Router:
         decision, req, keys = await self.route(ids, max_tokens, tenant, u32)
         out.route_s = time.perf_counter() - started
         out.prompt_tokens, out.decision = len(ids), decision
-        counted = False
+        kind, counted = decision.kind, False
 
         def count() -> None:  # the route's metrics: once, after the first piece (off TTFT) at the latest
             nonlocal counted
             if not counted:
                 counted = True
                 self.metrics.route.observe(out.route_s)
-                self.metrics.decisions.labels(policy=self.policy.name, kind=decision.kind).inc()
+                self.metrics.decisions.labels(policy=self.policy.name, kind=kind).inc()
 
-        if decision.kind == "unavailable":
-            count()
-            raise Unavailable(decision.reject)
-        if decision.reject is not None:
-            count()
-            self.metrics.rejected.inc()
-            raise Rejected(decision.reject, decision)
         excluded: list[str] = list(self.not_serving(tenant.id if tenant is not None else None))
         request = Request(ids, max_tokens, sampling, request_id, tenant, keys, req)
         try:
+            if decision.kind == "unavailable":
+                raise Unavailable(decision.reject)
+            if decision.reject is not None:
+                self.metrics.rejected.inc()
+                raise Rejected(decision.reject, decision)
             for attempt in range(2):
                 try:
                     async for piece in self.backend.run(self, decision, request, out):
@@ -289,7 +283,6 @@ class Router:
                     if attempt == 1:
                         raise exc.error from None
                     self.metrics.retries.labels(stage="route").inc()
-                    count()
                     decision = self.policy.choose(req, self.snapshot(keys, tuple(excluded)))
                     out.decision = decision
                     if decision.reject is not None or decision.decode is None:

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from kvpool.router.workers import WorkerState
 
 
+READ_TIMEOUT_S = 600.0  # a worker that sends nothing this long during a call has failed
+
+
 @dataclass
 class Piece:
     text: str = ""
@@ -122,11 +125,11 @@ class Backend(Protocol):
         """Execute `decision`: text pieces, the last with its finish reason."""
 
 
-def client_session(headers: dict[str, str], read_timeout_s: float) -> aiohttp.ClientSession:
+def client_session(headers: dict[str, str]) -> aiohttp.ClientSession:
     """A backend's aiohttp session (made on the event loop: in `start`)."""
     return aiohttp.ClientSession(
         headers=headers, connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=300),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=read_timeout_s))
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=READ_TIMEOUT_S))
 
 
 async def get(http: aiohttp.ClientSession, url: str, path: str, timeout: float) -> bytes:

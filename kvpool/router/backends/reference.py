@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kvpool import worker_api as wire
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable, error_from_code
-from kvpool.router.backends.base import (BeforeFirst, Outcome, Piece, Request, WorkerRefused, client_session,
-                                         failed, get, unreachable)
+from kvpool.router.backends.base import (READ_TIMEOUT_S, BeforeFirst, Outcome, Piece, Request, WorkerRefused,
+                                         client_session, failed, get, unreachable)
 from kvpool.router.hop import Hop, HopError
 from kvpool.router.policy import Decision
 from kvpool.security.http_guard import TENANT_HEADER, internal_headers
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
+POLL_TIMEOUT_S = 1.0  # a poll unanswered this long fails (4 polls' time at the workers' 0.25 s)
 
 
 class ReferenceBackend:
@@ -55,19 +56,17 @@ class ReferenceBackend:
     tenant_header = True
     kv_events = False  # reference workers send their KV events with their load
 
-    def __init__(self, keyring: Any = None, *, request_timeout_s: float = 600.0, poll_s: float = 0.25):
+    def __init__(self, keyring: Any = None):
         self._headers = internal_headers(keyring) if keyring is not None else {}
-        self._request_timeout_s = request_timeout_s
-        self._poll_timeout_s = max(1.0, 4 * poll_s)
         self.http = None
         self._hop: Hop | None = None
         self._polls: Hop | None = None
 
     async def start(self) -> None:
         # aiohttp, not httpx, off the request path: its asyncio client costs ~0.5 ms less per call.
-        self.http = client_session(self._headers, self._request_timeout_s)
-        self._hop = Hop(self._headers, read_timeout=self._request_timeout_s)
-        self._polls = Hop(self._headers, read_timeout=self._poll_timeout_s)
+        self.http = client_session(self._headers)
+        self._hop = Hop(self._headers, read_timeout=READ_TIMEOUT_S)
+        self._polls = Hop(self._headers, read_timeout=POLL_TIMEOUT_S)
 
     async def close(self) -> None:
         for client in (self._polls, self.http, self._hop):

@@ -131,15 +131,14 @@ class VLLMBackend:
     tenant_header = False  # tenants go by cache_salt
     kv_events = True  # where told (--kv-events), their KV events come by ZMQ (kv_events.py)
 
-    def __init__(self, settings: VLLMSettings, *, request_timeout_s: float = 600.0):
+    def __init__(self, settings: VLLMSettings):
         self.settings = settings
-        self._request_timeout_s = request_timeout_s
         self.http: aiohttp.ClientSession | None = None
         self._tokenizer: wire.TokenizerInfo | None = None
         self._itl: dict[str, tuple[float, float]] = {}  # url -> (sum, count) of vllm:inter_token_latency
 
     async def start(self) -> None:
-        self.http = client_session({}, self._request_timeout_s)
+        self.http = client_session({})
 
     async def close(self) -> None:
         if self.http is not None:
@@ -193,40 +192,40 @@ class VLLMBackend:
 
     # -- execution ------------------------------------------------------------------------------
     async def run(self, host: Router, d: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
-        """Prefill on `d.prefill` (if any), then stream the decode from `d.decode`; both carry
-        the tenant's cache_salt, if any."""
-        tenant, ids, sampling, rid, max_tokens = req.tenant, req.ids, req.sampling, req.request_id, req.max_tokens
-        salt = {"cache_salt": tenant.cache_salt} if tenant is not None and tenant.cache_salt else {}
+        """Prefill on `d.prefill` (if any), then stream the decode from `d.decode`."""
         kv_params = None
         if d.prefill is not None:
-            kv_params = await self._prefill(host, host.worker(d.prefill), ids, d, sampling, rid, salt)
+            kv_params = await self._prefill(host, host.worker(d.prefill), req, d)
         decoder = host.worker(d.decode)
         local = d.prefill is None
-        uncached = len(ids) - d.cached_tokens
+        uncached = len(req.ids) - d.cached_tokens
         if local:  # the decode instance computes the uncached part itself
             decoder.prefill_sent(uncached)
         decoder.decode_sent()
         try:
-            async for piece in self._decode(host, decoder, ids, max_tokens, sampling, kv_params, out, rid, salt):
+            async for piece in self._decode(host, decoder, req, kv_params, out):
                 yield piece
         finally:
             decoder.decode_done()
             if local:
                 decoder.prefill_done(uncached)
 
-    def _body(self, worker: "WorkerState", ids: list[int], max_tokens: int, sampling: wire.SamplingParams,
-              **extra: Any) -> dict[str, Any]:
-        return {"model": worker.info.model_id, "prompt": ids, "max_tokens": max_tokens,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, **extra}
+    def _body(self, worker: "WorkerState", req: Request, max_tokens: int, **extra: Any) -> dict[str, Any]:
+        """A /v1/completions body for `req`, with its tenant's cache_salt, if any."""
+        sampling, tenant = req.sampling, req.tenant
+        salt = {"cache_salt": tenant.cache_salt} if tenant is not None and tenant.cache_salt else {}
+        return {"model": worker.info.model_id, "prompt": req.ids, "max_tokens": max_tokens, "temperature":
+                sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, **salt, **extra}
 
-    async def _prefill(self, host: Router, p: "WorkerState", ids: list[int], d: "Decision",
-                       sampling: wire.SamplingParams, rid: str, salt: dict[str, str]) -> dict[str, Any] | None:
+    async def _prefill(self, host: Router, p: WorkerState, req: Request,
+                       d: Decision) -> dict[str, Any] | None:
+        ids, rid = req.ids, req.request_id
         uncached = len(ids) - d.cached_tokens
         p.prefill_sent(uncached)
         sent = time.perf_counter()
         try:
-            body = await self._post(host, p, self._body(p, ids, 1, sampling, stream=False,
-                                                          kv_transfer_params=dict(PREFILL_KV_PARAMS), **salt), rid)
+            body = await self._post(host, p, self._body(p, req, 1, stream=False,
+                                                          kv_transfer_params=dict(PREFILL_KV_PARAMS)), rid)
         finally:
             p.prefill_done(uncached)
             p.served += 1
@@ -253,16 +252,16 @@ class VLLMBackend:
         except ValueError:
             raise BeforeFirst(worker.name, Unavailable(f"worker {worker.name} sent a body that is not JSON")) from None
 
-    async def _decode(self, host: Router, worker: "WorkerState", ids: list[int], max_tokens: int,
-                      sampling: wire.SamplingParams, kv_params: dict[str, Any] | None, out: Outcome,
-                      rid: str, salt: dict[str, str]) -> AsyncIterator[Piece]:
-        extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}, **salt}
+    async def _decode(self, host: Router, worker: WorkerState, req: Request, kv_params: dict[str, Any] | None,
+                      out: Outcome) -> AsyncIterator[Piece]:
+        extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
         if kv_params:
             extra["kv_transfer_params"] = kv_params
-        body = self._body(worker, ids, max_tokens, sampling, **extra)
+        body = self._body(worker, req, req.max_tokens, **extra)
         got_any, finish = False, None
         try:
-            async with self.http.post(worker.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
+            async with self.http.post(worker.url + "/v1/completions", json=body,
+                                      headers={"X-Request-Id": req.request_id}) as resp:
                 if resp.status >= 400:
                     raise self._error(host, worker, resp.status, await resp.read())
                 async for line in resp.content:  # server-sent events: "data: {...}" lines

@@ -21,7 +21,7 @@ from kvpool.tools.launch.processes import free_port
 
 
 def backend_of(engine: str):
-    return make_backend(engine, VLLMSettings("/nonexistent-model-folder"), poll_s=0.25)
+    return make_backend(engine, VLLMSettings("/nonexistent-model-folder"))
 
 
 def state_at(url: str) -> WorkerState:
