@@ -56,8 +56,18 @@ class _Call:
 
 class Response:
     def __init__(self, hop: "Hop", key: tuple, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 status: int, headers: dict[bytes, bytes], call: _Call):
-        self.status = status
+                 head: bytes, call: _Call):
+        """`head`: the status line and headers; `ValueError` when they are not HTTP/1.x."""
+        status_line, *lines = head.split(b"\r\n")
+        version, status, *_ = status_line.split(b" ", 2)
+        if not version.startswith(b"HTTP/1."):
+            raise ValueError(status_line[:40])
+        self.status = int(status)
+        headers = {}
+        for line in lines:
+            name, sep, value = line.partition(b":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
         self._hop, self._key, self._reader, self._writer, self._call = hop, key, reader, writer, call
         self._chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
         # neither a length nor chunks: the body runs to the connection's end (HTTP/1.0 style)
@@ -199,6 +209,7 @@ class Hop:
                     await writer.drain()
                 block = await reader.readuntil(b"\r\n\r\n")
                 call.last = self._clock()
+                return Response(self, key, reader, writer, block, call)
             except BaseException as exc:
                 self._calls.discard(call)
                 writer.close()  # (cancelled: its client left; the worker sees the connection go)
@@ -209,10 +220,10 @@ class Hop:
                 if (isinstance(exc, asyncio.IncompleteReadError) and not exc.partial and reused and attempt == 0
                         and not call.timed_out):
                     continue
-                if not isinstance(exc, (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
+                if not isinstance(exc, (OSError, ValueError, asyncio.IncompleteReadError,
+                                        asyncio.LimitOverrunError)):
                     raise
                 raise HopError(f"{url}{path}: {self._why(call, exc)}") from None
-            return _parse(self, key, reader, writer, block, url + path, call)
         raise AssertionError("unreachable")
 
     def _why(self, call: _Call, exc: BaseException) -> str:
@@ -220,6 +231,8 @@ class Hop:
             return f"TimeoutError: nothing for {self.read_timeout:g} s"
         if isinstance(exc, asyncio.IncompleteReadError):
             return "the connection closed before the answer ended"
+        if isinstance(exc, ValueError):
+            return f"not an HTTP answer: {exc}"
         return f"{type(exc).__name__}: {exc}"
 
     async def _watch(self) -> None:
@@ -245,22 +258,3 @@ class Hop:
                 writer.close()
         self._idle.clear()
 
-
-def _parse(hop: Hop, key: tuple, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, block: bytes,
-           where: str, call: _Call) -> Response:
-    lines = block.split(b"\r\n")
-    try:
-        version, status, *_ = lines[0].split(b" ", 2)
-        if not version.startswith(b"HTTP/1."):
-            raise ValueError(lines[0][:40])
-        code = int(status)
-    except ValueError as exc:
-        hop._calls.discard(call)
-        writer.close()
-        raise HopError(f"{where}: not an HTTP answer: {exc}") from None
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    return Response(hop, key, reader, writer, code, headers, call)

@@ -319,15 +319,13 @@ class Router:
         snap = self.snapshot([])
         probe = RouteRequest(seq=0, prompt_tokens=1, max_tokens=1, chunk_tokens=max(1, self.chunk_tokens),
                              pool_prefix_chunks=0, bytes_per_token=self.bytes_per_token)
-        prefillers = [w for w in snap.workers if w.prefills]
-        decoders = [w for w in snap.workers if w.decodes]
         out = {}
-        if prefillers:
-            wait = min(prefill_estimate(probe, w, snap.cost) for w in prefillers)
-            out["prefill"] = wait / (self.targets.ttft_s or 2.0)
-        if decoders:
-            tbt = min(tbt_estimate(w, snap.cost) for w in decoders)
-            out["decode"] = tbt / (self.targets.tbt_s or 0.2)
+        waits = [prefill_estimate(probe, w, snap.cost) for w in snap.workers if w.prefills]
+        if waits:
+            out["prefill"] = min(waits) / (self.targets.ttft_s or 2.0)
+        tbts = [tbt_estimate(w, snap.cost) for w in snap.workers if w.decodes]
+        if tbts:
+            out["decode"] = min(tbts) / (self.targets.tbt_s or 0.2)
         return out
 
     def _worker_counts(self) -> dict[tuple[str, str], int]:

@@ -24,6 +24,7 @@ the key space the router hashes prompts into.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -220,10 +221,8 @@ class Workers:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
         for state in list(self.by_url.values()):
             if state.kv_events is not None:
                 await state.kv_events.stop()

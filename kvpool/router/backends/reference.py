@@ -258,15 +258,11 @@ def _error_of(host: Router, worker: "WorkerState", path: str, status: int, body:
     except Exception:
         err = Unavailable(f"worker {worker.name} answered {status} to {path}")
     if status >= 500 or isinstance(err, Unavailable):  # down or draining: try elsewhere
-        host.metrics.worker_failures.labels(stage=_stage(path)).inc()
+        host.metrics.worker_failures.labels(stage=path.rsplit("/", 1)[-1]).inc()
         if status == 503:  # a worker answers 503 only when leaving
             host.worker_leaving(worker)
         return BeforeFirst(worker.name, err)
     return err
-
-
-def _stage(path: str) -> str:
-    return path.rsplit("/", 1)[-1]
 
 
 def _learn(host: Router, head: wire.PrefillResponse, worker: WorkerState, round_trip_s: float | None) -> None:
