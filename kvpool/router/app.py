@@ -163,8 +163,8 @@ def create_app(router: Router) -> FastAPI:
     async def explain(prompt: str, max_tokens: int = 16) -> dict:
         if router.tokenizer is None:
             raise Unavailable("no worker has registered yet")
-        decision, req, _ = await router.route(await router.tokenized(len(prompt), router.tokenizer.encode, prompt),
-                                              max_tokens)
+        ids, u32 = await router.tokenized(len(prompt), router.tokenizer.encode_prompt, prompt)
+        decision, req, _ = await router.route(ids, max_tokens, None, u32)
         return {"decision": decision.__dict__, "request": req.__dict__}
 
     return app

@@ -139,20 +139,13 @@ class RouterTokenizer:
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                      **self._template_vars)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_chat_prompt(self, messages: Sequence[dict[str, Any]]) -> Prompt:
         """Ids of the conversation rendered with the chat template (no extra special tokens: the
         template writes its own markers), as `apply_chat_template(tokenize=True)` gives them."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
-
-    def encode_chat_prompt(self, messages: Sequence[dict[str, Any]]) -> Prompt:
-        """`encode_chat`, with the ids' u32 bytes."""
         return self.encode_prompt(self.render_chat(messages), False)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.encode_prompt(text, add_special_tokens).ids
-
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
-        """`encode`, with the ids' u32 bytes."""
+        """The text's ids, as the `tokenizers` library gives them (with BOS, if the model adds it)."""
         segments = [p for p in (self._split.split(text) if self._split is not None else [text]) if p]
         specials = self._special_u32
         found: dict[str, bytes | None] = {}
