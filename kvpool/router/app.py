@@ -348,7 +348,7 @@ async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], ent
         text += stops.flush()
         router.metrics.done(endpoint, 200)
         _account(router, out, arrived, ttft=None)
-        return shape.whole(text, "stop" if stops.hit else finish, _usage(out))
+        return shape.whole(text, "stop" if stops.hit else finish, oa.usage(out))
     # Streaming: pull the first piece before answering, so errors before it get a status code.
     try:
         first = await anext(pieces)
@@ -380,7 +380,7 @@ async def _sse_stream(router: Router, endpoint: str, shape: oa.Shape, first: Any
                 break
             piece = await anext(pieces)
         if shape.include_usage:
-            yield _sse(shape.usage_chunk(_usage(out)))
+            yield _sse(shape.usage_chunk(oa.usage(out)))
     except StopAsyncIteration:
         yield _sse(shape.chunk(None if shape.chat else "", finish="stop"))
     except Exception as exc:  # the status line is sent: end the stream with an error event
@@ -397,10 +397,6 @@ async def _sse_stream(router: Router, endpoint: str, shape: oa.Shape, first: Any
         if status == 200:
             _account(router, out, arrived, ttft)
     yield b"data: [DONE]\n\n"
-
-
-def _usage(out: Outcome) -> dict[str, Any]:
-    return oa.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
 
 
 def _account(router: Router, out: Outcome, arrived: float, ttft: float | None) -> None:

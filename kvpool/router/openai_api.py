@@ -175,9 +175,11 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 # -- responses ------------------------------------------------------------------------------------
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def usage(out: Any) -> dict[str, Any]:
+    """OpenAI's usage object of a request's `Outcome` (backends/base.py)."""
+    prompt, completion = out.prompt_tokens, out.completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
 
 class Shape:

@@ -88,8 +88,8 @@ class RouterConfig:
 
 
 class Router:
-    """Routes requests and runs them through `backend`, which calls back `worker`,
-    `worker_failed`, `worker_leaving`, `another_decoder` and adds to `metrics` and `cost`."""
+    """Routes requests and runs them through `backend`, which calls back `workers`,
+    `worker_failed`, `another_decoder` and adds to `metrics` and `cost`."""
 
     def __init__(self, config: RouterConfig):
         self.config = config
@@ -292,16 +292,10 @@ class Router:
             count()
 
     # -- what a backend may ask ------------------------------------------------------------------
-    def worker(self, name: str) -> WorkerState:
-        return self.workers.by_name(name)
-
     def worker_failed(self, worker: WorkerState, stage: str, why: str) -> None:
         """`worker` could not be reached or broke off during `stage`: counted, out of rotation."""
         self.metrics.worker_failures.labels(stage=stage).inc()
         self.workers.mark_down(worker, why)
-
-    def worker_leaving(self, worker: WorkerState) -> None:
-        self.workers.leaving(worker)
 
     def another_decoder(self, keys: list[str], exclude: Sequence[str], tenant: str | None) -> WorkerState | None:
         """The best decode worker but those in `exclude` (and those that do not serve `tenant`)."""

@@ -1,7 +1,7 @@
 """The contract between the router and the workers behind it: a `Backend` per worker API
 (`reference`: kvpool's own workers; `vllm`: vLLM OpenAI servers with kvpool's connector). While
-it runs a request, a backend calls back into the `Router` (service.py: `worker`, `worker_failed`,
-`worker_leaving`, `another_decoder`, and its `metrics` and `cost`).
+it runs a request, a backend calls back into the `Router` (service.py: its `workers`,
+`worker_failed`, `another_decoder`, and its `metrics` and `cost`).
 
 A backend owns its HTTP clients (made in `start`, closed in `close`) and maps what its workers
 answer to the router's terms: `BeforeFirst` for a failure before anything of the step reached

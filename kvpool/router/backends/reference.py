@@ -106,7 +106,7 @@ class ReferenceBackend:
 
     async def _colocated(self, host: Router, d: Decision, ids: list[int], max_tokens: int, req: Request,
                          out: Outcome, headers: dict[str, str], pool_chunks: int | None) -> AsyncIterator[Piece]:
-        worker = host.worker(d.decode)
+        worker = host.workers.by_name(d.decode)
         msg = wire.GenerateRequest(token_ids=ids, max_tokens=max_tokens, request_id=req.request_id,
                                    sampling=req.sampling, pool_chunks=pool_chunks)
         uncached = len(ids) - d.cached_tokens
@@ -136,7 +136,7 @@ class ReferenceBackend:
 
     async def _disaggregated(self, host: Router, d: Decision, req: Request, out: Outcome,
                              headers: dict[str, str]) -> AsyncIterator[Piece]:
-        p = host.worker(d.prefill)
+        p = host.workers.by_name(d.prefill)
         head, round_trip = await self._prefill(host, p, d, req, headers)
         out.cached_tokens = head.cached_tokens
         out.completion_tokens = 1
@@ -147,7 +147,7 @@ class ReferenceBackend:
         msg = wire.DecodeRequest(handle=head.handle, first_token=head.first_token, max_tokens=req.max_tokens,
                                  sampling=req.sampling)
         tried: list[str] = [p.name] if p.role == "prefill" else []
-        decoder = host.worker(d.decode)
+        decoder = host.workers.by_name(d.decode)
         lost: KVPoolError | None = None
         for attempt in range(2):
             decoder.decode_sent()
@@ -260,7 +260,7 @@ def _error_of(host: Router, worker: "WorkerState", path: str, status: int, body:
     if status >= 500 or isinstance(err, Unavailable):  # down or draining: try elsewhere
         host.metrics.worker_failures.labels(stage=path.rsplit("/", 1)[-1]).inc()
         if status == 503:  # a worker answers 503 only when leaving
-            host.worker_leaving(worker)
+            host.workers.leaving(worker)
         return BeforeFirst(worker.name, err)
     return err
 

@@ -195,8 +195,8 @@ class VLLMBackend:
         """Prefill on `d.prefill` (if any), then stream the decode from `d.decode`."""
         kv_params = None
         if d.prefill is not None:
-            kv_params = await self._prefill(host, host.worker(d.prefill), req, d)
-        decoder = host.worker(d.decode)
+            kv_params = await self._prefill(host, host.workers.by_name(d.prefill), req, d)
+        decoder = host.workers.by_name(d.decode)
         local = d.prefill is None
         uncached = len(req.ids) - d.cached_tokens
         if local:  # the decode instance computes the uncached part itself
