@@ -265,7 +265,7 @@ def _json_body(body: bytes) -> Any:
 
 def _tenant_of(router: Router, authorization: str | None) -> Entry | None:
     """The keyring entry of the request's API key; None when API keys are off."""
-    if not router.api_keys:
+    if not router.tenants.api_keys:
         return None
     scheme, _, key = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():

@@ -339,7 +339,7 @@ class KVEventSubscriber:
         log.info("following the KV events of %s at %s", self.name, self.source.endpoint)
         try:
             if self.source.replay_endpoint:  # what it published before we connected (a router restart)
-                await self._catch_up(None)
+                await self._catch_up()
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
@@ -366,7 +366,7 @@ class KVEventSubscriber:
             self.reset(f"sequence went back from {self.last_seq} to {seq} (the instance restarted)")
             self.last_seq, self.last_ts = -1, -math.inf
         if seq > self.last_seq + 1:
-            await self._catch_up(seq)
+            await self._catch_up()
         if seq > self.last_seq:
             if seq > self.last_seq + 1 and self.last_seq >= 0:  # not filled: removals may be lost
                 self.reset(f"batches {self.last_seq + 1}..{seq - 1} were lost")
@@ -392,9 +392,9 @@ class KVEventSubscriber:
         self.last_seq, self.last_ts = seq, batch.ts
         self.batches += 1
 
-    async def _catch_up(self, upto: int | None) -> None:
-        """Ask the replay endpoint for the batches after `last_seq` (before `upto`, if given,
-        though it sends everything it kept from there on) and apply them in order."""
+    async def _catch_up(self) -> None:
+        """Ask the replay endpoint for the batches after `last_seq` (it sends every one it kept
+        from there on) and apply them in order."""
         if not self.source.replay_endpoint:
             return
         import zmq

@@ -28,7 +28,7 @@ def serve(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0, ready
     import uvicorn
 
     router = Router(config)
-    if not router.api_keys and not is_loopback(host):
+    if not router.tenants.api_keys and not is_loopback(host):
         raise InvalidArgument(
             f"kvpool router: refusing to listen on {host} without API keys (protected mode): anyone who reaches "
             f"it could use the workers and the pool. Either listen on 127.0.0.1, or create a keyring with tenants "

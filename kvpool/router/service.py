@@ -114,7 +114,6 @@ class Router:
                                   "their KV events with their load")
         self._joining: list[asyncio.Task] = []
         self.tenants = Tenants(self.keyring, config.pool, via_cache_salt=not self.backend.tenant_header)
-        self.api_keys = self.tenants.api_keys  # app.py admits only requests with a tenant's API key
         self._join_lock = asyncio.Lock()
         self._tokenize = ThreadPoolExecutor(max(1, config.tokenize_threads), thread_name_prefix="tokenize")
 
