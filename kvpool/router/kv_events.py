@@ -57,6 +57,7 @@ import xxhash
 
 from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import parse_namespace_hex
+from kvpool.router.tenants import cache_salted_namespace
 from kvpool.router.tokenizer import u32_bytes
 
 log = logging.getLogger(__name__)
@@ -255,8 +256,6 @@ def namespace_resolver(namespace_hex: str, namespace_doc: str) -> Callable[[str 
     """The chain root of a request with `cache_salt` (None: none) on servers of this namespace:
     the connector's namespace salted with `request_salt(configured salt, cache_salt)`, as the
     router keys a tenant's prompts (tenants.py). Unknown (None) without the namespace's document."""
-    from kvpool.router.tenants import cache_salted_namespace
-
     base = parse_namespace_hex(namespace_hex)
     doc = json.loads(namespace_doc) if namespace_doc else None
     cache: dict[str, bytes] = {}

@@ -8,6 +8,7 @@ OpenAI API, and through it every worker, would be open to whoever reaches the ad
 from __future__ import annotations
 
 import gc
+import importlib.util
 import logging
 import os
 import threading
@@ -64,6 +65,4 @@ def serve(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0, ready
 
 
 def _has(module: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None

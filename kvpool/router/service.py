@@ -178,8 +178,7 @@ class Router:
             self.tokenizer = await asyncio.to_thread(RouterTokenizer.from_info, tok)
             self.max_positions = info.max_positions or 8192
             self.chunk_tokens = info.chunk_tokens
-            # what a fetch moves (after the codec)
-            self.bytes_per_token = info.stored_bytes_per_token or info.bytes_per_token
+            self.bytes_per_token = info.stored_bytes_per_token or info.bytes_per_token  # what a fetch moves
             self.namespace = parse_namespace_hex(info.namespace)
             self.tenants.learn(info.namespace_doc)
             log.info("router serves %s (context %d, chunks of %d tokens)", info.model_id, self.max_positions,

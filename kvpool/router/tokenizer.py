@@ -23,6 +23,8 @@ walk in the caches.
 from __future__ import annotations
 
 import array
+import datetime
+import json
 import logging
 import re
 import sys
@@ -208,14 +210,10 @@ class RouterTokenizer:
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     """transformers' `tojson`: plain json.dumps (jinja's own escapes <, >, & and ', changing the text)."""
-    import json
-
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
-    import datetime
-
     return datetime.datetime.now().strftime(fmt)
 
 

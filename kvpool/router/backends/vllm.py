@@ -51,6 +51,7 @@ from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import Namespace
 from kvpool.chunk_format import KVLayout
 from kvpool.codec import stored_bytes_per_token
+from kvpool.config import current_settings
 from kvpool.router.observe import parse as parse_samples
 from kvpool.router.backends.base import (BeforeFirst, Outcome, Piece, Request, client_session, failed, get,
                                          unreachable)
@@ -89,8 +90,6 @@ class VLLMSettings:
         dtype = "bfloat16" if dtype in ("float32", "float") and not self.kv_dtype else dtype
         if dtype not in _DTYPES:
             raise InvalidArgument(f"KV dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-        from kvpool.config import current_settings
-
         settings = current_settings()  # the connector fills what its extra config leaves out from the same tree
         chunk = int(self.connector.get("chunk_tokens", settings.pool.chunk_tokens))
         layout = KVLayout(num_layers=int(self.connector.get("num_layers", cfg["num_hidden_layers"])),
