@@ -192,37 +192,28 @@ class Shape:
         self.created = int(time.time())
         self.include_usage = include_usage
 
-    def _head(self, obj: str) -> dict[str, Any]:
+    def _object(self, chat_object: str, chat_part: dict[str, Any], text: str, finish: str | None,
+                **rest: Any) -> dict[str, Any]:
+        """An object of one choice: `chat_part` (delta or message) in a chat, `text` otherwise."""
+        part = chat_part if self.chat else {"text": text}
+        choice = {"index": 0, **part, "logprobs": None, "finish_reason": finish}
+        obj = chat_object if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+                "system_fingerprint": None, "choices": [choice], **rest}
 
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            out = {**self._head("text_completion"), "choices": [choice]}
-        if self.include_usage:
-            out["usage"] = None
-        return out
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        return self._object("chat.completion.chunk", {"delta": delta}, text or "", finish,
+                            **({"usage": None} if self.include_usage else {}))
 
     def usage_chunk(self, u: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": u}
+        return {**self._object("chat.completion.chunk", {}, "", None), "choices": [], "usage": u}
 
     def whole(self, text: str, finish: str, u: dict[str, Any]) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": u}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice], "usage": u}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return self._object("chat.completion", {"message": message}, text, finish, usage=u)
 
 
 class StopMatcher:
