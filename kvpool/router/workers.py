@@ -4,7 +4,7 @@ prefix cache, and who is leaving.
 Workers join by `POST /admin/workers` (a worker started with `--router` does it itself, and
 repeats it every few seconds, so a restarted router relearns its workers) or from the command
 line (`kvpool router --worker URL`). A poll loop reads each worker's load and its KV events
-(tier "local": what entered and left its prefix cache) every `poll_s`, in one call
+(tier "local": what entered and left its prefix cache) every `POLL_S`, in one call
 (the backend's `poll`: a reference worker answers both in one `GET /load?events_since=N`,
 backends/reference.py). Workers whose backend's events come separately (vLLM's OpenAI servers,
 backends/vllm.py: their role is given at registration) have a subscriber (kv_events.py) keep
@@ -13,8 +13,8 @@ router knows their KV events endpoint (`kv_events`).
 
 States: `up` (in rotation) -> `draining` (no new requests; forgotten once its load shows no
 work and the router has nothing in flight there) ; `up` -> `down` on a refused connection or
-`fail_after` failed polls in a row, or a failed request (out of rotation at once; back to `up`
-when a poll succeeds again; forgotten after `forget_s` down).
+`FAIL_AFTER` failed polls in a row, or a failed request (out of rotation at once; back to `up`
+when a poll succeeds again; forgotten after `FORGET_S` down).
 
 Invariants: only the event loop thread mutates this registry; a worker whose model or namespace
 differs from the router's is refused at registration (409), so every worker in rotation shares
@@ -39,6 +39,7 @@ from kvpool.router.policy import WorkerView
 log = logging.getLogger(__name__)
 
 UP, DRAINING, DOWN = "up", "draining", "down"
+POLL_S, FAIL_AFTER, FORGET_S = 0.25, 3, 30.0  # seconds between polls; polls failed before down; seconds down
 # What GET /admin/workers shows of a worker's load report.
 _SUMMARY_LOAD = ("queue_length", "prefill_queue_tokens", "active_sequences", "kv_tokens", "open_streams",
                  "decode_token_ms", "decode_step_ms", "max_batch")
@@ -102,15 +103,11 @@ class WorkerState:
 
 
 class Workers:
-    def __init__(self, backend: Backend, *, poll_s: float = 0.25, fail_after: int = 3,
-                 forget_s: float = 30.0, on_join: Callable[[WorkerState], Any] | None = None,
+    def __init__(self, backend: Backend, *, on_join: Callable[[WorkerState], Any] | None = None,
                  on_load: Callable[[WorkerState], None] | None = None,
                  kv_events: dict[str, KVEventsSource] | None = None):
         self.kv_events = dict(kv_events or {})  # KV event endpoints of the workers, by URL
         self.backend = backend
-        self.poll_s = poll_s
-        self.fail_after = fail_after
-        self.forget_s = forget_s
         self._on_join = on_join
         self._on_load = on_load
         self.by_url: dict[str, WorkerState] = {}
@@ -233,18 +230,18 @@ class Workers:
             states = list(self.by_url.values())
             if states:
                 await asyncio.gather(*(self._poll_one(s) for s in states), return_exceptions=True)
-            await asyncio.sleep(self.poll_s)
+            await asyncio.sleep(POLL_S)
 
     async def _poll_one(self, state: WorkerState) -> None:
         try:
-            load, events = await self.backend.poll(state, timeout=max(1.0, 4 * self.poll_s))
+            load, events = await self.backend.poll(state)
         except Unavailable as exc:
             state.failures += 1
-            if isinstance(exc, WorkerRefused) or state.failures >= self.fail_after:
+            if isinstance(exc, WorkerRefused) or state.failures >= FAIL_AFTER:
                 self.mark_down(state, str(exc))
-            if state.status == DOWN and time.monotonic() - state.down_since > self.forget_s:
+            if state.status == DOWN and time.monotonic() - state.down_since > FORGET_S:
                 self._forget(state)
-                log.info("forgot worker %s (down for %.0f s)", state.name, self.forget_s)
+                log.info("forgot worker %s (down for %.0f s)", state.name, FORGET_S)
             return
         state.failures, state.load = 0, load
         if state.status == DOWN and not load.draining:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 
 READ_TIMEOUT_S = 600.0  # a worker that sends nothing this long during a call has failed
+POLL_TIMEOUT_S = 1.0  # a poll unanswered this long has failed (4 polls' time: workers.py polls every 0.25 s)
 
 
 @dataclass
@@ -73,7 +74,7 @@ def unreachable(host: Router, worker: "WorkerState", path: str, exc: Exception, 
 
 class WorkerRefused(Unavailable):
     """Nothing listens at the worker's address (a poll): out of rotation now, not after
-    `fail_after` failed polls. Stays in the router: a client never sees it."""
+    `FAIL_AFTER` failed polls. Stays in the router: a client never sees it."""
 
 
 @dataclass
@@ -118,8 +119,9 @@ class Backend(Protocol):
 
     async def tokenizer(self, url: str) -> wire.TokenizerInfo: ...
 
-    async def poll(self, state: "WorkerState", timeout: float) -> tuple[wire.LoadReport, wire.EventsResponse | None]:
-        """The worker's load, and its KV events since `state.events_since` if it sends them."""
+    async def poll(self, state: "WorkerState") -> tuple[wire.LoadReport, wire.EventsResponse | None]:
+        """The worker's load, and its KV events since `state.events_since` if it sends them;
+        `Unavailable` after `POLL_TIMEOUT_S` without an answer."""
 
     def run(self, host: Router, decision: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
         """Execute `decision`: text pieces, the last with its finish reason."""

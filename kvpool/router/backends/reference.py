@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kvpool import worker_api as wire
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable, error_from_code
-from kvpool.router.backends.base import (READ_TIMEOUT_S, BeforeFirst, Outcome, Piece, Request, WorkerRefused,
-                                         client_session, failed, get, unreachable)
+from kvpool.router.backends.base import (POLL_TIMEOUT_S, READ_TIMEOUT_S, BeforeFirst, Outcome, Piece, Request,
+                                         WorkerRefused, client_session, failed, get, unreachable)
 from kvpool.router.hop import Hop, HopError
 from kvpool.router.policy import Decision
 from kvpool.security.http_guard import TENANT_HEADER, internal_headers
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
-POLL_TIMEOUT_S = 1.0  # a poll unanswered this long fails (4 polls' time at the workers' 0.25 s)
 
 
 class ReferenceBackend:
@@ -80,8 +79,7 @@ class ReferenceBackend:
     async def tokenizer(self, url: str) -> wire.TokenizerInfo:
         return wire.decode(await get(self.http, url, "/v1/tokenizer", 30.0), wire.TokenizerInfo)
 
-    async def poll(self, state: "WorkerState",
-                   timeout: float) -> tuple[wire.LoadReport, wire.EventsResponse | None]:
+    async def poll(self, state: WorkerState) -> tuple[wire.LoadReport, wire.EventsResponse | None]:
         path = f"/load?events_since={state.events_since}"
         try:
             resp = await self._polls.request(state.url, path, None)

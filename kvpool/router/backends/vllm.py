@@ -53,8 +53,8 @@ from kvpool.chunk_format import KVLayout
 from kvpool.codec import stored_bytes_per_token
 from kvpool.config import current_settings
 from kvpool.router.observe import parse as parse_samples
-from kvpool.router.backends.base import (BeforeFirst, Outcome, Piece, Request, client_session, failed, get,
-                                         unreachable)
+from kvpool.router.backends.base import (POLL_TIMEOUT_S, BeforeFirst, Outcome, Piece, Request, client_session,
+                                         failed, get, unreachable)
 
 if TYPE_CHECKING:
     from kvpool.router.service import Router
@@ -172,9 +172,10 @@ class VLLMBackend:
             raise Unavailable("no vLLM server has registered yet")
         return self._tokenizer
 
-    async def poll(self, state: "WorkerState", timeout: float) -> tuple[wire.LoadReport, None]:
+    async def poll(self, state: WorkerState) -> tuple[wire.LoadReport, None]:
         """Load from vLLM's Prometheus metrics (`/metrics`); its KV events, if any, come by kv_events.py."""
-        m = parse_metrics((await get(self.http, state.url, "/metrics", timeout)).decode(errors="replace"))
+        page = await get(self.http, state.url, "/metrics", POLL_TIMEOUT_S)
+        m = parse_metrics(page.decode(errors="replace"))
         capacity = int(m.get("cache_blocks", 0) * m.get("block_size", 0))
         itl_ms = 0.0
         total = (m.get("vllm:inter_token_latency_seconds_sum", 0.0), m.get("vllm:inter_token_latency_seconds_count", 0.0))
