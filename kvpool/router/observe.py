@@ -26,6 +26,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.admin.metrics import master_samples
+from kvpool.router.backends.base import get
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +68,7 @@ async def _router(router: Any) -> list[Sample]:
 
 
 async def _worker(http: aiohttp.ClientSession, url: str, name: str, timeout_s: float) -> list[Sample]:
-    async with http.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        body = await resp.text()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}/metrics answered {resp.status}")
-    samples = parse(body)
+    samples = parse((await get(http, url, "/metrics", timeout_s)).decode())
     for _, labels, _ in samples:
         labels["worker"] = name
     return samples

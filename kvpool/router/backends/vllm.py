@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool import worker_api as wire
 from kvpool.errors import InvalidArgument, Unavailable
@@ -52,7 +53,6 @@ from kvpool.keys import Namespace
 from kvpool.chunk_format import KVLayout
 from kvpool.codec import stored_bytes_per_token
 from kvpool.config import current_settings
-from kvpool.router.observe import parse as parse_samples
 from kvpool.router.backends.base import (POLL_TIMEOUT_S, BeforeFirst, Outcome, Piece, Request, client_session,
                                          failed, get, unreachable)
 
@@ -311,7 +311,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     """Each vLLM metric in Prometheus text, summed over its label sets, plus `block_size` and
     `cache_blocks` read from the labels of `vllm:cache_config_info`."""
     out: dict[str, float] = {}
-    for name, labels, value in parse_samples(text):
+    for name, labels, value, *_ in (s for fam in text_string_to_metric_families(text) for s in fam.samples):
         if not name.startswith("vllm:"):
             continue
         out[name] = out.get(name, 0.0) + value
