@@ -112,11 +112,6 @@ class Response:
             return data
         return b"".join([c async for c in self._chunks()])
 
-    async def finish(self) -> None:
-        """Read (and drop) what is left of the body."""
-        async for _ in self._chunks():
-            pass
-
     async def lines(self) -> AsyncIterator[bytes]:
         """The body split at newlines (NDJSON), each line as soon as it has arrived."""
         rest = b""

@@ -237,7 +237,7 @@ class ReferenceBackend:
                     raise failed(worker.name, error_from_code(event.error.code, event.error.message), got_any)
                 got_any = True
                 if event.done:  # the body ends right after: read its end and pool the connection now
-                    await resp.finish()
+                    await resp.read()
                     resp.release()
                     yield event
                     return
