@@ -156,26 +156,12 @@ class RouterTokenizer:
                 found[g] = hit = self._segments.get(g)
                 if hit is None:
                     new.append(g)
-        fast = self._fast
-        if new and fast is not None:  # new segments it takes: whole, by the fast engine (~0.15 us/token)
-            slow = []
-            for g in new:
-                if fast.takes(g):
-                    found[g] = u32_bytes(fast.encode(g))
-                    self._segments.put(g, found[g])
-                else:
-                    slow.append(g)
-            new = slow
+        new = self._fast_encode(new, found, self._segments)  # new segments it takes, whole
         if new:
             sentences = {g: [p for p in _CUT.split(g) if p] for g in new}
             have = {p: self._sentences.get(p) for ps in sentences.values() for p in ps}
-            missing = [p for p, v in have.items() if v is None]
-            if missing and fast is not None:  # a segment it does not take: the sentences it does
-                for p in missing:
-                    if fast.takes(p):
-                        have[p] = u32_bytes(fast.encode(p))
-                        self._sentences.put(p, have[p])
-                missing = [p for p in missing if have[p] is None]
+            # a segment it does not take: the sentences it does
+            missing = self._fast_encode([p for p, v in have.items() if v is None], have, self._sentences)
             if missing:
                 # A few new sentences (a new chat turn) are encoded on this thread: the parallel
                 # batch wakes the tokenizer's thread pool, whose hand-off costs as much CPU as the
@@ -198,6 +184,18 @@ class RouterTokenizer:
             parts.append(special if special is not None else found[g])
         u32 = b"".join(parts)
         return Prompt(_ids(u32), u32)
+
+    def _fast_encode(self, texts: list[str], into: dict[str, bytes | None], cache: _Cache) -> list[str]:
+        """Encodes those of `texts` the fast engine takes (~0.15 us/token) into `into` and `cache`;
+        returns the others."""
+        rest = []
+        for text in texts:
+            if self._fast is not None and self._fast.takes(text):
+                into[text] = u32_bytes(self._fast.encode(text))
+                cache.put(text, into[text])
+            else:
+                rest.append(text)
+        return rest
 
     def encode_uncached(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The whole text in one call, no cache: the reference the cached path must equal."""
