@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -258,17 +259,12 @@ def namespace_resolver(namespace_hex: str, namespace_doc: str) -> Callable[[str 
     router keys a tenant's prompts (tenants.py). Unknown (None) without the namespace's document."""
     base = parse_namespace_hex(namespace_hex)
     doc = json.loads(namespace_doc) if namespace_doc else None
-    cache: dict[str, bytes] = {}
 
+    @functools.cache
     def of(cache_salt: str | None) -> bytes | None:
         if cache_salt is None:
             return base
-        if doc is None:
-            return None
-        ns = cache.get(cache_salt)
-        if ns is None:
-            ns = cache[cache_salt] = cache_salted_namespace(doc, cache_salt)
-        return ns
+        return None if doc is None else cache_salted_namespace(doc, cache_salt)
 
     return of
 

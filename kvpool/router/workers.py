@@ -197,12 +197,10 @@ class Workers:
             state.status, state.down_since = DOWN, time.monotonic()
             log.warning("worker %s out of rotation: %s", state.name, why)
 
-    def _find(self, url_or_name: str) -> WorkerState:
-        state = self.by_url.get(_normalize(url_or_name))
+    def _find(self, url: str) -> WorkerState:
+        state = self.by_url.get(_normalize(url))
         if state is None:
-            state = next((s for s in self.by_url.values() if s.name == url_or_name), None)
-        if state is None:
-            raise InvalidArgument(f"no worker {url_or_name!r} is registered")
+            raise InvalidArgument(f"no worker {url!r} is registered")
         return state
 
     def serving(self) -> list[WorkerState]:
