@@ -175,7 +175,10 @@ class VLLMBackend:
     async def poll(self, state: WorkerState) -> tuple[wire.LoadReport, None]:
         """Load from vLLM's Prometheus metrics (`/metrics`); its KV events, if any, come by kv_events.py."""
         page = await get(self.http, state.url, "/metrics", POLL_TIMEOUT_S)
-        m = parse_metrics(page.decode(errors="replace"))
+        try:
+            m = parse_metrics(page.decode(errors="replace"))
+        except ValueError as exc:  # (a poll fails in the router's terms)
+            raise Unavailable(f"worker {state.url}: its /metrics is not Prometheus text ({exc})") from None
         capacity = int(m.get("cache_blocks", 0) * m.get("block_size", 0))
         itl_ms = 0.0
         total = (m.get("vllm:inter_token_latency_seconds_sum", 0.0), m.get("vllm:inter_token_latency_seconds_count", 0.0))
