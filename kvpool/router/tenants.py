@@ -67,7 +67,6 @@ def cache_salted_namespace(namespace_doc: dict[str, Any], cache_salt: str) -> by
 
 class Tenants:
     def __init__(self, keyring: Keyring | None, pool_address: str | None, *, via_cache_salt: bool = False):
-        self.keyring = keyring
         self.pool_address = pool_address
         self.via_cache_salt = via_cache_salt  # vLLM servers: salted by cache_salt, one pool principal
         self._shared = Tenant("", None, "")  # via_cache_salt: holds the router's own client, for every tenant
