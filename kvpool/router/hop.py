@@ -30,6 +30,7 @@ timer per read: `asyncio.timeout` around each read was ~15% of this client's tim
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 import time
 from typing import AsyncIterator
@@ -143,22 +144,10 @@ class Hop:
         self.read_timeout = read_timeout
         self.idle_s = idle_s
         self._idle: dict[tuple, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
-        self._targets: dict[str, tuple] = {}
         self._tls: ssl.SSLContext | None = None
         self._calls: set[_Call] = set()
         self._watchdog: asyncio.Task | None = None
         self._clock = time.monotonic
-
-    def _target(self, url: str) -> tuple:
-        key = self._targets.get(url)
-        if key is None:
-            parts = urlsplit(url)
-            tls = parts.scheme == "https"
-            host = parts.hostname or "127.0.0.1"
-            port = parts.port or (443 if tls else 80)
-            hostport = f"[{host}]" if ":" in host else host
-            key = self._targets[url] = (tls, host, port, f"{hostport}:{port}".encode())
-        return key
 
     async def _connect(self, key: tuple) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
         idle = self._idle.get(key)
@@ -183,7 +172,7 @@ class Hop:
     async def request(self, url: str, path: str, body: bytes | None, headers: dict[str, str] | None = None) -> Response:
         """POST `body` (JSON) to `url + path`, or GET it when `body` is None; returns once the
         status line and headers are in."""
-        key = self._target(url)
+        key = _target(url)
         if body is None:
             body, head = b"", b"GET " + path.encode() + b" HTTP/1.1\r\nhost: " + key[3] + b"\r\n"
         else:
@@ -253,3 +242,13 @@ class Hop:
                 writer.close()
         self._idle.clear()
 
+
+@functools.lru_cache(maxsize=4096)
+def _target(url: str) -> tuple[bool, str, int, bytes]:
+    """(TLS, host, port, the Host header's value) of a worker URL."""
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or (443 if tls else 80)
+    hostport = f"[{host}]" if ":" in host else host
+    return tls, host, port, f"{hostport}:{port}".encode()
