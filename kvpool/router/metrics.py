@@ -16,7 +16,8 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 
 
 class RouterMetrics:
-    def __init__(self, pressure: Callable[[], dict[str, float]], workers: Callable[[], dict[tuple[str, str], int]]):
+    def __init__(self, pressure: Callable[[], dict[str, float]],
+                 workers: Callable[[], dict[tuple[str, str], int]]):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvpool_router_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)

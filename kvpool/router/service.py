@@ -253,7 +253,8 @@ class Router:
         decision, req, keys = await self.route(ids, max_tokens, tenant, u32)
         out.route_s = time.perf_counter() - started
         out.prompt_tokens, out.decision = len(ids), decision
-        kind, counted = decision.kind, False
+        kind = decision.kind  # the first decision's, whatever a retry decides
+        counted = False
 
         def count() -> None:  # the route's metrics: once, after the first piece (off TTFT) at the latest
             nonlocal counted

@@ -138,7 +138,8 @@ class RouterTokenizer:
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
         if self._template is None:
             raise InvalidArgument("this model has no chat template; use /v1/completions")
-        return self._template.render(messages=list(messages), add_generation_prompt=True, **self._template_vars)
+        return self._template.render(messages=list(messages), add_generation_prompt=True,
+                                     **self._template_vars)
 
     def encode_chat_prompt(self, messages: Sequence[dict[str, Any]]) -> Prompt:
         """Ids of the conversation rendered with the chat template (no extra special tokens: the

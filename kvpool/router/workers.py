@@ -39,7 +39,9 @@ from kvpool.router.policy import WorkerView
 log = logging.getLogger(__name__)
 
 UP, DRAINING, DOWN = "up", "draining", "down"
-POLL_S, FAIL_AFTER, FORGET_S = 0.25, 3, 30.0  # seconds between polls; polls failed before down; seconds down
+POLL_S = 0.25  # seconds between two polls of a worker
+FAIL_AFTER = 3  # failed polls in a row that take a worker out of rotation
+FORGET_S = 30.0  # a worker down this long is forgotten
 # What GET /admin/workers shows of a worker's load report.
 _SUMMARY_LOAD = ("queue_length", "prefill_queue_tokens", "active_sequences", "kv_tokens", "open_streams",
                  "decode_token_ms", "decode_step_ms", "max_batch")
