@@ -91,9 +91,6 @@ def create_app(router: Router) -> FastAPI:
                        needs_token=lambda path: path.startswith("/admin") or path in ("/metrics", "/dashboard/data"),
                        error_body=lambda status, code, message: oa.OpenAIError(status, message, code=code).body())
 
-    def tenant_of(request: Request) -> Entry | None:
-        return _tenant_of(router, request.headers.get("authorization"))
-
     # KVPoolError (OpenAIError included) is an answer, not a crash: handled inside the app. A
     # handler for Exception runs in Starlette's outermost middleware, which re-raises afterwards.
     @app.exception_handler(KVPoolError)
@@ -104,9 +101,6 @@ def create_app(router: Router) -> FastAPI:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
         return _error_response(exc)
-
-    async def _body(request: Request) -> Any:
-        return _json_body(await request.body())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -121,7 +115,7 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
-        tenant_of(request)
+        _tenant_of(router, request.headers.get("authorization"))
         name = router.model_name
         data = [] if name is None else [{"id": name, "object": "model", "created": 0, "owned_by": "kvpool"}]
         return {"object": "list", "data": data}
@@ -149,7 +143,7 @@ def create_app(router: Router) -> FastAPI:
 
     @app.post("/admin/workers")
     async def add_worker(request: Request) -> dict:
-        body = await _body(request)
+        body = _json_body(await request.body())
         role = body.get("role") if isinstance(body, dict) else None  # vLLM servers (--engine vllm) only
         events = body.get("kv_events") if isinstance(body, dict) else None  # vLLM: "ENDPOINT[,REPLAY]"
         if events is not None and not isinstance(events, str):
@@ -159,7 +153,7 @@ def create_app(router: Router) -> FastAPI:
 
     @app.post("/admin/workers/drain")
     async def drain_worker(request: Request) -> dict:
-        return router.workers.drain(_url_of(await _body(request))).summary()
+        return router.workers.drain(_url_of(_json_body(await request.body()))).summary()
 
     @app.delete("/admin/workers")
     async def remove_worker(url: str) -> dict:
@@ -169,8 +163,8 @@ def create_app(router: Router) -> FastAPI:
     async def explain(prompt: str, max_tokens: int = 16) -> dict:
         if router.tokenizer is None:
             raise Unavailable("no worker has registered yet")
-        decision, req, _ = await router.route(await router.tokenized(len(prompt), router.tokenizer.encode, prompt),
-                                              max_tokens)
+        ids, u32 = await router.tokenized(len(prompt), router.tokenizer.encode_prompt, prompt)
+        decision, req, _ = await router.route(ids, max_tokens, None, u32)
         return {"decision": decision.__dict__, "request": req.__dict__}
 
     return app
@@ -206,7 +200,7 @@ class OpenAIFront:
                 body += message.get("body", b"")
                 more = message.get("more_body", False)
             auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
-            answer = await (_chat if endpoint == "chat" else _completions)(self.router, auth, _json_body(body))
+            answer = await _answer(self.router, endpoint, auth, _json_body(body))
         except Exception as exc:
             if not isinstance(exc, KVPoolError):
                 log.exception("POST %s failed", scope["path"])
@@ -271,7 +265,7 @@ def _json_body(body: bytes) -> Any:
 
 def _tenant_of(router: Router, authorization: str | None) -> Entry | None:
     """The keyring entry of the request's API key; None when API keys are off."""
-    if not router.api_keys:
+    if not router.tenants.api_keys:
         return None
     scheme, _, key = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
@@ -282,32 +276,29 @@ def _tenant_of(router: Router, authorization: str | None) -> Entry | None:
     return entry
 
 
-async def _chat(router: Router, auth: str | None, body: Any) -> dict | AsyncIterator[bytes]:
+async def _answer(router: Router, endpoint: str, auth: str | None, body: Any) -> dict | AsyncIterator[bytes]:
     entry = _tenant_of(router, auth)
-    req = oa.parse(oa.ChatRequest, body)
-    _check_model(router, req.model)
-    messages = req.chat()
-    try:
-        prompt = await router.tokenized(sum(len(m["content"]) for m in messages), router.tokenizer.encode_chat_prompt,
-                                        messages)
-    except ValueError as exc:
-        raise oa.bad_request(str(exc), param="messages") from None
-    return await _complete(router, "chat", req, prompt.ids, req.token_budget(), router.config.default_max_tokens,
-                           entry, prompt.u32)
-
-
-async def _completions(router: Router, auth: str | None, body: Any) -> dict | AsyncIterator[bytes]:
-    entry = _tenant_of(router, auth)
-    req = oa.parse(oa.CompletionRequest, body)
-    _check_model(router, req.model)
+    req = oa.parse(oa.ChatRequest if endpoint == "chat" else oa.CompletionRequest, body)
+    if router.tokenizer is None:
+        raise Unavailable("no worker has registered with this router yet")
+    if req.model != router.model_name and req.model != router.workers.model_id:
+        raise oa.OpenAIError(404, f"The model `{req.model}` does not exist.", code="model_not_found",
+                             param="model")
     u32 = None
-    if isinstance(req.prompt, str):
+    if endpoint == "chat":
+        messages = req.chat()
+        try:
+            ids, u32 = await router.tokenized(sum(len(m["content"]) for m in messages),
+                                              router.tokenizer.encode_chat_prompt, messages)
+        except ValueError as exc:
+            raise oa.bad_request(str(exc), param="messages") from None
+    elif isinstance(req.prompt, str):
         ids, u32 = await router.tokenized(len(req.prompt), router.tokenizer.encode_prompt, req.prompt)
     else:
         ids = list(req.prompt)
         if any(t < 0 for t in ids):
             raise oa.bad_request("prompt token ids must not be negative", param="prompt")
-    return await _complete(router, "completions", req, ids, req.token_budget(), 16, entry, u32)
+    return await _complete(router, endpoint, req, ids, entry, u32)
 
 
 def _url_of(body: Any) -> str:
@@ -316,17 +307,12 @@ def _url_of(body: Any) -> str:
     return body["url"]
 
 
-def _check_model(router: Router, model: str) -> None:
-    if router.tokenizer is None:
-        raise Unavailable("no worker has registered with this router yet")
-    if model != router.model_name and model != router.workers.model_id:
-        raise oa.OpenAIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
-
-
-async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], budget: int | None,
-                    default_budget: int, entry: Entry | None, u32: bytes | None = None) -> dict | AsyncIterator[bytes]:
-    """The whole answer (not streaming), or its server-sent events."""
+async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], entry: Entry | None,
+                    u32: bytes | None) -> dict | AsyncIterator[bytes]:
+    """The whole answer (not streaming), or its server-sent events. Without max_tokens, a chat
+    request may take `default_max_tokens`, a completion 16 (OpenAI's default)."""
     arrived = time.perf_counter()
+    budget = req.token_budget()
     context = router.max_positions
     if not ids:
         raise oa.bad_request("the prompt has no tokens", param="prompt")
@@ -335,6 +321,7 @@ async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], bud
                              f"{len(ids) + (budget or 0)} tokens ({len(ids)} in the prompt, {budget or 0} for the "
                              "completion). Please reduce the length of the prompt or completion.",
                              param="messages" if endpoint == "chat" else "prompt", code="context_length_exceeded")
+    default_budget = router.config.default_max_tokens if endpoint == "chat" else 16
     max_tokens = budget if budget is not None else min(default_budget, context - len(ids))
     temperature = 1.0 if req.temperature is None else req.temperature
     sampling = wire.SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
@@ -361,7 +348,7 @@ async def _complete(router: Router, endpoint: str, req: Any, ids: list[int], bud
         text += stops.flush()
         router.metrics.done(endpoint, 200)
         _account(router, out, arrived, ttft=None)
-        return shape.whole(text, "stop" if stops.hit else finish, _usage(out))
+        return shape.whole(text, "stop" if stops.hit else finish, oa.usage(out))
     # Streaming: pull the first piece before answering, so errors before it get a status code.
     try:
         first = await anext(pieces)
@@ -393,7 +380,7 @@ async def _sse_stream(router: Router, endpoint: str, shape: oa.Shape, first: Any
                 break
             piece = await anext(pieces)
         if shape.include_usage:
-            yield _sse(shape.usage_chunk(_usage(out)))
+            yield _sse(shape.usage_chunk(oa.usage(out)))
     except StopAsyncIteration:
         yield _sse(shape.chunk(None if shape.chat else "", finish="stop"))
     except Exception as exc:  # the status line is sent: end the stream with an error event
@@ -410,10 +397,6 @@ async def _sse_stream(router: Router, endpoint: str, shape: oa.Shape, first: Any
         if status == 200:
             _account(router, out, arrived, ttft)
     yield b"data: [DONE]\n\n"
-
-
-def _usage(out: Outcome) -> dict[str, Any]:
-    return oa.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
 
 
 def _account(router: Router, out: Outcome, arrived: float, ttft: float | None) -> None:

@@ -18,6 +18,7 @@ feeds. The simulator builds `CostParams` from a performance profile instead.
 from __future__ import annotations
 
 import collections
+import statistics
 import threading
 from dataclasses import dataclass, replace
 
@@ -138,15 +139,12 @@ class DecodeLine:
         """(base_s, per_seq_s); (0, 0) before any step."""
         if self._new:
             self._new = 0
-            steps = list(self._steps)
-            n = len(steps)
-            mb = sum(b for b, _ in steps) / n
-            mt = sum(t for _, t in steps) / n
-            var = sum((b - mb) ** 2 for b, _ in steps)
-            slope = sum((b - mb) * (t - mt) for b, t in steps) / var if var > 0 else 0.0
-            base = mt - slope * mb
-            if var == 0 or slope <= 0 or base < 0:
-                base, slope = 0.0, sum(t / b for b, t in steps) / n
+            try:
+                slope, base = statistics.linear_regression(*zip(*self._steps))
+            except statistics.StatisticsError:  # a single batch size so far
+                slope = base = 0.0
+            if slope <= 0 or base < 0:
+                base, slope = 0.0, sum(t / b for b, t in self._steps) / len(self._steps)
             self._fit = (base, slope)
         return self._fit
 

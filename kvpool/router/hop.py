@@ -30,6 +30,7 @@ timer per read: `asyncio.timeout` around each read was ~15% of this client's tim
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 import time
 from typing import AsyncIterator
@@ -56,8 +57,18 @@ class _Call:
 
 class Response:
     def __init__(self, hop: "Hop", key: tuple, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 status: int, headers: dict[bytes, bytes], call: _Call):
-        self.status = status
+                 head: bytes, call: _Call):
+        """`head`: the status line and headers; `ValueError` when they are not HTTP/1.x."""
+        status_line, *lines = head.split(b"\r\n")
+        version, status, *_ = status_line.split(b" ", 2)
+        if not version.startswith(b"HTTP/1."):
+            raise ValueError(status_line[:40])
+        self.status = int(status)
+        headers = {}
+        for line in lines:
+            name, sep, value = line.partition(b":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
         self._hop, self._key, self._reader, self._writer, self._call = hop, key, reader, writer, call
         self._chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
         # neither a length nor chunks: the body runs to the connection's end (HTTP/1.0 style)
@@ -102,11 +113,6 @@ class Response:
             return data
         return b"".join([c async for c in self._chunks()])
 
-    async def finish(self) -> None:
-        """Read (and drop) what is left of the body."""
-        async for _ in self._chunks():
-            pass
-
     async def lines(self) -> AsyncIterator[bytes]:
         """The body split at newlines (NDJSON), each line as soon as it has arrived."""
         rest = b""
@@ -138,22 +144,10 @@ class Hop:
         self.read_timeout = read_timeout
         self.idle_s = idle_s
         self._idle: dict[tuple, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
-        self._targets: dict[str, tuple] = {}
         self._tls: ssl.SSLContext | None = None
         self._calls: set[_Call] = set()
         self._watchdog: asyncio.Task | None = None
         self._clock = time.monotonic
-
-    def _target(self, url: str) -> tuple:
-        key = self._targets.get(url)
-        if key is None:
-            parts = urlsplit(url)
-            tls = parts.scheme == "https"
-            host = parts.hostname or "127.0.0.1"
-            port = parts.port or (443 if tls else 80)
-            hostport = f"[{host}]" if ":" in host else host
-            key = self._targets[url] = (tls, host, port, f"{hostport}:{port}".encode())
-        return key
 
     async def _connect(self, key: tuple) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
         idle = self._idle.get(key)
@@ -178,7 +172,7 @@ class Hop:
     async def request(self, url: str, path: str, body: bytes | None, headers: dict[str, str] | None = None) -> Response:
         """POST `body` (JSON) to `url + path`, or GET it when `body` is None; returns once the
         status line and headers are in."""
-        key = self._target(url)
+        key = _target(url)
         if body is None:
             body, head = b"", b"GET " + path.encode() + b" HTTP/1.1\r\nhost: " + key[3] + b"\r\n"
         else:
@@ -199,6 +193,7 @@ class Hop:
                     await writer.drain()
                 block = await reader.readuntil(b"\r\n\r\n")
                 call.last = self._clock()
+                return Response(self, key, reader, writer, block, call)
             except BaseException as exc:
                 self._calls.discard(call)
                 writer.close()  # (cancelled: its client left; the worker sees the connection go)
@@ -209,10 +204,10 @@ class Hop:
                 if (isinstance(exc, asyncio.IncompleteReadError) and not exc.partial and reused and attempt == 0
                         and not call.timed_out):
                     continue
-                if not isinstance(exc, (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
+                if not isinstance(exc, (OSError, ValueError, asyncio.IncompleteReadError,
+                                        asyncio.LimitOverrunError)):
                     raise
                 raise HopError(f"{url}{path}: {self._why(call, exc)}") from None
-            return _parse(self, key, reader, writer, block, url + path, call)
         raise AssertionError("unreachable")
 
     def _why(self, call: _Call, exc: BaseException) -> str:
@@ -220,6 +215,8 @@ class Hop:
             return f"TimeoutError: nothing for {self.read_timeout:g} s"
         if isinstance(exc, asyncio.IncompleteReadError):
             return "the connection closed before the answer ended"
+        if isinstance(exc, ValueError):
+            return f"not an HTTP answer: {exc}"
         return f"{type(exc).__name__}: {exc}"
 
     async def _watch(self) -> None:
@@ -246,21 +243,12 @@ class Hop:
         self._idle.clear()
 
 
-def _parse(hop: Hop, key: tuple, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, block: bytes,
-           where: str, call: _Call) -> Response:
-    lines = block.split(b"\r\n")
-    try:
-        version, status, *_ = lines[0].split(b" ", 2)
-        if not version.startswith(b"HTTP/1."):
-            raise ValueError(lines[0][:40])
-        code = int(status)
-    except ValueError as exc:
-        hop._calls.discard(call)
-        writer.close()
-        raise HopError(f"{where}: not an HTTP answer: {exc}") from None
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    return Response(hop, key, reader, writer, code, headers, call)
+@functools.lru_cache(maxsize=4096)
+def _target(url: str) -> tuple[bool, str, int, bytes]:
+    """(TLS, host, port, the Host header's value) of a worker URL."""
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or (443 if tls else 80)
+    hostport = f"[{host}]" if ":" in host else host
+    return tls, host, port, f"{hostport}:{port}".encode()

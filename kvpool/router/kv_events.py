@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -57,6 +58,7 @@ import xxhash
 
 from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import parse_namespace_hex
+from kvpool.router.tenants import cache_salted_namespace
 from kvpool.router.tokenizer import u32_bytes
 
 log = logging.getLogger(__name__)
@@ -255,21 +257,14 @@ def namespace_resolver(namespace_hex: str, namespace_doc: str) -> Callable[[str 
     """The chain root of a request with `cache_salt` (None: none) on servers of this namespace:
     the connector's namespace salted with `request_salt(configured salt, cache_salt)`, as the
     router keys a tenant's prompts (tenants.py). Unknown (None) without the namespace's document."""
-    from kvpool.router.tenants import cache_salted_namespace
-
     base = parse_namespace_hex(namespace_hex)
     doc = json.loads(namespace_doc) if namespace_doc else None
-    cache: dict[str, bytes] = {}
 
+    @functools.cache
     def of(cache_salt: str | None) -> bytes | None:
         if cache_salt is None:
             return base
-        if doc is None:
-            return None
-        ns = cache.get(cache_salt)
-        if ns is None:
-            ns = cache[cache_salt] = cache_salted_namespace(doc, cache_salt)
-        return ns
+        return None if doc is None else cache_salted_namespace(doc, cache_salt)
 
     return of
 
@@ -339,7 +334,7 @@ class KVEventSubscriber:
         log.info("following the KV events of %s at %s", self.name, self.source.endpoint)
         try:
             if self.source.replay_endpoint:  # what it published before we connected (a router restart)
-                await self._catch_up(None)
+                await self._catch_up()
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
@@ -366,7 +361,7 @@ class KVEventSubscriber:
             self.reset(f"sequence went back from {self.last_seq} to {seq} (the instance restarted)")
             self.last_seq, self.last_ts = -1, -math.inf
         if seq > self.last_seq + 1:
-            await self._catch_up(seq)
+            await self._catch_up()
         if seq > self.last_seq:
             if seq > self.last_seq + 1 and self.last_seq >= 0:  # not filled: removals may be lost
                 self.reset(f"batches {self.last_seq + 1}..{seq - 1} were lost")
@@ -392,9 +387,9 @@ class KVEventSubscriber:
         self.last_seq, self.last_ts = seq, batch.ts
         self.batches += 1
 
-    async def _catch_up(self, upto: int | None) -> None:
-        """Ask the replay endpoint for the batches after `last_seq` (before `upto`, if given,
-        though it sends everything it kept from there on) and apply them in order."""
+    async def _catch_up(self) -> None:
+        """Ask the replay endpoint for the batches after `last_seq` (it sends every one it kept
+        from there on) and apply them in order."""
         if not self.source.replay_endpoint:
             return
         import zmq

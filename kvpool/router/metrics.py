@@ -16,7 +16,7 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 
 
 class RouterMetrics:
-    def __init__(self, policy: str, pressure: Callable[[], dict[str, float]],
+    def __init__(self, pressure: Callable[[], dict[str, float]],
                  workers: Callable[[], dict[tuple[str, str], int]]):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvpool_router_requests", "Requests answered, by endpoint and HTTP status",
@@ -37,7 +37,6 @@ class RouterMetrics:
                                registry=r)
         self.worker_failures = Counter("kvpool_router_worker_failures", "Worker calls that failed", ["stage"],
                                        registry=r)
-        self.policy = policy
         self._pressure = pressure
         self._workers = workers
         press = Gauge("kvpool_router_pressure", "Estimated load over target, per side (>1: over target)",

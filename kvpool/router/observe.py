@@ -26,6 +26,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.admin.metrics import master_samples
+from kvpool.router.backends.base import get
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +68,14 @@ async def _router(router: Any) -> list[Sample]:
 
 
 async def _worker(http: aiohttp.ClientSession, url: str, name: str, timeout_s: float) -> list[Sample]:
-    async with http.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        body = await resp.text()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}/metrics answered {resp.status}")
-    samples = parse(body)
+    samples = parse((await get(http, url, "/metrics", timeout_s)).decode())
     for _, labels, _ in samples:
         labels["worker"] = name
     return samples
 
 
 async def _pool(matcher: Any, timeout_s: float) -> list[Sample]:
-    client = getattr(matcher, "pool", matcher)  # a PrefixMatcher holds the asyncio client
+    client = matcher.pool  # the PrefixMatcher's asyncio client
     stats, nodes = await asyncio.wait_for(asyncio.gather(client.admin("stats"), client.admin("nodes")), timeout_s)
     return master_samples(stats, nodes)
 
@@ -97,13 +94,18 @@ def samples_of(snap: dict[str, Any], kind: str | None = None) -> Iterable[Sample
 def hit_summary(snap: dict[str, Any]) -> dict[str, Any]:
     """Hit rates from a snapshot: prompt tokens and chunks by source (summed over workers), per
     tenant, and the pool's tiers' own hit rates (reads a tier served / reads that reached it)."""
-    total = _HitTotals()
-    tenants: dict[str, _HitTotals] = {}
+    total = _hit_totals()
+    tenants: dict[str, dict[str, Any]] = {}
     for name, labels, value in samples_of(snap, "worker"):
-        if name in _HIT_NAMES:
-            tenant = labels.get("tenant", "")
-            for acc in (total, tenants.setdefault(tenant, _HitTotals())):
-                acc.add(_HIT_NAMES[name], labels.get("source"), value)
+        what = _HIT_NAMES.get(name)
+        if what is None:
+            continue
+        for acc in (total, tenants.setdefault(labels.get("tenant", ""), _hit_totals())):
+            if what in ("tokens", "objects"):
+                if labels.get("source") in acc[what]:
+                    acc[what][labels["source"]] += value
+            else:
+                acc[what] += value
     tiers: dict[str, dict[str, float]] = {}
     for name, labels, value in samples_of(snap, "pool"):
         if name.startswith("kvpool_tier_") and "tier" in labels:
@@ -112,7 +114,7 @@ def hit_summary(snap: dict[str, Any]) -> dict[str, Any]:
     for doc in tiers.values():
         reads = doc.get("hits", 0) + doc.get("misses", 0)
         doc["hit_rate"] = doc.get("hits", 0) / reads if reads else None
-    return {"prompt": total.doc(), "tenants": {t: acc.doc() for t, acc in sorted(tenants.items())},
+    return {"prompt": _hit_doc(total), "tenants": {t: _hit_doc(acc) for t, acc in sorted(tenants.items())},
             "pool_tiers": tiers,
             "sources": [{k: s.get(k) for k in ("name", "kind", "ok", "error")} for s in snap["sources"]]}
 
@@ -122,24 +124,13 @@ _HIT_NAMES = {"kvpool_cache_hit_tokens_total": "tokens", "kvpool_cache_hit_objec
               "kvpool_lookup_requests_total": "requests"}
 
 
-class _HitTotals:
-    def __init__(self) -> None:
-        self.tokens = dict.fromkeys(SOURCES, 0.0)
-        self.objects = dict.fromkeys(SOURCES, 0.0)
-        self.totals = {"lookup_tokens": 0.0, "lookup_objects": 0.0, "requests": 0.0}
+def _hit_totals() -> dict[str, Any]:
+    return {"tokens": dict.fromkeys(SOURCES, 0.0), "objects": dict.fromkeys(SOURCES, 0.0),
+            "lookup_tokens": 0.0, "lookup_objects": 0.0, "requests": 0.0}
 
-    def add(self, what: str, source: str | None, value: float) -> None:
-        if what in ("tokens", "objects"):
-            target = self.tokens if what == "tokens" else self.objects
-            if source in target:
-                target[source] += value
-        else:
-            self.totals[what] += value
 
-    def doc(self) -> dict[str, Any]:
-        looked = self.totals["lookup_tokens"]
-        hit = looked - self.tokens["computed"]
-        return {"tokens": {k: int(v) for k, v in self.tokens.items()},
-                "objects": {k: int(v) for k, v in self.objects.items()},
-                **{k: int(v) for k, v in self.totals.items()},
-                "hit_ratio": hit / looked if looked else None}
+def _hit_doc(acc: dict[str, Any]) -> dict[str, Any]:
+    doc = {k: {s: int(n) for s, n in v.items()} if isinstance(v, dict) else int(v) for k, v in acc.items()}
+    looked = acc["lookup_tokens"]
+    doc["hit_ratio"] = (looked - acc["tokens"]["computed"]) / looked if looked else None
+    return doc

@@ -175,13 +175,11 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 # -- responses ------------------------------------------------------------------------------------
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def usage(out: Any) -> dict[str, Any]:
+    """OpenAI's usage object of a request's `Outcome` (backends/base.py)."""
+    prompt, completion = out.prompt_tokens, out.completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
 
 class Shape:
@@ -190,41 +188,32 @@ class Shape:
     def __init__(self, chat: bool, model: str, include_usage: bool = False):
         self.chat = chat
         self.model = model
-        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = include_usage
 
-    def _head(self, obj: str) -> dict[str, Any]:
+    def _object(self, chat_object: str, chat_part: dict[str, Any], text: str, finish: str | None,
+                **rest: Any) -> dict[str, Any]:
+        """An object of one choice: `chat_part` (delta or message) in a chat, `text` otherwise."""
+        part = chat_part if self.chat else {"text": text}
+        choice = {"index": 0, **part, "logprobs": None, "finish_reason": finish}
+        obj = chat_object if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+                "system_fingerprint": None, "choices": [choice], **rest}
 
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            out = {**self._head("text_completion"), "choices": [choice]}
-        if self.include_usage:
-            out["usage"] = None
-        return out
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        return self._object("chat.completion.chunk", {"delta": delta}, text or "", finish,
+                            **({"usage": None} if self.include_usage else {}))
 
     def usage_chunk(self, u: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": u}
+        return {**self._object("chat.completion.chunk", {}, "", None), "choices": [], "usage": u}
 
     def whole(self, text: str, finish: str, u: dict[str, Any]) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": u}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice], "usage": u}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return self._object("chat.completion", {"message": message}, text, finish, usage=u)
 
 
 class StopMatcher:

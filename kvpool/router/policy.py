@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from kvpool.errors import InvalidArgument
 from kvpool.router.cost import CostParams
 
 
@@ -254,8 +255,6 @@ def make_policy(name: str) -> Policy:
     try:
         return POLICIES[name]()
     except KeyError:
-        from kvpool.errors import InvalidArgument
-
         raise InvalidArgument(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
 
 

@@ -8,6 +8,7 @@ OpenAI API, and through it every worker, would be open to whoever reaches the ad
 from __future__ import annotations
 
 import gc
+import importlib.util
 import logging
 import os
 import threading
@@ -28,7 +29,7 @@ def serve(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0, ready
     import uvicorn
 
     router = Router(config)
-    if not router.api_keys and not is_loopback(host):
+    if not router.tenants.api_keys and not is_loopback(host):
         raise InvalidArgument(
             f"kvpool router: refusing to listen on {host} without API keys (protected mode): anyone who reaches "
             f"it could use the workers and the pool. Either listen on 127.0.0.1, or create a keyring with tenants "
@@ -64,6 +65,4 @@ def serve(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 0, ready
 
 
 def _has(module: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -44,7 +45,7 @@ from kvpool.router.policy import (Decision, RouteRequest, Snapshot, Targets, mak
 from kvpool.router.tenants import Tenant, Tenants
 from kvpool.router.tokenizer import RouterTokenizer
 from kvpool.router.backends.vllm import VLLMSettings
-from kvpool.router.workers import DOWN, DRAINING, UP, Workers, WorkerState
+from kvpool.router.workers import Workers, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,6 @@ class RouterConfig:
     local_prefill_tokens: int = default("router.local_prefill_tokens")  # this small: prefilled on the decode worker
     default_max_tokens: int = default("router.default_max_tokens")  # chat requests without max_tokens (completions: 16)
     model_name: str | None = None  # the name /v1/models lists; default: the workers' model id
-    poll_s: float = 0.25
-    fail_after: int = 3
-    request_timeout_s: float = 600.0
     workers: list[str] = field(default_factory=list)  # "URL" or "ROLE=URL" (the role: --engine vllm only)
     engine: str = default("router.engine")  # the workers': "reference" (reference workers) or "vllm" (backends/vllm.py)
     vllm: Any = None  # VLLMSettings, with engine "vllm"
@@ -90,8 +88,8 @@ class RouterConfig:
 
 
 class Router:
-    """Routes requests and runs them through `backend`; it is the backends' `Host`
-    (backends/base.py): `worker`, `worker_failed`, `worker_leaving`, `another_decoder`."""
+    """Routes requests and runs them through `backend`, which calls back `workers`,
+    `worker_failed`, `another_decoder` and adds to `metrics` and `cost`."""
 
     def __init__(self, config: RouterConfig):
         self.config = config
@@ -107,25 +105,23 @@ class Router:
         self._seq = 0
         self.pool: Any = None  # a PrefixMatcher (matcher.py), or anything with `async match(keys)`
         self.workers: Workers | None = None
-        self.metrics = RouterMetrics(self.policy.name, self._pressure, self._worker_counts)
+        self.metrics = RouterMetrics(self._pressure, self._worker_counts)
         self.keyring = load_keyring(config.auth_file)
-        self.backend = make_backend(config.engine, config.vllm, keyring=self.keyring,
-                                    request_timeout_s=config.request_timeout_s, poll_s=config.poll_s)
+        self.backend = make_backend(config.engine, config.vllm, keyring=self.keyring)
         self.kv_events = parse_kv_events(config.kv_events)
         if self.kv_events and not self.backend.kv_events:
             raise InvalidArgument("--kv-events is for vLLM servers (--engine vllm); reference workers send "
                                   "their KV events with their load")
         self._joining: list[asyncio.Task] = []
         self.tenants = Tenants(self.keyring, config.pool, via_cache_salt=not self.backend.tenant_header)
-        self.api_keys = self.tenants.api_keys  # app.py admits only requests with a tenant's API key
         self._join_lock = asyncio.Lock()
         self._tokenize = ThreadPoolExecutor(max(1, config.tokenize_threads), thread_name_prefix="tokenize")
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> "Router":
         await self.backend.start()
-        self.workers = Workers(self.backend, poll_s=self.config.poll_s, fail_after=self.config.fail_after,
-                               on_join=self._on_join, on_load=self._on_load, kv_events=self.kv_events)
+        self.workers = Workers(self.backend, on_join=self._on_join, on_load=self._on_load,
+                               kv_events=self.kv_events)
         own = self.keyring.own_credential() if self.keyring is not None else None
         if self.config.pool and (self.keyring is None or own is not None):
             # untenanted requests' match_prefix; a keyring of tenants only (no node secret: least
@@ -176,19 +172,17 @@ class Router:
         """The first worker teaches the router the model: tokenizer, context, chunking. Workers
         joining at once wait for the first to finish (one tokenizer built, not one each)."""
         async with self._join_lock:
-            if self.tokenizer is None:
-                await self._learn_model(url, info)
-
-    async def _learn_model(self, url: str, info: wire.WorkerInfo) -> None:
-        tok = await self.backend.tokenizer(url)
-        self.tokenizer = await asyncio.to_thread(RouterTokenizer.from_info, tok)
-        self.max_positions = info.max_positions or 8192
-        self.chunk_tokens = info.chunk_tokens
-        self.bytes_per_token = info.stored_bytes_per_token or info.bytes_per_token  # what a fetch moves (codec)
-        self.namespace = parse_namespace_hex(info.namespace)
-        self.tenants.learn(info.namespace_doc)
-        log.info("router serves %s (context %d, chunks of %d tokens)", info.model_id, self.max_positions,
-                 self.chunk_tokens)
+            if self.tokenizer is not None:
+                return
+            tok = await self.backend.tokenizer(url)
+            self.tokenizer = await asyncio.to_thread(RouterTokenizer.from_info, tok)
+            self.max_positions = info.max_positions or 8192
+            self.chunk_tokens = info.chunk_tokens
+            self.bytes_per_token = info.stored_bytes_per_token or info.bytes_per_token  # what a fetch moves
+            self.namespace = parse_namespace_hex(info.namespace)
+            self.tenants.learn(info.namespace_doc)
+            log.info("router serves %s (context %d, chunks of %d tokens)", info.model_id, self.max_positions,
+                     self.chunk_tokens)
 
     def _on_load(self, state: WorkerState) -> None:
         if state.load is not None and (state.load.decode_token_ms > 0 or state.load.decode_step_ms > 0):
@@ -259,6 +253,7 @@ class Router:
         decision, req, keys = await self.route(ids, max_tokens, tenant, u32)
         out.route_s = time.perf_counter() - started
         out.prompt_tokens, out.decision = len(ids), decision
+        kind = decision.kind  # the first decision's, whatever a retry decides
         counted = False
 
         def count() -> None:  # the route's metrics: once, after the first piece (off TTFT) at the latest
@@ -266,18 +261,16 @@ class Router:
             if not counted:
                 counted = True
                 self.metrics.route.observe(out.route_s)
-                self.metrics.decisions.labels(policy=self.policy.name, kind=decision.kind).inc()
+                self.metrics.decisions.labels(policy=self.policy.name, kind=kind).inc()
 
-        if decision.kind == "unavailable":
-            count()
-            raise Unavailable(decision.reject)
-        if decision.reject is not None:
-            count()
-            self.metrics.rejected.inc()
-            raise Rejected(decision.reject, decision)
         excluded: list[str] = list(self.not_serving(tenant.id if tenant is not None else None))
         request = Request(ids, max_tokens, sampling, request_id, tenant, keys, req)
         try:
+            if decision.kind == "unavailable":
+                raise Unavailable(decision.reject)
+            if decision.reject is not None:
+                self.metrics.rejected.inc()
+                raise Rejected(decision.reject, decision)
             for attempt in range(2):
                 try:
                     async for piece in self.backend.run(self, decision, request, out):
@@ -289,7 +282,6 @@ class Router:
                     if attempt == 1:
                         raise exc.error from None
                     self.metrics.retries.labels(stage="route").inc()
-                    count()
                     decision = self.policy.choose(req, self.snapshot(keys, tuple(excluded)))
                     out.decision = decision
                     if decision.reject is not None or decision.decode is None:
@@ -298,18 +290,14 @@ class Router:
         finally:
             count()
 
-    # -- what a backend may ask (backends/base.py: Host) ------------------------------------------
-    def worker(self, name: str) -> WorkerState:
-        return self.workers.by_name(name)
-
+    # -- what a backend may ask ------------------------------------------------------------------
     def worker_failed(self, worker: WorkerState, stage: str, why: str) -> None:
+        """`worker` could not be reached or broke off during `stage`: counted, out of rotation."""
         self.metrics.worker_failures.labels(stage=stage).inc()
         self.workers.mark_down(worker, why)
 
-    def worker_leaving(self, worker: WorkerState) -> None:
-        self.workers.leaving(worker)
-
     def another_decoder(self, keys: list[str], exclude: Sequence[str], tenant: str | None) -> WorkerState | None:
+        """The best decode worker but those in `exclude` (and those that do not serve `tenant`)."""
         snap = self.snapshot(keys, (*exclude, *self.not_serving(tenant)))
         alt = [w for w in snap.workers if w.decodes]
         if not alt:
@@ -324,22 +312,17 @@ class Router:
         snap = self.snapshot([])
         probe = RouteRequest(seq=0, prompt_tokens=1, max_tokens=1, chunk_tokens=max(1, self.chunk_tokens),
                              pool_prefix_chunks=0, bytes_per_token=self.bytes_per_token)
-        prefillers = [w for w in snap.workers if w.prefills]
-        decoders = [w for w in snap.workers if w.decodes]
         out = {}
-        if prefillers:
-            wait = min(prefill_estimate(probe, w, snap.cost) for w in prefillers)
-            out["prefill"] = wait / (self.targets.ttft_s or 2.0)
-        if decoders:
-            tbt = min(tbt_estimate(w, snap.cost) for w in decoders)
-            out["decode"] = tbt / (self.targets.tbt_s or 0.2)
+        waits = [prefill_estimate(probe, w, snap.cost) for w in snap.workers if w.prefills]
+        if waits:
+            out["prefill"] = min(waits) / (self.targets.ttft_s or 2.0)
+        tbts = [tbt_estimate(w, snap.cost) for w in snap.workers if w.decodes]
+        if tbts:
+            out["decode"] = min(tbts) / (self.targets.tbt_s or 0.2)
         return out
 
     def _worker_counts(self) -> dict[tuple[str, str], int]:
-        counts: dict[tuple[str, str], int] = {}
-        for s in (self.workers.by_url.values() if self.workers else ()):
-            counts[(s.role, s.status)] = counts.get((s.role, s.status), 0) + 1
-        return counts
+        return Counter((s.role, s.status) for s in (self.workers.by_url.values() if self.workers else ()))
 
 
 class Rejected(KVPoolError):
@@ -353,4 +336,4 @@ class Rejected(KVPoolError):
         self.decision = decision
 
 
-__all__ = ["Router", "RouterConfig", "Piece", "Outcome", "Rejected", "DOWN", "DRAINING", "UP"]
+__all__ = ["Router", "RouterConfig", "Piece", "Outcome", "Rejected"]

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Tenant:
     id: str
-    credential: Credential  # its pool principal
+    credential: Credential | None  # its pool principal (None: the router's own)
     salt: str
     cache_salt: str | None = None  # behind vLLM: the `cache_salt` its requests carry
     namespace: bytes | None = None  # set once a worker has described its namespace
@@ -67,11 +67,9 @@ def cache_salted_namespace(namespace_doc: dict[str, Any], cache_salt: str) -> by
 
 class Tenants:
     def __init__(self, keyring: Keyring | None, pool_address: str | None, *, via_cache_salt: bool = False):
-        self.keyring = keyring
         self.pool_address = pool_address
         self.via_cache_salt = via_cache_salt  # vLLM servers: salted by cache_salt, one pool principal
-        self._shared_pool: Any = None  # via_cache_salt: the router's own client, for every tenant
-        self._shared_lock = asyncio.Lock()
+        self._shared = Tenant("", None, "")  # via_cache_salt: holds the router's own client, for every tenant
         # API keys are checked (app.py) exactly when some tenant of the keyring has one.
         self.api_keys = keyring is not None and any(e.api_keys for e in keyring.entries.values())
         self._namespace_doc: dict[str, Any] | None = None
@@ -100,25 +98,19 @@ class Tenants:
     async def pool(self, tenant: Tenant) -> Any:
         """`tenant`'s pool client, connected as its principal on first use (behind vLLM: the
         router's own client, shared by every tenant)."""
-        if self.via_cache_salt:
-            if self._shared_pool is None:
-                async with self._shared_lock:
-                    if self._shared_pool is None:
-                        from kvpool.client import connect_async
-
-                        self._shared_pool = await connect_async(self.pool_address)
-            return self._shared_pool
-        if tenant.pool is None:
-            async with tenant.lock:  # one client per tenant, however many first requests race
-                if tenant.pool is None:
+        holder = self._shared if self.via_cache_salt else tenant
+        if holder.pool is None:
+            async with holder.lock:  # one client each, however many first requests race
+                if holder.pool is None:
                     from kvpool.client import connect_async
 
-                    tenant.pool = await connect_async(self.pool_address, credential=tenant.credential)
-                    log.info("pool client for tenant %s connected as %s", tenant.id, tenant.credential.principal)
-        return tenant.pool
+                    holder.pool = await connect_async(self.pool_address, credential=holder.credential)
+                    log.info("pool client for tenant %s connected as %s", holder.id or "(every tenant)",
+                             holder.credential.principal if holder.credential else "the router")
+        return holder.pool
 
     async def close(self) -> None:
-        for pool in [t.pool for t in self._by_id.values()] + [self._shared_pool]:
+        for pool in [t.pool for t in self._by_id.values()] + [self._shared.pool]:
             if pool is not None:
                 with contextlib.suppress(Exception):
                     await pool.close()

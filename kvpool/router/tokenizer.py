@@ -23,9 +23,10 @@ walk in the caches.
 from __future__ import annotations
 
 import array
+import datetime
+import json
 import logging
 import re
-import struct
 import sys
 from typing import Any, NamedTuple, Sequence
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # A sentence end, then the space that starts the next word: ". The", "? And", "\nSection".
 _CUT = re.compile(r"(?<=[.!?:;\n])(?= [A-Za-z])")
-_SERIAL_CHARS = 4096  # new text up to this long is encoded serially (see _encode)
+_SERIAL_CHARS = 4096  # new text up to this long is encoded serially (see encode_prompt)
 
 
 class _Cache:
@@ -76,24 +77,19 @@ class Prompt(NamedTuple):
 
 def u32_bytes(ids: Sequence[int]) -> bytes:
     """Token ids as little-endian u32 bytes (`OverflowError`, `TypeError`: not u32 ids)."""
-    if _ARRAY_U32:
-        arr = array.array("I", ids)
-        if sys.byteorder != "little":
-            arr.byteswap()
-        return arr.tobytes()
-    return struct.pack(f"<{len(ids)}I", *ids)
+    return _u32(ids).tobytes()
 
 
 def _ids(u32: bytes) -> list[int]:
-    if _ARRAY_U32:
-        arr = array.array("I", u32)
-        if sys.byteorder != "little":
-            arr.byteswap()
-        return arr.tolist()
-    return list(struct.unpack(f"<{len(u32) // 4}I", u32))
+    return _u32(u32).tolist()
 
 
-_ARRAY_U32 = array.array("I").itemsize == 4
+def _u32(values: Any) -> array.array:
+    """An array of C unsigned ints, 4 bytes on every platform CPython runs on, little-endian."""
+    arr = array.array("I", values)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr
 
 
 class RouterTokenizer:
@@ -139,29 +135,19 @@ class RouterTokenizer:
                    add_bos_token=info.add_bos_token, special_tokens=info.special_tokens)
 
     # -- text -> ids ---------------------------------------------------------------------------
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
         if self._template is None:
             raise InvalidArgument("this model has no chat template; use /v1/completions")
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+        return self._template.render(messages=list(messages), add_generation_prompt=True,
                                      **self._template_vars)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_chat_prompt(self, messages: Sequence[dict[str, Any]]) -> Prompt:
         """Ids of the conversation rendered with the chat template (no extra special tokens: the
         template writes its own markers), as `apply_chat_template(tokenize=True)` gives them."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
-
-    def encode_chat_prompt(self, messages: Sequence[dict[str, Any]]) -> Prompt:
-        """`encode_chat`, with the ids' u32 bytes."""
-        return self._encode(self.render_chat(messages), False)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._encode(text, add_special_tokens).ids
+        return self.encode_prompt(self.render_chat(messages), False)
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
-        """`encode`, with the ids' u32 bytes."""
-        return self._encode(text, add_special_tokens)
-
-    def _encode(self, text: str, add_special_tokens: bool) -> Prompt:
+        """The text's ids, as the `tokenizers` library gives them (with BOS, if the model adds it)."""
         segments = [p for p in (self._split.split(text) if self._split is not None else [text]) if p]
         specials = self._special_u32
         found: dict[str, bytes | None] = {}
@@ -171,26 +157,12 @@ class RouterTokenizer:
                 found[g] = hit = self._segments.get(g)
                 if hit is None:
                     new.append(g)
-        fast = self._fast
-        if new and fast is not None:  # new segments it takes: whole, by the fast engine (~0.15 us/token)
-            slow = []
-            for g in new:
-                if fast.takes(g):
-                    found[g] = u32_bytes(fast.encode(g))
-                    self._segments.put(g, found[g])
-                else:
-                    slow.append(g)
-            new = slow
+        new = self._fast_encode(new, found, self._segments)  # new segments it takes, whole
         if new:
             sentences = {g: [p for p in _CUT.split(g) if p] for g in new}
             have = {p: self._sentences.get(p) for ps in sentences.values() for p in ps}
-            missing = [p for p, v in have.items() if v is None]
-            if missing and fast is not None:  # a segment it does not take: the sentences it does
-                for p in missing:
-                    if fast.takes(p):
-                        have[p] = u32_bytes(fast.encode(p))
-                        self._sentences.put(p, have[p])
-                missing = [p for p in missing if have[p] is None]
+            # a segment it does not take: the sentences it does
+            missing = self._fast_encode([p for p, v in have.items() if v is None], have, self._sentences)
             if missing:
                 # A few new sentences (a new chat turn) are encoded on this thread: the parallel
                 # batch wakes the tokenizer's thread pool, whose hand-off costs as much CPU as the
@@ -214,6 +186,18 @@ class RouterTokenizer:
         u32 = b"".join(parts)
         return Prompt(_ids(u32), u32)
 
+    def _fast_encode(self, texts: list[str], into: dict[str, bytes | None], cache: _Cache) -> list[str]:
+        """Encodes those of `texts` the fast engine takes (~0.15 us/token) into `into` and `cache`;
+        returns the others."""
+        rest = []
+        for text in texts:
+            if self._fast is not None and self._fast.takes(text):
+                into[text] = u32_bytes(self._fast.encode(text))
+                cache.put(text, into[text])
+            else:
+                rest.append(text)
+        return rest
+
     def encode_uncached(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The whole text in one call, no cache: the reference the cached path must equal."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -221,25 +205,14 @@ class RouterTokenizer:
             ids = [self._tok.token_to_id(self.bos_token), *ids]
         return ids
 
-    # -- ids -> text ---------------------------------------------------------------------------
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     """transformers' `tojson`: plain json.dumps (jinja's own escapes <, >, & and ', changing the text)."""
-    import json
-
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
-    import datetime
-
     return datetime.datetime.now().strftime(fmt)
 
 

@@ -4,7 +4,7 @@ prefix cache, and who is leaving.
 Workers join by `POST /admin/workers` (a worker started with `--router` does it itself, and
 repeats it every few seconds, so a restarted router relearns its workers) or from the command
 line (`kvpool router --worker URL`). A poll loop reads each worker's load and its KV events
-(tier "local": what entered and left its prefix cache) every `poll_s`, in one call
+(tier "local": what entered and left its prefix cache) every `POLL_S`, in one call
 (the backend's `poll`: a reference worker answers both in one `GET /load?events_since=N`,
 backends/reference.py). Workers whose backend's events come separately (vLLM's OpenAI servers,
 backends/vllm.py: their role is given at registration) have a subscriber (kv_events.py) keep
@@ -13,8 +13,8 @@ router knows their KV events endpoint (`kv_events`).
 
 States: `up` (in rotation) -> `draining` (no new requests; forgotten once its load shows no
 work and the router has nothing in flight there) ; `up` -> `down` on a refused connection or
-`fail_after` failed polls in a row, or a failed request (out of rotation at once; back to `up`
-when a poll succeeds again; forgotten after `forget_s` down).
+`FAIL_AFTER` failed polls in a row, or a failed request (out of rotation at once; back to `up`
+when a poll succeeds again; forgotten after `FORGET_S` down).
 
 Invariants: only the event loop thread mutates this registry; a worker whose model or namespace
 differs from the router's is refused at registration (409), so every worker in rotation shares
@@ -24,6 +24,7 @@ the key space the router hashes prompts into.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,12 @@ from kvpool.router.policy import WorkerView
 log = logging.getLogger(__name__)
 
 UP, DRAINING, DOWN = "up", "draining", "down"
+POLL_S = 0.25  # seconds between two polls of a worker
+FAIL_AFTER = 3  # failed polls in a row that take a worker out of rotation
+FORGET_S = 30.0  # a worker down this long is forgotten
+# What GET /admin/workers shows of a worker's load report.
+_SUMMARY_LOAD = ("queue_length", "prefill_queue_tokens", "active_sequences", "kv_tokens", "open_streams",
+                 "decode_token_ms", "decode_step_ms", "max_batch")
 
 
 @dataclass
@@ -93,25 +100,16 @@ class WorkerState:
         return {"name": self.name, "url": self.url, "role": self.role, "status": self.status,
                 "served": self.served, "inflight_prefills": self.inflight_prefills,
                 "inflight_decodes": self.inflight_decodes, "local_cache_chunks": len(self.local_keys),
-                "load": None if load is None else {
-                    "queue_length": load.queue_length, "prefill_queue_tokens": load.prefill_queue_tokens,
-                    "active_sequences": load.active_sequences, "kv_tokens": load.kv_tokens,
-                    "open_streams": load.open_streams, "decode_token_ms": load.decode_token_ms,
-                    "decode_step_ms": load.decode_step_ms,
-                    "max_batch": load.max_batch},
+                "load": None if load is None else {k: getattr(load, k) for k in _SUMMARY_LOAD},
                 **({"kv_events": self.kv_events.summary()} if self.kv_events is not None else {})}
 
 
 class Workers:
-    def __init__(self, backend: Backend, *, poll_s: float = 0.25, fail_after: int = 3,
-                 forget_s: float = 30.0, on_join: Callable[[WorkerState], Any] | None = None,
+    def __init__(self, backend: Backend, *, on_join: Callable[[WorkerState], Any] | None = None,
                  on_load: Callable[[WorkerState], None] | None = None,
                  kv_events: dict[str, KVEventsSource] | None = None):
         self.kv_events = dict(kv_events or {})  # KV event endpoints of the workers, by URL
         self.backend = backend
-        self.poll_s = poll_s
-        self.fail_after = fail_after
-        self.forget_s = forget_s
         self._on_join = on_join
         self._on_load = on_load
         self.by_url: dict[str, WorkerState] = {}
@@ -201,12 +199,10 @@ class Workers:
             state.status, state.down_since = DOWN, time.monotonic()
             log.warning("worker %s out of rotation: %s", state.name, why)
 
-    def _find(self, url_or_name: str) -> WorkerState:
-        state = self.by_url.get(_normalize(url_or_name))
+    def _find(self, url: str) -> WorkerState:
+        state = self.by_url.get(_normalize(url))
         if state is None:
-            state = next((s for s in self.by_url.values() if s.name == url_or_name), None)
-        if state is None:
-            raise InvalidArgument(f"no worker {url_or_name!r} is registered")
+            raise InvalidArgument(f"no worker {url!r} is registered")
         return state
 
     def serving(self) -> list[WorkerState]:
@@ -222,10 +218,8 @@ class Workers:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
         for state in list(self.by_url.values()):
             if state.kv_events is not None:
                 await state.kv_events.stop()
@@ -236,18 +230,18 @@ class Workers:
             states = list(self.by_url.values())
             if states:
                 await asyncio.gather(*(self._poll_one(s) for s in states), return_exceptions=True)
-            await asyncio.sleep(self.poll_s)
+            await asyncio.sleep(POLL_S)
 
     async def _poll_one(self, state: WorkerState) -> None:
         try:
-            load, events = await self.backend.poll(state, timeout=max(1.0, 4 * self.poll_s))
+            load, events = await self.backend.poll(state)
         except Unavailable as exc:
             state.failures += 1
-            if isinstance(exc, WorkerRefused) or state.failures >= self.fail_after:
+            if isinstance(exc, WorkerRefused) or state.failures >= FAIL_AFTER:
                 self.mark_down(state, str(exc))
-            if state.status == DOWN and time.monotonic() - state.down_since > self.forget_s:
+            if state.status == DOWN and time.monotonic() - state.down_since > FORGET_S:
                 self._forget(state)
-                log.info("forgot worker %s (down for %.0f s)", state.name, self.forget_s)
+                log.info("forgot worker %s (down for %.0f s)", state.name, FORGET_S)
             return
         state.failures, state.load = 0, load
         if state.status == DOWN and not load.draining:

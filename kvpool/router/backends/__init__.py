@@ -14,18 +14,17 @@ from kvpool.router.backends.vllm import VLLMBackend
 ENGINES = ("reference", "vllm")
 
 
-def make_backend(engine: str, vllm: Any = None, *, keyring: Any = None, request_timeout_s: float = 600.0,
-                 poll_s: float = 0.25) -> Backend:
+def make_backend(engine: str, vllm: Any = None, *, keyring: Any = None) -> Backend:
     """The backend for `engine`: "reference" (with `keyring`, the internal token on every call)
     or "vllm" (`vllm`: its `VLLMSettings`)."""
     if engine == "reference":
-        return ReferenceBackend(keyring, request_timeout_s=request_timeout_s, poll_s=poll_s)
+        return ReferenceBackend(keyring)
     if engine != "vllm":
         raise InvalidArgument(f"unknown engine {engine!r}: 'reference' (the reference workers) or 'vllm'")
     if vllm is None or not vllm.model_path:
         raise InvalidArgument("a router for vLLM servers (--engine vllm) needs the model folder they load: "
                               "--tokenizer DIR ([router] tokenizer)")
-    return VLLMBackend(vllm, request_timeout_s=request_timeout_s)
+    return VLLMBackend(vllm)
 
 
 __all__ = ["Backend", "ENGINES", "ReferenceBackend", "VLLMBackend", "make_backend"]

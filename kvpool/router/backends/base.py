@@ -1,6 +1,7 @@
 """The contract between the router and the workers behind it: a `Backend` per worker API
-(`reference`: kvpool's own workers; `vllm`: vLLM OpenAI servers with kvpool's connector), and the
-`Host` the router lends a backend while it runs one of its requests.
+(`reference`: kvpool's own workers; `vllm`: vLLM OpenAI servers with kvpool's connector). While
+it runs a request, a backend calls back into the `Router` (service.py: its `workers`,
+`worker_failed`, `another_decoder`, and its `metrics` and `cost`).
 
 A backend owns its HTTP clients (made in `start`, closed in `close`) and maps what its workers
 answer to the router's terms: `BeforeFirst` for a failure before anything of the step reached
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 import aiohttp
 
@@ -20,11 +21,14 @@ from kvpool import worker_api as wire
 from kvpool.errors import Unavailable
 
 if TYPE_CHECKING:
-    from kvpool.router.cost import CostModel
-    from kvpool.router.metrics import RouterMetrics
     from kvpool.router.policy import Decision, RouteRequest
+    from kvpool.router.service import Router
     from kvpool.router.tenants import Tenant
     from kvpool.router.workers import WorkerState
+
+
+READ_TIMEOUT_S = 600.0  # a worker that sends nothing this long during a call has failed
+POLL_TIMEOUT_S = 1.0  # a poll unanswered this long has failed (4 polls' time: workers.py polls every 0.25 s)
 
 
 @dataclass
@@ -59,7 +63,7 @@ def failed(worker: str, error: Exception, streamed: bool) -> Exception:
     return error if streamed else BeforeFirst(worker, error)
 
 
-def unreachable(host: "Host", worker: "WorkerState", path: str, exc: Exception, streamed: bool) -> Exception:
+def unreachable(host: Router, worker: "WorkerState", path: str, exc: Exception, streamed: bool) -> Exception:
     """`worker` could not be reached or broke off during its call to `path`: out of rotation, and
     the step's error."""
     why = f"{type(exc).__name__}: {exc}"
@@ -70,7 +74,7 @@ def unreachable(host: "Host", worker: "WorkerState", path: str, exc: Exception, 
 
 class WorkerRefused(Unavailable):
     """Nothing listens at the worker's address (a poll): out of rotation now, not after
-    `fail_after` failed polls. Stays in the router: a client never sees it."""
+    `FAIL_AFTER` failed polls. Stays in the router: a client never sees it."""
 
 
 @dataclass
@@ -90,26 +94,6 @@ class Request:
         """The prompt's chunks the pool held when routed (None: the pool did not answer), for
         the worker, which then need not ask again."""
         return self.route.pool_prefix_chunks if self.route.pool_matched else None
-
-
-class Host(Protocol):
-    """What the router lends a backend for the requests it runs (the `Router` implements it)."""
-
-    metrics: "RouterMetrics"  # counters the backend adds to: retries, prompt tokens, worker failures
-    cost: "CostModel"  # learns from every successful prefill
-    bytes_per_token: int  # the model's KV bytes per token as the pool stores them
-
-    def worker(self, name: str) -> "WorkerState":
-        """The worker a decision names."""
-
-    def worker_failed(self, worker: "WorkerState", stage: str, why: str) -> None:
-        """`worker` could not be reached or broke off during `stage`: counted, out of rotation."""
-
-    def worker_leaving(self, worker: "WorkerState") -> None:
-        """`worker` answered that it is draining: no new requests."""
-
-    def another_decoder(self, keys: list[str], exclude: Sequence[str], tenant: str | None) -> "WorkerState | None":
-        """The best decode worker but those in `exclude` (and those that do not serve `tenant`)."""
 
 
 class Backend(Protocol):
@@ -135,18 +119,19 @@ class Backend(Protocol):
 
     async def tokenizer(self, url: str) -> wire.TokenizerInfo: ...
 
-    async def poll(self, state: "WorkerState", timeout: float) -> tuple[wire.LoadReport, wire.EventsResponse | None]:
-        """The worker's load, and its KV events since `state.events_since` if it sends them."""
+    async def poll(self, state: "WorkerState") -> tuple[wire.LoadReport, wire.EventsResponse | None]:
+        """The worker's load, and its KV events since `state.events_since` if it sends them;
+        `Unavailable` after `POLL_TIMEOUT_S` without an answer."""
 
-    def run(self, host: Host, decision: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
+    def run(self, host: Router, decision: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
         """Execute `decision`: text pieces, the last with its finish reason."""
 
 
-def client_session(headers: dict[str, str], read_timeout_s: float) -> aiohttp.ClientSession:
+def client_session(headers: dict[str, str]) -> aiohttp.ClientSession:
     """A backend's aiohttp session (made on the event loop: in `start`)."""
     return aiohttp.ClientSession(
         headers=headers, connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=300),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=read_timeout_s))
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=READ_TIMEOUT_S))
 
 
 async def get(http: aiohttp.ClientSession, url: str, path: str, timeout: float) -> bytes:
@@ -164,5 +149,5 @@ async def get(http: aiohttp.ClientSession, url: str, path: str, timeout: float) 
     return body
 
 
-__all__ = ["Backend", "BeforeFirst", "Host", "Outcome", "Piece", "Request", "WorkerRefused", "client_session", "failed",
-           "get", "unreachable"]
+__all__ = ["Backend", "BeforeFirst", "Outcome", "Piece", "Request", "WorkerRefused", "client_session",
+           "failed", "get", "unreachable"]

@@ -1,8 +1,7 @@
 """The router in front of kvpool's reference workers (`--engine reference`): their worker API.
 
     registration   GET /v1/info (the worker states its role), GET /v1/tokenizer
-    polling        GET /load?events_since=N: load and the KV events of its own prefix cache in one
-                   call (a worker that does not send events with its load is also asked /v1/events)
+    polling        GET /load?events_since=N: load and the KV events of its own prefix cache in one call
     colocated      POST /v1/generate on the one worker (NDJSON `TokenEvent`s)
     disaggregated  POST /v1/prefill on the prefill worker (first token + KV handle), then
                    POST /v1/decode on the decode worker with the handle (it pulls the KV from the
@@ -36,13 +35,14 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kvpool import worker_api as wire
 from kvpool.errors import CorruptObject, InvalidArgument, KeyNotFound, KVPoolError, Unavailable, error_from_code
-from kvpool.router.backends.base import (BeforeFirst, Host, Outcome, Piece, Request, WorkerRefused, client_session,
-                                         failed, get, unreachable)
+from kvpool.router.backends.base import (POLL_TIMEOUT_S, READ_TIMEOUT_S, BeforeFirst, Outcome, Piece, Request,
+                                         WorkerRefused, client_session, failed, get, unreachable)
 from kvpool.router.hop import Hop, HopError
 from kvpool.router.policy import Decision
 from kvpool.security.http_guard import TENANT_HEADER, internal_headers
 
 if TYPE_CHECKING:
+    from kvpool.router.service import Router
     from kvpool.router.workers import WorkerState
 
 log = logging.getLogger(__name__)
@@ -55,19 +55,17 @@ class ReferenceBackend:
     tenant_header = True
     kv_events = False  # reference workers send their KV events with their load
 
-    def __init__(self, keyring: Any = None, *, request_timeout_s: float = 600.0, poll_s: float = 0.25):
+    def __init__(self, keyring: Any = None):
         self._headers = internal_headers(keyring) if keyring is not None else {}
-        self._request_timeout_s = request_timeout_s
-        self._poll_timeout_s = max(1.0, 4 * poll_s)
         self.http = None
         self._hop: Hop | None = None
         self._polls: Hop | None = None
 
     async def start(self) -> None:
         # aiohttp, not httpx, off the request path: its asyncio client costs ~0.5 ms less per call.
-        self.http = client_session(self._headers, self._request_timeout_s)
-        self._hop = Hop(self._headers, read_timeout=self._request_timeout_s)
-        self._polls = Hop(self._headers, read_timeout=self._poll_timeout_s)
+        self.http = client_session(self._headers)
+        self._hop = Hop(self._headers, read_timeout=READ_TIMEOUT_S)
+        self._polls = Hop(self._headers, read_timeout=POLL_TIMEOUT_S)
 
     async def close(self) -> None:
         for client in (self._polls, self.http, self._hop):
@@ -81,7 +79,7 @@ class ReferenceBackend:
     async def tokenizer(self, url: str) -> wire.TokenizerInfo:
         return wire.decode(await get(self.http, url, "/v1/tokenizer", 30.0), wire.TokenizerInfo)
 
-    async def poll(self, state: "WorkerState", timeout: float) -> tuple[wire.LoadReport, wire.EventsResponse]:
+    async def poll(self, state: WorkerState) -> tuple[wire.LoadReport, wire.EventsResponse | None]:
         path = f"/load?events_since={state.events_since}"
         try:
             resp = await self._polls.request(state.url, path, None)
@@ -94,23 +92,19 @@ class ReferenceBackend:
         if status != 200:
             raise Unavailable(f"worker {state.url} answered {status} to {path}: {body[:200]!r}")
         load = wire.decode(body, wire.LoadReport)
-        events = load.events
-        if events is None:  # a worker that does not send its events with its load
-            events = wire.decode(await get(self.http, state.url, f"/v1/events?since={state.events_since}", timeout),
-                                 wire.EventsResponse)
-        return load, events
+        return load, load.events
 
     # -- a request -----------------------------------------------------------------------------
-    def run(self, host: Host, d: Decision, req: Request, out: Outcome) -> AsyncIterator[Piece]:
+    def run(self, host: Router, d: Decision, req: Request, out: Outcome) -> AsyncIterator[Piece]:
         tenant = req.tenant
         headers = {**_JSON, TENANT_HEADER: tenant.id} if tenant is not None else _JSON
         if d.prefill is None:
             return self._colocated(host, d, req.ids, req.max_tokens, req, out, headers, req.pool_chunks)
         return self._disaggregated(host, d, req, out, headers)
 
-    async def _colocated(self, host: Host, d: Decision, ids: list[int], max_tokens: int, req: Request,
+    async def _colocated(self, host: Router, d: Decision, ids: list[int], max_tokens: int, req: Request,
                          out: Outcome, headers: dict[str, str], pool_chunks: int | None) -> AsyncIterator[Piece]:
-        worker = host.worker(d.decode)
+        worker = host.workers.by_name(d.decode)
         msg = wire.GenerateRequest(token_ids=ids, max_tokens=max_tokens, request_id=req.request_id,
                                    sampling=req.sampling, pool_chunks=pool_chunks)
         uncached = len(ids) - d.cached_tokens
@@ -138,9 +132,9 @@ class ReferenceBackend:
             if prefilled:
                 worker.prefill_done(uncached)
 
-    async def _disaggregated(self, host: Host, d: Decision, req: Request, out: Outcome,
+    async def _disaggregated(self, host: Router, d: Decision, req: Request, out: Outcome,
                              headers: dict[str, str]) -> AsyncIterator[Piece]:
-        p = host.worker(d.prefill)
+        p = host.workers.by_name(d.prefill)
         head, round_trip = await self._prefill(host, p, d, req, headers)
         out.cached_tokens = head.cached_tokens
         out.completion_tokens = 1
@@ -151,7 +145,7 @@ class ReferenceBackend:
         msg = wire.DecodeRequest(handle=head.handle, first_token=head.first_token, max_tokens=req.max_tokens,
                                  sampling=req.sampling)
         tried: list[str] = [p.name] if p.role == "prefill" else []
-        decoder = host.worker(d.decode)
+        decoder = host.workers.by_name(d.decode)
         lost: KVPoolError | None = None
         for attempt in range(2):
             decoder.decode_sent()
@@ -194,7 +188,7 @@ class ReferenceBackend:
             except BeforeFirst as exc:  # the first token already reached the client: no retry elsewhere
                 raise exc.error from None
 
-    async def _prefill(self, host: Host, p: "WorkerState", d: Decision, req: Request,
+    async def _prefill(self, host: Router, p: "WorkerState", d: Decision, req: Request,
                        headers: dict[str, str]) -> tuple[wire.PrefillResponse, float]:
         """The worker's answer, and the call's round trip in seconds."""
         uncached = len(req.ids) - d.cached_tokens
@@ -211,7 +205,8 @@ class ReferenceBackend:
         return head, round_trip
 
     # -- the calls and what their failures mean --------------------------------------------------
-    async def _post(self, host: Host, worker: "WorkerState", path: str, msg: Any, headers: dict[str, str]) -> bytes:
+    async def _post(self, host: Router, worker: WorkerState, path: str, msg: Any,
+                    headers: dict[str, str]) -> bytes:
         """The body of a 2xx answer; a worker that fails or answers 5xx/503 raises `BeforeFirst`."""
         try:
             resp = await self._hop.request(worker.url, path, wire.encode(msg), headers)
@@ -225,7 +220,7 @@ class ReferenceBackend:
             raise _error_of(host, worker, path, resp.status, body)
         return body
 
-    async def _stream(self, host: Host, worker: "WorkerState", path: str, msg: Any,
+    async def _stream(self, host: Router, worker: "WorkerState", path: str, msg: Any,
                       headers: dict[str, str]) -> AsyncIterator[wire.TokenEvent]:
         """The NDJSON `TokenEvent`s of /v1/decode or /v1/generate."""
         got_any = False
@@ -242,7 +237,7 @@ class ReferenceBackend:
                     raise failed(worker.name, error_from_code(event.error.code, event.error.message), got_any)
                 got_any = True
                 if event.done:  # the body ends right after: read its end and pool the connection now
-                    await resp.finish()
+                    await resp.read()
                     resp.release()
                     yield event
                     return
@@ -254,25 +249,21 @@ class ReferenceBackend:
                 resp.release()  # closes the connection unless the stream was read to its end
 
 
-def _error_of(host: Host, worker: "WorkerState", path: str, status: int, body: bytes) -> Exception:
+def _error_of(host: Router, worker: "WorkerState", path: str, status: int, body: bytes) -> Exception:
     try:
         doc = json.loads(body)
         err = error_from_code(doc["code"], doc["message"])
     except Exception:
         err = Unavailable(f"worker {worker.name} answered {status} to {path}")
     if status >= 500 or isinstance(err, Unavailable):  # down or draining: try elsewhere
-        host.metrics.worker_failures.labels(stage=_stage(path)).inc()
+        host.metrics.worker_failures.labels(stage=path.rsplit("/", 1)[-1]).inc()
         if status == 503:  # a worker answers 503 only when leaving
-            host.worker_leaving(worker)
+            host.workers.leaving(worker)
         return BeforeFirst(worker.name, err)
     return err
 
 
-def _stage(path: str) -> str:
-    return path.rsplit("/", 1)[-1]
-
-
-def _learn(host: Host, head: wire.PrefillResponse, worker: "WorkerState", round_trip_s: float | None) -> None:
+def _learn(host: Router, head: wire.PrefillResponse, worker: WorkerState, round_trip_s: float | None) -> None:
     """Feed the cost model (and refit it now, so that the next route finds it fitted) and the
     token counters. Called once the first token is on its way: none of this is on TTFT."""
     fetched = head.pool_cached_tokens * (worker.info.stored_bytes_per_token or worker.info.bytes_per_token

@@ -45,16 +45,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool import worker_api as wire
 from kvpool.errors import InvalidArgument, Unavailable
 from kvpool.keys import Namespace
 from kvpool.chunk_format import KVLayout
 from kvpool.codec import stored_bytes_per_token
-from kvpool.router.backends.base import (BeforeFirst, Host, Outcome, Piece, Request, client_session, failed, get,
-                                         unreachable)
+from kvpool.config import current_settings
+from kvpool.router.backends.base import (POLL_TIMEOUT_S, BeforeFirst, Outcome, Piece, Request, client_session,
+                                         failed, get, unreachable)
 
 if TYPE_CHECKING:
+    from kvpool.router.service import Router
     from kvpool.router.policy import Decision
     from kvpool.router.workers import WorkerState
 
@@ -87,8 +90,6 @@ class VLLMSettings:
         dtype = "bfloat16" if dtype in ("float32", "float") and not self.kv_dtype else dtype
         if dtype not in _DTYPES:
             raise InvalidArgument(f"KV dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-        from kvpool.config import current_settings
-
         settings = current_settings()  # the connector fills what its extra config leaves out from the same tree
         chunk = int(self.connector.get("chunk_tokens", settings.pool.chunk_tokens))
         layout = KVLayout(num_layers=int(self.connector.get("num_layers", cfg["num_hidden_layers"])),
@@ -129,15 +130,14 @@ class VLLMBackend:
     tenant_header = False  # tenants go by cache_salt
     kv_events = True  # where told (--kv-events), their KV events come by ZMQ (kv_events.py)
 
-    def __init__(self, settings: VLLMSettings, *, request_timeout_s: float = 600.0):
+    def __init__(self, settings: VLLMSettings):
         self.settings = settings
-        self._request_timeout_s = request_timeout_s
         self.http: aiohttp.ClientSession | None = None
         self._tokenizer: wire.TokenizerInfo | None = None
         self._itl: dict[str, tuple[float, float]] = {}  # url -> (sum, count) of vllm:inter_token_latency
 
     async def start(self) -> None:
-        self.http = client_session({}, self._request_timeout_s)
+        self.http = client_session({})
 
     async def close(self) -> None:
         if self.http is not None:
@@ -148,9 +148,9 @@ class VLLMBackend:
         role = role or "both"
         if role not in ROLES:
             raise InvalidArgument(f"worker role must be one of {ROLES}, got {role!r}")
-        models = await _get_json(self.http, url, "/v1/models")
+        body = await get(self.http, url, "/v1/models", 10.0)
         try:
-            card = models["data"][0]
+            card = json.loads(body)["data"][0]
             served, root, context = str(card["id"]), str(card.get("root") or card["id"]), int(card.get("max_model_len") or 0)
         except (KeyError, IndexError, TypeError, ValueError):
             raise Unavailable(f"{url}/v1/models lists no model: is it a vLLM OpenAI server?") from None
@@ -172,9 +172,13 @@ class VLLMBackend:
             raise Unavailable("no vLLM server has registered yet")
         return self._tokenizer
 
-    async def poll(self, state: "WorkerState", timeout: float) -> tuple[wire.LoadReport, None]:
+    async def poll(self, state: WorkerState) -> tuple[wire.LoadReport, None]:
         """Load from vLLM's Prometheus metrics (`/metrics`); its KV events, if any, come by kv_events.py."""
-        m = parse_metrics((await get(self.http, state.url, "/metrics", timeout)).decode(errors="replace"))
+        page = await get(self.http, state.url, "/metrics", POLL_TIMEOUT_S)
+        try:
+            m = parse_metrics(page.decode(errors="replace"))
+        except ValueError as exc:  # (a poll fails in the router's terms)
+            raise Unavailable(f"worker {state.url}: its /metrics is not Prometheus text ({exc})") from None
         capacity = int(m.get("cache_blocks", 0) * m.get("block_size", 0))
         itl_ms = 0.0
         total = (m.get("vllm:inter_token_latency_seconds_sum", 0.0), m.get("vllm:inter_token_latency_seconds_count", 0.0))
@@ -190,41 +194,41 @@ class VLLMBackend:
                                decode_token_ms=itl_ms / max(1, running)), None  # a step of the batch it ran
 
     # -- execution ------------------------------------------------------------------------------
-    async def run(self, host: Host, d: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
-        """Prefill on `d.prefill` (if any), then stream the decode from `d.decode`; both carry
-        the tenant's cache_salt, if any."""
-        tenant, ids, sampling, rid, max_tokens = req.tenant, req.ids, req.sampling, req.request_id, req.max_tokens
-        salt = {"cache_salt": tenant.cache_salt} if tenant is not None and tenant.cache_salt else {}
+    async def run(self, host: Router, d: "Decision", req: Request, out: Outcome) -> AsyncIterator[Piece]:
+        """Prefill on `d.prefill` (if any), then stream the decode from `d.decode`."""
         kv_params = None
         if d.prefill is not None:
-            kv_params = await self._prefill(host, host.worker(d.prefill), ids, d, sampling, rid, salt)
-        decoder = host.worker(d.decode)
+            kv_params = await self._prefill(host, host.workers.by_name(d.prefill), req, d)
+        decoder = host.workers.by_name(d.decode)
         local = d.prefill is None
-        uncached = len(ids) - d.cached_tokens
+        uncached = len(req.ids) - d.cached_tokens
         if local:  # the decode instance computes the uncached part itself
             decoder.prefill_sent(uncached)
         decoder.decode_sent()
         try:
-            async for piece in self._decode(host, decoder, ids, max_tokens, sampling, kv_params, out, rid, salt):
+            async for piece in self._decode(host, decoder, req, kv_params, out):
                 yield piece
         finally:
             decoder.decode_done()
             if local:
                 decoder.prefill_done(uncached)
 
-    def _body(self, worker: "WorkerState", ids: list[int], max_tokens: int, sampling: wire.SamplingParams,
-              **extra: Any) -> dict[str, Any]:
-        return {"model": worker.info.model_id, "prompt": ids, "max_tokens": max_tokens,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, **extra}
+    def _body(self, worker: "WorkerState", req: Request, max_tokens: int, **extra: Any) -> dict[str, Any]:
+        """A /v1/completions body for `req`, with its tenant's cache_salt, if any."""
+        sampling, tenant = req.sampling, req.tenant
+        salt = {"cache_salt": tenant.cache_salt} if tenant is not None and tenant.cache_salt else {}
+        return {"model": worker.info.model_id, "prompt": req.ids, "max_tokens": max_tokens, "temperature":
+                sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed, **salt, **extra}
 
-    async def _prefill(self, host: Host, p: "WorkerState", ids: list[int], d: "Decision",
-                       sampling: wire.SamplingParams, rid: str, salt: dict[str, str]) -> dict[str, Any] | None:
+    async def _prefill(self, host: Router, p: WorkerState, req: Request,
+                       d: Decision) -> dict[str, Any] | None:
+        ids, rid = req.ids, req.request_id
         uncached = len(ids) - d.cached_tokens
         p.prefill_sent(uncached)
         sent = time.perf_counter()
         try:
-            body = await self._post(host, p, self._body(p, ids, 1, sampling, stream=False,
-                                                          kv_transfer_params=dict(PREFILL_KV_PARAMS), **salt), rid)
+            body = await self._post(host, p, self._body(p, req, 1, stream=False,
+                                                          kv_transfer_params=dict(PREFILL_KV_PARAMS)), rid)
         finally:
             p.prefill_done(uncached)
             p.served += 1
@@ -237,7 +241,8 @@ class VLLMBackend:
         log.debug("request %s: prefilled on %s in %.0f ms, kv_transfer_params %s", rid, p.name, elapsed * 1e3, params)
         return params if isinstance(params, dict) else None
 
-    async def _post(self, host: Host, worker: "WorkerState", body: dict[str, Any], rid: str) -> dict[str, Any]:
+    async def _post(self, host: Router, worker: WorkerState, body: dict[str, Any],
+                    rid: str) -> dict[str, Any]:
         try:
             async with self.http.post(worker.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
                 raw, status = await resp.read(), resp.status
@@ -250,16 +255,16 @@ class VLLMBackend:
         except ValueError:
             raise BeforeFirst(worker.name, Unavailable(f"worker {worker.name} sent a body that is not JSON")) from None
 
-    async def _decode(self, host: Host, worker: "WorkerState", ids: list[int], max_tokens: int,
-                      sampling: wire.SamplingParams, kv_params: dict[str, Any] | None, out: Outcome,
-                      rid: str, salt: dict[str, str]) -> AsyncIterator[Piece]:
-        extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}, **salt}
+    async def _decode(self, host: Router, worker: WorkerState, req: Request, kv_params: dict[str, Any] | None,
+                      out: Outcome) -> AsyncIterator[Piece]:
+        extra: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
         if kv_params:
             extra["kv_transfer_params"] = kv_params
-        body = self._body(worker, ids, max_tokens, sampling, **extra)
+        body = self._body(worker, req, req.max_tokens, **extra)
         got_any, finish = False, None
         try:
-            async with self.http.post(worker.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
+            async with self.http.post(worker.url + "/v1/completions", json=body,
+                                      headers={"X-Request-Id": req.request_id}) as resp:
                 if resp.status >= 400:
                     raise self._error(host, worker, resp.status, await resp.read())
                 async for line in resp.content:  # server-sent events: "data: {...}" lines
@@ -284,7 +289,7 @@ class VLLMBackend:
         host.metrics.prompt_tokens.labels(source="cached").inc(out.cached_tokens)
         yield Piece(finish=finish or "stop")
 
-    def _error(self, host: Host, worker: "WorkerState", status: int, raw: bytes) -> Exception:
+    def _error(self, host: Router, worker: "WorkerState", status: int, raw: bytes) -> Exception:
         try:
             message = _message(json.loads(raw))
         except ValueError:
@@ -309,30 +314,14 @@ def parse_metrics(text: str) -> dict[str, float]:
     """Each vLLM metric in Prometheus text, summed over its label sets, plus `block_size` and
     `cache_blocks` read from the labels of `vllm:cache_config_info`."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
+    for name, labels, value, *_ in (s for fam in text_string_to_metric_families(text) for s in fam.samples):
+        if not name.startswith("vllm:"):
             continue
-        head, _, value = line.rpartition(" ")
-        name, _, labels = head.partition("{")
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-        if name == "vllm:cache_config_info":
-            info = dict(part.partition("=")[::2] for part in labels.rstrip("}").split(","))
-            info = {k.strip(): v.strip().strip('"') for k, v in info.items()}
-            blocks = info.get("num_gpu_blocks") or info.get("num_cpu_blocks") or ""
-            if info.get("block_size", "").isdigit() and blocks.isdigit():
-                out["block_size"], out["cache_blocks"] = float(info["block_size"]), float(blocks)
+        out[name] = out.get(name, 0.0) + value
+        blocks = labels.get("num_gpu_blocks") or labels.get("num_cpu_blocks") or ""
+        if name == "vllm:cache_config_info" and labels.get("block_size", "").isdigit() and blocks.isdigit():
+            out["block_size"], out["cache_blocks"] = float(labels["block_size"]), float(blocks)
     return out
-
-
-async def _get_json(http: aiohttp.ClientSession, url: str, path: str) -> Any:
-    body = await get(http, url, path, 10.0)
-    try:
-        return json.loads(body)
-    except ValueError:
-        raise Unavailable(f"worker {url} answered {path} with something that is not JSON") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -90,7 +90,8 @@ async def _route_cases(report: Report, reps: int, chunks_indexed: int) -> None:
         router.namespace, router.bytes_per_token = ns.digest(), ns.layout.bytes_per_token
         router.workers = Workers(router.backend)
         system = _sentences(rng, 7000)
-        sys_keys = chunk_keys_hex(ns.digest(), tok.encode_chat([{"role": "system", "content": system}]), 256)
+        sys_ids = tok.encode_chat_prompt([{"role": "system", "content": system}]).ids
+        sys_keys = chunk_keys_hex(ns.digest(), sys_ids, 256)
         sync.put_batch([(k, b"x") for k in sys_keys])  # the shared prefix is in the pool
         for i in range(16):
             role = "prefill" if i < 8 else "decode"

@@ -1,7 +1,7 @@
 """The `Backend` contract (kvpool/router/backends/base.py), run by every backend: its HTTP clients
 are its own (made in `start`, closed in `close`), and its polls map failures to the router's
 terms (a refused connection is `WorkerRefused`: out of rotation at once; any other failure a plain
-`Unavailable`: out after `fail_after` polls). Real loopback sockets; what each backend runs on
+`Unavailable`: out after `FAIL_AFTER` polls). Real loopback sockets; what each backend runs on
 a request is tested with its workers (test_router_pool_match.py, test_router_vllm_tenants.py,
 tests/e2e/test_router*.py)."""
 
@@ -21,7 +21,7 @@ from kvpool.tools.launch.processes import free_port
 
 
 def backend_of(engine: str):
-    return make_backend(engine, VLLMSettings("/nonexistent-model-folder"), poll_s=0.25)
+    return make_backend(engine, VLLMSettings("/nonexistent-model-folder"))
 
 
 def state_at(url: str) -> WorkerState:
@@ -62,11 +62,11 @@ def test_a_refused_connection_is_worker_refused_and_an_error_page_is_not(engine)
         broken = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         try:
             with pytest.raises(WorkerRefused):
-                await backend.poll(state_at(f"http://127.0.0.1:{free_port()}"), timeout=2.0)
+                await backend.poll(state_at(f"http://127.0.0.1:{free_port()}"))
             with pytest.raises(WorkerRefused):
                 await backend.describe(f"http://127.0.0.1:{free_port()}", None)
             with pytest.raises(Unavailable) as answered:
-                await backend.poll(state_at(broken), timeout=2.0)
+                await backend.poll(state_at(broken))
             assert not isinstance(answered.value, WorkerRefused) and "500" in str(answered.value)
         finally:
             await backend.close()

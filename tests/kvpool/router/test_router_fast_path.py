@@ -54,7 +54,7 @@ def test_multi_turn_chat_each_turn_equals_transformers(hf, chat_ids, rt):
         messages = messages + [{"role": "user" if i % 2 == 0 else "assistant", "content": text}]
         want = chat_ids(messages)
         _check_prompt(rt.encode_chat_prompt(messages), want)
-        assert rt.encode_chat(messages) == want == rt.encode_uncached(rt.render_chat(messages),
+        assert rt.encode_chat_prompt(messages).ids == want == rt.encode_uncached(rt.render_chat(messages),
                                                                        add_special_tokens=False)
 
 
@@ -152,7 +152,7 @@ def test_route_from_u32_decides_as_from_ids(hf, chat_ids, rt, pool_address):
         return " ".join(" ".join(rng.choice(words) for _ in range(9)).capitalize() + "." for _ in range(n))
 
     system = text(300)
-    sys_ids = rt.encode_chat([{"role": "system", "content": system}])
+    sys_ids = rt.encode_chat_prompt([{"role": "system", "content": system}]).ids
     sys_keys = chunk_keys_hex(NS, sys_ids, 16)
     with kvpool.connect(pool_address) as sync:
         sync.put_batch([(k, b"x") for k in sys_keys[: len(sys_keys) // 2]])
