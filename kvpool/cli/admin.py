@@ -111,15 +111,6 @@ def nodes(ctx: _Ctx) -> None:
     _emit(ctx, items, table)
 
 
-@admin.command()
-@click.argument("node_id")
-@click.pass_obj
-def node(ctx: _Ctx, node_id: str) -> None:
-    """Show one node in full."""
-    with ctx.client() as c:
-        _emit(ctx, c.node(node_id))
-
-
 def _rate(value: Any) -> str:
     return f"{100 * value:.1f}%" if isinstance(value, (int, float)) else "-"
 
@@ -210,15 +201,6 @@ def _router_stats(ctx: _Ctx, url: str) -> None:
 
 
 @admin.command()
-@click.argument("key")
-@click.pass_obj
-def key(ctx: _Ctx, key: str) -> None:
-    """Show one object: size, state, replicas (node, tier), lease."""
-    with ctx.client() as c:
-        _emit(ctx, c.key(key))
-
-
-@admin.command()
 @click.option("--bytes", "target", help="Free at least this much by the eviction policy (e.g. 512MiB).")
 @click.option("--key", "keys", multiple=True, help="Evict this key (repeatable).")
 @click.pass_obj
@@ -234,24 +216,6 @@ def evict(ctx: _Ctx, target: str | None, keys: tuple[str, ...]) -> None:
 
 
 @admin.command()
-@click.argument("node_id")
-@click.pass_obj
-def drain(ctx: _Ctx, node_id: str) -> None:
-    """Stop placing new objects on NODE_ID (its objects stay readable)."""
-    with ctx.client() as c:
-        _emit(ctx, c.drain(node_id))
-
-
-@admin.command()
-@click.argument("node_id")
-@click.pass_obj
-def undrain(ctx: _Ctx, node_id: str) -> None:
-    """Place new objects on NODE_ID again."""
-    with ctx.client() as c:
-        _emit(ctx, c.undrain(node_id))
-
-
-@admin.command()
 @click.option("--prefix", default="", help="Only keys starting with this.")
 @click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10_000))
 @click.pass_obj
@@ -264,16 +228,6 @@ def keys(ctx: _Ctx, prefix: str, limit: int) -> None:
     else:
         for k in found:
             click.echo(k)
-
-
-@admin.command("remove-node")
-@click.argument("node_id")
-@click.confirmation_option(prompt="Remove the node and drop its replicas from the index?")
-@click.pass_obj
-def remove_node(ctx: _Ctx, node_id: str) -> None:
-    """Forget NODE_ID and drop its replicas from the index."""
-    with ctx.client() as c:
-        _emit(ctx, c.remove_node(node_id))
 
 
 @admin.command()
@@ -295,9 +249,29 @@ def config(ctx: _Ctx, changes: tuple[str, ...]) -> None:
         _emit(ctx, c.patch_config(patch) if patch else c.config())
 
 
-@admin.command()
-@click.pass_obj
-def health(ctx: _Ctx) -> None:
-    """Check that the admin API answers."""
-    with ctx.client() as c:
-        _emit(ctx, c.health())
+def _add_call(name: str, argument: str | None, help: str, confirm: str | None = None) -> None:
+    """`kvpool admin NAME [ARGUMENT]`: one `AdminClient` call (its method: NAME, dashes as
+    underscores), its answer printed as JSON."""
+
+    def call(ctx: _Ctx, **args: str) -> None:
+        with ctx.client() as c:
+            _emit(ctx, getattr(c, name.replace("-", "_"))(*args.values()))
+
+    command = click.pass_obj(call)
+    if confirm:
+        command = click.confirmation_option(prompt=confirm)(command)
+    if argument:
+        command = click.argument(argument)(command)
+    admin.command(name, help=help)(command)
+
+
+for _args in (
+    ("node", "node_id", "Show one node in full."),
+    ("key", "key", "Show one object: size, state, replicas (node, tier), lease."),
+    ("drain", "node_id", "Stop placing new objects on NODE_ID (its objects stay readable)."),
+    ("undrain", "node_id", "Place new objects on NODE_ID again."),
+    ("remove-node", "node_id", "Forget NODE_ID and drop its replicas from the index.",
+     "Remove the node and drop its replicas from the index?"),
+    ("health", None, "Check that the admin API answers."),
+):
+    _add_call(*_args)
