@@ -42,7 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.admin import schemas as s
-from kvpool.security.admin_token import TenantTokens, needs_token, tenant_tokens
+from kvpool.security.admin_token import TenantTokens, needs_token
 from kvpool.security.keyring import load_keyring
 from kvpool.security.local import local_token
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins, with_node_tiers
@@ -214,7 +214,7 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     # Outermost: who is asking (the admin token, a tenant's: kvpool/security/admin_token.py), then the body
     # cap, before anything else runs.
     app.add_middleware(HttpGuard, what="the admin API", token=current_token, needs_token=needs_token,
-                       tenants=TenantTokens(tenant_tokens(keyring)), metrics_token=lambda: metrics_token,
+                       tenants=TenantTokens(keyring), metrics_token=lambda: metrics_token,
                        error_body=lambda status, code, message: _error_doc(code, message))
 
     @app.get("/health", response_model=s.Health, tags=["health"])

@@ -12,9 +12,10 @@ bearer token where one is required. Used by the admin API, the router and the wo
   `WWW-Authenticate: Bearer`; checked before the body is read.
 - Metrics token (optional, `metrics_token()`): a bearer token that opens `/metrics` and nothing
   else, the one a Prometheus scraper holds (it cannot call an admin endpoint or a worker with it).
-- Tenants (optional, the admin API's): `tenants.tenant_of(presented)` names the tenant whose own
-  token was presented instead of the service's; its request gets `scope["state"]["tenant"]`, or a
-  403 when `tenants.refusal(method, path, tenant)` says why it may not ask that.
+- Tenants (optional, the admin API's `TenantTokens`): `tenants.tenant_of(presented)` names the
+  tenant whose own token was presented instead of the service's; its request gets
+  `scope["state"]["tenant"]`, or a 403 when `tenants.refusal(method, path, tenant)` says why it
+  may not ask that.
 
 Error bodies are the service's own shape (`error_body(status, code, message)`): OpenAI's for the
 router, `{"code", "message"}` for workers, `ErrorBody` for the admin API.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from kvpool.security.keyring import internal_http_token, load_keyring
 from kvpool.config import current_settings, read_secret_file
@@ -98,16 +99,11 @@ def same_token(presented: str | None, expected: str) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
 
 
-class Tenants(Protocol):
-    def tenant_of(self, presented: str) -> str | None: ...
-    def refusal(self, method: str, path: str, tenant: str) -> str | None: ...
-
-
 class HttpGuard:
     def __init__(self, app: Any, *, error_body: ErrorBody = plain_error, max_body: int | None = None,
                  token: Callable[[], str | None] | None = None,
                  needs_token: Callable[[str], bool] = lambda path: path != "/health",
-                 what: str = "this service", tenants: Tenants | None = None,
+                 what: str = "this service", tenants: Any = None,
                  metrics_token: Callable[[], str | None] | None = None):
         self.app = app
         self.metrics_token = metrics_token
