@@ -276,12 +276,7 @@ class HFAdapter:
         return t.detach().to("cpu") if t.device.type != "cpu" else t.detach()
 
     def _cache_from_views(self, views: list[ChunkView]) -> DynamicCache:
-        total = sum(v.tokens for v in views)
-        kv = self.empty_kv(total)
-        start = 0
-        for view in views:
-            kv[:, :, :, start:start + view.tokens].copy_(view.as_torch())
-            start += view.tokens
+        kv = torch.cat([view.as_torch() for view in views], dim=3)  # [L, 2, H, tokens, D]
         if self.device.type != "cpu":  # assembled on the host, where the bytes arrive; one copy over
             kv = kv.to(self.device)
         return cache_from_kv(kv, self.model.config)

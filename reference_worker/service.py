@@ -58,7 +58,7 @@ from reference_worker.scheduler import Scheduler
 from reference_worker.sequence import DecodeSequence, PrefillJob
 from reference_worker.tenants import Tenants, TenantKV
 from kvpool.codec import stored_bytes_per_token
-from kvpool.errors import InvalidArgument, KVPoolError, LayoutMismatch
+from kvpool.errors import InvalidArgument, KVPoolError
 
 log = logging.getLogger(__name__)
 
@@ -354,8 +354,6 @@ class Worker:
         self._require("decode", "both")
         kv = await asyncio.to_thread(self.tenants.get, tenant)
         handle = req.handle.validate().verify(kv.handle_key, kv.tenant)
-        if handle.namespace != kv.namespace.hex():
-            raise LayoutMismatch("the KV handle was written by another model, dtype, chunk size or tenant")
         if handle.num_tokens <= 0:
             raise InvalidArgument("the KV handle covers no tokens")
         kv.adapter.store.check_handle(handle)  # token ids required; keys and tail re-derived from them
