@@ -32,12 +32,6 @@ class SequenceKV:
         self.length = 0
 
     @classmethod
-    def like(cls, model_config, dtype: torch.dtype, capacity: int = MIN_CAPACITY) -> "SequenceKV":
-        cfg = model_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls((cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim), dtype, capacity)
-
-    @classmethod
     def from_chunks(cls, chunks: Sequence[torch.Tensor], num_tokens: int, capacity: int = 0) -> "SequenceKV":
         """A cache holding the first `num_tokens` tokens of the concatenated chunks (each
         `[layers, 2, kv_heads, tokens, head_dim]`), with room for `capacity` tokens in all."""
