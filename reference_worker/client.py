@@ -31,9 +31,6 @@ class WorkerClient(HttpClient):
         resp = self.request("POST", path, content=m.encode(msg), headers={"content-type": "application/json"})
         return m.decode(resp.content, type_)
 
-    def health(self) -> dict:
-        return self.request("GET", "/health").json()
-
     def info(self) -> m.WorkerInfo:
         return m.decode(self.request("GET", "/v1/info").content, m.WorkerInfo)
 
