@@ -77,12 +77,6 @@ class ServerHandle:
         except OSError:
             pass
 
-    def __enter__(self) -> "ServerHandle":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
 
 def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning") -> ServerHandle:
     """Serve `app` on host:port from a daemon thread; returns when it accepts connections."""
