@@ -86,11 +86,6 @@ class ScaledCodec:
         vs = buf[:, ncodes + 2 * h * d:].view(SCALE_DTYPE).view(nl, h, tokens, 1)
         return codes, ks, vs
 
-    def _layers(self, layout: KVLayout, payload: Any, tokens: int):
-        per = layer_nbytes(layout, tokens)
-        buf = payload_view(payload, layout.num_layers * per, self.name, tokens).view(layout.num_layers, per)
-        return self._split(buf, layout, tokens)
-
     # -- the codec --------------------------------------------------------------------------------
 
     def encode_into(self, layout: KVLayout, kv: Any, out: Any) -> int:
@@ -125,7 +120,9 @@ class ScaledCodec:
 
     def decode_into(self, layout: KVLayout, payload: Any, out: Any) -> None:
         tokens = check_kv(layout, out, "out")
-        codes, ks, vs = self._layers(layout, payload, tokens)
+        per = layer_nbytes(layout, tokens)
+        buf = payload_view(payload, layout.num_layers * per, self.name, tokens).view(layout.num_layers, per)
+        codes, ks, vs = self._split(buf, layout, tokens)
         k_scale, v_scale = self._scales(ks, "K"), self._scales(vs, "V")
         self._dequantize(codes[:, 0], k_scale, out[:, 0])
         self._dequantize(codes[:, 1], v_scale, out[:, 1])
