@@ -174,11 +174,13 @@ class ChunkStore:
             raise InvalidArgument("KV handle tail key is not its request's tail/<request id>")
         return handle
 
-    def fetch_handle(self, handle: KVHandle) -> list[ChunkView]:
-        """Verified views of every object a handle names (chunks, then the tail); all or nothing."""
+    def fetch_handle(self, handle: KVHandle, skip: int = 0) -> list[ChunkView]:
+        """Verified views of every object a handle names (chunks, then the tail), but its first
+        `skip` chunks (a caller's own cache holds them); all or nothing."""
         self.check_handle(handle)
-        keys = list(handle.chunk_keys) + ([handle.tail_key] if handle.tail_key else [])
-        tokens = [self.chunk_tokens] * len(handle.chunk_keys) + ([handle.tail_tokens] if handle.tail_key else [])
+        tail = [handle.tail_key] if handle.tail_key else []
+        keys = list(handle.chunk_keys[skip:]) + tail
+        tokens = [self.chunk_tokens] * (len(keys) - len(tail)) + [handle.tail_tokens] * len(tail)
         return self.reader.exact(keys, tokens)
 
     # -- writing ----------------------------------------------------------------------------

@@ -325,14 +325,10 @@ class Worker:
 
     # -- decode --------------------------------------------------------------------------------
     def _load_handle(self, kv: TenantKV, handle: KVHandle, room: int) -> SequenceKV:
-        kv.adapter.store.check_handle(handle)
         keys = list(handle.chunk_keys)
         local = self.cache.get_run(keys)
-        rest = keys[len(local):]
-        wanted = rest + ([handle.tail_key] if handle.tail_key else [])
-        tokens = [self.layout.chunk_tokens] * len(rest) + ([handle.tail_tokens] if handle.tail_key else [])
-        fetched = [view.as_torch() for view in kv.reader.exact(wanted, tokens)]
-        self.cache.put_many(zip(rest, fetched[:len(rest)]))
+        fetched = [view.as_torch() for view in kv.adapter.store.fetch_handle(handle, skip=len(local))]
+        self.cache.put_many(zip(keys[len(local):], fetched))
         self.metrics.decode_loaded(len(local) * self.layout.chunk_tokens,
                                    handle.num_tokens - len(local) * self.layout.chunk_tokens)
         capacity = min(handle.num_tokens + room, self.runner.max_positions)
