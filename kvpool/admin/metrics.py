@@ -8,9 +8,6 @@
 Invariants: every metric name starts with `kvpool_`; a stats field whose name says it only
 grows (hits, misses, evictions, bytes in/out, `*_total`) is a counter, anything else a gauge;
 a scrape never raises (a failing `stats()` is logged and yields `kvpool_stats_up 0`).
-
-The node side serves its registry with `serve_metrics(registry, host, port)`; the master's
-admin app serves its registry at `/metrics` (see `kvpool.admin.create_app`).
 """
 
 from __future__ import annotations
