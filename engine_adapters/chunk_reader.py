@@ -68,7 +68,7 @@ class ChunkReader:
 
     def __init__(self, pool: Any, layout: KVLayout, *, auth: ChunkAuth,
                  on_removed: Callable[[str], None] | None = None,
-                 on_rejected: Callable[[str, Exception], None] | None = None, batch_bytes: int = BATCH_BYTES):
+                 on_rejected: Callable[[str, Exception], None] | None = None):
         if not isinstance(auth, ChunkAuth):
             raise TypeError("ChunkReader needs auth=ChunkAuth(namespace digest, mac key or None)")
         self.pool = pool
@@ -78,7 +78,7 @@ class ChunkReader:
         self.codec = get_codec(layout.codec) if layout.codec != "none" else None
         self.on_removed = on_removed
         self.on_rejected = on_rejected
-        self.batch_chunks = max(1, batch_bytes // layout.object_nbytes())
+        self.batch_chunks = max(1, BATCH_BYTES // layout.object_nbytes())
         self._tiered = _takes_tiers(pool)  # the client can say which tier served each key
         self.fetched = 0  # verified chunks handed out
         self.damaged = 0  # chunks that failed verification (removed or rejected)

@@ -37,8 +37,8 @@ class ServiceMetrics:
     """One service's registry. `service` is "master" or "node"; `node_id` labels a node's
     `kvpool_up` so series from several nodes can be told apart in Prometheus."""
 
-    def __init__(self, service: str, node_id: str | None = None, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+    def __init__(self, service: str, node_id: str | None = None):
+        self.registry = CollectorRegistry()
         self.service = service
         up = Gauge(f"{PREFIX}_up", "1 while the service runs", ["service", "node"], registry=self.registry)
         up.labels(service=service, node=node_id or "").set(1)

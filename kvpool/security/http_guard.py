@@ -2,7 +2,7 @@
 bearer token where one is required. Used by the admin API, the router and the workers' app.
 
 `HttpGuard` is ASGI middleware:
-- Body cap (`max_body`, default `[security] http_max_body`, 1 MiB): a request body over the cap
+- Body cap (`[security] http_max_body`, 1 MiB): a request body over the cap
   is answered 413 before the app runs. The body is read as it arrives and dropped once over the
   cap (never more than `max_body` bytes are held); the rest is read and discarded up to `DRAIN_LIMIT`, so the client,
   still sending, reads the 413 instead of a connection reset. A larger body gets the 413 and the
@@ -100,7 +100,7 @@ def same_token(presented: str | None, expected: str) -> bool:
 
 
 class HttpGuard:
-    def __init__(self, app: Any, *, error_body: ErrorBody = plain_error, max_body: int | None = None,
+    def __init__(self, app: Any, *, error_body: ErrorBody = plain_error,
                  token: Callable[[], str | None] | None = None,
                  needs_token: Callable[[str], bool] = lambda path: path != "/health",
                  what: str = "this service", tenants: Any = None,
@@ -109,7 +109,7 @@ class HttpGuard:
         self.metrics_token = metrics_token
         self.tenants = tenants
         self.error_body = error_body
-        self.max_body = max_body if max_body is not None else current_settings().security.http_max_body
+        self.max_body = current_settings().security.http_max_body
         self.token = token
         self.needs_token = needs_token
         self.what = what
