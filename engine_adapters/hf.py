@@ -59,13 +59,9 @@ def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     raise InvalidArgument(f"expected a DynamicCache or a sequence of (K, V), got {type(cache).__name__}")
 
 
-def cache_from_kv(kv: torch.Tensor, config: Any = None) -> DynamicCache:
-    """A DynamicCache whose layer i holds views of `kv[i, 0]` / `kv[i, 1]` (`[L, 2, H, T, D]`), no copy."""
-    return cache_from_layers(list(kv), config)
-
-
 def cache_from_layers(layers: Sequence[torch.Tensor], config: Any = None) -> DynamicCache:
-    """A DynamicCache whose layer i holds views of `layers[i][0]` / `layers[i][1]` (`[2, H, T, D]`)."""
+    """A DynamicCache whose layer i holds views of `layers[i][0]` / `layers[i][1]` (`[2, H, T, D]`;
+    `list(kv)` of a `[L, 2, H, T, D]` tensor), no copy."""
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     for i, layer in enumerate(layers):
         k, v = layer[0].unsqueeze(0), layer[1].unsqueeze(0)
@@ -279,7 +275,7 @@ class HFAdapter:
         kv = torch.cat([view.as_torch() for view in views], dim=3)  # [L, 2, H, tokens, D]
         if self.device.type != "cpu":  # assembled on the host, where the bytes arrive; one copy over
             kv = kv.to(self.device)
-        return cache_from_kv(kv, self.model.config)
+        return cache_from_layers(list(kv), self.model.config)  # views of kv, no copy
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -379,4 +375,4 @@ def greedy_continue(model: Any, token_ids: Sequence[int], cache: DynamicCache | 
 
 
 __all__ = ["HFAdapter", "HFLayerwiseLoad", "HFLayerwiseSave", "KVEvent", "KVHandle", "LoadResult", "SaveResult",
-           "cache_from_kv", "cache_from_layers", "forward", "greedy_continue", "layout_for_model"]
+           "cache_from_layers", "forward", "greedy_continue", "layout_for_model"]
