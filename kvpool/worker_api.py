@@ -12,7 +12,7 @@ the last one with `done=True` (and `finish_reason`), or a line with `error` set.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -65,7 +65,7 @@ class PrefillRequest(Message):
     # match_prefix, in the same namespace); the worker reads them without asking the pool again.
     # A count gone stale costs nothing but reuse: the read stops at the first chunk missing.
     # None: the worker asks the pool itself.
-    pool_chunks: int | None = None
+    pool_chunks: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class PrefillResponse(Message):
@@ -103,7 +103,7 @@ class GenerateRequest(Message):
     request_id: str | None = None
     stop_token_ids: list[int] | None = None
     sampling: SamplingParams | None = None
-    pool_chunks: int | None = None  # as in `PrefillRequest`
+    pool_chunks: Annotated[int, msgspec.Meta(ge=0)] | None = None  # as in `PrefillRequest`
 
 
 class ErrorInfo(msgspec.Struct):

@@ -287,11 +287,10 @@ class Worker:
         started = time.perf_counter()
         ids = self._check_tokens(list(req.token_ids))
         params = sampling.check(req.sampling)
-        pool_chunks = _check_pool_chunks(req.pool_chunks)
         rid = _unique(req.request_id)
         with self.admission.request():
             kv = await asyncio.to_thread(self.tenants.get, tenant)
-            job, prefix = await self.run_prefill(ids, rid, params, kv, pool_chunks=pool_chunks)
+            job, prefix = await self.run_prefill(ids, rid, params, kv, pool_chunks=req.pool_chunks)
             pushed = time.perf_counter()
             saved = await asyncio.to_thread(self._publish, kv, ids, job, prefix, rid)
             handle = kv.adapter.make_handle(ids, saved)
@@ -430,12 +429,12 @@ class Worker:
         if req.max_tokens < 1:
             raise InvalidArgument("max_tokens must be >= 1")
         params = sampling.check(req.sampling)
-        pool_chunks = _check_pool_chunks(req.pool_chunks)
         rid = _unique(req.request_id)
         slot = self.admission.open_stream()
         try:
             kv = await asyncio.to_thread(self.tenants.get, tenant)
-            job, prefix = await self.run_prefill(ids, rid, params, kv, room=req.max_tokens, pool_chunks=pool_chunks)
+            job, prefix = await self.run_prefill(ids, rid, params, kv, room=req.max_tokens,
+                                                 pool_chunks=req.pool_chunks)
             head = self._prefill_response(rid, ids, job, prefix, None, started, kv.tenant)
         except BaseException:
             slot.release()
@@ -464,12 +463,6 @@ class Worker:
                 await events.aclose()
         finally:  # the stream (and its admission slot) ends once its KV is stored: a drain waits for it
             await asyncio.wait([publish])
-
-
-def _check_pool_chunks(n: int | None) -> int | None:
-    if n is not None and n < 0:
-        raise InvalidArgument(f"pool_chunks must be >= 0 (or absent), got {n}")
-    return n
 
 
 def _log_failed_publish(task: asyncio.Future) -> None:
