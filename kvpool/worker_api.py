@@ -88,7 +88,7 @@ class PrefillResponse(Message):
 class DecodeRequest(Message):
     handle: KVHandle
     first_token: int  # what prefill produced: the decode worker feeds it next
-    max_tokens: int = 16  # total new tokens, the first one included
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16  # total new tokens, the first one included
     stop_token_ids: list[int] | None = None  # default: the model's EOS tokens
     release: bool = True  # remove the tail from the pool when done
     sampling: SamplingParams | None = None  # None: greedy; the same params the prefill had
@@ -99,7 +99,7 @@ class GenerateRequest(Message):
     `decode` too (a router sends short uncached prompts there: conditional disaggregation)."""
 
     token_ids: list[int]
-    max_tokens: int = 16
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     request_id: str | None = None
     stop_token_ids: list[int] | None = None
     sampling: SamplingParams | None = None

@@ -353,8 +353,6 @@ class Worker:
             raise InvalidArgument("the KV handle covers no tokens")
         kv.adapter.store.check_handle(handle)  # token ids required; keys and tail re-derived from them
         self._check_tokens([req.first_token])
-        if req.max_tokens < 1:
-            raise InvalidArgument("max_tokens must be >= 1")
         params = sampling.check(req.sampling)
         rid = handle.request_id or uuid.uuid4().hex
         stop = frozenset(req.stop_token_ids) if req.stop_token_ids is not None else self.eos
@@ -426,8 +424,6 @@ class Worker:
         self._require("decode", "both")
         started = time.perf_counter()
         ids = self._check_tokens(list(req.token_ids))
-        if req.max_tokens < 1:
-            raise InvalidArgument("max_tokens must be >= 1")
         params = sampling.check(req.sampling)
         rid = _unique(req.request_id)
         slot = self.admission.open_stream()
