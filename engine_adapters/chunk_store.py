@@ -90,11 +90,9 @@ def check_token_ids(token_ids: Sequence[int]) -> list[int]:
 
 
 class ChunkStore:
-    """The engine-free half of an adapter: keys, pool calls, verification, events.
-
-    An adapter owns one and only converts between its engine's KV and `ChunkView`s / payload
-    buffers. Thread-safe for concurrent requests (the pool client is; listeners are called from the
-    thread that made the change, outside any lock).
+    """The engine-free half of an adapter (module docstring). Thread-safe for concurrent requests
+    (the pool client is; listeners are called from the thread that made the change, outside any
+    lock).
 
     Every chunk it writes names its namespace and key and, given `mac_key` (the tenant's
     `kvpool.security.keyring.chunk_mac_key`, with a keyring), carries a MAC under it; its reader accepts only

@@ -21,9 +21,7 @@ Error bodies are the service's own shape (`error_body(status, code, message)`): 
 router, `{"code", "message"}` for workers, `ErrorBody` for the admin API.
 
 `internal_token()` / `internal_headers()`: the token a router presents to workers (and workers to
-their router): the file `KVPOOL_INTERNAL_TOKEN_FILE`, else derived from the keyring's node secret
-(`kvpool.security.keyring.internal_http_token`); None / {} when no keyring is configured (then
-nothing is checked).
+their router); None / {} when no keyring is configured (then nothing is checked).
 """
 
 from __future__ import annotations
@@ -56,9 +54,9 @@ INTERNAL_TOKEN_FILE_ENV = "KVPOOL_INTERNAL_TOKEN_FILE"
 def internal_token(keyring: Any = None) -> str | None:
     """The router<->worker bearer token when `keyring` (default: the one `KVPOOL_AUTH_FILE` names)
     is set: the file `[security] internal_token_file` names (KVPOOL_INTERNAL_TOKEN_FILE; `kvpool auth
-    init` writes internal.token),
-    else derived from the keyring's node secret. A keyring of tenants only (a router's or a worker's,
-    which hold no node secret) needs the file: `InvalidArgument` says so."""
+    init` writes internal.token), else derived from the keyring's node secret
+    (`kvpool.security.keyring.internal_http_token`). A keyring of tenants only (a router's or a
+    worker's, which hold no node secret) needs the file: `InvalidArgument` says so."""
     keyring = keyring if keyring is not None else load_keyring()
     if keyring is None:
         return None
