@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 from dataclasses import dataclass
@@ -64,22 +65,12 @@ class LocalPrefixCache:
     def match(self, keys: Sequence[str]) -> int:
         """Length of the longest run keys[0..n) held here (does not refresh)."""
         with self._lock:
-            n = 0
-            for key in keys:
-                if key not in self._entries:
-                    break
-                n += 1
-            return n
+            return sum(1 for _ in itertools.takewhile(self._entries.__contains__, keys))
 
     def get_run(self, keys: Sequence[str]) -> list[Any]:
         """Tensors of the longest held run keys[0..n), refreshed as most recently used."""
         with self._lock:
-            run = []
-            for key in keys:
-                tensor = self._entries.get(key)
-                if tensor is None:
-                    break
-                run.append(tensor)
+            run = list(itertools.takewhile(lambda tensor: tensor is not None, map(self._entries.get, keys)))
             for key in reversed(keys[: len(run)]):
                 self._entries.move_to_end(key)
             self.hits += len(run)
@@ -139,14 +130,8 @@ class LocalPrefixCache:
 
     def _notify(self, changes: list[tuple[str, str]]) -> None:
         """One event per run of same-kind changes, in the order they happened."""
-        runs: list[tuple[str, list[str]]] = []
-        for kind, key in changes:
-            if runs and runs[-1][0] == kind:
-                runs[-1][1].append(key)
-            else:
-                runs.append((kind, [key]))
-        for kind, keys in runs:
-            event = CacheEvent(kind, tuple(keys))
+        for kind, run in itertools.groupby(changes, key=lambda change: change[0]):
+            event = CacheEvent(kind, tuple(key for _, key in run))
             for callback in self._listeners:
                 try:
                     callback(event)
