@@ -173,7 +173,8 @@ class HFLayerwiseLoad:
         try:
             views = self._adapter.store.fetch_prefix(ids, max_tokens)
             self._num_tokens = sum(v.tokens for v in views)
-            kv = self._adapter.empty_kv(self._num_tokens)  # host assembly buffer [L, 2, H, T, D]
+            # the host buffer the chunks are assembled in, [L, 2, H, T, D]
+            kv = torch.empty(self._adapter.layout.shape(self._num_tokens), dtype=self._adapter.torch_dtype)
             sources = [v.as_torch() for v in views]  # the fetched chunks, [L, 2, H, tokens, D] each
             self._fetched.set()
             device = self._adapter.device
@@ -249,10 +250,6 @@ class HFAdapter:
         self.store = ChunkStore(pool, namespace, mac_key=mac_key)  # mac_key: chunks MACed per tenant
 
     # -- engine format ---------------------------------------------------------------------
-
-    def empty_kv(self, tokens: int) -> torch.Tensor:
-        """A host tensor `[L, 2, H, tokens, D]` to assemble chunks in."""
-        return torch.empty(self.layout.shape(tokens), dtype=self.torch_dtype)
 
     def check_layer_kv(self, t: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """One layer's K or V as `[kv_heads, >= num_tokens, head_dim]` (batch dim of 1 dropped)."""
