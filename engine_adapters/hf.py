@@ -154,8 +154,8 @@ class _PendingLayer(DynamicLayer):
 
 
 class HFLayerwiseLoad:
-    """Fetches and verifies the cached prefix in a background thread, then scatters it into one
-    `[L, 2, H, T, D]` tensor layer by layer; `wait_layer(i)` returns as soon as layer i is in place
+    """Fetches and verifies the cached prefix in a background thread, then joins its chunks layer
+    by layer (`[2, H, T, D]` each); `wait_layer(i)` returns as soon as layer i is in place
     (on the model's device), and every waiter re-raises an error of the thread."""
 
     def __init__(self, adapter: "HFAdapter", token_ids: Sequence[int], max_tokens: int | None):
@@ -173,18 +173,13 @@ class HFLayerwiseLoad:
         try:
             views = self._adapter.store.fetch_prefix(ids, max_tokens)
             self._num_tokens = sum(v.tokens for v in views)
-            # the host buffer the chunks are assembled in, [L, 2, H, T, D]
-            kv = torch.empty(self._adapter.layout.shape(self._num_tokens), dtype=self._adapter.torch_dtype)
             sources = [v.as_torch() for v in views]  # the fetched chunks, [L, 2, H, tokens, D] each
             self._fetched.set()
             device = self._adapter.device
             for i, ready in enumerate(self._ready):
                 if sources:
-                    start = 0
-                    for src in sources:
-                        kv[i, :, :, start:start + src.shape[3]].copy_(src[i])
-                        start += src.shape[3]
-                    self._layers.append(kv[i] if device.type == "cpu" else kv[i].to(device))
+                    layer = torch.cat([src[i] for src in sources], dim=2)  # on the host, where the bytes are
+                    self._layers.append(layer if device.type == "cpu" else layer.to(device))
                 ready.set()
         except BaseException as exc:  # handed to the waiting thread, which re-raises it
             self._error = exc

@@ -11,6 +11,7 @@ token is configured) is refused a non-loopback address while that is false.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -72,10 +73,8 @@ class ServerHandle:
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout)
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
 
 
 def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:

@@ -30,6 +30,7 @@ owns, or that others may read, is refused with how to fix it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import stat
@@ -95,10 +96,8 @@ def _create(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        try:
+        with contextlib.suppress(FileExistsError):
             os.link(tmp, path)
-        except FileExistsError:
-            pass
     finally:
         tmp.unlink(missing_ok=True)
 
