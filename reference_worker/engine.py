@@ -143,7 +143,7 @@ class Engine:
         finals: list[tuple[DecodeSequence, int | None, str | None, BaseException | None]] = []
         for seq, row in zip(seqs, logits):
             try:
-                token = sampling.pick(row, seq.sampling, seq.next_index)
+                token = sampling.pick(row, seq.sampling, seq.generated + 1)  # its position in the request
             except Exception as exc:
                 finals.append((seq, None, None, exc))
                 continue
