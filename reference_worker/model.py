@@ -150,10 +150,6 @@ class ReferenceModel:
     dtype: str
     path: Path  # the cached transformers folder
 
-    @property
-    def config(self) -> Any:
-        return self.model.config
-
     def layout(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> KVLayout:
         """KV layout of this model: (30, 3, 64, dtype, chunk_tokens) for SmolLM2-135M."""
         cfg = self.model.config
