@@ -40,8 +40,8 @@ class LocalPrefixCache:
             raise ValueError("capacity_bytes must be >= 0")
         self.capacity_bytes = int(capacity_bytes)
         self._entries: collections.OrderedDict[str, Any] = collections.OrderedDict()  # oldest first
-        self._nbytes = 0
-        self._tokens = 0
+        self.nbytes = 0  # held, and their tokens: read by anyone, written under the lock
+        self.tokens = 0
         self._lock = threading.Lock()
         self._listeners: list[Callable[[CacheEvent], None]] = []
         self.hits = 0  # chunks served
@@ -53,14 +53,6 @@ class LocalPrefixCache:
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def tokens(self) -> int:
-        return self._tokens
 
     def match(self, keys: Sequence[str]) -> int:
         """Length of the longest run keys[0..n) held here (does not refresh)."""
@@ -91,7 +83,7 @@ class LocalPrefixCache:
                 size = _nbytes(tensor)
                 if size > self.capacity_bytes:
                     continue
-                while self._nbytes + size > self.capacity_bytes:
+                while self.nbytes + size > self.capacity_bytes:
                     old_key, old = self._entries.popitem(last=False)
                     self._account(old, -1)
                     changes.append(("removed", old_key))
@@ -125,8 +117,8 @@ class LocalPrefixCache:
 
     # -- internals -----------------------------------------------------------------------------
     def _account(self, tensor: Any, sign: int) -> None:
-        self._nbytes += sign * _nbytes(tensor)
-        self._tokens += sign * int(tensor.shape[3])
+        self.nbytes += sign * _nbytes(tensor)
+        self.tokens += sign * int(tensor.shape[3])
 
     def _notify(self, changes: list[tuple[str, str]]) -> None:
         """One event per run of same-kind changes, in the order they happened."""
