@@ -103,6 +103,7 @@ class ChunkStore:
         self.pool = pool
         self.namespace = namespace
         self.layout = namespace.layout
+        self.chunk_tokens = namespace.layout.chunk_tokens
         self._ns_digest = namespace.digest()
         self.namespace_hex = self._ns_digest.hex()
         self.auth = ChunkAuth(self._ns_digest, mac_key)
@@ -111,10 +112,6 @@ class ChunkStore:
         self.reader = ChunkReader(pool, self.layout, auth=self.auth, on_removed=self._removed)
 
     # -- keys and lookups -------------------------------------------------------------------
-
-    @property
-    def chunk_tokens(self) -> int:
-        return self.layout.chunk_tokens
 
     def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
         return chunk_keys_hex(self._ns_digest, check_token_ids(token_ids), self.chunk_tokens)
