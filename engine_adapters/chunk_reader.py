@@ -30,8 +30,7 @@ verified, and the views hold the decoded KV; a chunk of another codec is another
 
 Three forms, one rule:
 - `run(keys)`: the longest intact run keys[0..n) (a prefix of a prompt); it stops fetching at
-  the first miss. `iter_run` yields the same views batch by batch as they arrive, so a caller
-  can start placing the first chunks (layer by layer) while later batches are in flight.
+  the first miss.
 - `read(keys, tokens)`: per key, its view or None (a page store such as SGLang's, where any key
   may miss on its own).
 - `exact(keys, tokens)`: all or nothing (a KV handle): `KeyNotFound` for a missing object,
@@ -68,7 +67,7 @@ class ChunkReader:
 
     def __init__(self, pool: Any, layout: KVLayout, *, auth: ChunkAuth,
                  on_removed: Callable[[str], None] | None = None,
-                 on_rejected: Callable[[str, Exception], None] | None = None, batch_bytes: int = BATCH_BYTES):
+                 on_rejected: Callable[[str, Exception], None] | None = None):
         if not isinstance(auth, ChunkAuth):
             raise TypeError("ChunkReader needs auth=ChunkAuth(namespace digest, mac key or None)")
         self.pool = pool
@@ -78,7 +77,7 @@ class ChunkReader:
         self.codec = get_codec(layout.codec) if layout.codec != "none" else None
         self.on_removed = on_removed
         self.on_rejected = on_rejected
-        self.batch_chunks = max(1, batch_bytes // layout.object_nbytes())
+        self.batch_chunks = max(1, BATCH_BYTES // layout.object_nbytes())
         self._tiered = _takes_tiers(pool)  # the client can say which tier served each key
         self.fetched = 0  # verified chunks handed out
         self.damaged = 0  # chunks that failed verification (removed or rejected)
@@ -90,18 +89,16 @@ class ChunkReader:
 
     # -- the three forms -----------------------------------------------------------------------
 
-    def iter_run(self, keys: Sequence[str]) -> Iterator[ChunkView]:
-        """Views of keys[0..n), the longest intact run of full chunks, yielded as they arrive."""
-        full = self.layout.chunk_tokens
-        for key, blob, tier in self._fetch(keys, stop_at_miss=True):
-            view = self._verify(key, blob, full, tier) if blob is not None else None
-            if view is None:
-                return
-            self.fetched += 1
-            yield view
-
     def run(self, keys: Sequence[str]) -> list[ChunkView]:
-        return list(self.iter_run(keys))
+        """Views of keys[0..n), the longest intact run of full chunks."""
+        views = []
+        for key, blob, tier in self._fetch(keys, stop_at_miss=True):
+            view = self._verify(key, blob, self.layout.chunk_tokens, tier) if blob is not None else None
+            if view is None:
+                break
+            views.append(view)
+        self.fetched += len(views)
+        return views
 
     def read(self, keys: Sequence[str], tokens: int | None = None, *,
              into: Sequence[Any] | None = None) -> list[ChunkView | None]:

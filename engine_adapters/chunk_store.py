@@ -90,11 +90,9 @@ def check_token_ids(token_ids: Sequence[int]) -> list[int]:
 
 
 class ChunkStore:
-    """The engine-free half of an adapter: keys, pool calls, verification, events.
-
-    An adapter owns one and only converts between its engine's KV and `ChunkView`s / payload
-    buffers. Thread-safe for concurrent requests (the pool client is; listeners are called from the
-    thread that made the change, outside any lock).
+    """The engine-free half of an adapter (module docstring). Thread-safe for concurrent requests
+    (the pool client is; listeners are called from the thread that made the change, outside any
+    lock).
 
     Every chunk it writes names its namespace and key and, given `mac_key` (the tenant's
     `kvpool.security.keyring.chunk_mac_key`, with a keyring), carries a MAC under it; its reader accepts only
@@ -105,6 +103,7 @@ class ChunkStore:
         self.pool = pool
         self.namespace = namespace
         self.layout = namespace.layout
+        self.chunk_tokens = namespace.layout.chunk_tokens
         self._ns_digest = namespace.digest()
         self.namespace_hex = self._ns_digest.hex()
         self.auth = ChunkAuth(self._ns_digest, mac_key)
@@ -113,10 +112,6 @@ class ChunkStore:
         self.reader = ChunkReader(pool, self.layout, auth=self.auth, on_removed=self._removed)
 
     # -- keys and lookups -------------------------------------------------------------------
-
-    @property
-    def chunk_tokens(self) -> int:
-        return self.layout.chunk_tokens
 
     def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
         return chunk_keys_hex(self._ns_digest, check_token_ids(token_ids), self.chunk_tokens)
@@ -174,11 +169,13 @@ class ChunkStore:
             raise InvalidArgument("KV handle tail key is not its request's tail/<request id>")
         return handle
 
-    def fetch_handle(self, handle: KVHandle) -> list[ChunkView]:
-        """Verified views of every object a handle names (chunks, then the tail); all or nothing."""
+    def fetch_handle(self, handle: KVHandle, skip: int = 0) -> list[ChunkView]:
+        """Verified views of every object a handle names (chunks, then the tail), but its first
+        `skip` chunks (a caller's own cache holds them); all or nothing."""
         self.check_handle(handle)
-        keys = list(handle.chunk_keys) + ([handle.tail_key] if handle.tail_key else [])
-        tokens = [self.chunk_tokens] * len(handle.chunk_keys) + ([handle.tail_tokens] if handle.tail_key else [])
+        tail = [handle.tail_key] if handle.tail_key else []
+        keys = list(handle.chunk_keys[skip:]) + tail
+        tokens = [self.chunk_tokens] * (len(keys) - len(tail)) + [handle.tail_tokens] * len(tail)
         return self.reader.exact(keys, tokens)
 
     # -- writing ----------------------------------------------------------------------------

@@ -59,13 +59,9 @@ def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     raise InvalidArgument(f"expected a DynamicCache or a sequence of (K, V), got {type(cache).__name__}")
 
 
-def cache_from_kv(kv: torch.Tensor, config: Any = None) -> DynamicCache:
-    """A DynamicCache whose layer i holds views of `kv[i, 0]` / `kv[i, 1]` (`[L, 2, H, T, D]`), no copy."""
-    return cache_from_layers(list(kv), config)
-
-
 def cache_from_layers(layers: Sequence[torch.Tensor], config: Any = None) -> DynamicCache:
-    """A DynamicCache whose layer i holds views of `layers[i][0]` / `layers[i][1]` (`[2, H, T, D]`)."""
+    """A DynamicCache whose layer i holds views of `layers[i][0]` / `layers[i][1]` (`[2, H, T, D]`;
+    `list(kv)` of a `[L, 2, H, T, D]` tensor), no copy."""
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     for i, layer in enumerate(layers):
         k, v = layer[0].unsqueeze(0), layer[1].unsqueeze(0)
@@ -158,8 +154,8 @@ class _PendingLayer(DynamicLayer):
 
 
 class HFLayerwiseLoad:
-    """Fetches and verifies the cached prefix in a background thread, then scatters it into one
-    `[L, 2, H, T, D]` tensor layer by layer; `wait_layer(i)` returns as soon as layer i is in place
+    """Fetches and verifies the cached prefix in a background thread, then joins its chunks layer
+    by layer (`[2, H, T, D]` each); `wait_layer(i)` returns as soon as layer i is in place
     (on the model's device), and every waiter re-raises an error of the thread."""
 
     def __init__(self, adapter: "HFAdapter", token_ids: Sequence[int], max_tokens: int | None):
@@ -177,17 +173,13 @@ class HFLayerwiseLoad:
         try:
             views = self._adapter.store.fetch_prefix(ids, max_tokens)
             self._num_tokens = sum(v.tokens for v in views)
-            kv = self._adapter.empty_kv(self._num_tokens)  # host assembly buffer [L, 2, H, T, D]
             sources = [v.as_torch() for v in views]  # the fetched chunks, [L, 2, H, tokens, D] each
             self._fetched.set()
             device = self._adapter.device
             for i, ready in enumerate(self._ready):
                 if sources:
-                    start = 0
-                    for src in sources:
-                        kv[i, :, :, start:start + src.shape[3]].copy_(src[i])
-                        start += src.shape[3]
-                    self._layers.append(kv[i] if device.type == "cpu" else kv[i].to(device))
+                    layer = torch.cat([src[i] for src in sources], dim=2)  # on the host, where the bytes are
+                    self._layers.append(layer if device.type == "cpu" else layer.to(device))
                 ready.set()
         except BaseException as exc:  # handed to the waiting thread, which re-raises it
             self._error = exc
@@ -254,10 +246,6 @@ class HFAdapter:
 
     # -- engine format ---------------------------------------------------------------------
 
-    def empty_kv(self, tokens: int) -> torch.Tensor:
-        """A host tensor `[L, 2, H, tokens, D]` to assemble chunks in."""
-        return torch.empty(self.layout.shape(tokens), dtype=self.torch_dtype)
-
     def check_layer_kv(self, t: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """One layer's K or V as `[kv_heads, >= num_tokens, head_dim]` (batch dim of 1 dropped)."""
         if not isinstance(t, torch.Tensor):
@@ -276,15 +264,10 @@ class HFAdapter:
         return t.detach().to("cpu") if t.device.type != "cpu" else t.detach()
 
     def _cache_from_views(self, views: list[ChunkView]) -> DynamicCache:
-        total = sum(v.tokens for v in views)
-        kv = self.empty_kv(total)
-        start = 0
-        for view in views:
-            kv[:, :, :, start:start + view.tokens].copy_(view.as_torch())
-            start += view.tokens
+        kv = torch.cat([view.as_torch() for view in views], dim=3)  # [L, 2, H, tokens, D]
         if self.device.type != "cpu":  # assembled on the host, where the bytes arrive; one copy over
             kv = kv.to(self.device)
-        return cache_from_kv(kv, self.model.config)
+        return cache_from_layers(list(kv), self.model.config)  # views of kv, no copy
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -384,4 +367,4 @@ def greedy_continue(model: Any, token_ids: Sequence[int], cache: DynamicCache | 
 
 
 __all__ = ["HFAdapter", "HFLayerwiseLoad", "HFLayerwiseSave", "KVEvent", "KVHandle", "LoadResult", "SaveResult",
-           "cache_from_kv", "cache_from_layers", "forward", "greedy_continue", "layout_for_model"]
+           "cache_from_layers", "forward", "greedy_continue", "layout_for_model"]

@@ -83,13 +83,6 @@ _PAGE_TO_CHUNK = {
 }
 
 
-def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return tuple(inv)
-
-
 class KVPoolHiCacheStorage(HiCacheStorage):
     """HiCacheStorage whose pages live in the kvpool as chunk objects (see module docstring).
 
@@ -151,6 +144,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.mem_pool_host = mem_pool_host
         self.host_layout = host_layout
         self._perm = _PAGE_TO_CHUNK[host_layout]
+        self._unperm = tuple(self._perm.index(i) for i in range(len(self._perm)))  # chunk -> page
         ns = Namespace(self.model_id, self.weights_fingerprint, self.layout, self.tp_rank, self.tp_size, self.tenant_salt)
         self._prefix = f"sglang/{ns.hex()}/"
         self._auth = ChunkAuth(ns.digest(), plugin_mac_key())
@@ -207,7 +201,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if view is None:
             self.stats["get_misses"] += 1
             return False
-        page.copy_(view.as_torch().permute(_inverse(self._perm)))
+        page.copy_(view.as_torch().permute(self._unperm))
         self.stats["get_hits"] += 1
         return True
 

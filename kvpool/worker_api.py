@@ -12,7 +12,7 @@ the last one with `done=True` (and `finish_reason`), or a line with `error` set.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -65,7 +65,7 @@ class PrefillRequest(Message):
     # match_prefix, in the same namespace); the worker reads them without asking the pool again.
     # A count gone stale costs nothing but reuse: the read stops at the first chunk missing.
     # None: the worker asks the pool itself.
-    pool_chunks: int | None = None
+    pool_chunks: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class PrefillResponse(Message):
@@ -88,7 +88,7 @@ class PrefillResponse(Message):
 class DecodeRequest(Message):
     handle: KVHandle
     first_token: int  # what prefill produced: the decode worker feeds it next
-    max_tokens: int = 16  # total new tokens, the first one included
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16  # total new tokens, the first one included
     stop_token_ids: list[int] | None = None  # default: the model's EOS tokens
     release: bool = True  # remove the tail from the pool when done
     sampling: SamplingParams | None = None  # None: greedy; the same params the prefill had
@@ -99,11 +99,11 @@ class GenerateRequest(Message):
     `decode` too (a router sends short uncached prompts there: conditional disaggregation)."""
 
     token_ids: list[int]
-    max_tokens: int = 16
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     request_id: str | None = None
     stop_token_ids: list[int] | None = None
     sampling: SamplingParams | None = None
-    pool_chunks: int | None = None  # as in `PrefillRequest`
+    pool_chunks: Annotated[int, msgspec.Meta(ge=0)] | None = None  # as in `PrefillRequest`
 
 
 class ErrorInfo(msgspec.Struct):

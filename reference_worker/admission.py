@@ -32,7 +32,7 @@ class _StreamSlot:
         with self._admission._lock:
             if not self._released:
                 self._released = True
-                self._admission._streams -= 1
+                self._admission.open_streams -= 1
 
 
 class Admission:
@@ -40,16 +40,12 @@ class Admission:
         self._lock = threading.Lock()
         self.draining = False
         self._requests = 0  # prefill requests in progress
-        self._streams = 0  # decode/generate streams accepted and not yet closed
-
-    @property
-    def open_streams(self) -> int:
-        return self._streams
+        self.open_streams = 0  # decode/generate streams accepted and not yet closed (written under _lock)
 
     @property
     def in_flight(self) -> int:
         with self._lock:
-            return self._requests + self._streams
+            return self._requests + self.open_streams
 
     def drain(self) -> None:
         """Refuse new work from now on; what was accepted runs to its end."""
@@ -77,7 +73,7 @@ class Admission:
         `release` it if opening fails. `Unavailable` if draining."""
         with self._lock:
             self._refuse_if_draining()
-            self._streams += 1
+            self.open_streams += 1
         return _StreamSlot(self)
 
     def watch(self, events: AsyncIterator, slot: _StreamSlot) -> AsyncIterator:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import httpx
@@ -30,9 +30,6 @@ class WorkerClient(HttpClient):
     def _post(self, path: str, msg: Any, type_: type) -> Any:
         resp = self.request("POST", path, content=m.encode(msg), headers={"content-type": "application/json"})
         return m.decode(resp.content, type_)
-
-    def health(self) -> dict:
-        return self.request("GET", "/health").json()
 
     def info(self) -> m.WorkerInfo:
         return m.decode(self.request("GET", "/v1/info").content, m.WorkerInfo)
@@ -110,11 +107,7 @@ class Generation:
     finish_reason: str | None = None
 
     def summary(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "ttft_ms": round(self.ttft_ms, 2),
-                "cached_tokens": self.cached_tokens, "computed_tokens": self.computed_tokens,
-                "prompt_tokens": self.prompt_tokens, "local_cached_tokens": self.local_cached_tokens,
-                "pool_cached_tokens": self.pool_cached_tokens, "total_ms": round(self.total_ms, 2),
-                "finish_reason": self.finish_reason, "request_id": self.request_id}
+        return {**asdict(self), "ttft_ms": round(self.ttft_ms, 2), "total_ms": round(self.total_ms, 2)}
 
 
 def generate(prefill: WorkerClient, decode: WorkerClient, token_ids: Sequence[int], max_tokens: int = 16, *,

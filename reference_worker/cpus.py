@@ -11,6 +11,7 @@ reports it).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 from kvpool.errors import InvalidArgument
@@ -38,15 +39,8 @@ def parse(text: str) -> list[int]:
 
 def format_list(cores: list[int]) -> str:
     """[0, 1, 2, 5] -> `"0-2,5"`."""
-    parts: list[str] = []
-    i = 0
-    while i < len(cores):
-        j = i
-        while j + 1 < len(cores) and cores[j + 1] == cores[j] + 1:
-            j += 1
-        parts.append(str(cores[i]) if i == j else f"{cores[i]}-{cores[j]}")
-        i = j + 1
-    return ",".join(parts)
+    runs = [[c for _, c in run] for _, run in itertools.groupby(enumerate(cores), lambda ic: ic[1] - ic[0])]
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def pin(cores: list[int], threads: int | None = None) -> int:

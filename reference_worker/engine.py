@@ -43,7 +43,6 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.steps = 0
         self.decode_cost = DecodeLine()  # what a decode step costs by batch size (the load report's)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -133,7 +132,6 @@ class Engine:
             self._fail_step(step, exc)
             return
         elapsed = time.perf_counter() - started
-        self.steps += 1
         self._decoded(step.decodes, logits)
         self._prefilled(step, logits[len(step.decodes):], elapsed)
         if step.decodes and not step.prefills:
@@ -145,7 +143,7 @@ class Engine:
         finals: list[tuple[DecodeSequence, int | None, str | None, BaseException | None]] = []
         for seq, row in zip(seqs, logits):
             try:
-                token = sampling.pick(row, seq.sampling, seq.next_index)
+                token = sampling.pick(row, seq.sampling, seq.generated + 1)  # its position in the request
             except Exception as exc:
                 finals.append((seq, None, None, exc))
                 continue

@@ -32,12 +32,6 @@ class SequenceKV:
         self.length = 0
 
     @classmethod
-    def like(cls, model_config, dtype: torch.dtype, capacity: int = MIN_CAPACITY) -> "SequenceKV":
-        cfg = model_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls((cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim), dtype, capacity)
-
-    @classmethod
     def from_chunks(cls, chunks: Sequence[torch.Tensor], num_tokens: int, capacity: int = 0) -> "SequenceKV":
         """A cache holding the first `num_tokens` tokens of the concatenated chunks (each
         `[layers, 2, kv_heads, tokens, head_dim]`), with room for `capacity` tokens in all."""
@@ -70,11 +64,8 @@ class SequenceKV:
         """Room for `tokens` tokens in all (at least doubling when it must grow)."""
         if tokens <= self.capacity:
             return
-        new_cap = max(tokens, 2 * self.capacity)
         old = self.data
-        shape = list(old.shape)
-        shape[3] = new_cap
-        new = torch.empty(shape, dtype=old.dtype, device=old.device)
+        new = old.new_empty((*old.shape[:3], max(tokens, 2 * self.capacity), old.shape[4]))
         new[:, :, :, :self.length].copy_(old[:, :, :, :self.length])
         self.data = new  # filled first: a reader sees the old tensor or the whole new one
 
@@ -88,10 +79,8 @@ class SequenceKV:
         """Tokens `[start, end)` as a new contiguous `[layers, 2, kv_heads, end - start, head_dim]`."""
         if not 0 <= start <= end <= self.length:
             raise ValueError(f"tokens [{start}, {end}) are outside the cache's [0, {self.length})")
-        data = self.data  # one read: a concurrent `reserve` swaps it for a copy
-        out = torch.empty((data.shape[0], 2, data.shape[2], end - start, data.shape[4]), dtype=data.dtype,
-                          device=data.device)
-        return out.copy_(data[:, :, :, start:end])
+        # one read of `data` (a concurrent `reserve` swaps it for a copy); a contiguous copy out
+        return self.data[:, :, :, start:end].clone(memory_format=torch.contiguous_format)
 
     def chunks(self, first: int, last: int, chunk_tokens: int) -> list[torch.Tensor]:
         """Full chunks `first..last-1` (chunk i is tokens `[i*c, (i+1)*c)`)."""

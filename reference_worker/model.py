@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -88,13 +89,8 @@ def weights_fingerprint(path: Path | None = None, cache_root: Path | None = None
             return text
     except OSError:
         pass
-    hasher = xxhash.xxh3_128()
     with open(path, "rb") as f:
-        buf = bytearray(8 << 20)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            hasher.update(view[:n])
-    digest = hasher.hexdigest()
+        digest = hashlib.file_digest(f, xxhash.xxh3_128).hexdigest()
     try:
         root.mkdir(parents=True, exist_ok=True)
         _atomic_write_text(memo, digest)
@@ -153,10 +149,6 @@ class ReferenceModel:
     fingerprint: str
     dtype: str
     path: Path  # the cached transformers folder
-
-    @property
-    def config(self) -> Any:
-        return self.model.config
 
     def layout(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> KVLayout:
         """KV layout of this model: (30, 3, 64, dtype, chunk_tokens) for SmolLM2-135M."""

@@ -55,7 +55,6 @@ class ModelRunner:
         self.inner = inner
         self.vocab_size = int(cfg.vocab_size)
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 8192))
-        self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.scaling = float(layer0.self_attn.scaling)
@@ -65,7 +64,7 @@ class ModelRunner:
         self._rope = apply_rotary_pos_emb
 
     def new_kv(self, capacity: int) -> SequenceKV:
-        return SequenceKV.like(self.model.config, self.dtype, capacity)
+        return SequenceKV((len(self.inner.layers), self.kv_heads, self.head_dim), self.dtype, capacity)
 
     @torch.inference_mode()
     def step(self, work: Sequence[tuple[SequenceKV, Sequence[int]]]) -> torch.Tensor:

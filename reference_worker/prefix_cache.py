@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 from dataclasses import dataclass
@@ -39,8 +40,8 @@ class LocalPrefixCache:
             raise ValueError("capacity_bytes must be >= 0")
         self.capacity_bytes = int(capacity_bytes)
         self._entries: collections.OrderedDict[str, Any] = collections.OrderedDict()  # oldest first
-        self._nbytes = 0
-        self._tokens = 0
+        self.nbytes = 0  # held, and their tokens: read by anyone, written under the lock
+        self.tokens = 0
         self._lock = threading.Lock()
         self._listeners: list[Callable[[CacheEvent], None]] = []
         self.hits = 0  # chunks served
@@ -53,33 +54,15 @@ class LocalPrefixCache:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def tokens(self) -> int:
-        return self._tokens
-
     def match(self, keys: Sequence[str]) -> int:
         """Length of the longest run keys[0..n) held here (does not refresh)."""
         with self._lock:
-            n = 0
-            for key in keys:
-                if key not in self._entries:
-                    break
-                n += 1
-            return n
+            return sum(1 for _ in itertools.takewhile(self._entries.__contains__, keys))
 
     def get_run(self, keys: Sequence[str]) -> list[Any]:
         """Tensors of the longest held run keys[0..n), refreshed as most recently used."""
         with self._lock:
-            run = []
-            for key in keys:
-                tensor = self._entries.get(key)
-                if tensor is None:
-                    break
-                run.append(tensor)
+            run = list(itertools.takewhile(lambda tensor: tensor is not None, map(self._entries.get, keys)))
             for key in reversed(keys[: len(run)]):
                 self._entries.move_to_end(key)
             self.hits += len(run)
@@ -100,7 +83,7 @@ class LocalPrefixCache:
                 size = _nbytes(tensor)
                 if size > self.capacity_bytes:
                     continue
-                while self._nbytes + size > self.capacity_bytes:
+                while self.nbytes + size > self.capacity_bytes:
                     old_key, old = self._entries.popitem(last=False)
                     self._account(old, -1)
                     changes.append(("removed", old_key))
@@ -134,19 +117,13 @@ class LocalPrefixCache:
 
     # -- internals -----------------------------------------------------------------------------
     def _account(self, tensor: Any, sign: int) -> None:
-        self._nbytes += sign * _nbytes(tensor)
-        self._tokens += sign * int(tensor.shape[3])
+        self.nbytes += sign * _nbytes(tensor)
+        self.tokens += sign * int(tensor.shape[3])
 
     def _notify(self, changes: list[tuple[str, str]]) -> None:
         """One event per run of same-kind changes, in the order they happened."""
-        runs: list[tuple[str, list[str]]] = []
-        for kind, key in changes:
-            if runs and runs[-1][0] == kind:
-                runs[-1][1].append(key)
-            else:
-                runs.append((kind, [key]))
-        for kind, keys in runs:
-            event = CacheEvent(kind, tuple(keys))
+        for kind, run in itertools.groupby(changes, key=lambda change: change[0]):
+            event = CacheEvent(kind, tuple(key for _, key in run))
             for callback in self._listeners:
                 try:
                     callback(event)

@@ -67,9 +67,5 @@ class DecodeSequence:
     sampling: Any = None  # messages.SamplingParams; None: greedy
 
     @property
-    def next_index(self) -> int:
-        return self.generated + 1
-
-    @property
     def kv_tokens(self) -> int:
         return self.kv.length

@@ -8,7 +8,7 @@ That is how launchers and tests start workers on free ports without races.
 
 Shutdown is a drain: the first SIGTERM/SIGINT makes the worker refuse new work (503, /health
 503 "draining"), tells the router (`POST {router}/admin/workers/drain`, best effort), waits until
-nothing accepted is in flight (at most `drain_timeout` s), then stops uvicorn; the process exits 0.
+nothing accepted is in flight (at most `[worker] drain_timeout_s`), then stops uvicorn; the process exits 0.
 A second signal stops at once. uvicorn's own signal handlers are switched off for this: they
 would stop the server at the first signal and re-raise it after shutdown (a non-zero exit).
 
@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 from reference_worker.config import NO_POOL
 from reference_worker.service import Worker, WorkerConfig
-from kvpool.config import default
+from kvpool.config import Settings, default
 from kvpool.security.keyring import check_bind, load_keyring
 from kvpool.security.http_guard import internal_headers
 from kvpool.listen import bind, url_of, write_ready
@@ -190,35 +190,35 @@ def build_worker(config: WorkerConfig, *, model_cache: str | None = None, dtype:
     return Worker(config, rm, pool, keyring=keyring)
 
 
-def serve(config: WorkerConfig, *, host: str = "127.0.0.1", port: int = 0, ready_file: str | None = None,
-          model_cache: str | None = None, dtype: str = default("worker.dtype"),
-          on_ready: Callable[[str], None] | None = None, router: str | None = None,
-          drain_timeout: float = default("worker.drain_timeout_s"), threads: int | None = None, cpus: str | None = None) -> None:
-    """Serve until a signal, then drain (see the module docstring). Signals drain only when this
-    runs on the main thread (the only one that may install signal handlers)."""
+def serve(settings: Settings, role: str, *, ready_file: str | None = None,
+          on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve a `role` worker as `settings` say ([worker], [pool]) until a signal, then drain (see
+    the module docstring). Signals drain only when this runs on the main thread (the only one that
+    may install signal handlers)."""
     import uvicorn
 
     from reference_worker.app import create_app
 
-    check_bind(host, load_keyring() is not None, "kvpool worker")  # protected mode
-    sock = bind(host, port)  # first, so a taken port fails before the slow model load
-    if cpus:
+    w, config = settings.worker, WorkerConfig.from_settings(settings, role)
+    check_bind(w.host, load_keyring() is not None, "kvpool worker")  # protected mode
+    sock = bind(w.host, w.port)  # first, so a taken port fails before the slow model load
+    if w.cpus:
         from reference_worker.cpus import parse, pin
 
-        log.info("pinned to cores %s with %d torch thread(s)", cpus, pin(parse(cpus), threads))
-    elif threads:
+        log.info("pinned to cores %s with %d torch thread(s)", w.cpus, pin(parse(w.cpus), w.threads))
+    elif w.threads:
         import torch
 
-        torch.set_num_threads(threads)
-    worker = build_worker(config, model_cache=model_cache, dtype=dtype).start()
+        torch.set_num_threads(w.threads)
+    worker = build_worker(config, model_cache=w.model_cache, dtype=w.dtype).start()
     actual = sock.getsockname()[1]
-    url = url_of(host, sock)
+    url = url_of(w.host, sock)
     server = _make_server(uvicorn.Config(create_app(worker), log_level="warning", access_log=False,
                                          timeout_graceful_shutdown=5))
-    registration = RouterRegistration(router, url) if router else None
+    registration = RouterRegistration(w.router, url) if w.router else None
     if registration is not None:  # httpx logs every request at INFO: one line per 5 s refresh, forever
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    drain = _Drain(worker, server, registration, drain_timeout)
+    drain = _Drain(worker, server, registration, w.drain_timeout_s)
 
     def announce() -> None:
         while not server.started and not server.should_exit:

@@ -58,7 +58,7 @@ from reference_worker.scheduler import Scheduler
 from reference_worker.sequence import DecodeSequence, PrefillJob
 from reference_worker.tenants import Tenants, TenantKV
 from kvpool.codec import stored_bytes_per_token
-from kvpool.errors import InvalidArgument, KVPoolError, LayoutMismatch
+from kvpool.errors import InvalidArgument, KVPoolError
 
 log = logging.getLogger(__name__)
 
@@ -287,11 +287,10 @@ class Worker:
         started = time.perf_counter()
         ids = self._check_tokens(list(req.token_ids))
         params = sampling.check(req.sampling)
-        pool_chunks = _check_pool_chunks(req.pool_chunks)
         rid = _unique(req.request_id)
         with self.admission.request():
             kv = await asyncio.to_thread(self.tenants.get, tenant)
-            job, prefix = await self.run_prefill(ids, rid, params, kv, pool_chunks=pool_chunks)
+            job, prefix = await self.run_prefill(ids, rid, params, kv, pool_chunks=req.pool_chunks)
             pushed = time.perf_counter()
             saved = await asyncio.to_thread(self._publish, kv, ids, job, prefix, rid)
             handle = kv.adapter.make_handle(ids, saved)
@@ -325,14 +324,10 @@ class Worker:
 
     # -- decode --------------------------------------------------------------------------------
     def _load_handle(self, kv: TenantKV, handle: KVHandle, room: int) -> SequenceKV:
-        kv.adapter.store.check_handle(handle)
         keys = list(handle.chunk_keys)
         local = self.cache.get_run(keys)
-        rest = keys[len(local):]
-        wanted = rest + ([handle.tail_key] if handle.tail_key else [])
-        tokens = [self.layout.chunk_tokens] * len(rest) + ([handle.tail_tokens] if handle.tail_key else [])
-        fetched = [view.as_torch() for view in kv.reader.exact(wanted, tokens)]
-        self.cache.put_many(zip(rest, fetched[:len(rest)]))
+        fetched = [view.as_torch() for view in kv.adapter.store.fetch_handle(handle, skip=len(local))]
+        self.cache.put_many(zip(keys[len(local):], fetched))
         self.metrics.decode_loaded(len(local) * self.layout.chunk_tokens,
                                    handle.num_tokens - len(local) * self.layout.chunk_tokens)
         capacity = min(handle.num_tokens + room, self.runner.max_positions)
@@ -354,14 +349,10 @@ class Worker:
         self._require("decode", "both")
         kv = await asyncio.to_thread(self.tenants.get, tenant)
         handle = req.handle.validate().verify(kv.handle_key, kv.tenant)
-        if handle.namespace != kv.namespace.hex():
-            raise LayoutMismatch("the KV handle was written by another model, dtype, chunk size or tenant")
         if handle.num_tokens <= 0:
             raise InvalidArgument("the KV handle covers no tokens")
         kv.adapter.store.check_handle(handle)  # token ids required; keys and tail re-derived from them
         self._check_tokens([req.first_token])
-        if req.max_tokens < 1:
-            raise InvalidArgument("max_tokens must be >= 1")
         params = sampling.check(req.sampling)
         rid = handle.request_id or uuid.uuid4().hex
         stop = frozenset(req.stop_token_ids) if req.stop_token_ids is not None else self.eos
@@ -433,15 +424,13 @@ class Worker:
         self._require("decode", "both")
         started = time.perf_counter()
         ids = self._check_tokens(list(req.token_ids))
-        if req.max_tokens < 1:
-            raise InvalidArgument("max_tokens must be >= 1")
         params = sampling.check(req.sampling)
-        pool_chunks = _check_pool_chunks(req.pool_chunks)
         rid = _unique(req.request_id)
         slot = self.admission.open_stream()
         try:
             kv = await asyncio.to_thread(self.tenants.get, tenant)
-            job, prefix = await self.run_prefill(ids, rid, params, kv, room=req.max_tokens, pool_chunks=pool_chunks)
+            job, prefix = await self.run_prefill(ids, rid, params, kv, room=req.max_tokens,
+                                                 pool_chunks=req.pool_chunks)
             head = self._prefill_response(rid, ids, job, prefix, None, started, kv.tenant)
         except BaseException:
             slot.release()
@@ -470,12 +459,6 @@ class Worker:
                 await events.aclose()
         finally:  # the stream (and its admission slot) ends once its KV is stored: a drain waits for it
             await asyncio.wait([publish])
-
-
-def _check_pool_chunks(n: int | None) -> int | None:
-    if n is not None and n < 0:
-        raise InvalidArgument(f"pool_chunks must be >= 0 (or absent), got {n}")
-    return n
 
 
 def _log_failed_publish(task: asyncio.Future) -> None:

@@ -117,8 +117,7 @@ class KVPoolConnector(RemoteConnector):
         """`n` chunk-object buffers of this worker thread (made once, then reused)."""
         self._client()
         scratch: list[bytearray] = self._local.scratch
-        while len(scratch) < n:
-            scratch.append(bytearray(self.chunks.layout.object_nbytes()))
+        scratch += [bytearray(self.chunks.layout.object_nbytes()) for _ in range(n - len(scratch))]
         return scratch[:n]
 
     def _put_sync(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:

@@ -69,14 +69,9 @@ class PluginOptions:
         """Options for plugin `plugin_name`; `url`, when given (a kvpool:// remote_url, an external://
         URL), wins over the extra_config entry."""
         opts = plugin_options(getattr(config, "extra_config", None), plugin_name)
-        if url is None:
-            url = opts.get("url")
-        if url is None:
-            remote_url = getattr(config, "remote_url", None)
-            if remote_url and str(remote_url).startswith(SCHEMES):
-                url = remote_url
-        if url is None:
-            url = f"kvpool://{current_settings().pool.master}"
+        remote_url = str(getattr(config, "remote_url", None) or "")
+        url = (url or opts.get("url") or (remote_url if remote_url.startswith(SCHEMES) else None)
+               or f"kvpool://{current_settings().pool.master}")
         try:
             threads = int(opts.get("threads", 4))
         except (TypeError, ValueError):

@@ -31,11 +31,6 @@ except ImportError:
 logger = logging.getLogger(__name__)
 
 
-def _role_name(role: Any) -> str:
-    """"SCHEDULER" or "WORKER" (vLLM's KVConnectorRole, or an enum of the same names)."""
-    return str(getattr(role, "name", role)).upper()
-
-
 class KVPoolConnector(KVConnectorBase_V1):
     """vLLM KV connector (v1 API) backed by the kvpool. One instance per role and process."""
 
@@ -57,7 +52,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._owns_client = client is None
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
-        if _role_name(role) == "SCHEDULER":
+        if str(getattr(role, "name", role)).upper() == "SCHEDULER":  # vLLM's KVConnectorRole, or its name
             self.scheduler_side = SchedulerSide(self.settings, self._pool)
         else:
             self.worker_side = WorkerSide(self.settings, vllm_config, self._pool, self._tp_rank(ktc))

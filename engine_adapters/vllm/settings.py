@@ -70,14 +70,13 @@ class ConnectorSettings:
         )
         get_codec(layout.codec)  # an unknown name is InvalidArgument at startup, not at the first save
         load_mode = extra.get("load_mode", "layerwise")
-        if load_mode not in ("layerwise", "sync"):
-            raise InvalidArgument(f"load_mode must be 'layerwise' or 'sync', got {load_mode!r}")
         paged_layout = extra.get("paged_layout", "auto")
-        if paged_layout not in ("auto", *PAGED_LAYOUTS):
-            raise InvalidArgument(f"paged_layout must be 'auto' or one of {PAGED_LAYOUTS}, got {paged_layout!r}")
         kv_role = getattr(ktc, "kv_role", None) or "kv_both"
-        if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise InvalidArgument(f"kv_role must be kv_producer, kv_consumer or kv_both, got {kv_role!r}")
+        for name, value, allowed in (("load_mode", load_mode, ("layerwise", "sync")),
+                                     ("paged_layout", paged_layout, ("auto", *PAGED_LAYOUTS)),
+                                     ("kv_role", kv_role, ("kv_producer", "kv_consumer", "kv_both"))):
+            if value not in allowed:
+                raise InvalidArgument(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         return cls(
             block_size=block_size,
             layout=layout,

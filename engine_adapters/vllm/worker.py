@@ -256,12 +256,9 @@ class WorkerSide:
                     payload[index, kv_index].copy_(gathered.permute(1, 0, 2))
 
     def wait_for_save(self) -> None:
-        """Seal and write the chunks (inline, or in the background with async_save).
-
-        Called as the forward pass ends: a loaded request whose layers were not all scattered
-        before their attention ran (hooks skipped) computed on missing KV, so its loaded blocks
-        are reported as load errors and vLLM recomputes them.
-        """
+        """Seal and write the chunks (inline, or in the background with async_save). Called as the
+        forward pass ends, so it also reports loads whose layers were not all scattered (module
+        invariants)."""
         if self._active_loads and len(self._loaded_layers) < len(self._layers):
             logger.error("wait_for_layer_load ran for %d of %d layers: reporting the loaded blocks as failed",
                          len(self._loaded_layers), len(self._layers))

@@ -42,7 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.admin import schemas as s
-from kvpool.security.admin_token import TenantTokens, needs_token, tenant_tokens
+from kvpool.security.admin_token import TenantTokens, needs_token
 from kvpool.security.keyring import load_keyring
 from kvpool.security.local import local_token
 from kvpool.admin.metrics import ServiceMetrics, render, to_builtins, with_node_tiers
@@ -185,16 +185,11 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
 
         metrics.watch_stats(latest)  # one collector, so one kvpool_stats_up
 
-    def current_token() -> str | None:
-        return admin_token
-
     errors = {c: {"model": s.ErrorBody} for c in (400, 401, 403, 404, 413, 500, 503)}
 
     app = FastAPI(title="kvpool admin", version=str(s.API_VERSION), responses=errors,
                   description="Admin API of a kvpool master: nodes, stats, keys, eviction, config.")
-    app.state.master = svc
     app.state.authenticated = lambda: bool(settings.security.admin_token)  # protected mode (server.py): a configured token
-    app.state.metrics = metrics
 
     @app.exception_handler(KVPoolError)
     async def _typed(request: Request, exc: KVPoolError) -> JSONResponse:
@@ -213,8 +208,8 @@ def create_app(master_service: Any, settings: Settings | None = None, *,
     app.add_middleware(_CatchAll)
     # Outermost: who is asking (the admin token, a tenant's: kvpool/security/admin_token.py), then the body
     # cap, before anything else runs.
-    app.add_middleware(HttpGuard, what="the admin API", token=current_token, needs_token=needs_token,
-                       tenants=TenantTokens(tenant_tokens(keyring)), metrics_token=lambda: metrics_token,
+    app.add_middleware(HttpGuard, what="the admin API", token=lambda: admin_token, needs_token=needs_token,
+                       tenants=TenantTokens(keyring), metrics_token=lambda: metrics_token,
                        error_body=lambda status, code, message: _error_doc(code, message))
 
     @app.get("/health", response_model=s.Health, tags=["health"])

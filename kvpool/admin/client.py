@@ -103,9 +103,3 @@ class AdminClient(HttpClient):
 
     def patch_config(self, changes: dict[str, Any]) -> dict[str, Any]:
         return self._json("PATCH", "/v1/config", json=changes)["config"]
-
-    def metrics(self) -> str:
-        try:
-            return self._http.get("/metrics").text
-        except httpx.HTTPError as exc:
-            raise Unavailable(f"cannot reach the admin API at {self.url}: {exc}") from None

@@ -1,18 +1,13 @@
 """Prometheus metrics for every kvpool service (`kvpool_` prefix), one registry per service.
 
-Two halves, so the hot path pays only for what it does:
-- `ServiceMetrics`: counters and a latency histogram that the node / master update as they
-  work (`m.observe("get", seconds, nbytes=n)`, a few microseconds each).
+- `ServiceMetrics`: a service's registry, with `kvpool_up{service, node}`.
 - `StatsCollector`: reads the service's own `stats()` at scrape time and exposes it as
   `kvpool_tier_*{tier=...}` and `kvpool_pool_*`; nothing is copied between scrapes, so the
-  numbers can never drift from what `/v1/stats` reports.
+  numbers can never drift from what `/v1/stats` reports (and the hot path pays nothing).
 
 Invariants: every metric name starts with `kvpool_`; a stats field whose name says it only
 grows (hits, misses, evictions, bytes in/out, `*_total`) is a counter, anything else a gauge;
 a scrape never raises (a failing `stats()` is logged and yields `kvpool_stats_up 0`).
-
-The node side serves its registry with `serve_metrics(registry, host, port)`; the master's
-admin app serves its registry at `/metrics` (see `kvpool.admin.create_app`).
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -32,8 +27,6 @@ PREFIX = "kvpool"
 # Fields of a stats mapping that only ever grow; exposed as counters (`..._total`).
 COUNTER_FIELDS = {"hits", "misses", "evictions", "bytes_in", "bytes_out", "puts", "gets", "removes",
                   "demotions", "promotions", "errors", "reads", "writes", "expired"}
-# Latency buckets from 10 us (a shm hit) to 10 s (a stalled node).
-LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5, 10.0)
 
 
 def _name(*parts: str) -> str:
@@ -41,36 +34,14 @@ def _name(*parts: str) -> str:
 
 
 class ServiceMetrics:
-    """The counters one service updates: operations by kind and result, bytes, latency.
+    """One service's registry. `service` is "master" or "node"; `node_id` labels a node's
+    `kvpool_up` so series from several nodes can be told apart in Prometheus."""
 
-    `service` is "master" or "node"; `node_id` labels everything a node exports so series from
-    several nodes can be summed in Prometheus.
-    """
-
-    def __init__(self, service: str, node_id: str | None = None, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+    def __init__(self, service: str, node_id: str | None = None):
+        self.registry = CollectorRegistry()
         self.service = service
-        labels = {"service": service, "node": node_id or ""}
-        self._up = Gauge(f"{PREFIX}_up", "1 while the service runs", ["service", "node"], registry=self.registry)
-        self._up.labels(**labels).set(1)
-        self._ops = Counter(f"{PREFIX}_ops", "Operations handled, by kind and result",
-                            ["service", "node", "op", "result"], registry=self.registry)
-        self._bytes = Counter(f"{PREFIX}_bytes", "Payload bytes moved, by direction (in = written to the pool)",
-                              ["service", "node", "direction"], registry=self.registry)
-        self._latency = Histogram(f"{PREFIX}_op_seconds", "Time to handle one operation",
-                                  ["service", "node", "op"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._labels = labels
-
-    def observe(self, op: str, seconds: float, *, result: str = "ok", nbytes: int = 0,
-                direction: str | None = None) -> None:
-        """Count one operation. `direction` ("in" | "out") with `nbytes` adds to the byte counter."""
-        self._ops.labels(op=op, result=result, **self._labels).inc()
-        self._latency.labels(op=op, **self._labels).observe(seconds)
-        if nbytes and direction:
-            self._bytes.labels(direction=direction, **self._labels).inc(nbytes)
-
-    def count(self, op: str, result: str = "ok", n: int = 1) -> None:
-        self._ops.labels(op=op, result=result, **self._labels).inc(n)
+        up = Gauge(f"{PREFIX}_up", "1 while the service runs", ["service", "node"], registry=self.registry)
+        up.labels(service=service, node=node_id or "").set(1)
 
     def watch_stats(self, stats: Callable[[], Mapping[str, Any]]) -> None:
         """Expose `stats()` (a mapping, see `StatsCollector`) at every scrape of this registry.

@@ -14,8 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 API_VERSION = 1
 
 
-class Health(BaseModel):
+class Versioned(BaseModel):
     version: int = API_VERSION
+
+
+class Health(Versioned):
     status: str  # "ok" | "not ready"
     detail: str = ""
 
@@ -25,50 +28,42 @@ class ErrorDetail(BaseModel):
     message: str
 
 
-class ErrorBody(BaseModel):
-    version: int = API_VERSION
+class ErrorBody(Versioned):
     error: ErrorDetail
 
 
-class Nodes(BaseModel):
-    version: int = API_VERSION
+class Nodes(Versioned):
     nodes: list[dict[str, Any]]
 
 
-class Node(BaseModel):
-    version: int = API_VERSION
+class Node(Versioned):
     node: dict[str, Any]
 
 
-class Stats(BaseModel):
-    version: int = API_VERSION
+class Stats(Versioned):
     stats: dict[str, Any]
 
 
-class KeyInfo(BaseModel):
-    version: int = API_VERSION
+class KeyInfo(Versioned):
     key: str
     info: dict[str, Any]
 
 
-class Keys(BaseModel):
-    version: int = API_VERSION
+class Keys(Versioned):
     keys: list[str]
 
 
-class Done(BaseModel):
+class Done(Versioned):
     """The answer of a mutating call: what the master reported doing."""
 
-    version: int = API_VERSION
     result: Any = None
 
 
-class EvictRequest(BaseModel):
+class EvictRequest(Versioned):
     """Evict until `target_bytes` are free(d), or evict exactly `keys`; one of the two."""
 
     model_config = ConfigDict(extra="forbid")
 
-    version: int = API_VERSION
     target_bytes: int | None = Field(None, ge=1)
     keys: list[str] | None = Field(None, min_length=1, max_length=100_000)
 
@@ -79,6 +74,5 @@ class EvictRequest(BaseModel):
         return self
 
 
-class Config(BaseModel):
-    version: int = API_VERSION
+class Config(Versioned):
     config: dict[str, Any]

@@ -11,6 +11,7 @@ token is configured) is refused a non-loopback address while that is false.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 class ServerHandle:
     """A uvicorn server in a daemon thread; `.url`, `.port`, `.stop()`."""
 
-    def __init__(self, app: Any, host: str, port: int, log_level: str = "warning"):
+    def __init__(self, app: Any, host: str, port: int):
         import uvicorn
 
         authenticated = getattr(getattr(app, "state", None), "authenticated", None)
@@ -42,7 +43,7 @@ class ServerHandle:
             raise Unavailable(f"HTTP server cannot listen on {host}:{port}: {exc.strerror}") from None
         self.port = self._sock.getsockname()[1]
         self.url = url_of(host, self._sock)
-        config = uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False,
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name=f"http-{self.port}", daemon=True)
@@ -72,18 +73,10 @@ class ServerHandle:
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout)
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
-
-    def __enter__(self) -> "ServerHandle":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
-def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning") -> ServerHandle:
+def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
     """Serve `app` on host:port from a daemon thread; returns when it accepts connections."""
-    return ServerHandle(app, host, port, log_level=log_level).start()
+    return ServerHandle(app, host, port).start()

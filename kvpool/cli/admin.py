@@ -97,27 +97,25 @@ def _tenant_token(principal: str, auth_file: str | None) -> str:
 @click.pass_obj
 def nodes(ctx: _Ctx) -> None:
     """List store nodes: state, address, capacity and use, heartbeat age."""
-    from rich.table import Table
-
     with ctx.client() as c:
         items = c.nodes()
-    table = Table(title=f"nodes ({len(items)})")
-    for col in ("node", "state", "address", "capacity", "used", "objects", "heartbeat age"):
+    rows = [(str(n.get("node_id", n.get("id", "?"))), str(n.get("state", "")), str(n.get("address", "")),
+             _size(n.get("capacity_bytes", "")), _size(n.get("used_bytes", "")), str(n.get("objects", "")),
+             f"{n['heartbeat_age_s']:.1f} s" if isinstance(n.get("heartbeat_age_s"), (int, float)) else "")
+            for n in items]
+    columns = ("node", "state", "address", "capacity", "used", "objects", "heartbeat age")
+    _emit(ctx, items, _table(f"nodes ({len(items)})", columns, rows))
+
+
+def _table(title: str, columns: tuple[str, ...], rows: Any) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
         table.add_column(col)
-    for n in items:
-        table.add_row(str(n.get("node_id", n.get("id", "?"))), str(n.get("state", "")), str(n.get("address", "")),
-                      _size(n.get("capacity_bytes", "")), _size(n.get("used_bytes", "")), str(n.get("objects", "")),
-                      f"{n['heartbeat_age_s']:.1f} s" if isinstance(n.get("heartbeat_age_s"), (int, float)) else "")
-    _emit(ctx, items, table)
-
-
-@admin.command()
-@click.argument("node_id")
-@click.pass_obj
-def node(ctx: _Ctx, node_id: str) -> None:
-    """Show one node in full."""
-    with ctx.client() as c:
-        _emit(ctx, c.node(node_id))
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def _rate(value: Any) -> str:
@@ -133,18 +131,12 @@ def _with_hit_rates(tiers: dict[str, Any]) -> None:
             t["hit_rate"] = t["hits"] / reads if reads else None
 
 
-def _tier_table(tiers: dict[str, Any]):
-    from rich.table import Table
-
+def _tier_table(tiers: dict[str, Any]) -> Any:
     fields = sorted({f for t in tiers.values() if isinstance(t, dict) for f in t} - {"hit_rate"})
-    table = Table(title="pool tiers")
-    for col in ("tier", "hit rate", *fields):
-        table.add_column(col)
-    for name, t in tiers.items():
-        table.add_row(name, _rate(t.get("hit_rate")),
-                      *[(_size(t.get(f)) if ("byte" in f or f in ("capacity", "used")) else str(t.get(f, "")))
-                        for f in fields])
-    return table
+    sizes = {f for f in fields if "byte" in f or f in ("capacity", "used")}
+    rows = ([name, _rate(t.get("hit_rate")), *[_size(t.get(f)) if f in sizes else str(t.get(f, ""))
+                                               for f in fields]] for name, t in tiers.items())
+    return _table("pool tiers", ("tier", "hit rate", *fields), rows)
 
 
 @admin.command()
@@ -172,7 +164,6 @@ def stats(ctx: _Ctx, router_url: str | None) -> None:
 
 def _router_stats(ctx: _Ctx, url: str) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from kvpool.admin.client import HttpClient
     from kvpool.security.http_guard import internal_headers
@@ -186,36 +177,22 @@ def _router_stats(ctx: _Ctx, url: str) -> None:
         return
     console = Console()
     prompt = doc["prompt"]
-    table = Table(title=f"prompt tokens by source ({prompt['requests']} prefills over the router's workers)")
-    for col in ("source", "tokens", "share", "chunks"):
-        table.add_column(col)
     looked = prompt["lookup_tokens"]
-    for source, n in prompt["tokens"].items():
-        table.add_row(source, str(n), _rate(n / looked if looked else None), str(prompt["objects"][source]))
-    console.print(table)
+    rows = ((source, str(n), _rate(n / looked if looked else None), str(prompt["objects"][source]))
+            for source, n in prompt["tokens"].items())
+    console.print(_table(f"prompt tokens by source ({prompt['requests']} prefills over the router's workers)",
+                         ("source", "tokens", "share", "chunks"), rows))
     click.echo(f"hit ratio (tokens not computed): {_rate(prompt['hit_ratio'])}")
     tenants = {t: d for t, d in doc["tenants"].items() if t}
     if tenants:
-        per = Table(title="per tenant")
-        for col in ("tenant", "hit ratio", *prompt["tokens"]):
-            per.add_column(col)
-        for tenant, d in tenants.items():
-            per.add_row(tenant, _rate(d["hit_ratio"]), *[str(v) for v in d["tokens"].values()])
-        console.print(per)
+        rows = ((tenant, _rate(d["hit_ratio"]), *[str(v) for v in d["tokens"].values()])
+                for tenant, d in tenants.items())
+        console.print(_table("per tenant", ("tenant", "hit ratio", *prompt["tokens"]), rows))
     if doc["pool_tiers"]:
         console.print(_tier_table(doc["pool_tiers"]))
     for source in doc["sources"]:
         if not source["ok"]:
             click.echo(f"not read: {source['name']} ({source['error']})", err=True)
-
-
-@admin.command()
-@click.argument("key")
-@click.pass_obj
-def key(ctx: _Ctx, key: str) -> None:
-    """Show one object: size, state, replicas (node, tier), lease."""
-    with ctx.client() as c:
-        _emit(ctx, c.key(key))
 
 
 @admin.command()
@@ -234,24 +211,6 @@ def evict(ctx: _Ctx, target: str | None, keys: tuple[str, ...]) -> None:
 
 
 @admin.command()
-@click.argument("node_id")
-@click.pass_obj
-def drain(ctx: _Ctx, node_id: str) -> None:
-    """Stop placing new objects on NODE_ID (its objects stay readable)."""
-    with ctx.client() as c:
-        _emit(ctx, c.drain(node_id))
-
-
-@admin.command()
-@click.argument("node_id")
-@click.pass_obj
-def undrain(ctx: _Ctx, node_id: str) -> None:
-    """Place new objects on NODE_ID again."""
-    with ctx.client() as c:
-        _emit(ctx, c.undrain(node_id))
-
-
-@admin.command()
 @click.option("--prefix", default="", help="Only keys starting with this.")
 @click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10_000))
 @click.pass_obj
@@ -264,16 +223,6 @@ def keys(ctx: _Ctx, prefix: str, limit: int) -> None:
     else:
         for k in found:
             click.echo(k)
-
-
-@admin.command("remove-node")
-@click.argument("node_id")
-@click.confirmation_option(prompt="Remove the node and drop its replicas from the index?")
-@click.pass_obj
-def remove_node(ctx: _Ctx, node_id: str) -> None:
-    """Forget NODE_ID and drop its replicas from the index."""
-    with ctx.client() as c:
-        _emit(ctx, c.remove_node(node_id))
 
 
 @admin.command()
@@ -295,9 +244,29 @@ def config(ctx: _Ctx, changes: tuple[str, ...]) -> None:
         _emit(ctx, c.patch_config(patch) if patch else c.config())
 
 
-@admin.command()
-@click.pass_obj
-def health(ctx: _Ctx) -> None:
-    """Check that the admin API answers."""
-    with ctx.client() as c:
-        _emit(ctx, c.health())
+def _add_call(name: str, argument: str | None, help: str, confirm: str | None = None) -> None:
+    """`kvpool admin NAME [ARGUMENT]`: one `AdminClient` call (its method: NAME, dashes as
+    underscores), its answer printed as JSON."""
+
+    def call(ctx: _Ctx, **args: str) -> None:
+        with ctx.client() as c:
+            _emit(ctx, getattr(c, name.replace("-", "_"))(*args.values()))
+
+    command = click.pass_obj(call)
+    if confirm:
+        command = click.confirmation_option(prompt=confirm)(command)
+    if argument:
+        command = click.argument(argument)(command)
+    admin.command(name, help=help)(command)
+
+
+for _args in (
+    ("node", "node_id", "Show one node in full."),
+    ("key", "key", "Show one object: size, state, replicas (node, tier), lease."),
+    ("drain", "node_id", "Stop placing new objects on NODE_ID (its objects stay readable)."),
+    ("undrain", "node_id", "Place new objects on NODE_ID again."),
+    ("remove-node", "node_id", "Forget NODE_ID and drop its replicas from the index.",
+     "Remove the node and drop its replicas from the index?"),
+    ("health", None, "Check that the admin API answers."),
+):
+    _add_call(*_args)

@@ -47,6 +47,18 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _out_dir(out_dir: str, files: tuple[str, ...], force: bool) -> Path:
+    """`out_dir`, made 0700; refused when one of `files` is in it already and not `force`."""
+    out = Path(out_dir)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    for name in files:
+        if (out / name).exists() and not force:
+            raise click.UsageError(f"{out / name} exists; pass --force to replace it "
+                                   "(every service then needs the new one)")
+    return out
+
+
 @click.group()
 def auth() -> None:
     """Secrets for authenticated deployments (see docs/security.md)."""
@@ -69,9 +81,8 @@ def init(out_dir: str, tenants: tuple[str, ...], force: bool) -> None:
         parse_role(f"tenant:{tenant}", f"--tenant {tenant!r}")
         if tenant in ("node", "admin"):
             raise click.UsageError(f"--tenant {tenant!r}: the names node and admin are taken")
-    out = Path(out_dir)
-    out.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(out, 0o700)
+    out = _out_dir(out_dir, ("keyring.toml", "tenants.keyring.toml", "admin.token", "internal.token",
+                             "metrics.token"), force)
     node_secret = secrets.token_urlsafe(32)
     doc = {"node": {"role": "node", "secret": node_secret}, "admin": {"role": "admin", "secret": secrets.token_urlsafe(32)}}
     for t in tenants:
@@ -79,9 +90,6 @@ def init(out_dir: str, tenants: tuple[str, ...], force: bool) -> None:
     ring = Keyring.from_dict({"principals": doc})
     keyring_path, admin_path, internal_path = out / "keyring.toml", out / "admin.token", out / "internal.token"
     metrics_path, tenants_path = out / "metrics.token", out / "tenants.keyring.toml"
-    for path in (keyring_path, tenants_path, admin_path, internal_path, metrics_path):
-        if path.exists() and not force:
-            raise click.UsageError(f"{path} exists; pass --force to replace it (every service then needs the new one)")
     _write_private(keyring_path, ring.to_toml(
         "kvpool keyring (kvpool auth init): every principal. Masters and nodes hold it (KVPOOL_AUTH_FILE), 0600.\n"
         "The router and workers hold tenants.keyring.toml; a tenant's program a keyring of its own principal."))
@@ -204,13 +212,7 @@ def etcd_certs(out_dir: str, sans: tuple[str, ...], days: int, force: bool) -> N
     if shutil.which("openssl") is None:
         raise click.ClickException("openssl is not installed (apt-get install openssl)")
     san = _san(sans)
-    out = Path(out_dir)
-    out.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(out, 0o700)
-    for name in ETCD_FILES:
-        if (out / name).exists() and not force:
-            raise click.UsageError(f"{out / name} exists; pass --force to replace it "
-                                   "(every service then needs the new one)")
+    out = _out_dir(out_dir, ETCD_FILES, force)
     make_etcd_certs(out, sans, days)
     click.echo(f"wrote {', '.join(ETCD_FILES)} to {out} (server names: {san})")
     click.echo(f"""

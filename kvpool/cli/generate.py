@@ -4,7 +4,6 @@ decode worker), streaming the text. `--json` ends the output with one JSON line.
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
@@ -31,17 +30,10 @@ def generate(config_file, sets, prefill_url, decode_url, prompt, message, max_to
     settings_from(config_file, sets)
     headers = internal_headers()
     with WorkerClient(prefill_url, headers=headers) as prefill, WorkerClient(decode_url, headers=headers) as decode:
-        if prompt is not None:
-            ids = prefill.tokenize(prompt=prompt)
-        else:
-            ids = prefill.tokenize(messages=[{"role": "user", "content": message}])
-
-        def show(text: str) -> None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-        gen = run(prefill, decode, ids, max_tokens, on_text=show)
-    sys.stdout.write("\n")
+        messages = None if message is None else [{"role": "user", "content": message}]
+        ids = prefill.tokenize(prompt=prompt, messages=messages)
+        gen = run(prefill, decode, ids, max_tokens, on_text=lambda text: click.echo(text, nl=False))
+    click.echo()
     click.echo(f"[{gen.prompt_tokens} prompt tokens: {gen.cached_tokens} cached "
                f"({gen.local_cached_tokens} worker-local, {gen.pool_cached_tokens} pool), "
                f"{gen.computed_tokens} computed; TTFT {gen.ttft_ms:.0f} ms; {len(gen.token_ids)} tokens in "

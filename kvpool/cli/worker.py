@@ -59,11 +59,8 @@ def worker(config_file, sets, role, kv_codec, ready_file, **flags) -> None:
 
     SIGTERM or SIGINT drains first (503 to new requests, open streams finish), then exits 0.
     """
-    from reference_worker.config import WorkerConfig
     from reference_worker.server import serve
 
     settings = settings_from(config_file, sets, pool={"kv_codec": kv_codec}, worker=flags)
-    w = settings.worker
-    serve(WorkerConfig.from_settings(settings, role), host=w.host, port=w.port, ready_file=ready_file,
-          model_cache=w.model_cache, dtype=w.dtype, router=w.router,
-          on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"), drain_timeout=w.drain_timeout_s, threads=w.threads, cpus=w.cpus)
+    serve(settings, role, ready_file=ready_file,
+          on_ready=lambda url: click.echo(f"kvpool worker ({role}) serving at {url}"))

@@ -44,8 +44,8 @@ from kvpool.chunk_format import KVLayout
 # factory is given the inner codec and the id.
 CODECS: dict[str, tuple[int, str]] = {
     "none": (0, "kvpool.codec.none:NoneCodec"),
-    "int8": (1, "kvpool.codec.int8:Int8Codec"),
-    "fp8": (2, "kvpool.codec.fp8:Fp8Codec"),
+    "int8": (1, "kvpool.codec.scaled:Int8Codec"),
+    "fp8": (2, "kvpool.codec.scaled:Fp8Codec"),
     "none+zstd": (3, "kvpool.codec.zstd:ZstdStage"),
     "int8+zstd": (4, "kvpool.codec.zstd:ZstdStage"),
     "fp8+zstd": (5, "kvpool.codec.zstd:ZstdStage"),

@@ -29,13 +29,10 @@ class NoneCodec:
         dst.copy_(kv)
         return n
 
-    def _source(self, layout: KVLayout, payload: Any, tokens: int) -> torch.Tensor:
-        raw = payload_view(payload, layout.payload_nbytes(tokens), self.name, tokens)
-        return raw.view(torch_dtype(layout)).view(layout.shape(tokens))
-
     def decode_into(self, layout: KVLayout, payload: Any, out: Any) -> None:
         tokens = check_kv(layout, out, "out")
-        out.copy_(self._source(layout, payload, tokens))
+        raw = payload_view(payload, layout.payload_nbytes(tokens), self.name, tokens)
+        out.copy_(raw.view(torch_dtype(layout)).view(layout.shape(tokens)))
 
     def error_bound(self, layout: KVLayout, kv: Any) -> torch.Tensor:
         check_kv(layout, kv)

@@ -16,6 +16,7 @@ Round trip: exactly the inner codec's (exact for none+zstd). Size: whatever zstd
 
 from __future__ import annotations
 
+import itertools
 import struct
 import threading
 from typing import Any
@@ -98,11 +99,8 @@ class ZstdStage:
         lengths = [_U32.unpack_from(view, 4 * (1 + i))[0] for i in range(layout.num_layers)]
         if table + sum(lengths) != view.nbytes:
             raise FormatError(f"{self.name} payload of {view.nbytes} bytes; its table says {table + sum(lengths)}")
-        frames, pos = [], table
-        for n in lengths:
-            frames.append(view[pos:pos + n])
-            pos += n
-        return frames
+        ends = list(itertools.accumulate(lengths, initial=table))
+        return [view[start:end] for start, end in zip(ends, ends[1:])]
 
     def _inner_layer(self, layout: KVLayout, frame: memoryview, tokens: int) -> np.ndarray:
         """The inner codec's payload of one layer, decompressed (and its byte planes rejoined)."""

@@ -230,17 +230,14 @@ def current_settings() -> Settings:
 
 # -- `kvpool config show` ------------------------------------------------------------------------
 def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
+    """A TOML value: JSON's spelling, but for tables."""
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in value.items()) + "}"
-    return json.dumps(str(value))
+    if isinstance(value, float):
+        return repr(value)  # TOML spells inf and nan as Python does; JSON has neither
+    return json.dumps(value if isinstance(value, (bool, int, str)) else str(value))
 
 
 def _line(name: str, value: Any, origin: str, secret: bool = False) -> str:

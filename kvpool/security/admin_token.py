@@ -16,13 +16,13 @@ With no token configured, every request passes (the default on loopback; protect
 non-loopback admin bind without a token).
 
 Tenants: with a keyring (`auth_file`), a tenant principal may present its own token,
-`kvpool.security.keyring.admin_api_token(secret)` (derived: the secret never goes on the wire). Its request
-is marked `request.state.tenant = <id>` and may reach only `TENANT_ROUTES` (its keys, one key,
-its use and quota), which the app scopes to its keys; anything else is answered 403 before any
-handler runs, so a new endpoint is closed to tenants until it is listed here. A tenant token is
-honoured with or without an admin token configured (without one, a request with no token still
-gets the whole view, as before). The admin token keeps full access. Tokens are compared in
-constant time, every tenant's each time.
+`kvpool.security.keyring.admin_api_token(secret)` (derived: the secret never goes on the wire).
+Its request is marked `request.state.tenant = <id>` and may reach only the routes
+`TenantTokens.refusal` allows (its keys, one key, its use and quota), which the app scopes to its
+keys; anything else is answered 403 before any handler runs, so a new endpoint is closed to
+tenants until it is listed here. A tenant token is honoured with or without an admin token
+configured (without one, a request with no token still gets the whole view, as before). The admin
+token keeps full access. Tokens are compared in constant time, every tenant's each time.
 """
 
 from __future__ import annotations
@@ -37,24 +37,15 @@ def needs_token(path: str) -> bool:
     return path not in OPEN_PATHS
 
 
-def tenant_route(method: str, path: str) -> bool:
-    """What a tenant may ask: `GET /v1/keys`, `GET /v1/keys/{key}`, `GET /v1/stats`."""
-    return method in ("GET", "HEAD") and (path in ("/v1/keys", "/v1/stats") or path.startswith("/v1/keys/"))
-
-
-def tenant_tokens(keyring: Keyring | None) -> dict[str, str]:
-    """admin-API token -> tenant id, for the keyring's tenant principals."""
-    if keyring is None:
-        return {}
-    return {admin_api_token(e.secret): e.principal.tenant for e in keyring.entries.values() if e.principal.tenant}
-
-
 class TenantTokens:
-    """The admin API's `kvpool.security.http_guard.Tenants`: token -> tenant id (`tenant_tokens`), and
-    `TENANT_ROUTES` as the only routes a tenant may ask."""
+    """The admin API's tenants for `kvpool.security.http_guard.HttpGuard`: the keyring's tenant
+    principals by their admin-API token; a tenant may ask only `GET /v1/keys`, `GET /v1/keys/{key}`
+    and `GET /v1/stats`."""
 
-    def __init__(self, tenants: dict[str, str]):
-        self.tenants = list(tenants.items())
+    def __init__(self, keyring: Keyring | None):
+        entries = keyring.entries.values() if keyring is not None else ()
+        self.tenants = [(admin_api_token(e.secret), e.principal.tenant)
+                        for e in entries if e.principal.tenant]
 
     def __bool__(self) -> bool:
         return bool(self.tenants)
@@ -67,7 +58,7 @@ class TenantTokens:
         return found
 
     def refusal(self, method: str, path: str, tenant: str) -> str | None:
-        if tenant_route(method, path):
+        if method in ("GET", "HEAD") and (path in ("/v1/keys", "/v1/stats") or path.startswith("/v1/keys/")):
             return None
         return (f"tenant {tenant!r} may read only its own keys and use (GET /v1/keys, /v1/keys/{{key}}, "
                 "/v1/stats); this needs the admin token")

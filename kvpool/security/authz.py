@@ -78,10 +78,6 @@ RULES: dict[type, tuple[int, Scoper | None]] = {
 NODE_ONLY: tuple[int, Scoper | None] = (NODE, None)  # the rule of a type missing from RULES
 
 
-def rule(kind: type) -> tuple[int, Scoper | None]:
-    return RULES.get(kind, NODE_ONLY)
-
-
 def scope_of(principal: Principal) -> str:
     """The prefix of `principal`'s stored keys ("" when it names keys as stored)."""
     return scope_prefix(principal.tenant) if principal.role == "tenant" else ""

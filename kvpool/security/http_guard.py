@@ -2,7 +2,7 @@
 bearer token where one is required. Used by the admin API, the router and the workers' app.
 
 `HttpGuard` is ASGI middleware:
-- Body cap (`max_body`, default `[security] http_max_body`, 1 MiB): a request body over the cap
+- Body cap (`[security] http_max_body`, 1 MiB): a request body over the cap
   is answered 413 before the app runs. The body is read as it arrives and dropped once over the
   cap (never more than `max_body` bytes are held); the rest is read and discarded up to `DRAIN_LIMIT`, so the client,
   still sending, reads the 413 instead of a connection reset. A larger body gets the 413 and the
@@ -12,17 +12,16 @@ bearer token where one is required. Used by the admin API, the router and the wo
   `WWW-Authenticate: Bearer`; checked before the body is read.
 - Metrics token (optional, `metrics_token()`): a bearer token that opens `/metrics` and nothing
   else, the one a Prometheus scraper holds (it cannot call an admin endpoint or a worker with it).
-- Tenants (optional, the admin API's): `tenants.tenant_of(presented)` names the tenant whose own
-  token was presented instead of the service's; its request gets `scope["state"]["tenant"]`, or a
-  403 when `tenants.refusal(method, path, tenant)` says why it may not ask that.
+- Tenants (optional, the admin API's `TenantTokens`): `tenants.tenant_of(presented)` names the
+  tenant whose own token was presented instead of the service's; its request gets
+  `scope["state"]["tenant"]`, or a 403 when `tenants.refusal(method, path, tenant)` says why it
+  may not ask that.
 
 Error bodies are the service's own shape (`error_body(status, code, message)`): OpenAI's for the
 router, `{"code", "message"}` for workers, `ErrorBody` for the admin API.
 
 `internal_token()` / `internal_headers()`: the token a router presents to workers (and workers to
-their router): the file `KVPOOL_INTERNAL_TOKEN_FILE`, else derived from the keyring's node secret
-(`kvpool.security.keyring.internal_http_token`); None / {} when no keyring is configured (then
-nothing is checked).
+their router); None / {} when no keyring is configured (then nothing is checked).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from kvpool.security.keyring import internal_http_token, load_keyring
 from kvpool.config import current_settings, read_secret_file
@@ -55,9 +54,9 @@ INTERNAL_TOKEN_FILE_ENV = "KVPOOL_INTERNAL_TOKEN_FILE"
 def internal_token(keyring: Any = None) -> str | None:
     """The router<->worker bearer token when `keyring` (default: the one `KVPOOL_AUTH_FILE` names)
     is set: the file `[security] internal_token_file` names (KVPOOL_INTERNAL_TOKEN_FILE; `kvpool auth
-    init` writes internal.token),
-    else derived from the keyring's node secret. A keyring of tenants only (a router's or a worker's,
-    which hold no node secret) needs the file: `InvalidArgument` says so."""
+    init` writes internal.token), else derived from the keyring's node secret
+    (`kvpool.security.keyring.internal_http_token`). A keyring of tenants only (a router's or a
+    worker's, which hold no node secret) needs the file: `InvalidArgument` says so."""
     keyring = keyring if keyring is not None else load_keyring()
     if keyring is None:
         return None
@@ -98,22 +97,17 @@ def same_token(presented: str | None, expected: str) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
 
 
-class Tenants(Protocol):
-    def tenant_of(self, presented: str) -> str | None: ...
-    def refusal(self, method: str, path: str, tenant: str) -> str | None: ...
-
-
 class HttpGuard:
-    def __init__(self, app: Any, *, error_body: ErrorBody = plain_error, max_body: int | None = None,
+    def __init__(self, app: Any, *, error_body: ErrorBody = plain_error,
                  token: Callable[[], str | None] | None = None,
                  needs_token: Callable[[str], bool] = lambda path: path != "/health",
-                 what: str = "this service", tenants: Tenants | None = None,
+                 what: str = "this service", tenants: Any = None,
                  metrics_token: Callable[[], str | None] | None = None):
         self.app = app
         self.metrics_token = metrics_token
         self.tenants = tenants
         self.error_body = error_body
-        self.max_body = max_body if max_body is not None else current_settings().security.http_max_body
+        self.max_body = current_settings().security.http_max_body
         self.token = token
         self.needs_token = needs_token
         self.what = what

@@ -198,9 +198,7 @@ class Keyring:
 
     def to_toml(self, header: str = "") -> str:
         """The keyring as a keyring file (`Keyring.load` reads it back as it was)."""
-        def q(value: str) -> str:
-            return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
+        q = json.dumps  # a JSON string is a TOML basic string
         lines = [f"# {line}" for line in header.splitlines()] + ([""] if header else [])
         for name, e in self.entries.items():
             role = f"tenant:{e.principal.tenant}" if e.principal.tenant else e.principal.role
@@ -226,10 +224,7 @@ class Keyring:
         return found
 
     def tenant_entry(self, tenant: str) -> Entry | None:
-        for entry in self.entries.values():
-            if entry.principal.tenant == tenant:
-                return entry
-        return None
+        return next((e for e in self.entries.values() if e.principal.tenant == tenant), None)
 
     def node_credential(self) -> Credential:
         for name, entry in self.entries.items():

@@ -30,6 +30,7 @@ owns, or that others may read, is refused with how to fix it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import stat
@@ -77,9 +78,14 @@ def _private_dir() -> Path:
         raise InvalidArgument(f"cannot make the per-user keyring directory {path}: {exc.strerror or exc}; set "
                               f"{DIR_ENV} to a private directory, KVPOOL_AUTH_FILE to a keyring, or {LOCAL_ENV}=off "
                               "(docs/security.md)") from None
+    return _private(path, st, "the per-user keyring directory ", "700")
+
+
+def _private(path: Path, st: os.stat_result, what: str, mode: str) -> Path:
+    """`path`, unless another user owns it or others may use it."""
     if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise InvalidArgument(f"the per-user keyring directory {path} is not private (owner uid {st.st_uid}, mode "
-                              f"{stat.S_IMODE(st.st_mode):o}); run: chmod 700 {path} (it must be yours)")
+        raise InvalidArgument(f"{what}{path} is not private (owner uid {st.st_uid}, mode "
+                              f"{stat.S_IMODE(st.st_mode):o}); run: chmod {mode} {path} (it must be yours)")
     return path
 
 
@@ -90,10 +96,8 @@ def _create(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        try:
+        with contextlib.suppress(FileExistsError):
             os.link(tmp, path)
-        except FileExistsError:
-            pass
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -102,11 +106,7 @@ def _file(name: str, make: str) -> Path:
     path = _private_dir() / name
     if not path.exists():
         _create(path, make)
-    st = path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise InvalidArgument(f"{path} is not private (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); "
-                              f"run: chmod 600 {path} (it must be yours)")
-    return path
+    return _private(path, path.stat(), "", "600")
 
 
 def local_keyring() -> Keyring | None:

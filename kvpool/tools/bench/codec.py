@@ -73,9 +73,9 @@ class _Continuations:
         """(logits at the first generated position, the greedy tokens)."""
         import torch
 
-        from engine_adapters.hf import cache_from_kv, forward
+        from engine_adapters.hf import cache_from_layers, forward
 
-        cache = cache_from_kv(kv, self.rm.model.config)
+        cache = cache_from_layers(list(kv), self.rm.model.config)
         ids, out, first = list(self.ids), [], None
         for _ in range(self.new_tokens):
             logits, cache = forward(self.rm.model, ids, cache)
@@ -90,9 +90,9 @@ class _Continuations:
         """Greedy choice at each position when fed the last prompt token then `tokens[:-1]`."""
         import torch
 
-        from engine_adapters.hf import cache_argument, cache_from_kv
+        from engine_adapters.hf import cache_argument, cache_from_layers
 
-        cache = cache_from_kv(kv, self.rm.model.config)
+        cache = cache_from_layers(list(kv), self.rm.model.config)
         feed = torch.tensor([[self.ids[-1]] + tokens[:-1]])
         with torch.inference_mode():
             out = self.rm.model(input_ids=feed, use_cache=True, **{cache_argument(self.rm.model): cache})
