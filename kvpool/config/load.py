@@ -230,7 +230,7 @@ def current_settings() -> Settings:
 
 # -- `kvpool config show` ------------------------------------------------------------------------
 def _toml(value: Any) -> str:
-    """A TOML value: JSON's spelling, but for tables."""
+    """A TOML value: JSON's spelling, but for tables and floats."""
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, dict):
