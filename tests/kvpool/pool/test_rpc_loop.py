@@ -365,3 +365,47 @@ def test_a_big_reply_is_written_by_its_thread_while_the_loop_serves_the_others()
     big = [name for key, name in released if key == "big"]
     assert len(big) == 1 and big[0] != "big-loop"
     assert {name for key, name in released if key == "small"} == {"big-loop"}
+
+
+def test_requests_sent_back_to_back_stay_with_the_thread_the_loop_handed_them_to(monkeypatch):
+    """Requests the loop cannot answer (here Remove, as a put), sent back to back, are served by
+    the connection's thread that took the first, without a trip back through the loop for each
+    (`STAY_S`); once the client pauses for longer, the connection is the loop's again (an inline
+    Exists is answered there); a client that leaves while its thread waits ends only its own
+    connection."""
+    import time
+
+    from kvpool.rpc.loop import STAY_S, ServeLoop
+
+    handed: list[int] = []
+    hand_over = ServeLoop.hand_over
+
+    def counted(self, link, msg=None):
+        handed.append(1)
+        hand_over(self, link, msg)
+
+    monkeypatch.setattr(ServeLoop, "hand_over", counted)
+    where: list[str] = []
+
+    def exists(msg, payload, conn):
+        where.append(threading.current_thread().name)
+        return Bools([k == "yes" for k in msg.keys])
+
+    srv = RpcServer({Exists: exists, Remove: lambda m, p, c: Bools([True] * len(m.keys))}, name="stay",
+                    settings=Settings(rpc_loop=True), inline={Exists: None}).start()
+    c = RpcClient(srv.address)
+    try:
+        for i in range(50):
+            assert c.call(Remove([f"k{i}"])).values == [True]
+        assert len(handed) < 25, f"{len(handed)} hand-overs for 50 back-to-back requests"
+        time.sleep(STAY_S * 50)
+        assert c.call(Exists(["yes"])).values == [True]
+        assert where[-1] == "stay-loop"
+        d = RpcClient(srv.address)
+        assert d.call(Remove(["d"])).values == [True]
+        d.close()  # while its thread waits for a next request
+        time.sleep(STAY_S * 5)
+        assert c.call(Remove(["after"])).values == [True] and c.call(Exists(["no"])).values == [False]
+    finally:
+        c.close()
+        srv.stop()
