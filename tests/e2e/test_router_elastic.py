@@ -92,10 +92,13 @@ def test_killed_decode_worker_fails_only_its_requests(elastic):
         # Long enough that no stream ends before all six have text: the victim is killed mid-stream,
         # after its tokens reached the client (a decode killed before its first token is recomputed
         # elsewhere, test_kv_lost_before_decode_is_recomputed_not_failed, and would not fail).
-        futures = [pool.submit(_stream, client, 160, streaming.release) for _ in range(6)]
+        # 400 tokens: on a loaded machine the last stream's first text came so late that the victim's
+        # 160-token streams had ended before the kill (6 ok, 0 failed).
+        futures = [pool.submit(_stream, client, 400, streaming.release) for _ in range(6)]
         _wait(lambda: _workers(elastic)[victim.url]["inflight_decodes"] > 0, 60, "a stream on the victim")
         for _ in range(6):
             assert streaming.acquire(timeout=120), "a stream sent no text"
+        assert _workers(elastic)[victim.url]["inflight_decodes"] > 0, "the victim's streams ended before the kill"
         victim.popen.send_signal(signal.SIGKILL)
         ok, failed = 0, 0
         for f in futures:
